@@ -1,0 +1,78 @@
+"""What discovery reports about a node's GPUs, independent of how it was found.
+
+Both discovery backends (pynvml on hardware, the simulated node) return a
+:class:`NodeInventory`; everything downstream (devices, CDI, sharing) reads only this.
+Optional fields are None when the GPU or driver does not support the query, so a missing
+NVML feature becomes a missing attribute rather than a crash.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+
+class MigInstance(BaseModel):
+    """An existing MIG device (GPU instance + compute instance) on a MIG-enabled GPU."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uuid: str  # "MIG-..."
+    profile: str  # canonical profile name, e.g. "1g.10gb", "1g.10gb+me"
+    gi_profile_id: int  # NVML GpuInstanceProfileInfo.id
+    placement_start: int
+    placement_size: int  # memory slices occupied
+    gi_id: int
+    ci_id: int
+    memory_bytes: int | None = None
+    multiprocessors: int | None = None
+    copy_engines: int | None = None
+    decoders: int | None = None
+    encoders: int | None = None
+    jpeg_engines: int | None = None
+    ofa_engines: int | None = None
+
+
+class GpuInfo(BaseModel):
+    """One physical GPU."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    minor: int  # /dev/nvidia<minor>; the stable identity used in device names
+    index: int  # NVML enumeration index; not stable, never used as identity
+    uuid: str  # "GPU-..."
+    product_name: str
+    brand: str | None = None  # NVIDIA's strings: "Tesla", "Nvidia", "NvidiaRTX", ...
+    architecture: str | None = None  # "Ampere", "Hopper", ...
+    cuda_compute_capability: str | None = None  # "9.0"
+    memory_bytes: int | None = None
+    multiprocessors: int | None = None
+    pci_bus_id: str | None = None  # normalised "0000:3b:00.0"
+    pcie_root: str | None = None  # "pci0000:3a"
+    addressing_mode: str | None = None  # "None", "HMM", "ATS"
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    mig_instances: tuple[MigInstance, ...] = ()
+
+
+class NodeInventory(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    driver_version: str | None = None  # raw NVML string, e.g. "580.95.05"
+    cuda_driver_version: str | None = None  # "13.0"
+    gpus: tuple[GpuInfo, ...] = ()
+
+    def gpu_by_minor(self, minor: int) -> GpuInfo | None:
+        return next((g for g in self.gpus if g.minor == minor), None)
+
+
+class Discovery(Protocol):
+    """A source of GPU inventory.
+
+    Implementations: ``driver.gpu.nvml.NvmlDiscovery`` and ``driver.simulation.discovery.SimulatedDiscovery``.
+    """
+
+    def discover(self) -> NodeInventory: ...
+
+    def close(self) -> None: ...

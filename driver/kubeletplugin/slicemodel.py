@@ -1,0 +1,92 @@
+"""Pydantic models of the ResourceSlice device schema (resource.k8s.io/v1), wire-shaped.
+
+A driver builds a list of :class:`Device`; the publisher splits them into slices. Field names
+in the wire form (``to_wire``) are exactly the API's, so a slice is never lossy-converted
+through the kubernetes client's models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class DeviceAttribute(BaseModel):
+    """Exactly one typed value, as the API's union requires."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    int_value: int | None = Field(default=None, alias="int")
+    bool_value: bool | None = Field(default=None, alias="bool")
+    string: str | None = None
+    version: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> DeviceAttribute:
+        set_fields = [v for v in (self.int_value, self.bool_value, self.string, self.version) if v is not None]
+        if len(set_fields) != 1:
+            raise ValueError("a device attribute must have exactly one of int, bool, string, version")
+        return self
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+def string_attr(value: str) -> DeviceAttribute:
+    return DeviceAttribute(string=value)
+
+
+def int_attr(value: int) -> DeviceAttribute:
+    return DeviceAttribute(int_value=value)
+
+
+def bool_attr(value: bool) -> DeviceAttribute:
+    return DeviceAttribute(bool_value=value)
+
+
+def version_attr(value: str) -> DeviceAttribute:
+    return DeviceAttribute(version=value)
+
+
+class DeviceCapacity(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # A Kubernetes quantity, always a string on the wire ("80Gi", "132").
+    value: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+
+class DeviceTaint(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    key: str
+    value: str | None = None
+    effect: str
+    time_added: str | None = Field(default=None, alias="timeAdded")
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class Device(BaseModel):
+    """One allocatable device. Attribute keys are unqualified (driver domain) or ``domain/id``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    attributes: dict[str, DeviceAttribute] = Field(default_factory=dict)
+    capacity: dict[str, DeviceCapacity] = Field(default_factory=dict)
+    taints: list[DeviceTaint] = Field(default_factory=list)
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"name": self.name}
+        if self.attributes:
+            wire["attributes"] = {k: v.to_wire() for k, v in sorted(self.attributes.items())}
+        if self.capacity:
+            wire["capacity"] = {k: v.to_wire() for k, v in sorted(self.capacity.items())}
+        if self.taints:
+            wire["taints"] = [t.to_wire() for t in self.taints]
+        return wire

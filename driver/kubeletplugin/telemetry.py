@@ -1,0 +1,113 @@
+"""OpenTelemetry traces and metrics for a DRA plugin, with a Prometheus ``/metrics`` endpoint.
+
+Everything lives on one :class:`Telemetry` object that the process creates once and passes
+down; there is no module-level state, so tests can build as many as they like.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
+from opentelemetry.trace import Tracer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+# Prepare latency is milliseconds when all goes well and seconds when a daemon starts;
+# the kubelet gives up at 45 s.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 45)
+
+
+class Telemetry:
+    """Tracer, meter instruments and the Prometheus registry of one plugin process."""
+
+    def __init__(self, service_name: str, metric_prefix: str, span_exporter: SpanExporter | None = None):
+        resource = Resource.create({"service.name": service_name})
+        self.registry = CollectorRegistry()
+        self._reader = PrometheusMetricReader(prefix=metric_prefix, registry=self.registry)
+        views = [
+            View(instrument_name="*_duration_seconds",
+                 aggregation=ExplicitBucketHistogramAggregation(_LATENCY_BUCKETS)),
+        ]
+        self._meter_provider = MeterProvider(resource=resource, metric_readers=[self._reader], views=views)
+        self._tracer_provider = TracerProvider(resource=resource)
+        if span_exporter is not None:
+            self.add_span_processor(SimpleSpanProcessor(span_exporter))
+        self.tracer: Tracer = self._tracer_provider.get_tracer("tessera")
+        meter = self._meter_provider.get_meter("tessera")
+        self._meter = meter
+        self.prepare_total = meter.create_counter(
+            "prepare_claims", description="Claims prepared, by result (success or error)")
+        self.prepare_duration = meter.create_histogram(
+            "prepare_claim_duration_seconds", unit="s", description="Time to prepare one claim")
+        self.unprepare_total = meter.create_counter(
+            "unprepare_claims", description="Claims unprepared, by result (success or error)")
+        self.unprepare_duration = meter.create_histogram(
+            "unprepare_claim_duration_seconds", unit="s", description="Time to unprepare one claim")
+        self.slice_sync_total = meter.create_counter(
+            "resourceslice_syncs", description="ResourceSlice publishing rounds, by result")
+        self._server: ThreadingHTTPServer | None = None
+
+    def add_span_processor(self, processor: SpanProcessor) -> None:
+        self._tracer_provider.add_span_processor(processor)
+
+    def observe_gauge(self, name: str, description: str, read: Callable[[], float]) -> None:
+        """Register a gauge whose value is read at scrape time (e.g. prepared claims)."""
+
+        def _callback(_options: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(read())]
+
+        self._meter.create_observable_gauge(name, callbacks=[_callback], description=description)
+
+    def render_metrics(self) -> bytes:
+        return bytes(generate_latest(self.registry))
+
+    def serve_metrics(self, host: str, port: int,
+                      extra_routes: dict[str, Callable[[], tuple[int, str]]] | None = None) -> int:
+        """Serve ``/metrics`` (and any extra routes, e.g. ``/healthz``) in a daemon thread.
+
+        Returns the bound port (useful when ``port`` is 0).
+        """
+        routes = dict(extra_routes or {})
+        telemetry = self
+
+        class _Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    body, status, ctype = telemetry.render_metrics(), 200, CONTENT_TYPE_LATEST
+                elif path in routes:
+                    status, text = routes[path]()
+                    body, ctype = text.encode(), "text/plain; charset=utf-8"
+                else:
+                    body, status, ctype = b"not found\n", 404, "text/plain; charset=utf-8"
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                # Scrapes every few seconds would drown the driver's own log.
+                return
+
+        server = ThreadingHTTPServer((host, port), _Handler)
+        server.daemon_threads = True
+        self._server = server
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+        return int(server.server_address[1])
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        self._meter_provider.shutdown()
+        self._tracer_provider.shutdown()
