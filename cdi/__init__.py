@@ -1,0 +1,75 @@
+"""CDI (Container Device Interface) spec files: models, the minimum-version rule and atomic writes.
+
+Container runtimes (containerd, CRI-O, podman, Docker) inject devices into containers from CDI spec
+files in ``/etc/cdi`` and ``/var/run/cdi``, loaded by the reference Go library. This package builds
+and checks those files so that the runtimes accept them: :class:`Spec` and its parts reject what
+the loader rejects, :func:`with_minimum_version` declares exactly the version the content needs,
+and :func:`write_spec` replaces a file atomically so a runtime never reads half of one.
+
+It has no GPU knowledge and can serve any CDI producer.
+"""
+
+from cdi.spec import (
+    DEVICE_NODE_TYPES,
+    HOOK_NAMES,
+    ContainerEdits,
+    Device,
+    DeviceNode,
+    Hook,
+    IntelRdt,
+    LinuxNetDevice,
+    Mount,
+    Spec,
+    SpecError,
+    check_device_name,
+    parse_qualified_name,
+    qualified_device_name,
+    split_kind,
+    validation_problems,
+)
+from cdi.store import SPEC_EXTENSIONS, list_specs, read_spec, remove_spec, transient_spec_name, write_spec
+from cdi.version import (
+    FLOOR_VERSION,
+    LATEST_VERSION,
+    VALID_VERSIONS,
+    is_valid_version,
+    minimum_version,
+    minimum_version_reason,
+    normalize_version,
+    version_at_least,
+    with_minimum_version,
+)
+
+__all__ = [
+    "DEVICE_NODE_TYPES",
+    "FLOOR_VERSION",
+    "HOOK_NAMES",
+    "LATEST_VERSION",
+    "SPEC_EXTENSIONS",
+    "VALID_VERSIONS",
+    "ContainerEdits",
+    "Device",
+    "DeviceNode",
+    "Hook",
+    "IntelRdt",
+    "LinuxNetDevice",
+    "Mount",
+    "Spec",
+    "SpecError",
+    "check_device_name",
+    "is_valid_version",
+    "list_specs",
+    "minimum_version",
+    "minimum_version_reason",
+    "normalize_version",
+    "parse_qualified_name",
+    "qualified_device_name",
+    "read_spec",
+    "remove_spec",
+    "split_kind",
+    "transient_spec_name",
+    "validation_problems",
+    "version_at_least",
+    "with_minimum_version",
+    "write_spec",
+]

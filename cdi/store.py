@@ -1,0 +1,109 @@
+"""CDI spec files on disk: naming, atomic writes, removal, reading and listing.
+
+Runtimes watch the spec directories and reload on every write or rename of a ``.json``/``.yaml``
+file, so a spec is written to a temporary name they skip (``.<name>.<random>.tmp``) in the same
+directory and renamed into place: a runtime sees the old file or the new one, never half of one.
+Only specs that pass the loader's checks reach the disk.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from cdi.spec import Spec, split_kind
+
+# The only extensions the runtimes read (not '.yml').
+SPEC_EXTENSIONS: tuple[str, ...] = (".json", ".yaml")
+_SPEC_FILE_MODE = 0o644
+_SPEC_DIR_MODE = 0o755
+
+
+def transient_spec_name(vendor: str, cls: str, transient_id: str, ext: str = ".json") -> str:
+    """``<vendor>-<class>_<id><ext>``, the reference library's name for a spec tied to one owner (a claim)."""
+    split_kind(f"{vendor}/{cls}")
+    if not transient_id:
+        raise ValueError("transient spec id is empty")
+    if ext not in SPEC_EXTENSIONS:
+        raise ValueError(f"spec file extension {ext!r} is not read by runtimes (expected one of {SPEC_EXTENSIONS})")
+    return f"{vendor}-{cls}_{transient_id.replace('/', '_')}{ext}"
+
+
+def write_spec(directory: Path, filename: str, spec: Spec) -> Path:
+    """Atomically create or replace ``directory/filename`` with ``spec`` as JSON; returns the path.
+
+    Raises SpecError, before touching the disk, if the spec would not load (a model built with
+    ``model_construct`` or mutated in place). On any failure while writing, the previous file, if
+    any, is left as it was and no temporary file remains.
+    """
+    _check_filename(filename)
+    text = spec.to_json()
+    # Validate exactly the text about to be written, not the in-memory model.
+    Spec.from_text(text, source=filename)
+    directory.mkdir(mode=_SPEC_DIR_MODE, parents=True, exist_ok=True)
+    target = directory / filename
+    fd, temp_name = tempfile.mkstemp(dir=directory, prefix=f".{filename}.", suffix=".tmp")
+    temp_path = Path(temp_name)
+    try:
+        with os.fdopen(fd, "wb") as temp_file:
+            temp_file.write(text.encode("utf-8"))
+            temp_file.flush()
+            os.fsync(temp_file.fileno())
+            # mkstemp creates 0600; runtimes may read as another user, and nvcdi writes 0644.
+            os.fchmod(temp_file.fileno(), _SPEC_FILE_MODE)
+        os.replace(temp_path, target)
+    except BaseException:
+        temp_path.unlink(missing_ok=True)
+        raise
+    _fsync_directory(directory)
+    return target
+
+
+def remove_spec(directory: Path, filename: str) -> bool:
+    """Delete ``directory/filename``; returns whether it existed. Safe to repeat."""
+    _check_filename(filename)
+    try:
+        (directory / filename).unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def read_spec(path: Path) -> Spec:
+    """Parse and validate a spec file; raises SpecError naming the file and every problem."""
+    return Spec.from_file(path)
+
+
+def list_specs(directory: Path, prefix: str) -> list[Path]:
+    """Regular spec files in ``directory`` (no recursion) whose names start with ``prefix``, sorted.
+
+    Temporary files of interrupted writes are not listed: they end in ``.tmp``.
+    """
+    try:
+        with os.scandir(directory) as entries:
+            return sorted(
+                Path(entry.path)
+                for entry in entries
+                if entry.name.startswith(prefix)
+                and entry.name.endswith(SPEC_EXTENSIONS)
+                and entry.is_file(follow_symlinks=False)
+            )
+    except FileNotFoundError:
+        return []
+
+
+def _check_filename(filename: str) -> None:
+    if not filename or filename in (".", "..") or "/" in filename or "\0" in filename:
+        raise ValueError(f"spec file name {filename!r} must be a plain file name")
+    if not filename.endswith(SPEC_EXTENSIONS):
+        raise ValueError(f"spec file name {filename!r} must end in .json or .yaml, the only files runtimes read")
+
+
+def _fsync_directory(directory: Path) -> None:
+    # Makes the rename itself durable, so a crash cannot bring back the old file.
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,102 @@
+"""Command-line flags and environment variables of ``python -m driver``, validated once at start."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_DRIVER_NAME = "gpu.tessera.dev"
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+class Settings(BaseModel):
+    """Everything the driver process is configured with; the single source for ``run`` and ``inspect``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    driver_name: str = DEFAULT_DRIVER_NAME
+    node_name: str = ""
+    pod_uid: str | None = None
+    kubeconfig: str | None = None
+    registrar_dir: Path = Path("/var/lib/kubelet/plugins_registry")
+    plugins_dir: Path = Path("/var/lib/kubelet/plugins")
+    cdi_root: Path = Path("/var/run/cdi")
+    driver_root: Path = Path("/")
+    host_root: Path = Path("/")
+    nvidia_cdi_spec: Path | None = None
+    sharing_plans: Path | None = None
+    sharing_plan_label: str = "gpu.tessera.dev/sharing-plan"
+    simulate: str | None = None
+    http_port: int = Field(default=8080, ge=0, le=65535)
+    rescan_interval: float = Field(default=30.0, gt=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["json", "text"] = "json"
+
+    @field_validator("driver_name")
+    @classmethod
+    def _driver_name_is_dns_subdomain(cls, value: str) -> str:
+        if len(value) > 63 or "." not in value or not _DNS_SUBDOMAIN.fullmatch(value):
+            raise ValueError(f"{value!r} is not a DNS subdomain of at most 63 characters (e.g. gpu.tessera.dev)")
+        return value
+
+    @property
+    def state_dir(self) -> Path:
+        """The driver's own directory: DRA socket, checkpoint, lock, MPS daemons."""
+        return self.plugins_dir / self.driver_name
+
+    @property
+    def mps_shm_dir(self) -> Path:
+        return self.state_dir / "mps" / "shm"
+
+
+# flag -> (settings field, environment variable, help)
+_FLAGS: list[tuple[str, str, str, str]] = [
+    ("--driver-name", "driver_name", "DRIVER_NAME", "DRA driver name (ResourceSlice spec.driver)"),
+    ("--node-name", "node_name", "NODE_NAME", "this node's name; also the pool name"),
+    ("--pod-uid", "pod_uid", "POD_UID", "plugin pod UID: pod-specific socket names for seamless rolling updates"),
+    ("--kubeconfig", "kubeconfig", "KUBECONFIG", "kubeconfig file; in-cluster config when unset"),
+    ("--registrar-dir", "registrar_dir", "KUBELET_REGISTRAR_DIRECTORY_PATH", "kubelet plugin registration dir"),
+    ("--plugins-dir", "plugins_dir", "KUBELET_PLUGINS_DIRECTORY_PATH",
+     "kubelet plugins dir; state lives in <plugins-dir>/<driver-name>"),
+    ("--cdi-root", "cdi_root", "CDI_ROOT", "where per-claim CDI specs are written"),
+    ("--driver-root", "driver_root", "NVIDIA_DRIVER_ROOT", "where NVIDIA binaries (nvidia-smi, MPS) are found"),
+    ("--host-root", "host_root", "HOST_ROOT", "where the host's /dev and /proc/driver/nvidia are visible"),
+    ("--nvidia-cdi-spec", "nvidia_cdi_spec", "NVIDIA_CDI_SPEC", "NVIDIA Container Toolkit CDI spec (auto-detected)"),
+    ("--sharing-plans", "sharing_plans", "SHARING_PLANS_FILE", "node sharing plans (YAML)"),
+    ("--sharing-plan-label", "sharing_plan_label", "SHARING_PLAN_LABEL", "node label naming this node's plan"),
+    ("--simulate", "simulate", "TESSERA_SIMULATE", "SIMULATION: use a simulated GPU node layout (name or file)"),
+    ("--http-port", "http_port", "HTTP_PORT", "port for /metrics, /healthz and /readyz (0 = any)"),
+    ("--rescan-interval", "rescan_interval", "RESCAN_INTERVAL", "seconds between GPU and sharing-plan rescans"),
+    ("--log-level", "log_level", "LOG_LEVEL", "debug, info, warning or error"),
+    ("--log-format", "log_format", "LOG_FORMAT", "json or text"),
+]
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, field, env, help_text in _FLAGS:
+        parser.add_argument(flag, dest=field, default=None, help=f"{help_text} [env {env}]")
+
+
+def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
+    """Flags win over environment variables, which win over defaults. Raises pydantic.ValidationError."""
+    env = os.environ if environ is None else environ
+    values: dict[str, str] = {}
+    for _flag, field, var, _help in _FLAGS:
+        value = getattr(args, field, None)
+        if value is None:
+            value = env.get(var) or None
+        if value is not None:
+            values[field] = value
+    return Settings.model_validate(values)
+
+
+def parse_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    return settings_from_args(parser.parse_args(list(argv)), environ)

@@ -1,0 +1,192 @@
+"""The driver's durable record of what it did on this node: prepared claims and MPS daemons.
+
+Written atomically (temporary file, fsync, rename, directory fsync) after every state change,
+read under the node lock before every change. The on-disk form is
+``{"version": N, "checksum": "sha256:...", "data": {...}}``; the checksum covers the parsed
+``data`` object rather than the model, so a newer driver that adds fields does not invalidate
+it for an older one (the failure behind NVIDIA's checkpoint upgrade bug). A file that cannot be
+read, parsed or verified is set aside, never crash-looped on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from driver.gpu.mps import MpsDaemonRecord
+from driver.gpu.sharing import GpuShares, TimeSliceInterval
+from driver.kubeletplugin.types import PreparedDevice
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION = 1
+
+
+class ClaimPhase(StrEnum):
+    PREPARE_STARTED = "PrepareStarted"
+    PREPARE_COMPLETED = "PrepareCompleted"
+
+
+class _Record(BaseModel):
+    # Ignore unknown fields so a checkpoint written by a newer driver still loads after a rollback.
+    model_config = ConfigDict(extra="ignore")
+
+
+class PreparedDeviceRecord(_Record):
+    """One allocated device and everything needed to rebuild its CDI edits after a reboot."""
+
+    device: PreparedDevice
+    kind: str  # gpu | mig | mps | timeslice
+    gpu_uuid: str  # the physical GPU
+    gpu_minor: int
+    mig_uuid: str | None = None
+    mig_gi_id: int | None = None
+    mig_ci_id: int | None = None
+    mps_daemon_id: str | None = None
+
+
+class TimeSliceRecord(_Record):
+    gpu_uuids: list[str]
+    interval: TimeSliceInterval
+
+
+class ClaimRecord(_Record):
+    uid: str
+    namespace: str
+    name: str
+    phase: ClaimPhase
+    devices: list[PreparedDeviceRecord] = Field(default_factory=list)
+    # Daemons this claim started for itself (per-claim config) or holds a reference on (plan shares).
+    owned_mps_daemons: list[str] = Field(default_factory=list)
+    shared_mps_daemons: list[str] = Field(default_factory=list)
+    timeslice: TimeSliceRecord | None = None
+    cdi_spec_file: str
+    updated_at: str = ""
+
+    @property
+    def gpu_uuids(self) -> set[str]:
+        return {d.gpu_uuid for d in self.devices}
+
+
+class Checkpoint(_Record):
+    boot_id: str | None = None
+    claims: dict[str, ClaimRecord] = Field(default_factory=dict)
+    mps_daemons: dict[str, MpsDaemonRecord] = Field(default_factory=dict)
+    # The sharing layout in force (GPU UUID -> shares): what the previous process published, so a
+    # restart with a changed plan cannot re-publish a GPU that still has prepared claims.
+    layout: dict[str, GpuShares] = Field(default_factory=dict)
+    # Time-slice intervals this driver applied to GPUs because of the node sharing plan.
+    plan_timeslices: dict[str, TimeSliceInterval] = Field(default_factory=dict)
+
+
+def _checksum(data: Any) -> str:
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    return "sha256:" + hashlib.sha256(canonical).hexdigest()
+
+
+class CheckpointCorrupt(Exception):
+    """The file exists but cannot be trusted; it has been set aside as ``set_aside``."""
+
+    def __init__(self, reason: str, set_aside: Path):
+        super().__init__(reason)
+        self.reason = reason
+        self.set_aside = set_aside
+
+
+class CheckpointStore:
+    """Atomic load/save of the checkpoint file, with a cheap re-read check.
+
+    ``load`` skips parsing when the file is unchanged since this process last read or wrote
+    it; another pod of a rolling update writing the file makes it re-read.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._cached: tuple[tuple[int, int, int], Checkpoint] | None = None
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def load(self) -> Checkpoint:
+        """Current checkpoint; an empty one if none exists. Raises CheckpointCorrupt after setting it aside."""
+        stamp = self._stamp()
+        if stamp is None:
+            return Checkpoint()
+        if self._cached is not None and self._cached[0] == stamp:
+            return self._cached[1].model_copy(deep=True)
+        try:
+            checkpoint = self._parse(self.path.read_bytes())
+        except (ValueError, ValidationError, OSError) as exc:
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+            os.replace(self.path, aside)
+            self._cached = None
+            log.error(
+                "CHECKPOINT CORRUPT: set aside and rebuilding state from the CDI specs on disk",
+                extra={"checkpoint": str(self.path), "set_aside_as": str(aside), "reason": str(exc)},
+            )
+            raise CheckpointCorrupt(str(exc), aside) from exc
+        self._cached = (stamp, checkpoint)
+        return checkpoint.model_copy(deep=True)
+
+    @staticmethod
+    def _parse(raw: bytes) -> Checkpoint:
+        envelope = json.loads(raw)
+        if not isinstance(envelope, dict) or "data" not in envelope:
+            raise ValueError("not a checkpoint envelope (missing 'data')")
+        version = envelope.get("version")
+        if not isinstance(version, int) or version < 1:
+            raise ValueError(f"invalid checkpoint version {version!r}")
+        if envelope.get("checksum") != _checksum(envelope["data"]):
+            raise ValueError("checksum mismatch: the file was modified or partially written")
+        if version > CHECKPOINT_VERSION:
+            # Written by a newer driver (we were rolled back). Unknown fields are ignored; if the
+            # known ones no longer parse, pydantic raises and the file is set aside.
+            log.warning("checkpoint written by a newer driver version; reading the fields this version knows",
+                        extra={"checkpoint_version": version, "supported_version": CHECKPOINT_VERSION})
+        return Checkpoint.model_validate(envelope["data"])
+
+    def save(self, checkpoint: Checkpoint) -> None:
+        data = checkpoint.model_dump(mode="json")
+        envelope = {"version": CHECKPOINT_VERSION, "checksum": _checksum(data), "data": data}
+        payload = json.dumps(envelope, indent=1, sort_keys=True).encode()
+        directory = self.path.parent
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "wb") as tmp:
+                tmp.write(payload)
+                tmp.flush()
+                os.fsync(tmp.fileno())
+            os.chmod(tmp_name, 0o600)
+            os.replace(tmp_name, self.path)
+        except BaseException:
+            Path(tmp_name).unlink(missing_ok=True)
+            raise
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        stamp = self._stamp()
+        self._cached = (stamp, checkpoint.model_copy(deep=True)) if stamp is not None else None
+
+
+def current_boot_id() -> str | None:
+    """The kernel's boot ID: a changed value means the node rebooted since the checkpoint was written."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None

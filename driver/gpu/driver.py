@@ -1,0 +1,34 @@
+"""The GPU driver as the plugin machinery sees it: a thin adapter from claims to per-claim results."""
+
+from __future__ import annotations
+
+import logging
+
+from driver.gpu.mps import MpsError
+from driver.gpu.state import DeviceState, PrepareError
+from driver.gpu.timeslice import TimeSliceError
+from driver.kubeletplugin.claim import ResourceClaim
+from driver.kubeletplugin.nodelock import LockTimeout
+from driver.kubeletplugin.types import ClaimRef, PrepareResult
+
+log = logging.getLogger(__name__)
+
+
+class GpuDriver:
+    """Implements :class:`driver.kubeletplugin.types.DRADriver` on top of :class:`DeviceState`."""
+
+    def __init__(self, state: DeviceState):
+        self.state = state
+
+    def prepare_claim(self, claim: ResourceClaim) -> PrepareResult:
+        try:
+            return PrepareResult(devices=self.state.prepare(claim))
+        except (PrepareError, LockTimeout) as exc:
+            return PrepareResult(error=str(exc))
+
+    def unprepare_claim(self, claim: ClaimRef) -> str | None:
+        try:
+            self.state.unprepare(claim)
+        except (MpsError, TimeSliceError, LockTimeout, OSError) as exc:
+            return f"unprepare of {claim} failed and will be retried by the kubelet: {exc}"
+        return None

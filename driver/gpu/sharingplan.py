@@ -1,0 +1,320 @@
+"""The node sharing plan: which GPUs of a node are published as MPS or time-sliced shares.
+
+Operators write named plans in one YAML file (Helm renders it into a ConfigMap mounted at
+``/etc/tessera/sharing-plans.yaml``); a node label (default ``gpu.tessera.dev/sharing-plan``)
+names the plan a node uses. This module parses the file strictly (:func:`load_plans`), picks the
+node's plan (:func:`select_plan`) and resolves it against the node's GPUs into a
+:class:`~driver.gpu.sharing.SharingLayout` (:func:`resolve_layout`). A bad plan stops the driver
+at start, so every error names the file, the entry and the GPU.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Hashable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from driver.gpu.configapi import ByteQuantity, describe_validation_error
+from driver.gpu.inventory import GpuInfo, NodeInventory
+from driver.gpu.quantity import MIB
+from driver.gpu.sharing import GpuShares, SharingLayout, TimeSliceInterval
+
+DEFAULT_PLANS_PATH = Path("/etc/tessera/sharing-plans.yaml")
+DEFAULT_PLAN_LABEL = "gpu.tessera.dev/sharing-plan"
+
+# Kubernetes label value syntax (the plan is selected by a label value), minus the empty value.
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+
+
+class PlanError(ValueError):
+    """A sharing plan that cannot be used; the message says where and what to fix."""
+
+
+def _between(low: int, high: int, value: int | None) -> int | None:
+    if value is not None and not low <= value <= high:
+        raise ValueError(f"must be between {low} and {high}, got {value}")
+    return value
+
+
+class _PlanObject(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Match(_PlanObject):
+    """Which GPUs an entry applies to: exactly one selector."""
+
+    minor: int | None = None
+    uuid: str | None = None
+    product: str | None = None  # shell-style glob on the product name, e.g. "NVIDIA A100*"
+    match_all: bool | None = Field(default=None, alias="all")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Match:
+        given = [name for name, value in self._selectors().items() if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of minor, uuid, product, all: true (got {', '.join(given) or 'none'})")
+        if self.match_all is False:
+            raise ValueError("all: false matches nothing; use all: true, or another selector")
+        return self
+
+    def _selectors(self) -> dict[str, object]:
+        return {"minor": self.minor, "uuid": self.uuid, "product": self.product, "all": self.match_all}
+
+    def matches(self, gpu: GpuInfo) -> bool:
+        if self.minor is not None:
+            return gpu.minor == self.minor
+        if self.uuid is not None:
+            return gpu.uuid == self.uuid
+        if self.product is not None:
+            return fnmatch.fnmatchcase(gpu.product_name, self.product)
+        return bool(self.match_all)
+
+    def describe(self) -> str:
+        return next(f"{name}: {value}" for name, value in self._selectors().items() if value is not None)
+
+
+class MpsShares(_PlanObject):
+    """Split a GPU into ``shares`` MPS shares, each with an enforced thread and memory limit."""
+
+    shares: int
+    activeThreadPercentage: int | None = None  # default floor(100 / shares)
+    pinnedMemoryLimit: ByteQuantity | None = None  # per share; default GPU memory / shares
+
+    @field_validator("shares")
+    @classmethod
+    def _shares_range(cls, value: int) -> int:
+        _between(2, 48, value)
+        return value
+
+    @field_validator("activeThreadPercentage")
+    @classmethod
+    def _percentage_range(cls, value: int | None) -> int | None:
+        return _between(1, 100, value)
+
+
+class TimeSlicingShares(_PlanObject):
+    """Publish a GPU ``shares`` times; the shares take turns, and memory is an entitlement only."""
+
+    shares: int
+    interval: TimeSliceInterval = "Default"
+    memoryPerShare: ByteQuantity | None = None  # not enforced; default GPU memory / shares
+
+    @field_validator("shares")
+    @classmethod
+    def _shares_range(cls, value: int) -> int:
+        _between(2, 48, value)
+        return value
+
+
+class PlanEntry(_PlanObject):
+    match: Match
+    mps: MpsShares | None = None
+    timeSlicing: TimeSlicingShares | None = None
+    whole: bool | None = None
+    allowMultipleSharesPerClaim: bool = False
+
+    @model_validator(mode="after")
+    def _exactly_one_form(self) -> PlanEntry:
+        forms = {"mps": self.mps, "timeSlicing": self.timeSlicing, "whole": self.whole}
+        given = [name for name, value in forms.items() if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"set exactly one of mps, timeSlicing, whole: true (got {', '.join(given) or 'none'})")
+        if self.whole is False:
+            raise ValueError("whole: false is not a publishing form; use whole: true, mps or timeSlicing")
+        if self.whole and self.allowMultipleSharesPerClaim:
+            raise ValueError("allowMultipleSharesPerClaim applies only to mps or timeSlicing entries")
+        return self
+
+
+class SharingPlan(_PlanObject):
+    gpus: list[PlanEntry] = Field(default_factory=list)  # first matching entry wins
+
+
+class SharingPlans(_PlanObject):
+    """The whole plans file."""
+
+    defaultPlan: str | None = None  # plan for nodes without the label; None: every GPU whole
+    plans: dict[str, SharingPlan] = Field(default_factory=dict)
+
+    @field_validator("plans")
+    @classmethod
+    def _plan_names_are_label_values(cls, plans: dict[str, SharingPlan]) -> dict[str, SharingPlan]:
+        for name in plans:
+            if not _LABEL_VALUE.fullmatch(name):
+                raise ValueError(
+                    f'plan name "{name}" is not a valid label value (at most 63 characters: letters, digits, '
+                    "'-', '_', '.', starting and ending with a letter or digit); nodes select plans by label value"
+                )
+        return plans
+
+    @model_validator(mode="after")
+    def _default_plan_exists(self) -> SharingPlans:
+        if self.defaultPlan is not None and self.defaultPlan not in self.plans:
+            raise ValueError(f'defaultPlan "{self.defaultPlan}" is not defined; known plans: {_names(self.plans)}')
+        return self
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys, which plain YAML loading silently resolves to the last one."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        if not isinstance(key, Hashable):
+            continue  # construct_mapping reports unhashable keys itself
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def load_plans(path: Path) -> SharingPlans:
+    """Read and validate the plans file; an empty file means no plans. Raises PlanError."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PlanError(f"{path}: cannot read the sharing plans file: {exc.strerror or exc}") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: builds only plain data
+    except yaml.YAMLError as exc:
+        raise PlanError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        return SharingPlans()
+    try:
+        return SharingPlans.model_validate(data)
+    except ValidationError as exc:
+        raise PlanError("\n".join(f"{path}: {line}" for line in describe_validation_error(exc, SharingPlans))) from None
+
+
+def select_plan(plans: SharingPlans, node_labels: Mapping[str, str], label_key: str) -> tuple[str | None, SharingPlan]:
+    """The plan this node uses: the one its label names, else ``defaultPlan``, else an empty plan (name None)."""
+    name = node_labels.get(label_key)
+    if name is None:
+        name = plans.defaultPlan
+        return (None, SharingPlan()) if name is None else (name, plans.plans[name])
+    plan = plans.plans.get(name)
+    if plan is None:
+        raise PlanError(f'node label {label_key}="{name}" names no sharing plan; known plans: {_names(plans.plans)}')
+    return name, plan
+
+
+def resolve_layout(plan: SharingPlan, inventory: NodeInventory, plan_name: str | None) -> SharingLayout:
+    """GPU UUID -> shares for every GPU the plan splits; the first matching entry wins, others stay whole."""
+    layout: SharingLayout = {}
+    problems: list[str] = []
+    for gpu in inventory.gpus:
+        index, entry = _first_match(plan, gpu)
+        if entry is None or entry.whole:
+            continue
+        try:
+            layout[gpu.uuid] = _shares_for(entry, gpu)
+        except ValueError as exc:
+            problems.append(f"{_entry_path(plan_name, index)} ({_describe_gpu(gpu)}): {exc}")
+    if problems:
+        raise PlanError("\n".join(problems))
+    return layout
+
+
+def entries_matching_no_gpu(plan: SharingPlan, inventory: NodeInventory, plan_name: str | None) -> list[str]:
+    """Paths of entries no GPU on this node matched (fine, plans are shared by nodes; worth a log line)."""
+    return [
+        f"{_entry_path(plan_name, index)} (match {entry.match.describe()})"
+        for index, entry in enumerate(plan.gpus)
+        if not any(entry.match.matches(gpu) for gpu in inventory.gpus)
+    ]
+
+
+def layout_changes(old: SharingLayout, new: SharingLayout) -> set[str]:
+    """UUIDs of GPUs published differently under ``new`` than under ``old`` (including whole <-> shared)."""
+    return {uuid for uuid in old.keys() | new.keys() if old.get(uuid) != new.get(uuid)}
+
+
+def _first_match(plan: SharingPlan, gpu: GpuInfo) -> tuple[int, PlanEntry | None]:
+    return next(((i, entry) for i, entry in enumerate(plan.gpus) if entry.match.matches(gpu)), (-1, None))
+
+
+def _shares_for(entry: PlanEntry, gpu: GpuInfo) -> GpuShares:
+    if entry.mps is not None:
+        return _mps_shares(entry.mps, gpu, entry.allowMultipleSharesPerClaim)
+    assert entry.timeSlicing is not None  # PlanEntry validation: exactly one form
+    return _time_slicing_shares(entry.timeSlicing, gpu, entry.allowMultipleSharesPerClaim)
+
+
+def _mps_shares(mps: MpsShares, gpu: GpuInfo, allow_multiple: bool) -> GpuShares:
+    _refuse_mig(gpu, "MPS")
+    # MPS enforces whole MiB, so check and publish what will be enforced.
+    explicit = None if mps.pinnedMemoryLimit is None else mps.pinnedMemoryLimit // MIB * MIB
+    if explicit == 0:
+        raise ValueError("mps.pinnedMemoryLimit is less than 1 MiB; MPS limits are set in whole MiB")
+    per_share = _memory_per_share(gpu, mps.shares, explicit, "mps.pinnedMemoryLimit")
+    return GpuShares(
+        strategy="MPS",
+        count=mps.shares,
+        active_thread_percentage=(
+            mps.activeThreadPercentage if mps.activeThreadPercentage is not None else 100 // mps.shares
+        ),
+        memory_bytes_per_share=per_share,
+        allow_multiple_shares_per_claim=allow_multiple,
+    )
+
+
+def _time_slicing_shares(ts: TimeSlicingShares, gpu: GpuInfo, allow_multiple: bool) -> GpuShares:
+    _refuse_mig(gpu, "time slicing")
+    per_share = _memory_per_share(gpu, ts.shares, ts.memoryPerShare, "timeSlicing.memoryPerShare")
+    if per_share == 0:
+        raise ValueError("timeSlicing.memoryPerShare must be more than 0 bytes")
+    return GpuShares(
+        strategy="TimeSlicing",
+        count=ts.shares,
+        memory_bytes_per_share=per_share,
+        interval=ts.interval,
+        allow_multiple_shares_per_claim=allow_multiple,
+    )
+
+
+def _refuse_mig(gpu: GpuInfo, strategy: str) -> None:
+    if gpu.mig_enabled:
+        raise ValueError(
+            f"{strategy} sharing is not possible on a MIG-enabled GPU; publish it whole (its MIG devices "
+            "are published instead), narrow the match, or disable MIG on this GPU"
+        )
+
+
+def _memory_per_share(gpu: GpuInfo, shares: int, explicit: int | None, field: str) -> int:
+    if explicit is None:
+        if gpu.memory_bytes is None:
+            raise ValueError(f"the GPU's memory size is unknown; set {field} explicitly")
+        per_share = gpu.memory_bytes // shares // MIB * MIB
+        if per_share == 0:
+            raise ValueError(
+                f"the GPU's {gpu.memory_bytes} bytes of memory give less than 1 MiB to each of {shares} shares"
+            )
+        return per_share
+    if gpu.memory_bytes is not None and explicit * shares > gpu.memory_bytes:
+        raise ValueError(
+            f"{shares} shares x {field} {explicit // MIB} MiB is more than the GPU's "
+            f"{gpu.memory_bytes // MIB} MiB; lower {field} or the number of shares"
+        )
+    return explicit
+
+
+def _entry_path(plan_name: str | None, index: int) -> str:
+    return f"plans.{plan_name}.gpus[{index}]" if plan_name is not None else f"gpus[{index}]"
+
+
+def _describe_gpu(gpu: GpuInfo) -> str:
+    return f"GPU minor {gpu.minor}, {gpu.uuid}, {gpu.product_name}"
+
+
+def _names(plans: Mapping[str, object]) -> str:
+    return ", ".join(sorted(plans)) or "(none)"

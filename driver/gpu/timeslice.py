@@ -1,0 +1,115 @@
+"""Compute time-slice settings of whole GPUs, set with ``nvidia-smi`` (NVML has no call for them).
+
+Callers apply a setting only when a user configured one (landscape.md pain point 12: never change
+GPU settings unasked) and reset it on unprepare. Facts: ``reference/nvidia-gpu.md`` section 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shlex
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from driver.gpu.binaries import BinaryNotFound, driver_env, find_binary
+from driver.gpu.sharing import TIMESLICE_VALUES, TimeSliceInterval
+
+log = logging.getLogger(__name__)
+
+NVIDIA_SMI = "nvidia-smi"
+_GPU_UUID = re.compile(r"^GPU-[A-Za-z0-9-]+$")
+
+
+class TimeSliceError(Exception):
+    """A time-slice or compute-mode change failed; the message has the command, exit code and stderr."""
+
+
+class TimeSlicer:
+    """Sets and resets the compute time slice of full GPUs through the driver root's nvidia-smi."""
+
+    def __init__(self, driver_root: Path, timeout: float = 30.0) -> None:
+        self.driver_root = driver_root
+        self.timeout = timeout
+
+    def apply(self, gpu_uuids: Sequence[str], interval: TimeSliceInterval) -> None:
+        """Set compute mode DEFAULT and the time slice on every GPU, or on none of them."""
+        if interval not in TIMESLICE_VALUES:
+            raise TimeSliceError(f"time-slice interval {interval!r} is not one of {', '.join(TIMESLICE_VALUES)}")
+        uuids = _checked_gpu_uuids(gpu_uuids)
+        applied: list[str] = []
+        for uuid in uuids:
+            try:
+                # NVIDIA's driver does the same: EXCLUSIVE_PROCESS (left by MPS) would defeat sharing.
+                self._run("-i", uuid, "-c", "DEFAULT")
+                self._run("compute-policy", "-i", uuid, "--set-timeslice", str(TIMESLICE_VALUES[interval]))
+            except TimeSliceError as exc:
+                rollback = self._reset_each(applied)
+                note = f"; rolled back {', '.join(applied)} to Default" if applied else ""
+                if rollback:
+                    note += "; rollback also failed: " + "; ".join(rollback)
+                raise TimeSliceError(f"setting time slice {interval} on {uuid} failed: {exc}{note}") from exc
+            applied.append(uuid)
+        log.info("time slice applied", extra={"gpu_uuids": list(uuids), "interval": interval})
+
+    def reset(self, gpu_uuids: Sequence[str]) -> None:
+        """Set time slice Default (0) and compute mode DEFAULT on every GPU, trying all before reporting."""
+        uuids = _checked_gpu_uuids(gpu_uuids)
+        problems = self._reset_each(uuids)
+        if problems:
+            raise TimeSliceError("resetting time slice failed: " + "; ".join(problems))
+        log.info("time slice reset", extra={"gpu_uuids": list(uuids)})
+
+    def _reset_each(self, uuids: Sequence[str]) -> list[str]:
+        problems: list[str] = []
+        for uuid in uuids:
+            for args in (
+                ("compute-policy", "-i", uuid, "--set-timeslice", str(TIMESLICE_VALUES["Default"])),
+                ("-i", uuid, "-c", "DEFAULT"),
+            ):
+                try:
+                    self._run(*args)
+                except TimeSliceError as exc:
+                    problems.append(f"{uuid}: {exc}")
+        return problems
+
+    def _run(self, *args: str) -> None:
+        try:
+            binary = find_binary(self.driver_root, NVIDIA_SMI)
+        except BinaryNotFound as exc:
+            raise TimeSliceError(str(exc)) from exc
+        command = [str(binary), *args]
+        try:
+            done = subprocess.run(
+                command,
+                env=driver_env(self.driver_root),
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=self.timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise TimeSliceError(f"`{shlex.join(command)}` did not finish within {self.timeout:g}s") from exc
+        except OSError as exc:
+            raise TimeSliceError(f"`{shlex.join(command)}` could not run: {exc}") from exc
+        if done.returncode != 0:
+            stderr = done.stderr.strip() or "(no stderr)"
+            raise TimeSliceError(f"`{shlex.join(command)}` failed with exit code {done.returncode}: {stderr}")
+
+
+def _checked_gpu_uuids(gpu_uuids: Sequence[str]) -> list[str]:
+    if isinstance(gpu_uuids, str):
+        raise TimeSliceError(f"gpu_uuids must be a list of UUIDs, got the string {gpu_uuids!r}")
+    uuids = list(gpu_uuids)
+    if not uuids:
+        raise TimeSliceError("gpu_uuids is empty: name at least one GPU-... UUID")
+    for uuid in uuids:
+        if uuid.startswith("MIG-"):
+            raise TimeSliceError(f"{uuid} is a MIG device; time slices can only be set on full GPUs (GPU-... UUIDs)")
+        if not _GPU_UUID.fullmatch(uuid):
+            raise TimeSliceError(f"gpu_uuids entry {uuid!r} is not a GPU-... UUID")
+    if len(set(uuids)) != len(uuids):
+        raise TimeSliceError(f"gpu_uuids {uuids} lists a GPU more than once")
+    return uuids

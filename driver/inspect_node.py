@@ -1,0 +1,98 @@
+"""``python -m driver inspect``: what is prepared on this node, read from the checkpoint and CDI dir.
+
+Read-only and lock-free, so it is safe to run (``kubectl exec``) next to a busy driver.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import cdi
+from driver.config import Settings
+from driver.gpu.checkpoint import CheckpointCorrupt, CheckpointStore
+from driver.gpu.state import CDI_CLASS, CDI_VENDOR
+
+
+def collect(settings: Settings) -> dict[str, Any]:
+    checkpoint_path = settings.state_dir / "checkpoint.json"
+    report: dict[str, Any] = {"driver": settings.driver_name, "checkpoint": str(checkpoint_path),
+                              "cdi_root": str(settings.cdi_root), "claims": [], "mps_daemons": [],
+                              "orphan_cdi_specs": [], "problems": []}
+    try:
+        cp = CheckpointStore(checkpoint_path).load() if checkpoint_path.exists() else None
+    except CheckpointCorrupt as exc:
+        report["problems"].append(f"checkpoint was corrupt and has been set aside as {exc.set_aside}: {exc.reason}")
+        cp = None
+    if cp is None:
+        report["problems"].append("no checkpoint: nothing has been prepared on this node yet")
+        return report
+    report["boot_id"] = cp.boot_id
+    for record in sorted(cp.claims.values(), key=lambda r: (r.namespace, r.name)):
+        spec_path = settings.cdi_root / record.cdi_spec_file
+        report["claims"].append({
+            "claim": f"{record.namespace}/{record.name}", "uid": record.uid, "phase": record.phase.value,
+            "updated": record.updated_at,
+            "devices": [{"device": d.device.device_name, "kind": d.kind, "gpu": d.gpu_uuid, "mig": d.mig_uuid,
+                         "requests": d.device.request_names, "cdi_ids": d.device.cdi_device_ids,
+                         "share_id": d.device.share_id, "mps_daemon": d.mps_daemon_id} for d in record.devices],
+            "cdi_spec": str(spec_path), "cdi_spec_present": spec_path.exists(),
+            "timeslice": record.timeslice.model_dump() if record.timeslice else None,
+        })
+        if not spec_path.exists() and record.phase.value == "PrepareCompleted":
+            report["problems"].append(f"claim {record.uid}: CDI spec {spec_path} is missing (the driver re-creates "
+                                      "it at start; restart the plugin pod if containers fail to start)")
+    for daemon_id, daemon in sorted(cp.mps_daemons.items()):
+        users = [r.uid for r in cp.claims.values() if daemon_id in (*r.owned_mps_daemons, *r.shared_mps_daemons)]
+        alive = Path(f"/proc/{daemon.pid}").exists()
+        report["mps_daemons"].append({"id": daemon_id, "pid": daemon.pid, "pid_alive": alive,
+                                      "gpus": daemon.spec.gpu_uuids,
+                                      "active_thread_percentage": daemon.spec.active_thread_percentage,
+                                      "pinned_memory_limits": daemon.spec.pinned_memory_limits,
+                                      "pipe_dir": str(daemon.pipe_dir), "log_dir": str(daemon.log_dir),
+                                      "claims": users})
+    known = {r.cdi_spec_file for r in cp.claims.values()}
+    for path in cdi.list_specs(settings.cdi_root, f"{CDI_VENDOR}-{CDI_CLASS}_"):
+        if path.name not in known:
+            report["orphan_cdi_specs"].append(str(path))
+    if cp.plan_timeslices:
+        report["plan_timeslices"] = dict(cp.plan_timeslices)
+    return report
+
+
+def render_text(report: dict[str, Any]) -> str:
+    lines = [f"driver {report['driver']}  checkpoint {report['checkpoint']}  cdi {report['cdi_root']}"]
+    lines.append(f"{len(report['claims'])} prepared claim(s)")
+    for claim in report["claims"]:
+        present = "present" if claim["cdi_spec_present"] else "MISSING"
+        lines.append(f"- {claim['claim']}  uid={claim['uid']}  {claim['phase']}")
+        lines.append(f"    cdi spec ({present}): {claim['cdi_spec']}")
+        for dev in claim["devices"]:
+            extra = f" mig={dev['mig']}" if dev["mig"] else ""
+            extra += f" mps-daemon={dev['mps_daemon']}" if dev["mps_daemon"] else ""
+            extra += f" share-id={dev['share_id']}" if dev["share_id"] else ""
+            lines.append(f"    {dev['device']:<28} {dev['kind']:<9} requests={','.join(dev['requests']) or '*'} "
+                         f"gpu={dev['gpu']}{extra}")
+            for cdi_id in dev["cdi_ids"]:
+                lines.append(f"      cdi: {cdi_id}")
+        if claim["timeslice"]:
+            ts = claim["timeslice"]
+            lines.append(f"    time slice {ts['interval']} on {', '.join(ts['gpu_uuids'])}")
+    if report["mps_daemons"]:
+        lines.append(f"{len(report['mps_daemons'])} MPS control daemon(s)")
+        for d in report["mps_daemons"]:
+            alive = "running" if d["pid_alive"] else "NOT RUNNING"
+            lines.append(f"- {d['id']} pid={d['pid']} ({alive}) gpus={','.join(d['gpus'])} "
+                         f"threads={d['active_thread_percentage']}% pinned={d['pinned_memory_limits']} "
+                         f"claims={len(d['claims'])} pipe={d['pipe_dir']} log={d['log_dir']}")
+    for orphan in report["orphan_cdi_specs"]:
+        lines.append(f"orphan CDI spec (no checkpoint entry; removed at next driver start): {orphan}")
+    for problem in report["problems"]:
+        lines.append(f"PROBLEM: {problem}")
+    return "\n".join(lines)
+
+
+def inspect(settings: Settings, as_json: bool) -> str:
+    report = collect(settings)
+    return json.dumps(report, indent=2, default=str) if as_json else render_text(report)

@@ -1,0 +1,193 @@
+"""Talking to the Kubernetes API server: client setup, server version, and raw JSON requests.
+
+Requests go through ``ApiClient.param_serialize``/``call_api`` with plain dict bodies and raw
+JSON answers. The ``kubernetes`` 37.x client's typed methods would validate bodies against its
+own models (rejecting fields it does not know) and drop unknown fields when reading, which
+silently loses data a newer server has; raw JSON keeps every field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import urllib3
+from kubernetes import client, config
+
+log = logging.getLogger(__name__)
+
+# The strictest limits (fewest taints per device) are those of the oldest supported release.
+FALLBACK_MINOR_VERSION = 34
+
+_AUTH_SETTINGS = ["BearerToken"]
+_MINOR = re.compile(r"^(\d+)")
+
+
+class KubeConfigError(Exception):
+    """Neither a kubeconfig file nor the in-cluster service account could be used."""
+
+
+class KubeApiError(Exception):
+    """A request failed: the server answered an error status, or it could not be reached.
+
+    ``status`` is the HTTP status, or 0 when no answer came back. ``reason`` and ``message``
+    come from the Kubernetes ``Status`` body when there is one.
+    """
+
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(f"{status} {reason}: {message}" if status else f"{reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+def load_api_client(kubeconfig: str | None) -> client.ApiClient:
+    """An ApiClient from the kubeconfig file if one is given, else from the pod's service account."""
+    configuration = client.Configuration()
+    if kubeconfig:
+        try:
+            config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=kubeconfig, client_configuration=configuration)
+        except (OSError, config.ConfigException, ValueError) as err:
+            raise KubeConfigError(f"cannot use kubeconfig {kubeconfig}: {err}") from err
+    else:
+        try:
+            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        except config.ConfigException as err:
+            raise KubeConfigError(
+                "no kubeconfig given and not running in a pod with a service account "
+                f"({err}); pass --kubeconfig or run the driver in the cluster") from err
+    return client.ApiClient(configuration)
+
+
+def parse_minor_version(minor: str) -> int | None:
+    """The number in a ``/version`` ``minor`` field: "36" and "36+" (managed clusters) give 36."""
+    match = _MINOR.match(minor.strip())
+    return int(match.group(1)) if match else None
+
+
+def server_minor_version(api: client.ApiClient) -> int:
+    """The server's Kubernetes minor version from GET /version; 34 (strictest) if unknown."""
+    try:
+        answer = request_json(api, "GET", "/version", timeout=10.0)
+    except KubeApiError as err:
+        log.warning("cannot read the API server version, assuming Kubernetes 1.%d limits",
+                    FALLBACK_MINOR_VERSION, extra={"error": str(err)})
+        return FALLBACK_MINOR_VERSION
+    minor = parse_minor_version(str(answer.get("minor", "")))
+    if str(answer.get("major", "")).strip() != "1" or minor is None:
+        log.warning("unexpected API server version, assuming Kubernetes 1.%d limits", FALLBACK_MINOR_VERSION,
+                    extra={"major": answer.get("major"), "minor": answer.get("minor")})
+        return FALLBACK_MINOR_VERSION
+    return minor
+
+
+def request_json(api: client.ApiClient, method: str, path: str, *,
+                 query: Sequence[tuple[str, str]] = (), body: dict[str, Any] | None = None,
+                 timeout: float = 30.0) -> dict[str, Any]:
+    """One request with a JSON body (if any); the answer's JSON object. Raises KubeApiError."""
+    response = _send(api, method, path, query=query, body=body, timeout=timeout)
+    try:
+        data = response.read()
+    except urllib3.exceptions.HTTPError as err:
+        raise KubeApiError(0, "ConnectionError", f"{method} {path}: reading the answer failed: {err}") from err
+    finally:
+        response.release_conn()
+    if not 200 <= response.status <= 299:
+        raise _error_from_answer(method, path, response.status, data)
+    try:
+        decoded = json.loads(data) if data else {}
+    except ValueError as err:
+        raise KubeApiError(response.status, "BadResponse", f"{method} {path}: answer is not JSON: {err}") from err
+    if not isinstance(decoded, dict):
+        raise KubeApiError(response.status, "BadResponse", f"{method} {path}: answer is not a JSON object")
+    return decoded
+
+
+class JsonLineStream:
+    """An open streaming answer (a watch) read as one JSON object per line.
+
+    ``interrupt()`` may be called from another thread to end a blocked read promptly.
+    """
+
+    def __init__(self, response: urllib3.HTTPResponse):
+        self._response = response
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        buffer = b""
+        try:
+            for chunk in self._response.stream(amt=None, decode_content=True):
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    if line.strip():
+                        yield _decode_event(line)
+        except (urllib3.exceptions.HTTPError, OSError) as err:
+            raise KubeApiError(0, "ConnectionError", f"stream ended: {err}") from err
+
+    def interrupt(self) -> None:
+        # Shutting the socket down wakes a reader blocked in recv (plain or TLS); close() alone
+        # can wait for that reader.
+        with contextlib.suppress(OSError, AttributeError):
+            self._response.shutdown()
+
+    def close(self) -> None:
+        self._response.close()
+        self._response.release_conn()
+
+
+def open_json_lines(api: client.ApiClient, path: str, *, query: Sequence[tuple[str, str]],
+                    timeout: float) -> JsonLineStream:
+    """Start a streaming GET (``watch=true``); ``timeout`` bounds each read, not the whole stream."""
+    response = _send(api, "GET", path, query=query, body=None, timeout=timeout)
+    if not 200 <= response.status <= 299:
+        data = response.read()
+        response.release_conn()
+        raise _error_from_answer("GET", path, response.status, data)
+    return JsonLineStream(response)
+
+
+def _send(api: client.ApiClient, method: str, path: str, *, query: Sequence[tuple[str, str]],
+          body: dict[str, Any] | None, timeout: float) -> urllib3.HTTPResponse:
+    headers = {"Accept": "application/json"}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    method_, url, header_params, body_, post_params = api.param_serialize(
+        method=method, resource_path=path, query_params=list(query), header_params=headers, body=body,
+        auth_settings=_AUTH_SETTINGS)
+    read_timeout = max(1.0, math.ceil(timeout))
+    try:
+        answer = api.call_api(method_, url, header_params=header_params, body=body_, post_params=post_params,
+                              _request_timeout=(min(10.0, read_timeout), read_timeout))
+    except urllib3.exceptions.HTTPError as err:
+        raise KubeApiError(0, "ConnectionError", f"{method} {path}: {err}") from err
+    except client.ApiException as err:
+        raise KubeApiError(int(err.status or 0), str(err.reason or "Error"), f"{method} {path}") from err
+    response: urllib3.HTTPResponse = answer.response
+    return response
+
+
+def _error_from_answer(method: str, path: str, status: int, data: bytes) -> KubeApiError:
+    reason, message = "", ""
+    try:
+        body = json.loads(data)
+        if isinstance(body, dict):
+            reason, message = str(body.get("reason", "")), str(body.get("message", ""))
+    except ValueError:
+        message = data[:500].decode("utf-8", errors="replace")
+    return KubeApiError(status, reason or "Error", message or f"{method} {path} answered HTTP {status}")
+
+
+def _decode_event(line: bytes) -> dict[str, Any]:
+    try:
+        event = json.loads(line)
+    except ValueError as err:
+        raise KubeApiError(0, "BadResponse", f"watch event is not JSON: {err}") from err
+    if not isinstance(event, dict):
+        raise KubeApiError(0, "BadResponse", "watch event is not a JSON object")
+    return event

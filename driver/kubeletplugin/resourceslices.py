@@ -1,0 +1,608 @@
+"""Publishing one node-local pool of devices as ResourceSlices, like the upstream Go controller.
+
+The driver hands over its devices (:meth:`ResourceSlicePublisher.update`); one worker thread
+makes the API server match them and keeps it that way. The behaviour follows
+``k8s.io/dynamic-resource-allocation/resourceslice`` (resource-api reference, section 5):
+
+* pool name = node name, ``spec.nodeName`` = node, slices owned by the Node;
+* slice names from ``generateName`` ``<index as 5+ hex digits>-<driver>-<node>-`` (1.36 form);
+  existing slices are matched to desired ones by that index;
+* pool generation kept when nothing is created and at most one slice changes (one update is
+  atomic), otherwise bumped with every slice rewritten;
+* obsolete slices deleted first, then changed ones updated with a full PUT, then missing ones
+  created;
+* fields the server dropped (a feature gate is off) reported loudly, and the stored object
+  adopted so the publisher does not loop on updates.
+
+Every request sends and reads raw JSON, so no field is lost in the client's models. Changes
+made by others (the kubelet deletes a node's slices when it starts and when it loses the
+driver) are seen through a watch and repaired after ``resync_delay``. Failures are retried
+with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubernetes import client
+from opentelemetry.trace import Status, StatusCode
+
+from driver.kubeletplugin.kubeclient import (
+    JsonLineStream,
+    KubeApiError,
+    open_json_lines,
+    request_json,
+    server_minor_version,
+)
+from driver.kubeletplugin.slicemodel import Device
+from driver.kubeletplugin.slicevalidation import (
+    limits_for,
+    quantity_value,
+    split_into_slices,
+    validate_devices,
+    validate_driver_and_pool,
+)
+from driver.kubeletplugin.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+
+SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+_INITIAL_BACKOFF_S = 1.0
+# update() and stop() interrupt a watch at once; this short server-side timeout only bounds
+# how long stop() could wait if that ever failed.
+_WATCH_SECONDS = 30
+# A watch that ends sooner than this without an event is treated as a failure (with backoff), so
+# a proxy that closes watches at once cannot make the publisher re-watch in a hot loop.
+_MIN_WATCH_SECONDS = 1.0
+_REQUEST_TIMEOUT_S = 15.0
+# After writing, the next round runs at once to confirm the result; a bounded number of times,
+# so a server that keeps changing what it stores cannot make a hot loop.
+_MAX_CONFIRMING_ROUNDS = 3
+_MAX_ADOPTED = 256
+# The apiserver keeps the first 58 characters of generateName, then adds 5 random ones.
+_GENERATE_NAME_KEPT = 58
+_GENERATED_SUFFIX_LENGTH = 5
+_INDEX_PREFIX = re.compile(r"^([0-9a-f]{5,})-")
+# When a field is missing from what the server stored, the feature gate that is likely off.
+_FEATURE_GATE_OF_FIELD = {
+    "taints": "DRADeviceTaints",
+    "consumesCounters": "DRAPartitionableDevices",
+    "sharedCounters": "DRAPartitionableDevices",
+    "perDeviceNodeSelection": "DRAPartitionableDevices",
+    "bindsToNode": "DRADeviceBindingConditions",
+    "bindingConditions": "DRADeviceBindingConditions",
+    "bindingFailureConditions": "DRADeviceBindingConditions",
+    "allowMultipleAllocations": "DRAConsumableCapacity",
+    "ints": "DRAListTypeAttributes",
+    "bools": "DRAListTypeAttributes",
+    "strings": "DRAListTypeAttributes",
+    "versions": "DRAListTypeAttributes",
+}
+
+
+# ----- pure planning -------------------------------------------------------------------------
+
+
+def slice_name_prefix(index: int, driver_name: str, node_name: str) -> str:
+    """``generateName`` of the slice at ``index`` (the Go helper's 1.36+ naming)."""
+    return f"{index:05x}-{driver_name}-{node_name}-"
+
+
+def slice_index(name: str, driver_name: str, node_name: str) -> int | None:
+    """The index encoded in a slice name made from :func:`slice_name_prefix`, else None."""
+    match = _INDEX_PREFIX.match(name)
+    if match is None:
+        return None
+    index = int(match.group(1), 16)
+    expected = slice_name_prefix(index, driver_name, node_name)[:_GENERATE_NAME_KEPT]
+    generated = name[:-_GENERATED_SUFFIX_LENGTH]
+    return index if generated == expected and len(name) == len(expected) + _GENERATED_SUFFIX_LENGTH else None
+
+
+def canonical_spec(spec: Obj) -> str:
+    """A comparable form of a slice spec: absent ``devices`` = empty, quantities by value."""
+    normal = copy.deepcopy(spec)
+    normal["devices"] = normal.get("devices") or []
+    for device in normal["devices"]:
+        for capacity in (device.get("capacity") or {}).values():
+            value = quantity_value(str(capacity.get("value", "")))
+            if value is not None:
+                capacity["value"] = str(value.normalize())
+    return json.dumps(normal, sort_keys=True)
+
+
+def missing_fields(sent: Any, stored: Any, path: str = "spec") -> list[str]:
+    """Paths of what was sent but is absent or different in what the server stored.
+
+    List positions are written ``[*]`` so one dropped field of many devices is named once.
+    """
+    if isinstance(sent, dict) and isinstance(stored, dict):
+        found: list[str] = []
+        for key, value in sent.items():
+            if key not in stored:
+                found.append(f"{path}.{key}")
+            else:
+                found.extend(missing_fields(value, stored[key], f"{path}.{key}"))
+        return list(dict.fromkeys(found))
+    if isinstance(sent, list) and isinstance(stored, list) and len(sent) == len(stored):
+        nested = [p for s, t in zip(sent, stored, strict=True) for p in missing_fields(s, t, f"{path}[*]")]
+        return list(dict.fromkeys(nested))
+    return [] if sent == stored else [path]
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """The writes that make the server match the desired slices, in the order to apply them."""
+
+    generation: int
+    deletes: list[Obj] = field(default_factory=list)
+    updates: list[Obj] = field(default_factory=list)
+    creates: list[Obj] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.deletes or self.updates or self.creates)
+
+
+def plan_sync(existing: Sequence[Obj], desired: Sequence[Sequence[Device]], *, driver_name: str, node_name: str,
+              owner: Obj | None, adopted: Mapping[str, str]) -> SyncPlan:
+    """Compare the slices on the server with the desired ones (generation rules of section 5.3).
+
+    ``adopted`` maps the canonical spec we sent to the canonical spec the server stored
+    instead, so a difference the server insists on is not written again.
+    """
+    def in_pool(slice_: Obj) -> bool:
+        return bool(slice_.get("spec", {}).get("pool", {}).get("name") == node_name)
+
+    ours = [s for s in existing if in_pool(s)]
+    top = max((int(s["spec"]["pool"].get("generation", 0)) for s in ours), default=0)
+    matched: dict[int, Obj] = {}
+    obsolete = [s for s in existing if not in_pool(s)]
+    by_preference = sorted(ours, key=lambda s: (-int(s["spec"]["pool"].get("generation", 0)), s["metadata"]["name"]))
+    for candidate in by_preference:
+        index = slice_index(candidate["metadata"]["name"], driver_name, node_name)
+        generation = int(candidate["spec"]["pool"].get("generation", 0))
+        if index is None or index >= len(desired) or index in matched or generation < top:
+            obsolete.append(candidate)
+        else:
+            matched[index] = candidate
+
+    def spec_at(index: int, generation: int) -> Obj:
+        current = matched.get(index)
+        return _desired_spec(desired[index], generation=generation, count=len(desired), driver_name=driver_name,
+                             node_name=node_name, existing_spec=current["spec"] if current else None)
+
+    def differs(index: int) -> bool:
+        current = matched[index]
+        wanted = canonical_spec(spec_at(index, top))
+        have = canonical_spec(current["spec"])
+        return (have != wanted and adopted.get(wanted) != have) or not _owned_by(current, owner)
+
+    missing = [i for i in range(len(desired)) if i not in matched]
+    changed = [i for i in sorted(matched) if differs(i)]
+    generation = top if not missing and len(changed) <= 1 else top + 1
+    rewrite = changed if generation == top else sorted(matched)
+    return SyncPlan(
+        generation=generation,
+        deletes=obsolete,
+        updates=[_update_body(matched[i], spec_at(i, generation), owner) for i in rewrite],
+        creates=[_create_body(slice_name_prefix(i, driver_name, node_name), spec_at(i, generation), owner)
+                 for i in missing],
+    )
+
+
+def _desired_spec(devices: Sequence[Device], *, generation: int, count: int, driver_name: str, node_name: str,
+                  existing_spec: Obj | None) -> Obj:
+    wire = [d.to_wire() for d in devices]
+    if existing_spec is not None:
+        _keep_taint_times(wire, existing_spec)
+    return {
+        "driver": driver_name,
+        "nodeName": node_name,
+        "pool": {"name": node_name, "generation": generation, "resourceSliceCount": count},
+        "devices": wire,
+    }
+
+
+def _keep_taint_times(devices: list[Obj], existing_spec: Obj) -> None:
+    # The server stamps timeAdded on taints that lack it; sending it back keeps the taint the same.
+    stamped = {
+        (d.get("name"), t.get("key"), t.get("value"), t.get("effect")): t["timeAdded"]
+        for d in existing_spec.get("devices") or [] for t in d.get("taints") or [] if t.get("timeAdded")
+    }
+    for device in devices:
+        for taint in device.get("taints", []):
+            key = (device["name"], taint.get("key"), taint.get("value"), taint.get("effect"))
+            if "timeAdded" not in taint and key in stamped:
+                taint["timeAdded"] = stamped[key]
+
+
+def _owned_by(slice_: Obj, owner: Obj | None) -> bool:
+    if owner is None:
+        return True
+    return any(ref.get("uid") == owner["uid"] for ref in slice_["metadata"].get("ownerReferences") or [])
+
+
+def _create_body(generate_name: str, spec: Obj, owner: Obj | None) -> Obj:
+    metadata: Obj = {"generateName": generate_name}
+    if owner is not None:
+        metadata["ownerReferences"] = [owner]
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": metadata, "spec": spec}
+
+
+def _update_body(current: Obj, spec: Obj, owner: Obj | None) -> Obj:
+    # Like the Go controller: the existing object's metadata (labels, resourceVersion for the
+    # conflict check) with our spec. managedFields left out means "unchanged" to the server.
+    metadata = copy.deepcopy(current["metadata"])
+    metadata.pop("managedFields", None)
+    if owner is not None:
+        others = [r for r in metadata.get("ownerReferences") or [] if r.get("kind") != "Node"]
+        metadata["ownerReferences"] = [*others, owner]
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": metadata, "spec": spec}
+
+
+# ----- the controller ------------------------------------------------------------------------
+
+
+class SliceWriteError(Exception):
+    """One write of a sync round failed; carries the server's answer."""
+
+    def __init__(self, operation: str, slice_name: str, cause: KubeApiError):
+        super().__init__(f"{operation} of ResourceSlice {slice_name} failed: {cause}")
+        self.operation, self.slice_name, self.cause = operation, slice_name, cause
+
+
+@dataclass(frozen=True)
+class _RoundResult:
+    failed: bool = False
+    wrote: bool = False
+    list_resource_version: str | None = None
+
+
+class ResourceSlicePublisher:
+    """Keeps the ResourceSlices of one node-local pool equal to the devices it was given.
+
+    Each sync round is a span ``tessera.publish_resourceslices`` and counts in
+    ``slice_sync_total`` with ``result`` = ``changed``, ``unchanged`` or ``error``; an update
+    refused by validation counts as ``invalid``.
+    """
+
+    def __init__(self, api: client.ApiClient, driver_name: str, node_name: str, telemetry: Telemetry, *,
+                 minor_version: int | None = None, resync_delay: float = 2.0, max_backoff: float = 300.0,
+                 initial_backoff: float = _INITIAL_BACKOFF_S):
+        problems = validate_driver_and_pool(driver_name, node_name)
+        if problems:
+            raise ValueError("cannot publish ResourceSlices: " + "; ".join(problems))
+        self._api = api
+        self._driver = driver_name
+        self._node = node_name
+        self._telemetry = telemetry
+        self._limits = limits_for(minor_version if minor_version is not None else server_minor_version(api))
+        self._resync_delay = resync_delay
+        self._initial_backoff = initial_backoff
+        self._max_backoff = max_backoff
+        self._selector = f"spec.driver={driver_name},spec.nodeName={node_name}"
+        self._log_extra = {"driver": driver_name, "node": node_name}
+        # Shared with callers, guarded by _cond.
+        self._cond = threading.Condition()
+        self._desired: list[list[Device]] | None = None
+        self._desired_version = 0
+        self._synced_version = 0
+        self._server_changed = False
+        self._published_devices = 0
+        self._validation_problems: list[str] = []
+        self._wake = False
+        self._stopping = False
+        self._stream: JsonLineStream | None = None
+        self._thread: threading.Thread | None = None
+        # Worker thread only.
+        self._adopted: dict[str, str] = {}
+        self._owner: Obj | None = None
+        self._owner_warned = False
+        self._backoff = initial_backoff
+        self._watch_backoff = initial_backoff
+
+    @property
+    def kubernetes_minor_version(self) -> int:
+        return self._limits.minor_version
+
+    @property
+    def published_device_count(self) -> int:
+        """Devices in the last state confirmed to be on the server."""
+        with self._cond:
+            return self._published_devices
+
+    @property
+    def validation_problems(self) -> list[str]:
+        """Problems of the last rejected :meth:`update`; empty once a valid update arrives."""
+        with self._cond:
+            return list(self._validation_problems)
+
+    def update(self, devices: Sequence[Device]) -> None:
+        """Set the devices to publish. Invalid devices are logged and not sent; the previous state stays."""
+        devices = list(devices)
+        problems = validate_devices(devices, self._driver, self._limits)
+        if problems:
+            log.error("not publishing ResourceSlices: %d problem(s) with the devices, keeping the previous state: %s",
+                      len(problems), "; ".join(problems), extra={**self._log_extra, "problems": problems})
+            self._telemetry.slice_sync_total.add(1, {"result": "invalid"})
+            with self._cond:
+                self._validation_problems = problems
+            return
+        slices = split_into_slices(devices, self._limits)
+        with self._cond:
+            self._desired = slices
+            self._desired_version += 1
+            self._validation_problems = []
+            self._wake = True
+            self._cond.notify_all()
+            stream = self._stream
+        if stream is not None:
+            stream.interrupt()
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("ResourceSlicePublisher already started")
+        self._thread = threading.Thread(target=self._run, name="resourceslice-publisher", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop the worker; True if it ended within ``timeout``. Published slices stay."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            stream = self._stream
+        if stream is not None:
+            stream.interrupt()
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def wait_synced(self, timeout: float) -> bool:
+        """True once the latest devices are on the server and nothing has changed them since."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not (self._desired_version and self._synced_version == self._desired_version
+                       and not self._server_changed):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    # ----- worker ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_round = 0.0
+        confirming_rounds = 0
+        list_rv: str | None = None
+        while True:
+            with self._cond:
+                if self._stopping:
+                    return
+                if self._wake:
+                    self._wake = False
+                    next_round = 0.0
+                if self._desired is None:
+                    self._cond.wait()
+                    continue
+            now = time.monotonic()
+            if next_round <= now:
+                result = self._sync_round()
+                if result.failed:
+                    next_round, confirming_rounds = now + self._backoff, 0
+                    self._backoff = min(self._backoff * 2, self._max_backoff)
+                    continue
+                self._backoff = self._initial_backoff
+                if result.wrote and confirming_rounds < _MAX_CONFIRMING_ROUNDS:
+                    next_round, confirming_rounds = now, confirming_rounds + 1
+                elif result.wrote:
+                    next_round, confirming_rounds = now + self._resync_delay, 0
+                else:
+                    next_round, confirming_rounds = math.inf, 0
+                    list_rv = result.list_resource_version
+            elif next_round == math.inf:
+                outcome, list_rv = self._watch(list_rv)
+                if outcome in ("changed", "expired"):
+                    next_round = time.monotonic() + self._resync_delay
+                elif outcome == "failed":
+                    next_round = time.monotonic() + max(self._resync_delay, self._watch_backoff)
+                    self._watch_backoff = min(self._watch_backoff * 2, self._max_backoff)
+            else:
+                with self._cond:
+                    if not (self._wake or self._stopping):
+                        self._cond.wait(next_round - now)
+
+    def _sync_round(self) -> _RoundResult:
+        with self._cond:
+            desired = self._desired or [[]]
+            version = self._desired_version
+        device_count = sum(len(s) for s in desired)
+        with self._telemetry.tracer.start_as_current_span("tessera.publish_resourceslices") as span:
+            span.set_attribute("tessera.resourceslice.device_count", device_count)
+            span.set_attribute("tessera.resourceslice.slice_count", len(desired))
+            try:
+                owner = self._node_owner()
+                listed = request_json(self._api, "GET", SLICES_PATH, query=[("fieldSelector", self._selector)],
+                                      timeout=_REQUEST_TIMEOUT_S)
+                plan = plan_sync(listed.get("items") or [], desired, driver_name=self._driver,
+                                 node_name=self._node, owner=owner, adopted=self._adopted)
+                span.set_attribute("tessera.resourceslice.generation", plan.generation)
+                self._apply(plan)
+            except (KubeApiError, SliceWriteError) as err:
+                self._log_failure(err)
+                span.set_status(Status(StatusCode.ERROR, str(err)))
+                self._telemetry.slice_sync_total.add(1, {"result": "error"})
+                return _RoundResult(failed=True)
+            except Exception as err:
+                # A malformed answer or a bug must not end the worker: it retries with backoff.
+                log.exception("publishing ResourceSlices failed unexpectedly, retrying in %.1fs", self._backoff,
+                              extra=self._log_extra)
+                span.set_status(Status(StatusCode.ERROR, repr(err)))
+                self._telemetry.slice_sync_total.add(1, {"result": "error"})
+                return _RoundResult(failed=True)
+        self._telemetry.slice_sync_total.add(1, {"result": "changed" if not plan.empty else "unchanged"})
+        if not plan.empty:
+            log.info("ResourceSlices written", extra={
+                **self._log_extra, "generation": plan.generation, "slices_deleted": len(plan.deletes),
+                "slices_updated": len(plan.updates), "slices_created": len(plan.creates), "devices": device_count})
+            return _RoundResult(wrote=True)
+        with self._cond:
+            if version == self._desired_version:
+                self._synced_version = version
+                self._server_changed = False
+                self._published_devices = device_count
+                self._cond.notify_all()
+        return _RoundResult(list_resource_version=str(listed.get("metadata", {}).get("resourceVersion") or "") or None)
+
+    def _apply(self, plan: SyncPlan) -> None:
+        # Deleting devices the driver no longer has matters most, so deletes go first.
+        for old in plan.deletes:
+            meta = old["metadata"]
+            body = {"apiVersion": "v1", "kind": "DeleteOptions",
+                    "preconditions": {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]}}
+            try:
+                request_json(self._api, "DELETE", f"{SLICES_PATH}/{meta['name']}", body=body,
+                             timeout=_REQUEST_TIMEOUT_S)
+            except KubeApiError as err:
+                if err.status != 404:
+                    raise SliceWriteError("delete", meta["name"], err) from err
+        for wanted in plan.updates:
+            name = wanted["metadata"]["name"]
+            try:
+                stored = request_json(self._api, "PUT", f"{SLICES_PATH}/{name}", body=wanted,
+                                      timeout=_REQUEST_TIMEOUT_S)
+            except KubeApiError as err:
+                raise SliceWriteError("update", name, err) from err
+            self._compare_stored(wanted["spec"], stored)
+        for wanted in plan.creates:
+            try:
+                stored = request_json(self._api, "POST", SLICES_PATH, body=wanted, timeout=_REQUEST_TIMEOUT_S)
+            except KubeApiError as err:
+                raise SliceWriteError("create", wanted["metadata"]["generateName"] + "*", err) from err
+            self._compare_stored(wanted["spec"], stored)
+
+    def _compare_stored(self, sent: Obj, stored: Obj) -> None:
+        stored_spec = stored.get("spec") or {}
+        sent_key, stored_key = canonical_spec(sent), canonical_spec(stored_spec)
+        if sent_key == stored_key:
+            return
+        name = stored.get("metadata", {}).get("name", "?")
+        dropped = missing_fields(json.loads(sent_key), json.loads(stored_key))
+        if dropped:
+            gates = sorted({_FEATURE_GATE_OF_FIELD[p.rsplit(".", 1)[-1]] for p in dropped
+                            if p.rsplit(".", 1)[-1] in _FEATURE_GATE_OF_FIELD})
+            log.error("the API server dropped or changed fields of ResourceSlice %s: %s; a feature gate is probably "
+                      "off on the API server%s. Keeping what the server stored; not retrying.",
+                      name, ", ".join(dropped), f" ({', '.join(gates)})" if gates else "",
+                      extra={**self._log_extra, "slice": name, "fields": dropped, "feature_gates": gates})
+        else:
+            log.debug("the API server added defaults to ResourceSlice %s", name, extra={**self._log_extra})
+        self._adopted[sent_key] = stored_key
+        while len(self._adopted) > _MAX_ADOPTED:
+            del self._adopted[next(iter(self._adopted))]
+
+    def _node_owner(self) -> Obj | None:
+        # Read every round (rounds are rare): a Node deleted and re-registered under the same name
+        # has a new UID, and slices pointing at the old one would be garbage-collected.
+        try:
+            node = request_json(self._api, "GET", f"/api/v1/nodes/{self._node}", timeout=_REQUEST_TIMEOUT_S)
+        except KubeApiError as err:
+            if self._owner is None:
+                level = logging.DEBUG if self._owner_warned else logging.WARNING
+                log.log(level, "cannot read Node %s, publishing ResourceSlices without an owner reference "
+                        "(they will not be garbage-collected with the Node): %s", self._node, err,
+                        extra=self._log_extra)
+                self._owner_warned = True
+            return self._owner
+        self._owner = {"apiVersion": "v1", "kind": "Node", "name": self._node,
+                       "uid": node["metadata"]["uid"], "controller": True}
+        return self._owner
+        try:
+            node = request_json(self._api, "GET", f"/api/v1/nodes/{self._node}", timeout=_REQUEST_TIMEOUT_S)
+        except KubeApiError as err:
+            level = logging.DEBUG if self._owner_warned else logging.WARNING
+            log.log(level, "cannot read Node %s, publishing ResourceSlices without an owner reference "
+                    "(they will not be garbage-collected with the Node): %s", self._node, err, extra=self._log_extra)
+            self._owner_warned = True
+            return None
+        self._owner = {"apiVersion": "v1", "kind": "Node", "name": self._node,
+                       "uid": node["metadata"]["uid"], "controller": True}
+        return self._owner
+
+    def _log_failure(self, err: KubeApiError | SliceWriteError) -> None:
+        cause = err.cause if isinstance(err, SliceWriteError) else err
+        log.error("publishing ResourceSlices failed, retrying in %.1fs: %s", self._backoff, err, extra={
+            **self._log_extra, "status": cause.status, "reason": cause.reason, "server_message": cause.message,
+            "retry_in_s": self._backoff})
+
+    def _watch(self, resource_version: str | None) -> tuple[str, str | None]:
+        """Watch our slices until one changes ("changed"), the server ends the watch with an error
+        such as 410 Gone ("expired": list again), the watch times out ("ended"), it fails
+        ("failed"), or update()/stop() interrupt it ("interrupted"). Returns the outcome and the
+        resourceVersion to resume from."""
+        query = [("fieldSelector", self._selector), ("watch", "true"), ("allowWatchBookmarks", "true"),
+                 ("timeoutSeconds", str(_WATCH_SECONDS))]
+        if resource_version:
+            query.append(("resourceVersion", resource_version))
+        try:
+            stream = open_json_lines(self._api, SLICES_PATH, query=query, timeout=_WATCH_SECONDS + 5)
+        except KubeApiError as err:
+            log.warning("cannot watch ResourceSlices: %s", err, extra=self._log_extra)
+            return "failed", resource_version
+        with self._cond:
+            if self._wake or self._stopping:
+                stream.close()
+                return "interrupted", resource_version
+            self._stream = stream
+        opened = time.monotonic()
+        try:
+            for event in stream:
+                kind = event.get("type")
+                obj = event.get("object") or {}
+                if kind == "BOOKMARK":
+                    resource_version = obj.get("metadata", {}).get("resourceVersion") or resource_version
+                    continue
+                if kind == "ERROR":
+                    # Usually 410 Gone: the resourceVersion is too old. A fresh list fixes it.
+                    log.info("ResourceSlice watch ended by the server: %s", obj.get("message", obj),
+                             extra=self._log_extra)
+                    return "expired", None
+                log.info("ResourceSlice %s %s by someone else, re-syncing in %.1fs",
+                         obj.get("metadata", {}).get("name", "?"), str(kind).lower(), self._resync_delay,
+                         extra=self._log_extra)
+                with self._cond:
+                    self._server_changed = True
+                    self._cond.notify_all()
+                self._watch_backoff = self._initial_backoff
+                return "changed", resource_version
+            with self._cond:
+                if self._wake or self._stopping:
+                    return "interrupted", resource_version
+            if time.monotonic() - opened < _MIN_WATCH_SECONDS:
+                log.warning("ResourceSlice watch ended at once, watching again later", extra=self._log_extra)
+                return "failed", resource_version
+            self._watch_backoff = self._initial_backoff
+            return "ended", resource_version
+        except KubeApiError as err:
+            with self._cond:
+                if self._wake or self._stopping:
+                    return "interrupted", resource_version
+            log.warning("ResourceSlice watch broke: %s", err, extra=self._log_extra)
+            return "failed", resource_version
+        finally:
+            with self._cond:
+                self._stream = None
+            stream.close()

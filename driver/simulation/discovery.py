@@ -1,0 +1,205 @@
+"""SIMULATION: a Discovery that reports a simulated node instead of asking NVML.
+
+The node comes from a named layout in ``layouts.yaml`` (or a YAML file holding one layout).
+Everything is deterministic: UUIDs derive from the node name and GPU minor (and the MIG
+placement), so a restarted simulated driver sees the same GPUs, as a real one would. The
+layout is validated like the hardware would: unknown models or profiles, placements the
+profile does not allow, overlapping or over-subscribed MIG devices are errors naming the entry.
+"""
+
+from __future__ import annotations
+
+import uuid
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from driver.gpu.inventory import GpuInfo, MigInstance, NodeInventory
+from driver.simulation.gpus import GpuModel, MigProfileSpec, SimulationError, gpu_models
+
+SIMULATED_DRIVER_VERSION = "580.95.05"
+SIMULATED_CUDA_DRIVER_VERSION = "13.0"
+DEFAULT_LAYOUT = "demo"
+_LAYOUTS_FILE = "layouts.yaml"
+_MIB = 1 << 20
+_UUID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://gpu.tessera.dev/simulation")
+
+
+class SimulatedMig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    profile: str
+    start: int = Field(ge=0)
+
+
+class SimulatedGpu(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    mig: tuple[SimulatedMig, ...] | None = None  # present (even empty) = MIG mode enabled
+
+
+class SimulatedNode(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    description: str = ""
+    gpus: tuple[SimulatedGpu, ...] = ()
+
+
+def _builtin_layouts() -> dict[str, Any]:
+    text = resources.files("driver.simulation").joinpath(_LAYOUTS_FILE).read_text()
+    layouts = yaml.safe_load(text)
+    if not isinstance(layouts, dict):
+        raise SimulationError(f"{_LAYOUTS_FILE} must map layout names to layouts")
+    return layouts
+
+
+def available_layouts() -> list[str]:
+    """Names of the built-in simulated nodes."""
+    return sorted(_builtin_layouts())
+
+
+def load_layout(layout_name_or_path: str) -> tuple[str, SimulatedNode]:
+    """(label for messages, parsed layout) for a built-in layout name or a YAML file path."""
+    builtin = _builtin_layouts()
+    if layout_name_or_path in builtin:
+        label, raw = f"layout {layout_name_or_path!r}", builtin[layout_name_or_path]
+    else:
+        path = Path(layout_name_or_path)
+        if not path.is_file():
+            raise SimulationError(
+                f"unknown simulated layout {layout_name_or_path!r}: not a built-in layout "
+                f"({', '.join(sorted(builtin))}) and not a file"
+            )
+        label = f"layout file {str(path)!r}"
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as err:
+            raise SimulationError(f"{label}: cannot read it as YAML: {err}") from err
+    try:
+        return label, SimulatedNode.model_validate(raw)
+    except ValidationError as err:
+        raise SimulationError(f"{label} is not a valid simulated node: {err}") from err
+
+
+def simulated_gpu_uuid(node_name: str, minor: int) -> str:
+    return f"GPU-{uuid.uuid5(_UUID_NAMESPACE, f'{node_name}/gpu/{minor}')}"
+
+
+def simulated_mig_uuid(node_name: str, minor: int, gi_profile_id: int, placement_start: int) -> str:
+    return f"MIG-{uuid.uuid5(_UUID_NAMESPACE, f'{node_name}/gpu/{minor}/mig/{gi_profile_id}/{placement_start}')}"
+
+
+def simulated_pci_bus_id(minor: int) -> tuple[str, str]:
+    """(PCI bus id, PCIe root) of simulated GPU ``minor``: eight GPUs per PCI domain, one root each."""
+    domain, slot = divmod(minor, 8)
+    bus = 0x18 + 0x1C * slot
+    return f"{domain:04x}:{bus:02x}:00.0", f"pci{domain:04x}:{bus - 1:02x}"
+
+
+def _validated_profiles(where: str, model: GpuModel, migs: tuple[SimulatedMig, ...]) -> list[MigProfileSpec]:
+    if not model.mig_profiles:
+        raise SimulationError(f"{where}: model {model.name} does not support MIG; remove its 'mig' list")
+    specs: list[MigProfileSpec] = []
+    owner_of_slice: dict[int, str] = {}
+    for position, mig in enumerate(migs):
+        entry = f"{where} mig[{position}] ({mig.profile}@{mig.start})"
+        spec = model.profile(mig.profile)
+        if spec is None:
+            known = ", ".join(p.name for p in model.mig_profiles)
+            raise SimulationError(f"{entry}: {model.name} has no MIG profile {mig.profile!r}; known: {known}")
+        if mig.start not in spec.placement_starts:
+            starts = ", ".join(str(s) for s in spec.placement_starts)
+            raise SimulationError(f"{entry}: {mig.profile} cannot start at {mig.start}; valid starts: {starts}")
+        for memory_slice in range(mig.start, mig.start + spec.memory_slices):
+            if memory_slice in owner_of_slice:
+                raise SimulationError(
+                    f"{entry}: overlaps {owner_of_slice[memory_slice]} on memory slice {memory_slice}"
+                )
+            owner_of_slice[memory_slice] = f"mig[{position}] ({mig.profile}@{mig.start})"
+        if sum(1 for s in specs if s.name == spec.name) + 1 > spec.max_instances:
+            raise SimulationError(f"{entry}: {model.name} allows at most {spec.max_instances} x {spec.name}")
+        specs.append(spec)
+    return specs
+
+
+def _mig_instances(
+    where: str, node_name: str, minor: int, model: GpuModel, migs: tuple[SimulatedMig, ...]
+) -> tuple[MigInstance, ...]:
+    specs = _validated_profiles(where, model, migs)
+    instances = [
+        MigInstance(
+            uuid=simulated_mig_uuid(node_name, minor, spec.gi_profile_id, mig.start),
+            profile=spec.name,
+            gi_profile_id=spec.gi_profile_id,
+            placement_start=mig.start,
+            placement_size=spec.memory_slices,
+            gi_id=position + 1,  # NVML hands out GI ids in creation order; layout order stands in for it
+            ci_id=0,
+            memory_bytes=spec.memory_mib * _MIB,
+            multiprocessors=spec.multiprocessors,
+            copy_engines=spec.compute_slices,
+        )
+        for position, (mig, spec) in enumerate(zip(migs, specs, strict=True))
+    ]
+    return tuple(sorted(instances, key=lambda m: m.placement_start))
+
+
+def build_inventory(label: str, node: SimulatedNode, node_name: str) -> NodeInventory:
+    """The inventory a simulated node reports; SimulationError naming the entry if the layout is wrong."""
+    models = gpu_models()
+    gpus: list[GpuInfo] = []
+    for minor, entry in enumerate(node.gpus):
+        where = f"{label} gpu {minor} ({entry.model})"
+        model = models.get(entry.model)
+        if model is None:
+            raise SimulationError(f"{where}: unknown GPU model; known models: {', '.join(sorted(models))}")
+        pci_bus_id, pcie_root = simulated_pci_bus_id(minor)
+        mig_enabled = entry.mig is not None
+        gpus.append(
+            GpuInfo(
+                minor=minor,
+                index=minor,
+                uuid=simulated_gpu_uuid(node_name, minor),
+                product_name=model.product_name,
+                brand=model.brand,
+                architecture=model.architecture,
+                cuda_compute_capability=model.compute_capability,
+                memory_bytes=model.memory_bytes,
+                multiprocessors=model.multiprocessors,
+                pci_bus_id=pci_bus_id,
+                pcie_root=pcie_root,
+                mig_capable=bool(model.mig_profiles),
+                mig_enabled=mig_enabled,
+                mig_instances=_mig_instances(where, node_name, minor, model, entry.mig)
+                if entry.mig is not None
+                else (),
+            )
+        )
+    return NodeInventory(
+        driver_version=SIMULATED_DRIVER_VERSION, cuda_driver_version=SIMULATED_CUDA_DRIVER_VERSION, gpus=tuple(gpus)
+    )
+
+
+class SimulatedDiscovery:
+    """SIMULATION: :class:`~driver.gpu.inventory.Discovery` reporting a simulated node.
+
+    ``layout_name_or_path`` is a built-in layout name (see :func:`available_layouts`) or a YAML
+    file with one layout; the layout is read and validated here, so a bad one fails at startup.
+    """
+
+    simulated = True
+
+    def __init__(self, layout_name_or_path: str, node_name: str) -> None:
+        label, node = load_layout(layout_name_or_path)
+        self.description = node.description
+        self._inventory = build_inventory(label, node, node_name)
+
+    def discover(self) -> NodeInventory:
+        return self._inventory
+
+    def close(self) -> None:
+        """Nothing to release: no NVML session in a simulation."""

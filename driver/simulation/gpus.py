@@ -1,0 +1,198 @@
+"""SIMULATION: the GPU models a simulated node can hold, and their MIG profile tables.
+
+Nothing here talks to hardware. The per-model facts (names, memory as NVML reports it, SM
+counts) are those of the real parts; the MIG tables come from the packaged copy of the
+reference ``mig-profiles.json``. Engine counts of MIG profiles are not in that table, so a
+simulated profile reports ``copy engines = compute slices`` and no decoder/encoder/JPEG/OFA
+counts (those capacities are simply absent on simulated MIG devices).
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from pydantic import BaseModel, ConfigDict
+
+_MIB = 1 << 20
+_PROFILE_TABLE = "mig-profiles.json"
+
+
+class SimulationError(ValueError):
+    """A simulated node description is wrong (unknown model, bad layout, ...)."""
+
+
+class MigProfileSpec(BaseModel):
+    """One GPU-instance profile of a simulated GPU model (a whole-GI compute instance)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str  # "1g.10gb"
+    gi_enum: int  # NVML_GPU_INSTANCE_PROFILE_* value
+    gi_profile_id: int  # device-specific id (nvidia-smi mig -lgip "ID")
+    compute_slices: int
+    memory_slices: int  # placement size
+    memory_mib: int
+    multiprocessors: int
+    max_instances: int
+    placement_starts: tuple[int, ...]
+
+
+class GpuModel(BaseModel):
+    """A simulated GPU model. ``mig_profiles`` is empty for GPUs without MIG."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str  # the key layouts use, e.g. "H100-80GB"
+    product_name: str
+    brand: str
+    architecture: str
+    compute_capability: str
+    memory_bytes: int
+    multiprocessors: int
+    total_compute_slices: int = 0
+    total_memory_slices: int = 0
+    mig_profiles: tuple[MigProfileSpec, ...] = ()
+
+    def profile(self, name: str) -> MigProfileSpec | None:
+        return next((p for p in self.mig_profiles if p.name == name), None)
+
+
+class _ModelFacts(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    product_name: str
+    architecture: str
+    compute_capability: str
+    memory_mib: int  # total as NVML reports it (less than the marketing figure)
+    multiprocessors: int
+    mig_table: str | None  # key in mig-profiles.json
+
+
+_MODELS: dict[str, _ModelFacts] = {
+    "A100-40GB": _ModelFacts(
+        product_name="NVIDIA A100-SXM4-40GB",
+        architecture="Ampere",
+        compute_capability="8.0",
+        memory_mib=40960,
+        multiprocessors=108,
+        mig_table="A100-SXM4-40GB",
+    ),
+    "A100-80GB": _ModelFacts(
+        product_name="NVIDIA A100-SXM4-80GB",
+        architecture="Ampere",
+        compute_capability="8.0",
+        memory_mib=81920,
+        multiprocessors=108,
+        mig_table="A100-80GB",
+    ),
+    "H100-80GB": _ModelFacts(
+        product_name="NVIDIA H100 80GB HBM3",
+        architecture="Hopper",
+        compute_capability="9.0",
+        memory_mib=81559,
+        multiprocessors=132,
+        mig_table="H100-80GB",
+    ),
+    "H200": _ModelFacts(
+        product_name="NVIDIA H200",
+        architecture="Hopper",
+        compute_capability="9.0",
+        memory_mib=143771,
+        multiprocessors=132,
+        mig_table="H200-141GB",
+    ),
+    "L4": _ModelFacts(
+        product_name="NVIDIA L4",
+        architecture="Ada Lovelace",
+        compute_capability="8.9",
+        memory_mib=23034,
+        multiprocessors=58,
+        mig_table=None,
+    ),
+}
+
+
+class _ProfileRow(BaseModel):
+    """A row of mig-profiles.json; only the fields the simulation uses."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    nvml_profile_enum_value: int
+    nvml_profile_id: int | None
+    compute_slices: int
+    placement_size: int
+    memory_mib: int | None
+    sm_count: int | None
+    max_instances: int
+    placement_starts: list[int]
+
+
+class _ProfileTable(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    total_compute_slices: int
+    total_memory_slices: int
+    profiles: list[_ProfileRow]
+
+
+class _ProfileFile(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    gpus: dict[str, _ProfileTable]
+
+
+def _load_profile_tables() -> dict[str, _ProfileTable]:
+    text = resources.files("driver.simulation").joinpath(_PROFILE_TABLE).read_text()
+    return _ProfileFile.model_validate_json(text).gpus
+
+
+def _profiles(table: _ProfileTable) -> tuple[MigProfileSpec, ...]:
+    return tuple(
+        MigProfileSpec(
+            name=row.name,
+            gi_enum=row.nvml_profile_enum_value,
+            gi_profile_id=row.nvml_profile_id,
+            compute_slices=row.compute_slices,
+            memory_slices=row.placement_size,
+            memory_mib=row.memory_mib,
+            multiprocessors=row.sm_count,
+            max_instances=row.max_instances,
+            placement_starts=tuple(row.placement_starts),
+        )
+        for row in table.profiles
+        # A profile with uncaptured facts cannot be simulated faithfully; leave it out.
+        if row.nvml_profile_id is not None and row.memory_mib is not None and row.sm_count is not None
+    )
+
+
+def gpu_models() -> dict[str, GpuModel]:
+    """Every simulated GPU model by name (``A100-40GB``, ``A100-80GB``, ``H100-80GB``, ``H200``, ``L4``)."""
+    tables = _load_profile_tables()
+    models: dict[str, GpuModel] = {}
+    for name, spec in _MODELS.items():
+        table: _ProfileTable | None = None
+        if spec.mig_table is not None:
+            table = tables.get(spec.mig_table)
+            if table is None:
+                raise SimulationError(f"{_PROFILE_TABLE} has no MIG table {spec.mig_table!r} for model {name}")
+        models[name] = GpuModel(
+            name=name,
+            product_name=spec.product_name,
+            brand="Nvidia",
+            architecture=spec.architecture,
+            compute_capability=spec.compute_capability,
+            memory_bytes=spec.memory_mib * _MIB,
+            multiprocessors=spec.multiprocessors,
+            total_compute_slices=table.total_compute_slices if table else 0,
+            total_memory_slices=table.total_memory_slices if table else 0,
+            mig_profiles=_profiles(table) if table else (),
+        )
+    return models
+
+
+def gpu_model(name: str) -> GpuModel:
+    models = gpu_models()
+    if name not in models:
+        raise SimulationError(f"unknown simulated GPU model {name!r}; known models: {', '.join(sorted(models))}")
+    return models[name]

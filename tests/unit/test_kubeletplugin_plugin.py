@@ -1,0 +1,343 @@
+"""KubeletPlugin sockets and registration, driven by the kubelet emulator; plus the liveness check."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import stat
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from driver.kubeletplugin.claim import ResourceClaim
+from driver.kubeletplugin.liveness import check_sockets
+from driver.kubeletplugin.plugin import KubeletPlugin
+from driver.kubeletplugin.telemetry import Telemetry
+from driver.kubeletplugin.types import ClaimRef, PreparedDevice, PrepareResult
+from driver.simulation.kubelet import KubeletDevice, KubeletEmulator, KubeletProtocolError, PrepareAnswer
+
+DRIVER = "gpu.tessera.dev"
+POD_UID = "7f3c2a1e-pod"
+CLAIM = ClaimRef(namespace="ns", name="claim", uid="claim-uid-1")
+
+
+class EchoDriver:
+    """Prepares every claim as one shared device of its allocation."""
+
+    def prepare_claim(self, claim: ResourceClaim) -> PrepareResult:
+        return PrepareResult(
+            devices=[
+                PreparedDevice(
+                    request_names=[r.base_request],
+                    pool_name=r.pool,
+                    device_name=r.device,
+                    cdi_device_ids=[f"k8s.gpu.tessera.dev/claim={claim.metadata.uid}-{r.device}"],
+                    share_id=r.share_id,
+                )
+                for r in claim.results_for(DRIVER)
+            ]
+        )
+
+    def unprepare_claim(self, claim: ClaimRef) -> str | None:
+        return None
+
+
+class StaticClaims:
+    def fetch(self, ref: ClaimRef) -> ResourceClaim:
+        return ResourceClaim.model_validate(
+            {
+                "metadata": {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid},
+                "status": {
+                    "allocation": {
+                        "devices": {
+                            "results": [
+                                {
+                                    "request": "gpus/mps",
+                                    "driver": DRIVER,
+                                    "pool": "node-a",
+                                    "device": "gpu-0-mps-1",
+                                    "shareID": "share-1",
+                                }
+                            ]
+                        }
+                    }
+                },
+            }
+        )
+
+
+@dataclass
+class Rejections:
+    errors: list[str] = field(default_factory=list)
+    called: threading.Event = field(default_factory=threading.Event)
+
+    def __call__(self, error: str) -> None:
+        self.errors.append(error)
+        self.called.set()
+
+
+@dataclass
+class Dirs:
+    registrar: Path
+    plugin: Path
+
+
+@pytest.fixture
+def dirs() -> Iterator[Dirs]:
+    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
+    root = Path(tempfile.mkdtemp(dir="/tmp", prefix="kp-"))
+    try:
+        yield Dirs(registrar=root / "registry", plugin=root / "plugins" / DRIVER)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def telemetry() -> Iterator[Telemetry]:
+    t = Telemetry("test", "tessera")
+    yield t
+    t.shutdown()
+
+
+def make_plugin(
+    dirs: Dirs,
+    telemetry: Telemetry,
+    pod_uid: str | None = None,
+    rejections: Rejections | None = None,
+    health_services: tuple[str, ...] = (),
+) -> KubeletPlugin:
+    return KubeletPlugin(
+        EchoDriver(),
+        DRIVER,
+        StaticClaims(),
+        telemetry,
+        registrar_dir=dirs.registrar,
+        plugin_dir=dirs.plugin,
+        pod_uid=pod_uid,
+        on_registration_failed=rejections or Rejections(),
+        max_workers=4,
+        health_services=health_services,
+    )
+
+
+def is_socket(path: Path) -> bool:
+    return path.exists() and stat.S_ISSOCK(path.lstat().st_mode)
+
+
+def leave_stale_socket(path: Path) -> None:
+    """A socket file nobody listens on, as a crashed process leaves it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+
+
+def test_socket_names_without_pod_uid(dirs: Dirs, telemetry: Telemetry) -> None:
+    plugin = make_plugin(dirs, telemetry)
+    assert plugin.registration_socket == dirs.registrar / "gpu.tessera.dev-reg.sock"
+    assert plugin.dra_socket == dirs.plugin / "dra.sock"
+    with plugin:
+        assert is_socket(plugin.registration_socket) and is_socket(plugin.dra_socket)
+
+
+def test_socket_names_with_pod_uid(dirs: Dirs, telemetry: Telemetry) -> None:
+    plugin = make_plugin(dirs, telemetry, pod_uid=POD_UID)
+    assert plugin.registration_socket == dirs.registrar / f"gpu.tessera.dev-{POD_UID}-reg.sock"
+    assert plugin.dra_socket == dirs.plugin / f"dra-{POD_UID}.sock"
+    with plugin:
+        assert is_socket(plugin.registration_socket) and is_socket(plugin.dra_socket)
+
+
+def test_default_plugin_dir_is_the_drivers_own(telemetry: Telemetry) -> None:
+    plugin = KubeletPlugin(EchoDriver(), DRIVER, StaticClaims(), telemetry, on_registration_failed=Rejections())
+    assert plugin.registration_socket == Path("/var/lib/kubelet/plugins_registry/gpu.tessera.dev-reg.sock")
+    assert plugin.dra_socket == Path("/var/lib/kubelet/plugins/gpu.tessera.dev/dra.sock")
+
+
+@pytest.mark.parametrize(
+    ("field_name", "kwargs"),
+    [
+        ("driver_name", {"driver_name": "gpu/evil"}),
+        ("driver_name", {"driver_name": ""}),
+        ("pod_uid", {"pod_uid": "../x"}),
+    ],
+)
+def test_bad_names_are_refused(dirs: Dirs, telemetry: Telemetry, field_name: str, kwargs: dict[str, str]) -> None:
+    args: dict[str, str] = {"driver_name": DRIVER, **kwargs}
+    with pytest.raises(ValueError, match=field_name):
+        KubeletPlugin(
+            EchoDriver(),
+            args["driver_name"],
+            StaticClaims(),
+            telemetry,
+            registrar_dir=dirs.registrar,
+            plugin_dir=dirs.plugin,
+            pod_uid=args.get("pod_uid"),
+            on_registration_failed=Rejections(),
+        )
+
+
+def test_too_long_socket_path_is_refused_before_binding(dirs: Dirs, telemetry: Telemetry) -> None:
+    deep = dirs.plugin / ("d" * 120)
+    with pytest.raises(ValueError, match="at most 107"):
+        KubeletPlugin(
+            EchoDriver(),
+            DRIVER,
+            StaticClaims(),
+            telemetry,
+            registrar_dir=dirs.registrar,
+            plugin_dir=deep,
+            on_registration_failed=Rejections(),
+        )
+    assert not deep.exists()
+
+
+def test_stale_files_at_the_socket_paths_are_replaced(dirs: Dirs, telemetry: Telemetry) -> None:
+    plugin = make_plugin(dirs, telemetry)
+    leave_stale_socket(plugin.registration_socket)
+    plugin.dra_socket.parent.mkdir(parents=True)
+    plugin.dra_socket.write_text("left over")
+    with plugin, KubeletEmulator(dirs.registrar) as kubelet:
+        kubelet.wait_for_plugin(DRIVER, timeout=10)
+        assert is_socket(plugin.dra_socket)
+        assert kubelet.prepare([CLAIM])[CLAIM.uid].error is None
+
+
+def test_stop_removes_only_its_own_sockets(dirs: Dirs, telemetry: Telemetry) -> None:
+    other_registration = dirs.registrar / f"{DRIVER}-other-pod-reg.sock"
+    other_dra = dirs.plugin / "dra-other-pod.sock"
+    leave_stale_socket(other_registration)
+    leave_stale_socket(other_dra)
+    plugin = make_plugin(dirs, telemetry, pod_uid=POD_UID)
+    plugin.start()
+    plugin.stop()
+    assert not plugin.registration_socket.exists() and not plugin.dra_socket.exists()
+    assert is_socket(other_registration) and is_socket(other_dra)
+
+
+def test_failed_start_leaves_nothing_behind(dirs: Dirs, telemetry: Telemetry) -> None:
+    plugin = make_plugin(dirs, telemetry)
+    plugin.registration_socket.mkdir(parents=True)  # a directory where the socket must go
+    with pytest.raises(IsADirectoryError, match="directory is in the way"):
+        plugin.start()
+    assert not plugin.dra_socket.exists()
+    plugin.registration_socket.rmdir()
+    with plugin:  # and it can start cleanly afterwards
+        assert is_socket(plugin.registration_socket)
+
+
+def test_registers_with_the_kubelet_and_serves_claims(dirs: Dirs, telemetry: Telemetry) -> None:
+    with make_plugin(dirs, telemetry, pod_uid=POD_UID) as plugin, KubeletEmulator(dirs.registrar) as kubelet:
+        registered = kubelet.wait_for_plugin(DRIVER, timeout=10)
+
+        assert registered.accepted
+        assert registered.registration_socket == plugin.registration_socket
+        assert registered.endpoint == str(plugin.dra_socket)
+        assert registered.supported_versions == ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+        assert registered.api_version == "v1.DRAPlugin"
+        assert plugin.registered.wait(timeout=10)
+        status = plugin.registration_status
+        assert status is not None and status.registered and status.error == ""
+
+        assert kubelet.prepare([CLAIM]) == {
+            CLAIM.uid: PrepareAnswer(
+                devices=(
+                    KubeletDevice(
+                        request_names=("gpus",),
+                        pool_name="node-a",
+                        device_name="gpu-0-mps-1",
+                        cdi_device_ids=("k8s.gpu.tessera.dev/claim=claim-uid-1-gpu-0-mps-1",),
+                        share_id="share-1",
+                    ),
+                )
+            )
+        }
+        assert kubelet.unprepare([CLAIM]) == {CLAIM.uid: None}
+
+
+def test_old_kubelet_uses_v1beta1(dirs: Dirs, telemetry: Telemetry) -> None:
+    with (
+        make_plugin(dirs, telemetry) as _plugin,
+        KubeletEmulator(dirs.registrar, supported_versions=("v1beta1.DRAPlugin",)) as kubelet,
+    ):
+        assert kubelet.wait_for_plugin(DRIVER, timeout=10).api_version == "v1beta1.DRAPlugin"
+        (device,) = kubelet.prepare([CLAIM])[CLAIM.uid].devices
+        assert device.device_name == "gpu-0-mps-1"
+        assert device.share_id is None  # v1beta1 cannot carry it
+
+
+def test_kubelet_without_a_common_api_rejects_and_the_plugin_is_told(dirs: Dirs, telemetry: Telemetry) -> None:
+    rejections = Rejections()
+    with (
+        make_plugin(dirs, telemetry, rejections=rejections),
+        KubeletEmulator(dirs.registrar, supported_versions=("v2.DRAPlugin",)) as kubelet,
+    ):
+        with pytest.raises(KubeletProtocolError, match="none of the versions"):
+            kubelet.wait_for_plugin(DRIVER, timeout=10)
+        assert rejections.called.wait(timeout=10)
+        assert "none of the versions" in rejections.errors[0]
+
+
+def test_rejection_calls_back_with_the_kubelets_error(dirs: Dirs, telemetry: Telemetry) -> None:
+    rejections = Rejections()
+    with make_plugin(dirs, telemetry, rejections=rejections) as plugin, KubeletEmulator(dirs.registrar) as kubelet:
+        registered = kubelet.wait_for_plugin(DRIVER, timeout=10, reject_with="endpoint already registered")
+
+        assert not registered.accepted
+        assert rejections.called.wait(timeout=10)
+        assert rejections.errors == ["endpoint already registered"]
+        assert not plugin.registered.is_set()
+        status = plugin.registration_status
+        assert status is not None and not status.registered and status.error == "endpoint already registered"
+
+
+def test_health_services_are_advertised_after_the_dra_apis(dirs: Dirs, telemetry: Telemetry) -> None:
+    with (
+        make_plugin(dirs, telemetry, health_services=("v1alpha1.DRAResourceHealth",)),
+        KubeletEmulator(dirs.registrar) as kubelet,
+    ):
+        registered = kubelet.wait_for_plugin(DRIVER, timeout=10)
+        assert registered.supported_versions == ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
+        assert registered.api_version == "v1.DRAPlugin"
+
+
+def test_emulator_ignores_dot_files_and_non_sockets(dirs: Dirs, telemetry: Telemetry) -> None:
+    dirs.registrar.mkdir(parents=True)
+    (dirs.registrar / "not-a-socket-reg.sock").write_text("")
+    leave_stale_socket(dirs.registrar / ".hidden-reg.sock")
+    with make_plugin(dirs, telemetry) as plugin:
+        assert KubeletEmulator(dirs.registrar).registration_sockets() == [plugin.registration_socket]
+
+
+def test_liveness_passes_for_a_serving_plugin(dirs: Dirs, telemetry: Telemetry) -> None:
+    with make_plugin(dirs, telemetry) as plugin:
+        ok, detail = check_sockets(plugin.registration_socket, plugin.dra_socket, DRIVER, timeout=10)
+    assert ok, detail
+
+
+def test_liveness_fails_once_the_sockets_are_gone(dirs: Dirs, telemetry: Telemetry) -> None:
+    plugin = make_plugin(dirs, telemetry)
+    plugin.start()
+    plugin.stop()
+    ok, detail = check_sockets(plugin.registration_socket, plugin.dra_socket, DRIVER, timeout=10)
+    assert not ok
+    assert "registration socket" in detail and "missing" in detail
+
+
+def test_liveness_fails_for_a_dead_server_behind_the_socket(dirs: Dirs, telemetry: Telemetry) -> None:
+    with make_plugin(dirs, telemetry) as plugin:
+        plugin.dra_socket.unlink()
+        leave_stale_socket(plugin.dra_socket)  # the file is there but nothing listens
+        ok, detail = check_sockets(plugin.registration_socket, plugin.dra_socket, DRIVER, timeout=5)
+    assert not ok
+    assert "DRA socket" in detail and "NodePrepareResources failed: UNAVAILABLE" in detail
+
+
+def test_liveness_fails_for_another_drivers_socket(dirs: Dirs, telemetry: Telemetry) -> None:
+    with make_plugin(dirs, telemetry) as plugin:
+        ok, detail = check_sockets(plugin.registration_socket, plugin.dra_socket, "other.example.com", timeout=10)
+    assert not ok
+    assert "expected DRAPlugin 'other.example.com'" in detail

@@ -1,0 +1,467 @@
+"""MpsManager against the simulated nvidia-cuda-mps-control: real processes and Unix sockets.
+
+Everything lives in a short /tmp directory (socket paths must stay under ~100 bytes). The
+fixture kills every process whose command line names that directory, so no daemon outlives a
+test, even a failing one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from driver.gpu.mps import MIB, MpsDaemonRecord, MpsDaemonSpec, MpsError, MpsManager, MpsMount, _parse_mib
+
+SIM_BIN = Path(__file__).resolve().parents[2] / "driver" / "simulation" / "bin"
+GPU_A = "GPU-11111111-2222-3333-4444-555555555555"
+GPU_B = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if text.encode() in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+def _wait_until(predicate: Callable[[], bool], what: str, limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for {what}")
+        time.sleep(0.02)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+def _start_time(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+
+
+def _install_standin(name: str, bin_dir: Path) -> None:
+    """Copy a stand-in, run by this interpreter: ``/usr/bin/env python3`` may be a slow shim."""
+    source = (SIM_BIN / name).read_text().split("\n", 1)[1]
+    target = bin_dir / name
+    target.write_text(f"#!{sys.executable}\n{source}")
+    target.chmod(0o755)
+
+
+@dataclass(frozen=True)
+class Sim:
+    top: Path
+    root: Path
+    base: Path
+    journal: Path
+
+    def manager(self, ready: float = 5.0, command: float = 2.0, stop: float = 2.0) -> MpsManager:
+        return MpsManager(self.root, self.base, ready_timeout=ready, command_timeout=command, stop_timeout=stop)
+
+    def running(self) -> list[int]:
+        return _processes_mentioning(str(self.top))
+
+    def journal_entries(self) -> list[dict[str, object]]:
+        if not self.journal.exists():
+            return []
+        return [json.loads(line) for line in self.journal.read_text().splitlines()]
+
+
+@pytest.fixture
+def sim(monkeypatch: pytest.MonkeyPatch) -> Iterator[Sim]:
+    top = Path(tempfile.mkdtemp(prefix="tsm", dir="/tmp"))
+    root = top / "root"
+    (root / "usr" / "bin").mkdir(parents=True)
+    _install_standin("nvidia-cuda-mps-control", root / "usr" / "bin")
+    journal = top / "journal.jsonl"
+    monkeypatch.delenv("TESSERA_SIM_MPS_FAIL", raising=False)
+    monkeypatch.setenv("TESSERA_SIM_MPS_JOURNAL", str(journal))
+    try:
+        yield Sim(top=top, root=root, base=top / "mps", journal=journal)
+    finally:
+        for pid in _processes_mentioning(str(top)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _commands(record: MpsDaemonRecord) -> list[str]:
+    lines = (record.log_dir / "commands.jsonl").read_text().splitlines()
+    return [" ".join([entry["cmd"], *entry["args"]]) for entry in map(json.loads, lines)]
+
+
+LIMITED = MpsDaemonSpec(
+    daemon_id="claim-1",
+    gpu_uuids=[GPU_A, GPU_B],
+    active_thread_percentage=40,
+    # GPU_B's limit is not whole MiB: MPS gets it rounded down.
+    pinned_memory_limits={GPU_A: 2048 * MIB, GPU_B: 1536 * MIB + 123},
+)
+PLAIN = MpsDaemonSpec(daemon_id="gpu-0", gpu_uuids=[GPU_A])
+
+
+# -- start ------------------------------------------------------------------------------------
+
+
+def test_start_applies_limits_in_order_then_checks_readiness(sim: Sim) -> None:
+    record = sim.manager().start(LIMITED)
+    assert _commands(record) == [
+        "set_default_active_thread_percentage 40",
+        "set_default_device_pinned_mem_limit 0 2048M",
+        "get_default_device_pinned_mem_limit 0",
+        "set_default_device_pinned_mem_limit 1 1536M",
+        "get_default_device_pinned_mem_limit 1",
+        "get_default_active_thread_percentage",
+    ]
+    assert record.spec == LIMITED
+    assert record.pipe_dir == sim.base / "claim-1" / "pipe"
+    assert record.log_dir == sim.base / "claim-1" / "log"
+    assert int((record.pipe_dir / "nvidia-cuda-mps-control.pid").read_text()) == record.pid
+    assert record.process_start_time == _start_time(record.pid)
+    assert stat.S_IMODE(record.pipe_dir.stat().st_mode) == 0o755
+    environ = dict(
+        item.split("=", 1) for item in Path(f"/proc/{record.pid}/environ").read_text().split("\0") if "=" in item
+    )
+    assert environ["CUDA_VISIBLE_DEVICES"] == f"{GPU_A},{GPU_B}"
+    assert environ["CUDA_MPS_PIPE_DIRECTORY"] == str(record.pipe_dir)
+    assert environ["CUDA_MPS_LOG_DIRECTORY"] == str(record.log_dir)
+
+
+def test_start_without_limits_only_checks_readiness(sim: Sim) -> None:
+    record = sim.manager().start(PLAIN)
+    assert _commands(record) == ["get_default_active_thread_percentage"]
+    assert sim.manager().is_alive(record)
+
+
+def test_start_failure_raises_with_log_tail_and_leaves_nothing(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TESSERA_SIM_MPS_FAIL", "start")
+    with pytest.raises(MpsError) as caught:
+        sim.manager().start(LIMITED)
+    message = str(caught.value)
+    assert "claim-1" in message
+    assert "-d` exited with status 1" in message
+    assert "control.log" in message
+    assert "injected start failure" in message  # from the log tail
+    assert not (sim.base / "claim-1").exists()
+    assert sim.running() == []
+
+
+def test_hanging_daemon_fails_readiness_within_bound_and_is_killed(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TESSERA_SIM_MPS_FAIL", "hang")
+    with pytest.raises(MpsError, match="did not become ready within 2s"):
+        sim.manager(ready=2.0, command=0.3, stop=0.3).start(PLAIN)
+    started = [e for e in sim.journal_entries() if e.get("event") == "start"]
+    assert len(started) == 1  # a daemon did run...
+    assert _gone(int(str(started[0]["pid"])))  # ...and was killed
+    assert sim.running() == []
+    assert not (sim.base / "gpu-0").exists()
+
+
+def test_hanging_daemon_fails_on_first_limit(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TESSERA_SIM_MPS_FAIL", "hang")
+    with pytest.raises(MpsError, match=r"'set_default_active_thread_percentage 40' got no answer within 0.3s"):
+        sim.manager(ready=3.0, command=0.3, stop=0.3).start(LIMITED)
+    assert sim.running() == []
+    assert not (sim.base / "claim-1").exists()
+
+
+def test_refused_limit_fails_start(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TESSERA_SIM_MPS_FAIL", "reject-limits")
+    with pytest.raises(MpsError) as caught:
+        sim.manager().start(LIMITED)
+    message = str(caught.value)
+    assert "refused 'set_default_active_thread_percentage 40'" in message
+    assert "Cmd:set_default_active_thread_percentage 40" in message  # log tail
+    assert sim.running() == []
+    assert not (sim.base / "claim-1").exists()
+
+
+def test_limit_that_does_not_read_back_fails_start(sim: Sim) -> None:
+    # A daemon that accepts the limit but reports none: wraps the stand-in and lies on read-back.
+    real = sim.root / "usr" / "bin" / "real-mps-control"
+    (sim.root / "usr" / "bin" / "nvidia-cuda-mps-control").rename(real)
+    wrapper = sim.root / "usr" / "bin" / "nvidia-cuda-mps-control"
+    wrapper.write_text(
+        f"#!{sys.executable}\n"
+        "import os, subprocess, sys\n"
+        "data = '' if sys.argv[1:] else sys.stdin.read()\n"
+        "if data.startswith('get_default_device_pinned_mem_limit'):\n"
+        "    print('unlimited'); sys.exit(0)\n"
+        f"sys.exit(subprocess.run([{str(real)!r}, *sys.argv[1:]], input=data, text=True).returncode)\n"
+    )
+    wrapper.chmod(0o755)
+    with pytest.raises(MpsError, match=r"device 0 \(GPU-1111.*\) reads back as 'unlimited', expected 2048M"):
+        sim.manager().start(LIMITED)
+    assert sim.running() == []
+    assert not (sim.base / "claim-1").exists()
+
+
+def test_missing_binary_names_the_driver_root_setting(sim: Sim) -> None:
+    (sim.root / "usr" / "bin" / "nvidia-cuda-mps-control").unlink()
+    with pytest.raises(MpsError, match="nvidiaDriverRoot"):
+        sim.manager().start(PLAIN)
+    assert not (sim.base / "gpu-0").exists()
+
+
+def test_start_refuses_second_daemon_for_same_id(sim: Sim) -> None:
+    manager = sim.manager()
+    record = manager.start(PLAIN)
+    with pytest.raises(MpsError, match=f"pid {record.pid}.* already runs"):
+        manager.start(PLAIN)
+    assert manager.is_alive(record)
+
+
+def test_start_replaces_leftovers_of_a_dead_daemon(sim: Sim) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    pipe = sim.base / "gpu-0" / "pipe"
+    pipe.mkdir(parents=True)
+    (pipe / "nvidia-cuda-mps-control.pid").write_text(f"{dead.pid}\n")
+    (pipe / "control").write_text("stale")
+    record = sim.manager().start(PLAIN)
+    assert sim.manager().is_alive(record)
+
+
+def test_start_rejects_pipe_dir_too_long_for_sockets(sim: Sim) -> None:
+    deep = sim.top / ("d" * 90)
+    with pytest.raises(MpsError, match="too long"):
+        MpsManager(sim.root, deep).start(PLAIN)
+    assert not deep.exists()
+
+
+# -- stop -------------------------------------------------------------------------------------
+
+
+def test_stop_sends_quit_and_the_daemon_exits(sim: Sim) -> None:
+    manager = sim.manager()
+    record = manager.start(PLAIN)
+    manager.stop(record)
+    mine = [e for e in sim.journal_entries() if e["pid"] == record.pid]
+    assert mine[-2:] == [
+        {"pid": record.pid, "cmd": "quit", "args": []},
+        {"pid": record.pid, "event": "exit", "reason": "quit"},
+    ]
+    assert _gone(record.pid)
+    assert not (sim.base / "gpu-0").exists()
+    manager.stop(record)  # idempotent
+    assert sim.running() == []
+
+
+def test_stop_terminates_a_daemon_that_ignores_quit(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TESSERA_SIM_MPS_FAIL", "hang-quit")
+    record = sim.manager().start(PLAIN)
+    sim.manager(command=0.5, stop=0.5).stop(record)
+    mine = [e for e in sim.journal_entries() if e["pid"] == record.pid]
+    assert {"pid": record.pid, "cmd": "quit", "args": []} in mine
+    assert not any(e.get("event") == "exit" for e in mine)  # it never quit: it was signalled
+    assert _gone(record.pid)
+    assert sim.running() == []
+    assert not (sim.base / "gpu-0").exists()
+
+
+def test_stop_kills_a_daemon_that_ignores_sigterm(sim: Sim) -> None:
+    record = sim.manager().start(PLAIN)
+    os.kill(record.pid, signal.SIGSTOP)  # a stopped process answers nothing and defers SIGTERM
+    sim.manager(command=0.3, stop=0.3).stop(record)
+    assert _gone(record.pid)
+    assert sim.running() == []
+    assert not (sim.base / "gpu-0").exists()
+
+
+def test_stop_by_id_ends_a_daemon_whose_record_was_lost(sim: Sim) -> None:
+    manager = sim.manager()
+    record = manager.start(PLAIN)
+    (sim.base / "shm").mkdir()  # not a daemon directory
+    assert manager.daemon_ids_on_disk() == ["gpu-0"]
+    with pytest.raises(MpsError, match="already runs"):
+        manager.start(PLAIN)
+    manager.stop_by_id("gpu-0")
+    assert _gone(record.pid)
+    assert manager.daemon_ids_on_disk() == []
+    manager.stop_by_id("gpu-0")  # idempotent
+    assert manager.is_alive(manager.start(PLAIN))
+
+
+def test_stop_by_id_rejects_unsafe_ids(sim: Sim) -> None:
+    with pytest.raises(ValueError, match=r"daemon_id '\.\./root' must be"):
+        sim.manager().stop_by_id("../root")
+
+
+# -- is_alive / ensure_running ---------------------------------------------------------------
+
+
+def test_is_alive_false_after_kill_9(sim: Sim) -> None:
+    manager = sim.manager()
+    record = manager.start(PLAIN)
+    assert manager.is_alive(record)
+    os.kill(record.pid, signal.SIGKILL)
+    _wait_until(lambda: _gone(record.pid), "the killed daemon to die")
+    assert not manager.is_alive(record)
+
+
+def test_is_alive_false_when_daemon_does_not_answer(sim: Sim) -> None:
+    record = sim.manager().start(PLAIN)
+    os.kill(record.pid, signal.SIGSTOP)
+    assert not sim.manager(command=0.3).is_alive(record)
+
+
+def test_ensure_running_adopts_a_live_daemon(sim: Sim) -> None:
+    manager = sim.manager()
+    record = manager.start(LIMITED)
+    assert manager.ensure_running(record) == record
+    assert [e for e in sim.journal_entries() if e.get("event") == "start"] == [{"pid": record.pid, "event": "start"}]
+    assert _commands(record).count("set_default_active_thread_percentage 40") == 1
+
+
+def test_ensure_running_restarts_a_dead_daemon_with_the_same_limits(sim: Sim) -> None:
+    manager = sim.manager()
+    old = manager.start(LIMITED)
+    os.kill(old.pid, signal.SIGKILL)
+    _wait_until(lambda: _gone(old.pid), "the killed daemon to die")
+    new = manager.ensure_running(old)
+    assert new.pid != old.pid
+    assert new.spec == old.spec
+    assert manager.is_alive(new)
+    assert _commands(new)[:5] == [
+        "set_default_active_thread_percentage 40",
+        "set_default_device_pinned_mem_limit 0 2048M",
+        "get_default_device_pinned_mem_limit 0",
+        "set_default_device_pinned_mem_limit 1 1536M",
+        "get_default_device_pinned_mem_limit 1",
+    ]
+    assert sorted(sim.running()) == [new.pid]
+
+
+def test_recycled_pid_is_never_taken_for_our_daemon(sim: Sim) -> None:
+    manager = sim.manager()
+    record = manager.start(PLAIN)
+    # Same PID, different start time: must not count as our daemon even though one answers.
+    assert not manager.is_alive(record.model_copy(update={"process_start_time": record.process_start_time + 1}))
+    manager.stop(record)
+
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        recycled = record.model_copy(update={"pid": stranger.pid, "process_start_time": _start_time(stranger.pid) - 1})
+        assert not manager.is_alive(recycled)
+        manager.stop(recycled)
+        restarted = manager.ensure_running(recycled)
+        assert stranger.poll() is None  # never signalled
+        assert restarted.pid != stranger.pid
+        assert manager.is_alive(restarted)
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+# -- client edits -----------------------------------------------------------------------------
+
+
+def test_client_edits_carry_pipe_dir_limits_and_shm(sim: Sim) -> None:
+    manager = sim.manager()
+    record = manager.start(LIMITED)
+    edits = manager.client_edits(record, shm_host_dir=Path("/run/tessera/shm/claim-1"))
+    assert edits.env == [
+        "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2048M,1=1536M",
+    ]
+    options = ["rw", "nosuid", "nodev", "bind"]
+    assert edits.mounts == [
+        MpsMount(str(record.pipe_dir), "/tmp/nvidia-mps", options),
+        MpsMount("/run/tessera/shm/claim-1", "/dev/shm", options),
+    ]
+
+
+def test_client_edits_without_limits_or_shm() -> None:
+    record = MpsDaemonRecord(
+        spec=PLAIN,
+        pid=1,
+        pipe_dir=Path("/m/gpu-0/pipe"),
+        log_dir=Path("/m/gpu-0/log"),
+        started_at="2025-01-01T00:00:00+00:00",
+        process_start_time=5,
+    )
+    edits = MpsManager(Path("/"), Path("/m")).client_edits(record, container_pipe_dir="/run/mps-a")
+    assert edits.env == ["CUDA_MPS_PIPE_DIRECTORY=/run/mps-a"]
+    assert edits.mounts == [MpsMount("/m/gpu-0/pipe", "/run/mps-a", ["rw", "nosuid", "nodev", "bind"])]
+
+
+# -- models -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "complaint"),
+    [
+        ({"daemon_id": "../escape"}, "daemon_id"),
+        ({"daemon_id": "a/b"}, "daemon_id"),
+        ({"daemon_id": ""}, "daemon_id"),
+        ({"gpu_uuids": []}, "gpu_uuids"),
+        ({"gpu_uuids": ["0"]}, "not a GPU-... or MIG-... UUID"),
+        ({"gpu_uuids": [f"{GPU_A},{GPU_B}"]}, "not a GPU-... or MIG-... UUID"),
+        ({"gpu_uuids": [GPU_A, GPU_A]}, "more than once"),
+        ({"active_thread_percentage": 0}, "active_thread_percentage"),
+        ({"active_thread_percentage": 101}, "active_thread_percentage"),
+        ({"pinned_memory_limits": {GPU_A: MIB - 1}}, "at least 1048576 bytes"),
+        ({"pinned_memory_limits": {GPU_B: MIB}}, f"names {GPU_B}, which is not in gpu_uuids"),
+    ],
+)
+def test_spec_rejects_bad_input_with_specific_errors(fields: dict[str, object], complaint: str) -> None:
+    values: dict[str, object] = {"daemon_id": "claim-1", "gpu_uuids": [GPU_A], **fields}
+    with pytest.raises(ValidationError, match=complaint.replace("(", r"\(").replace(".", r"\.")):
+        MpsDaemonSpec.model_validate(values)
+
+
+def test_spec_accepts_mig_devices_and_orders_limits_by_ordinal() -> None:
+    mig = "MIG-99999999-8888-7777-6666-555555555555"
+    spec = MpsDaemonSpec(
+        daemon_id="c.1_x-y", gpu_uuids=[mig, GPU_A], pinned_memory_limits={GPU_A: 3 * MIB, mig: MIB + MIB // 2}
+    )
+    assert spec.pinned_limits_mib() == [(0, 1), (1, 3)]
+
+
+def test_record_round_trips_and_ignores_fields_from_newer_drivers() -> None:
+    record = MpsDaemonRecord(
+        spec=LIMITED,
+        pid=42,
+        pipe_dir=Path("/m/claim-1/pipe"),
+        log_dir=Path("/m/claim-1/log"),
+        started_at="2025-01-01T00:00:00+00:00",
+        process_start_time=123,
+    )
+    stored = json.loads(record.model_dump_json())
+    stored["from_the_future"] = True
+    stored["spec"]["also_new"] = 1
+    assert MpsDaemonRecord.model_validate(stored) == record
+
+
+@pytest.mark.parametrize(
+    ("answer", "mib"),
+    [("2048M", 2048), ("4G", 4096), ("1536 MiB", 1536), ("device 0: 2048 MB", 2048), ("2048M for device 1", 2048),
+     ("512", 512), ("unlimited", None), ("", None)],
+)
+def test_memory_read_back_understands_likely_answer_formats(answer: str, mib: int | None) -> None:
+    assert _parse_mib(answer) == mib

@@ -1,0 +1,347 @@
+"""The simulation stand-ins for nvidia-cuda-mps-control and nvidia-smi, and driver-root lookup.
+
+The stand-ins run as real processes in a simulated driver root under a short /tmp directory
+(Unix socket paths must stay under ~100 bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from driver.gpu.binaries import BIN_DIRS, BinaryNotFound, driver_env, find_binary
+
+SIM_BIN = Path(__file__).resolve().parents[2] / "driver" / "simulation" / "bin"
+STANDINS = ("nvidia-cuda-mps-control", "nvidia-smi")
+GPU_A = "GPU-11111111-2222-3333-4444-555555555555"
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if text.encode() in cmdline:
+                pids.append(int(entry.name))
+    return pids
+
+
+def _wait_until(predicate: Callable[[], bool], what: str, limit: float = 10.0) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up waiting for {what}")
+        time.sleep(0.02)
+
+
+def _install_standin(name: str, bin_dir: Path) -> None:
+    """Copy a stand-in, run by this interpreter: ``/usr/bin/env python3`` may be a slow shim."""
+    source = (SIM_BIN / name).read_text().split("\n", 1)[1]
+    target = bin_dir / name
+    target.write_text(f"#!{sys.executable}\n{source}")
+    target.chmod(0o755)
+
+
+@dataclass(frozen=True)
+class SimRoot:
+    top: Path
+    root: Path
+
+    def exe(self, name: str) -> Path:
+        return self.root / "usr" / "bin" / name
+
+
+@pytest.fixture
+def sim() -> Iterator[SimRoot]:
+    top = Path(tempfile.mkdtemp(prefix="tss", dir="/tmp"))
+    root = top / "root"
+    (root / "usr" / "bin").mkdir(parents=True)
+    for name in STANDINS:
+        _install_standin(name, root / "usr" / "bin")
+    try:
+        yield SimRoot(top=top, root=root)
+    finally:
+        # Every daemon runs from this tree, so its command line names it: nothing escapes.
+        for pid in _processes_mentioning(str(top)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _mps_env(sim: SimRoot, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TESSERA_SIM_", "CUDA_MPS_"))}
+    env["CUDA_MPS_PIPE_DIRECTORY"] = str(sim.top / "p")
+    env["CUDA_MPS_LOG_DIRECTORY"] = str(sim.top / "l")
+    env.update(extra)
+    return env
+
+
+def _mps(
+    sim: SimRoot, env: dict[str, str], *args: str, stdin: str = "", timeout: float = 10.0
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(sim.exe("nvidia-cuda-mps-control")), *args],
+        input=stdin,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _commands(log_dir: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in (log_dir / "commands.jsonl").read_text().splitlines()]
+
+
+# -- both stand-ins ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", STANDINS)
+def test_standin_is_executable_and_labelled_simulation(name: str) -> None:
+    path = SIM_BIN / name
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    head = path.read_text().splitlines()
+    assert head[0] == "#!/usr/bin/env python3"
+    assert "SIMULATION STAND-IN" in "\n".join(head[:5])
+    shown = subprocess.run([str(path), "--help"], capture_output=True, text=True, timeout=10, check=True)
+    assert "SIMULATION STAND-IN" in shown.stdout
+
+
+# -- nvidia-cuda-mps-control ----------------------------------------------------------------
+
+
+def test_mps_daemon_answers_commands_logs_them_and_quits(sim: SimRoot) -> None:
+    env = _mps_env(sim)
+    started = _mps(sim, env, "-d")
+    assert started.returncode == 0, started.stderr
+    pid = int((sim.top / "p" / "nvidia-cuda-mps-control.pid").read_text())
+    assert pid in _processes_mentioning(str(sim.top))
+
+    answers = _mps(
+        sim,
+        env,
+        stdin="get_default_active_thread_percentage\n"
+        "set_default_active_thread_percentage 25\n"
+        "get_default_active_thread_percentage\n"
+        "set_default_device_pinned_mem_limit 0 4G\n"
+        "get_default_device_pinned_mem_limit 0\n"
+        "get_server_list\n",
+    )
+    assert answers.returncode == 0, answers.stderr
+    assert answers.stdout.split() == ["100.0", "25.0", "4096M"]
+    assert _commands(sim.top / "l") == [
+        {"cmd": "get_default_active_thread_percentage", "args": []},
+        {"cmd": "set_default_active_thread_percentage", "args": ["25"]},
+        {"cmd": "get_default_active_thread_percentage", "args": []},
+        {"cmd": "set_default_device_pinned_mem_limit", "args": ["0", "4G"]},
+        {"cmd": "get_default_device_pinned_mem_limit", "args": ["0"]},
+        {"cmd": "get_server_list", "args": []},
+    ]
+    log_lines = (sim.top / "l" / "control.log").read_text().splitlines()
+    assert all(re.match(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} Control \d+\] ", line) for line in log_lines)
+    assert any(line.endswith("Cmd:set_default_active_thread_percentage 25") for line in log_lines)
+
+    assert _mps(sim, env, stdin="quit\n").returncode == 0
+    _wait_until(lambda: pid not in _processes_mentioning(str(sim.top)), "the daemon to exit after quit")
+    assert sorted(p.name for p in (sim.top / "p").iterdir()) == []
+
+
+def test_mps_client_without_daemon_fails_with_message(sim: SimRoot) -> None:
+    result = _mps(sim, _mps_env(sim), stdin="get_server_list\n")
+    assert result.returncode != 0
+    assert "Cannot find MPS control daemon" in result.stderr
+
+
+def test_mps_daemon_refuses_second_instance_in_same_pipe_dir(sim: SimRoot) -> None:
+    env = _mps_env(sim)
+    assert _mps(sim, env, "-d").returncode == 0
+    second = _mps(sim, env, "-d")
+    assert second.returncode != 0
+    assert "already running" in (sim.top / "l" / "control.log").read_text()
+    assert len(_processes_mentioning(str(sim.top))) == 1
+
+
+def test_mps_injected_start_failure_leaves_nothing_running(sim: SimRoot) -> None:
+    result = _mps(sim, _mps_env(sim, TESSERA_SIM_MPS_FAIL="start"), "-d")
+    assert result.returncode != 0
+    assert "failed to start" in result.stderr
+    assert "injected start failure" in (sim.top / "l" / "control.log").read_text()
+    assert not (sim.top / "p" / "nvidia-cuda-mps-control.pid").exists()
+    assert _processes_mentioning(str(sim.top)) == []
+
+
+def test_mps_reject_limits_answers_set_commands_with_error(sim: SimRoot) -> None:
+    env = _mps_env(sim, TESSERA_SIM_MPS_FAIL="reject-limits")
+    assert _mps(sim, env, "-d").returncode == 0
+    result = _mps(sim, env, stdin="set_default_active_thread_percentage 50\nget_default_active_thread_percentage\n")
+    assert result.returncode == 0
+    first, second = result.stdout.splitlines()
+    assert first.startswith("Error:")
+    assert second == "100.0"
+
+
+def test_mps_hang_mode_never_answers(sim: SimRoot) -> None:
+    env = _mps_env(sim, TESSERA_SIM_MPS_FAIL="hang")
+    assert _mps(sim, env, "-d").returncode == 0
+    with pytest.raises(subprocess.TimeoutExpired):
+        _mps(sim, env, stdin="get_default_active_thread_percentage\n", timeout=0.5)
+
+
+def test_mps_daemon_dies_on_sigterm(sim: SimRoot) -> None:
+    env = _mps_env(sim)
+    assert _mps(sim, env, "-d").returncode == 0
+    pid = int((sim.top / "p" / "nvidia-cuda-mps-control.pid").read_text())
+    os.kill(pid, signal.SIGTERM)
+    _wait_until(lambda: pid not in _processes_mentioning(str(sim.top)), "the daemon to die on SIGTERM")
+
+
+# -- nvidia-smi -------------------------------------------------------------------------------
+
+
+def _smi(sim: SimRoot, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_SIM_")}
+    env["TESSERA_SIM_NVIDIA_SMI_LOG"] = str(sim.top / "smi.jsonl")
+    env["TESSERA_SIM_NVIDIA_SMI_STATE"] = str(sim.top / "smi-state.json")
+    env.update(extra)
+    return subprocess.run(
+        [str(sim.exe("nvidia-smi")), *args], env=env, capture_output=True, text=True, timeout=10, check=False
+    )
+
+
+def _smi_calls(sim: SimRoot) -> list[list[str]]:
+    return [json.loads(line) for line in (sim.top / "smi.jsonl").read_text().splitlines()]
+
+
+def test_nvidia_smi_records_calls_and_keeps_settings(sim: SimRoot) -> None:
+    assert _smi(sim, "-i", GPU_A, "-c", "EXCLUSIVE_PROCESS").returncode == 0
+    assert _smi(sim, "compute-policy", "-i", GPU_A, "--set-timeslice", "3").returncode == 0
+    listed = _smi(sim, "compute-policy", "-l")
+    assert f"{GPU_A}: timeslice Long (3)" in listed.stdout
+    gpus = _smi(sim, "-L", TESSERA_SIM_GPU_UUIDS="GPU-seeded-0")
+    assert gpus.stdout.splitlines() == [
+        "GPU 0: Simulated GPU (SIMULATION STAND-IN) (UUID: GPU-seeded-0)",
+        f"GPU 1: Simulated GPU (SIMULATION STAND-IN) (UUID: {GPU_A})",
+    ]
+    state = json.loads((sim.top / "smi-state.json").read_text())
+    assert state[GPU_A] == {"compute_mode": "EXCLUSIVE_PROCESS", "timeslice": 3}
+    assert _smi_calls(sim) == [
+        ["-i", GPU_A, "-c", "EXCLUSIVE_PROCESS"],
+        ["compute-policy", "-i", GPU_A, "--set-timeslice", "3"],
+        ["compute-policy", "-l"],
+        ["-L"],
+    ]
+
+
+def test_nvidia_smi_injected_failure_matches_only_its_call(sim: SimRoot) -> None:
+    fail = {"TESSERA_SIM_NVIDIA_SMI_FAIL": "--set-timeslice"}
+    assert _smi(sim, "-i", GPU_A, "-c", "DEFAULT", **fail).returncode == 0
+    failed = _smi(sim, "compute-policy", "-i", GPU_A, "--set-timeslice", "1", **fail)
+    assert failed.returncode == 3
+    assert "injected failure" in failed.stderr
+    assert _smi_calls(sim)[-1] == ["compute-policy", "-i", GPU_A, "--set-timeslice", "1"]
+    state = json.loads((sim.top / "smi-state.json").read_text())
+    assert state[GPU_A]["timeslice"] == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["compute-policy", "-i", GPU_A, "--set-timeslice", "7"],
+        ["-i", GPU_A, "-c", "EXCLUSIVE_THREAD"],
+        ["compute-policy", "-i", "MIG-abc", "--set-timeslice", "1"],
+        ["--no-such-flag"],
+    ],
+)
+def test_nvidia_smi_rejects_bad_arguments(sim: SimRoot, args: list[str]) -> None:
+    result = _smi(sim, *args)
+    assert result.returncode == 2
+    assert "SIMULATION STAND-IN" in result.stderr
+
+
+def test_nvidia_smi_default_log_is_under_the_driver_root(sim: SimRoot) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_SIM_")}
+    subprocess.run(
+        [str(sim.exe("nvidia-smi")), "-i", GPU_A, "-c", "DEFAULT"], env=env, check=True, capture_output=True, timeout=10
+    )
+    calls = (sim.root / "var" / "log" / "nvidia-smi-calls.jsonl").read_text().splitlines()
+    assert [json.loads(c) for c in calls] == [["-i", GPU_A, "-c", "DEFAULT"]]
+
+
+# -- find_binary / driver_env -----------------------------------------------------------------
+
+
+def _make_exe(path: Path, mode: int = 0o755) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(mode)
+    return path
+
+
+def test_find_binary_takes_first_executable_in_search_order(tmp_path: Path) -> None:
+    _make_exe(tmp_path / "usr/sbin/tool")
+    expected = _make_exe(tmp_path / "bin/tool")
+    _make_exe(tmp_path / "usr/local/nvidia/bin/tool", mode=0o644)  # not executable: skipped
+    assert find_binary(tmp_path, "tool") == expected
+    first = _make_exe(tmp_path / "usr/bin/tool")
+    assert find_binary(tmp_path, "tool") == first
+
+
+def test_find_binary_error_lists_where_it_looked_and_how_to_fix(tmp_path: Path) -> None:
+    with pytest.raises(BinaryNotFound) as caught:
+        find_binary(tmp_path, "nvidia-smi")
+    message = str(caught.value)
+    assert "nvidia-smi" in message
+    for bin_dir in BIN_DIRS:
+        assert str(tmp_path / bin_dir) in message
+    assert "nvidiaDriverRoot" in message
+    assert "--driver-root" in message
+
+
+@pytest.mark.parametrize("name", ["", "usr/bin/nvidia-smi", "../nvidia-smi"])
+def test_find_binary_wants_a_bare_name(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ValueError, match="bare file name"):
+        find_binary(tmp_path, name)
+
+
+def test_driver_env_prepends_existing_driver_dirs(tmp_path: Path) -> None:
+    for d in ("usr/bin", "bin", "usr/lib64", "usr/lib/x86_64-linux-gnu"):
+        (tmp_path / d).mkdir(parents=True)
+    env = driver_env(tmp_path, {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/opt/lib", "OTHER": "x"})
+    assert env["PATH"] == f"{tmp_path}/usr/bin:{tmp_path}/bin:/usr/bin:/bin"
+    assert env["LD_LIBRARY_PATH"] == f"{tmp_path}/usr/lib64:{tmp_path}/usr/lib/x86_64-linux-gnu:/opt/lib"
+    assert env["OTHER"] == "x"
+
+
+def test_driver_env_without_lib_dirs_leaves_library_path_unset(tmp_path: Path) -> None:
+    (tmp_path / "usr/bin").mkdir(parents=True)
+    env = driver_env(tmp_path, {"PATH": "/usr/bin"})
+    assert env["PATH"] == f"{tmp_path}/usr/bin:/usr/bin"
+    assert "LD_LIBRARY_PATH" not in env
+
+
+def test_driver_env_at_root_changes_nothing() -> None:
+    base = {"PATH": "/usr/bin", "LD_LIBRARY_PATH": "/opt/lib"}
+    assert driver_env(Path("/"), base) == base
+
+
+def test_driver_env_defaults_to_our_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TESSERA_TEST_MARKER", "present")
+    assert driver_env(tmp_path)["TESSERA_TEST_MARKER"] == "present"
