@@ -170,10 +170,18 @@ class FakeApiServer:
         with self._cond:
             return list(self._requests)
 
-    def add_node(self, name: str) -> str:
+    def add_node(self, name: str, labels: dict[str, str] | None = None) -> str:
         """Create a Node; returns its UID."""
-        node = self._create("nodes", "", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+        meta: Obj = {"name": name, "labels": dict(labels or {})}
+        node = self._create("nodes", "", {"apiVersion": "v1", "kind": "Node", "metadata": meta})
         return str(node["metadata"]["uid"])
+
+    def set_node_labels(self, name: str, labels: dict[str, str]) -> None:
+        """Replace a Node's labels (as ``kubectl label`` would)."""
+        node = self._get("nodes", "", name)
+        node["metadata"]["labels"] = dict(labels)
+        node["metadata"].pop("resourceVersion", None)
+        self._replace("nodes", "", name, node, keep_status=True)
 
     def slices(self, driver: str | None = None, node: str | None = None) -> list[Obj]:
         """Stored ResourceSlices (copies), sorted by name."""

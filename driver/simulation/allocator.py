@@ -1,0 +1,87 @@
+"""SIMULATION: a minimal stand-in for the scheduler's allocator, for the demo and tests.
+
+A real cluster's scheduler evaluates DeviceClass and request CEL selectors in full. This one
+understands only what the examples need (a DeviceClass of this driver, ``count``, and selectors
+that are conjunctions of ``device.attributes['<domain>'].<attr> == '<value>'``) and refuses
+anything else loudly rather than allocating something the real scheduler would not.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+Obj = dict[str, Any]
+
+_EQUALITY = re.compile(r"""device\.attributes\['(?P<domain>[^']+)'\]\.(?P<attr>\w+)\s*==\s*['"](?P<value>[^'"]*)['"]""")
+
+
+class AllocationError(Exception):
+    pass
+
+
+def class_types(driver_name: str) -> dict[str, str]:
+    """DeviceClass name -> the ``type`` attribute it selects (as the chart defines them)."""
+    return {driver_name: "gpu", f"mig.{driver_name}": "mig", f"mps.{driver_name}": "mps",
+            f"timeslice.{driver_name}": "timeslice"}
+
+
+def _attribute(device: Obj, key: str) -> object:
+    value = device.get("attributes", {}).get(key, {})
+    return next(iter(value.values()), None) if value else None
+
+
+def _matches(device: Obj, driver_name: str, selectors: Iterable[Obj]) -> bool:
+    for selector in selectors:
+        expression = selector.get("cel", {}).get("expression", "")
+        terms = [t.strip() for t in expression.split("&&")]
+        for term in terms:
+            m = _EQUALITY.fullmatch(term)
+            if m is None:
+                raise AllocationError(f"the simulated allocator cannot evaluate the selector {expression!r}")
+            key = m["attr"] if m["domain"] == driver_name else f"{m['domain']}/{m['attr']}"
+            if str(_attribute(device, key)) != m["value"]:
+                return False
+    return True
+
+
+def allocate(claim: Obj, slices: list[Obj], driver_name: str, taken: set[str]) -> Obj:
+    """Return ``claim`` with ``status.allocation`` filled from free devices of ``slices``.
+
+    ``taken`` holds device names already allocated; the chosen ones are added to it.
+    """
+    types = class_types(driver_name)
+    devices = [(s["spec"]["pool"]["name"], d) for s in slices for d in s["spec"].get("devices", [])]
+    spec = claim["spec"]["devices"]
+    results: list[Obj] = []
+    for request in spec.get("requests", []):
+        exact = request.get("exactly")
+        if exact is None:
+            raise AllocationError(f"request {request['name']!r}: the simulated allocator only handles 'exactly'")
+        wanted_type = types.get(exact["deviceClassName"])
+        if wanted_type is None:
+            raise AllocationError(f"request {request['name']!r}: unknown DeviceClass {exact['deviceClassName']!r}")
+        for _ in range(int(exact.get("count", 1))):
+            choice = next(((pool, d) for pool, d in devices
+                           if d["name"] not in taken and _attribute(d, "type") == wanted_type
+                           and _matches(d, driver_name, exact.get("selectors", []))), None)
+            if choice is None:
+                raise AllocationError(f"request {request['name']!r}: no free {wanted_type} device matches")
+            pool, device = choice
+            taken.add(device["name"])
+            results.append({"request": request["name"], "driver": driver_name, "pool": pool,
+                            "device": device["name"]})
+    config = [{"source": "FromClaim", "requests": c.get("requests", []), "opaque": c["opaque"]}
+              for c in spec.get("config", []) if "opaque" in c]
+    allocated = dict(claim)
+    allocated["status"] = {"allocation": {"devices": {"results": results, "config": config}}}
+    return allocated
+
+
+def claim_from_template(template: Obj, name: str, namespace: str = "default") -> Obj:
+    """A ResourceClaim as the controller would create it for a pod from ``template``."""
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name, "namespace": namespace, "uid": str(uuid.uuid4())},
+            "spec": template["spec"]["spec"]}

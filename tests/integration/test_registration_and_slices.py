@@ -1,0 +1,85 @@
+"""The driver process registers with the kubelet and publishes the node's devices."""
+
+from __future__ import annotations
+
+from driver.kubeletplugin.liveness import check_sockets
+from tests.support.node import DRIVER, NODE, SimulatedNode, wait_until
+
+DEMO_DEVICES = ["gpu-0", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mig-1g10gb-6", "gpu-2"]
+
+
+def test_registers_v1_first_and_publishes_every_gpu_and_mig_instance(node: SimulatedNode) -> None:
+    node.start()
+    plugin = node.kubelet.wait_for_plugin(DRIVER, timeout=5)
+    assert plugin.supported_versions[0] == "v1.DRAPlugin"
+    assert plugin.api_version == "v1.DRAPlugin"
+    assert plugin.endpoint == str(node.state_dir / "dra.sock")
+    node.wait_for_devices(DEMO_DEVICES)
+    [slice_] = node.api.slices(DRIVER, NODE)
+    assert slice_["spec"]["pool"] == {"name": NODE, "generation": 1, "resourceSliceCount": 1}
+    assert slice_["metadata"]["ownerReferences"][0]["kind"] == "Node"
+    by_name = {d["name"]: d for d in node.devices()}
+    gpu0 = by_name["gpu-0"]["attributes"]
+    assert gpu0["type"] == {"string": "gpu"}
+    assert gpu0["productName"] == {"string": "NVIDIA H100 80GB HBM3"}
+    assert gpu0["cudaComputeCapability"] == {"version": "9.0.0"}
+    assert gpu0["driverVersion"] == {"version": "580.95.5"}
+    mig = by_name["gpu-1-mig-1g10gb-6"]["attributes"]
+    assert mig["type"] == {"string": "mig"} and mig["profile"] == {"string": "1g.10gb"}
+    assert "gpu-1" not in by_name, "a MIG-enabled GPU is published only as its MIG instances"
+    ok, detail = check_sockets(node.work / "reg" / f"{DRIVER}-reg.sock", node.state_dir / "dra.sock", DRIVER)
+    assert ok, detail
+
+
+def test_pod_uid_sockets_for_rolling_updates(node: SimulatedNode) -> None:
+    node.start("--pod-uid", "1234-abcd")
+    plugin = node.kubelet.wait_for_plugin(DRIVER, timeout=5)
+    assert plugin.registration_socket.name == f"{DRIVER}-1234-abcd-reg.sock"
+    assert plugin.endpoint.endswith("dra-1234-abcd.sock")
+    assert node.stop() == 0
+    assert not plugin.registration_socket.exists(), "a stopping pod removes its own sockets"
+
+
+def test_registration_refused_by_the_kubelet_exits_non_zero(node: SimulatedNode) -> None:
+    node.start(register=False)
+    node.kubelet.wait_for_plugin(DRIVER, timeout=30, reject_with="plugin validation failed: test says no")
+    assert node.proc is not None
+    assert node.proc.wait(timeout=20) == 1
+    assert any("refused" in str(e.get("msg")) and "test says no" in str(e) for e in node.log())
+
+
+def test_slices_are_recreated_after_the_kubelet_wipes_them(node: SimulatedNode) -> None:
+    node.start()
+    node.wait_for_devices(DEMO_DEVICES)
+    assert node.api.wipe_slices(NODE) == 1
+    node.wait_for_devices(DEMO_DEVICES)
+
+
+def test_server_rejection_is_retried_with_backoff_not_a_hot_loop(node: SimulatedNode) -> None:
+    node.api.reject_next_slice_writes(3, "admission webhook denied the request", status=422, reason="Invalid")
+    node.start()
+    node.wait_for_devices(DEMO_DEVICES, timeout=30)
+    creates = [r for r in node.api.requests if r[0] == "POST" and r[1].endswith("/resourceslices")]
+    assert 4 <= len(creates) <= 6, creates
+    assert any("admission webhook denied the request" in str(e) for e in node.log())
+
+
+def test_metrics_and_health_endpoints(node: SimulatedNode) -> None:
+    import json
+    import urllib.request
+
+    node.start()
+    node.wait_for_devices(DEMO_DEVICES)
+    started = next(e for e in node.log() if e.get("msg") == "driver started")
+    base = f"http://127.0.0.1:{started['http_port']}"
+    assert urllib.request.urlopen(f"{base}/healthz", timeout=10).status == 200
+    wait_until(lambda: urllib.request.urlopen(f"{base}/readyz", timeout=10).status == 200, what="ready")
+    ref = node.claim("c1", [("gpu", "gpu-0")])
+    node.prepare_ok(ref)
+    metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    assert 'tessera_prepare_claims_total{' in metrics and 'result="success"' in metrics
+    assert "tessera_prepare_claim_duration_seconds_bucket" in metrics
+    assert "tessera_prepared_claims" in metrics and "tessera_published_devices" in metrics
+    outcome = [e for e in node.log() if e.get("claim_uid") == ref.uid]
+    assert outcome, "log lines carry the claim UID"
+    json.dumps(outcome)

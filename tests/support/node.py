@@ -1,0 +1,260 @@
+"""A simulated GPU node for integration tests: the real driver process and simulated surroundings.
+
+The driver runs as ``python -m driver run --simulate`` in its own process. Around it: the API
+server double (real HTTP, the real kubernetes client on the driver side), the kubelet stand-in
+(real gRPC over the real Unix sockets), a simulated host tree with stand-in device nodes, and
+stand-in ``nvidia-smi`` / ``nvidia-cuda-mps-control`` executables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from driver.kubeletplugin.types import ClaimRef
+from driver.simulation.apiserver import FakeApiServer
+from driver.simulation.discovery import SimulatedDiscovery
+from driver.simulation.hostroot import build_host_root
+from driver.simulation.kubelet import KubeletEmulator, PrepareAnswer
+
+DRIVER = "gpu.tessera.dev"
+NODE = "node-a"
+PLAN_LABEL = "gpu.tessera.dev/sharing-plan"
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+class SimulatedNode:
+    def __init__(self, layout: str = "demo", plans: dict[str, Any] | None = None, plan: str | None = None,
+                 minor_version: int = 36):
+        # Short paths: Unix socket paths must stay under 108 bytes.
+        self.work = Path(tempfile.mkdtemp(prefix="tsn-", dir="/tmp"))
+        self.layout = layout
+        self.inventory = SimulatedDiscovery(layout, NODE).discover()
+        self.host = self.work / "host"
+        build_host_root(self.host, self.inventory)
+        self._fast_standins()
+        self.plans_file: Path | None = None
+        if plans is not None:
+            self.plans_file = self.work / "plans.yaml"
+            self.plans_file.write_text(yaml.safe_dump(plans))
+        self.api = FakeApiServer(minor_version=minor_version)
+        self.api.start()
+        self.api.add_node(NODE, labels={PLAN_LABEL: plan} if plan else {})
+        self.kubeconfig = self.api.kube_config(self.work / "kubeconfig")
+        self.kubelet = KubeletEmulator(self.work / "reg")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.env: dict[str, str] = {}
+        self.log_path = self.work / "driver.log"
+
+    def _fast_standins(self) -> None:
+        # The stand-ins say '#!/usr/bin/env python3'; point them at this interpreter so each
+        # simulated nvidia-smi / MPS control call does not pay for a version-manager shim.
+        for name in ("nvidia-smi", "nvidia-cuda-mps-control"):
+            path = self.host / "usr" / "bin" / name
+            lines = path.read_text().splitlines(keepends=True)
+            path.write_text(f"#!{sys.executable}\n" + "".join(lines[1:]))
+
+    # ----------------------------------------------------------------------------- paths
+
+    @property
+    def state_dir(self) -> Path:
+        return self.work / "plugins" / DRIVER
+
+    @property
+    def cdi_dir(self) -> Path:
+        return self.work / "cdi"
+
+    @property
+    def mps_journal(self) -> Path:
+        return self.work / "mps-journal.jsonl"
+
+    @property
+    def nvidia_smi_log(self) -> Path:
+        return self.work / "nvidia-smi.jsonl"
+
+    def cdi_spec(self, claim_uid: str) -> Path:
+        return self.cdi_dir / f"k8s.gpu.tessera.dev-claim_{claim_uid}.json"
+
+    def cdi_files(self) -> list[str]:
+        return sorted(p.name for p in self.cdi_dir.glob("*.json")) if self.cdi_dir.exists() else []
+
+    def checkpoint(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.state_dir / "checkpoint.json").read_text())["data"]
+        return data
+
+    def journal(self) -> list[dict[str, Any]]:
+        if not self.mps_journal.exists():
+            return []
+        return [json.loads(line) for line in self.mps_journal.read_text().splitlines() if line.strip()]
+
+    def nvidia_smi_calls(self) -> list[list[str]]:
+        if not self.nvidia_smi_log.exists():
+            return []
+        calls = []
+        for line in self.nvidia_smi_log.read_text().splitlines():
+            entry = json.loads(line)
+            calls.append(entry["argv"] if isinstance(entry, dict) else entry)
+        return calls
+
+    # ----------------------------------------------------------------------------- process
+
+    def args(self, *extra: str) -> list[str]:
+        args = [sys.executable, "-m", "driver", "run", "--simulate", self.layout, "--node-name", NODE,
+                "--kubeconfig", str(self.kubeconfig), "--registrar-dir", str(self.work / "reg"),
+                "--plugins-dir", str(self.work / "plugins"), "--cdi-root", str(self.cdi_dir),
+                "--host-root", str(self.host), "--driver-root", str(self.host),
+                "--nvidia-cdi-spec", str(self.host / "etc" / "cdi" / "nvidia.yaml"),
+                "--http-port", "0", "--log-format", "json", "--rescan-interval", "0.5"]
+        if self.plans_file is not None:
+            args += ["--sharing-plans", str(self.plans_file)]
+        return [*args, *extra]
+
+    def start(self, *extra: str, env: dict[str, str] | None = None, register: bool = True) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "driver already running"
+        self.env = dict(os.environ, TESSERA_SIM_MPS_JOURNAL=str(self.mps_journal),
+                        TESSERA_SIM_NVIDIA_SMI_LOG=str(self.nvidia_smi_log),
+                        TESSERA_SIM_NVIDIA_SMI_STATE=str(self.work / "nvidia-smi-state.json"),
+                        **(env or {}))
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child process
+        self.proc = subprocess.Popen(self.args(*extra), stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        log.close()
+        if register:
+            self.kubelet.wait_for_plugin(DRIVER, timeout=30)
+
+    def run_to_exit(self, *extra: str, timeout: float = 30.0) -> tuple[int, str]:
+        """Run the driver expecting it to exit by itself (e.g. bad configuration)."""
+        done = subprocess.run(self.args(*extra), capture_output=True, text=True, timeout=timeout,
+                              env=dict(os.environ, **self.env))
+        return done.returncode, done.stdout + done.stderr
+
+    def stop(self) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def restart(self, *extra: str, env: dict[str, str] | None = None) -> None:
+        self.stop()
+        self.kubelet.close()
+        self.kubelet = KubeletEmulator(self.work / "reg")
+        self.start(*extra, env=env)
+
+    def log(self) -> list[dict[str, Any]]:
+        lines = self.log_path.read_text().splitlines() if self.log_path.exists() else []
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                out.append({"msg": line})
+        return out
+
+    def close(self) -> None:
+        self.stop()
+        self.kubelet.close()
+        self.api.stop()
+        self._kill_leftover_daemons()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def _kill_leftover_daemons(self) -> None:
+        # MPS daemon stand-ins daemonise (setsid); kill any that a failing test left behind.
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+                environ = (proc / "environ").read_bytes()
+            except OSError:
+                continue
+            if str(self.work).encode() in cmdline or str(self.work).encode() in environ:
+                try:
+                    os.kill(int(proc.name), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    # ----------------------------------------------------------------------------- cluster
+
+    def devices(self) -> list[dict[str, Any]]:
+        return [d for s in self.api.slices(DRIVER, NODE) for d in s["spec"].get("devices", [])]
+
+    def device_names(self) -> list[str]:
+        return [d["name"] for d in self.devices()]
+
+    def wait_for_devices(self, expected: Sequence[str], timeout: float = 20.0) -> None:
+        wait_until(lambda: sorted(self.device_names()) == sorted(expected), timeout,
+                   f"published devices {sorted(expected)} (have {sorted(self.device_names())})")
+
+    def claim(self, name: str, devices: Sequence[tuple[str, str]], *, configs: Sequence[dict[str, Any]] = (),
+              namespace: str = "default", share_ids: dict[str, str] | None = None, pool: str = NODE,
+              allocated: bool = True) -> ClaimRef:
+        """Create a ResourceClaim allocated to ``devices`` (pairs of request, device name)."""
+        uid = str(uuid.uuid4())
+        results = []
+        for request, device in devices:
+            result: dict[str, Any] = {"request": request, "driver": DRIVER, "pool": pool, "device": device}
+            if share_ids and device in share_ids:
+                result["shareID"] = share_ids[device]
+            results.append(result)
+        claim: dict[str, Any] = {"metadata": {"name": name, "namespace": namespace, "uid": uid},
+                                 "spec": {"devices": {"requests": []}}}
+        if allocated:
+            claim["status"] = {"allocation": {"devices": {"results": results, "config": list(configs)}}}
+        self.api.put_claim(claim)
+        return ClaimRef(namespace=namespace, name=name, uid=uid)
+
+    def prepare(self, *refs: ClaimRef) -> dict[str, PrepareAnswer]:
+        return self.kubelet.prepare(list(refs))
+
+    def prepare_ok(self, ref: ClaimRef) -> PrepareAnswer:
+        answer = self.prepare(ref)[ref.uid]
+        assert answer.error is None, f"prepare of {ref.name} failed: {answer.error}"
+        return answer
+
+    def unprepare(self, *refs: ClaimRef) -> dict[str, str | None]:
+        return self.kubelet.unprepare(list(refs))
+
+
+def gpu_config(**sharing: Any) -> dict[str, Any]:
+    """An opaque GpuConfig entry as it appears in an allocation (source FromClaim, all requests)."""
+    params: dict[str, Any] = {"apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "GpuConfig"}
+    if sharing:
+        params["sharing"] = sharing
+    return {"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": params}}
