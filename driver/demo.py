@@ -152,7 +152,8 @@ def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, w
         refs.append(ref)
         _say(f"  NodePrepareResources over the real gRPC socket: ok in {elapsed_ms:.1f} ms")
         for dev in answer.devices:
-            _say(f"    device {dev.device_name} for request(s) {dev.request_names}: CDI {', '.join(dev.cdi_device_ids)}")
+            ids = ", ".join(dev.cdi_device_ids)
+            _say(f"    device {dev.device_name} for request(s) {list(dev.request_names)}: CDI {ids}")
         spec_path = work / "cdi" / f"k8s.gpu.tessera.dev-claim_{ref.uid}.json"
         spec_json = json.loads(spec_path.read_text())
         _say(f"  CDI spec written: {spec_path} (cdiVersion {spec_json['cdiVersion']})")

@@ -89,7 +89,8 @@ def test_every_per_claim_error_is_that_claims_alone(node: SimulatedNode) -> None
                            out_of_range, wrong_api)
     assert answers[good.uid].error is None
     assert "not found" in (answers[missing.uid].error or "")
-    assert "replaced" in (answers[replaced_old.uid].error or "") and replaced.uid in (answers[replaced_old.uid].error or "")
+    replaced_error = answers[replaced_old.uid].error or ""
+    assert "replaced" in replaced_error and replaced.uid in replaced_error
     assert "not allocated" in (answers[unallocated.uid].error or "")
     assert "gpu-7" in (answers[unknown.uid].error or "") and "not published" in (answers[unknown.uid].error or "")
     assert "node-b" in (answers[other_pool.uid].error or "")

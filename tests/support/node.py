@@ -8,6 +8,7 @@ stand-in ``nvidia-smi`` / ``nvidia-cuda-mps-control`` executables.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -205,10 +206,8 @@ class SimulatedNode:
             except OSError:
                 continue
             if str(self.work).encode() in cmdline or str(self.work).encode() in environ:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(int(proc.name), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
     # ----------------------------------------------------------------------------- cluster
 

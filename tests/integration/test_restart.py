@@ -1,0 +1,111 @@
+"""Crash safety: restarts, kill -9 in the middle of prepare, a lost CDI dir, a corrupt checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+
+import grpc
+
+from tests.support.node import SimulatedNode, gpu_config, pid_alive, wait_until
+
+
+def test_restart_keeps_prepared_claims(node: SimulatedNode) -> None:
+    node.start()
+    ref = node.claim("c", [("gpu", "gpu-0")])
+    first = node.prepare_ok(ref)
+    node.restart()
+    assert node.cdi_spec(ref.uid).exists()
+    assert node.prepare_ok(ref).devices == first.devices, "the recorded answer, not a new prepare"
+    assert node.unprepare(ref) == {ref.uid: None}
+    assert node.cdi_files() == []
+
+
+def test_cdi_specs_lost_in_a_reboot_are_recreated_at_start(node: SimulatedNode) -> None:
+    node.start()
+    refs = [node.claim("a", [("gpu", "gpu-0")]), node.claim("b", [("mig", "gpu-1-mig-1g10gb-6")])]
+    before = {r.uid: json.loads(node.cdi_spec(r.uid).read_text()) for r in refs if node.prepare_ok(r)}
+    node.stop()
+    for path in node.cdi_dir.iterdir():
+        path.unlink()  # /var/run/cdi is a tmpfs: a reboot empties it
+    node.start()
+    for ref in refs:
+        assert json.loads(node.cdi_spec(ref.uid).read_text()) == before[ref.uid]
+
+
+def test_orphan_cdi_specs_are_removed_at_start(node: SimulatedNode) -> None:
+    node.start()
+    node.stop()
+    orphan = node.cdi_dir / "k8s.gpu.tessera.dev-claim_33333333-3333-3333-3333-333333333333.json"
+    node.cdi_dir.mkdir(exist_ok=True)
+    orphan.write_text("{}")
+    unrelated = node.cdi_dir / "nvidia.yaml"
+    unrelated.write_text("cdiVersion: 0.5.0\n")
+    node.start()
+    assert not orphan.exists()
+    assert unrelated.exists(), "other producers' specs are never touched"
+
+
+def test_kill_9_in_the_middle_of_prepare_is_rolled_back_at_restart(node: SimulatedNode) -> None:
+    # The MPS daemon stand-in is told to hang, so prepare blocks while waiting for readiness:
+    # the PrepareStarted record and a live daemon exist when the driver is killed.
+    node.start(env={"TESSERA_SIM_MPS_FAIL": "hang"})
+    ref = node.claim("c", [("gpu", "gpu-0")], configs=[gpu_config(strategy="MPS")])
+    def prepare_until_killed() -> None:
+        with contextlib.suppress(grpc.RpcError):  # the driver dies under this call
+            node.prepare(ref)
+
+    thread = threading.Thread(target=prepare_until_killed, daemon=True)
+    thread.start()
+    wait_until(lambda: any(e.get("event") == "start" for e in node.journal()), what="the daemon to start")
+    wait_until(lambda: node.checkpoint()["claims"].get(ref.uid, {}).get("phase") == "PrepareStarted",
+               what="PrepareStarted in the checkpoint")
+    [daemon_pid] = {e["pid"] for e in node.journal() if e.get("event") == "start"}
+    node.kill9()
+    thread.join(timeout=30)
+    assert pid_alive(daemon_pid), "the half-started daemon outlived the driver"
+
+    node.restart(env={"TESSERA_SIM_MPS_FAIL": ""})
+    wait_until(lambda: not pid_alive(daemon_pid), what="the leaked daemon to be stopped")
+    assert ref.uid not in node.checkpoint()["claims"]
+    assert node.checkpoint()["mps_daemons"] == {}
+    assert node.cdi_files() == []
+    assert [p.name for p in (node.state_dir / "mps").glob("claim-*")] == []
+    answer = node.prepare_ok(ref)  # the kubelet's retry now succeeds
+    assert answer.devices[0].device_name == "gpu-0"
+    assert node.unprepare(ref) == {ref.uid: None}
+
+
+def test_corrupt_checkpoint_is_set_aside_and_state_rebuilt_from_cdi(node: SimulatedNode) -> None:
+    node.start()
+    ref = node.claim("c", [("gpu", "gpu-2")])
+    first = node.prepare_ok(ref)
+    node.stop()
+    (node.state_dir / "checkpoint.json").write_text('{"version": 1, "checksum": "sha256:00", "data": {"cla')
+    node.start()
+    assert node.proc is not None and node.proc.poll() is None, "no crash loop"
+    assert any("CHECKPOINT CORRUPT" in str(e.get("msg")) for e in node.log())
+    assert list(node.state_dir.glob("checkpoint.json.corrupt-*")), "the bad file is kept for inspection"
+    assert node.prepare_ok(ref).devices == first.devices
+    assert list(node.checkpoint()["claims"]) == [ref.uid]
+    assert node.unprepare(ref) == {ref.uid: None}
+    assert node.cdi_files() == []
+
+
+def test_inspect_shows_claims_devices_and_cdi_files(node: SimulatedNode) -> None:
+    import subprocess
+    import sys
+
+    node.start()
+    ref = node.claim("c", [("mig", "gpu-1-mig-1g10gb-6")])
+    node.prepare_ok(ref)
+    args = [sys.executable, "-m", "driver", "inspect", "--plugins-dir", str(node.work / "plugins"),
+            "--cdi-root", str(node.cdi_dir)]
+    text = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    assert "default/c" in text and ref.uid in text and "gpu-1-mig-1g10gb-6" in text
+    assert "cdi spec (present)" in text
+    report = json.loads(subprocess.run([*args, "--json"], capture_output=True, text=True, check=True).stdout)
+    [claim] = report["claims"]
+    assert claim["devices"][0]["mig"].startswith("MIG-")
+    assert claim["cdi_spec_present"] is True
