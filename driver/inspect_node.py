@@ -11,8 +11,8 @@ from typing import Any
 
 import cdi
 from driver.config import Settings
+from driver.gpu.cdiedits import CDI_SPEC_PREFIX
 from driver.gpu.checkpoint import CheckpointCorrupt, CheckpointStore
-from driver.gpu.state import CDI_CLASS, CDI_VENDOR
 
 
 def collect(settings: Settings) -> dict[str, Any]:
@@ -53,7 +53,7 @@ def collect(settings: Settings) -> dict[str, Any]:
                                       "pipe_dir": str(daemon.pipe_dir), "log_dir": str(daemon.log_dir),
                                       "claims": users})
     known = {r.cdi_spec_file for r in cp.claims.values()}
-    for path in cdi.list_specs(settings.cdi_root, f"{CDI_VENDOR}-{CDI_CLASS}_"):
+    for path in cdi.list_specs(settings.cdi_root, CDI_SPEC_PREFIX):
         if path.name not in known:
             report["orphan_cdi_specs"].append(str(path))
     if cp.plan_timeslices:

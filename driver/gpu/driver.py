@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 
+from driver.gpu.errors import PrepareError
 from driver.gpu.mps import MpsError
-from driver.gpu.state import DeviceState, PrepareError
+from driver.gpu.state import DeviceState
 from driver.gpu.timeslice import TimeSliceError
 from driver.kubeletplugin.claim import ResourceClaim
 from driver.kubeletplugin.nodelock import LockTimeout

@@ -10,7 +10,6 @@ failed claim leaves no daemon, no CDI file and no checkpoint entry behind.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -18,7 +17,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import cdi
-from driver.gpu import cdispec
+from driver.gpu.cdiedits import CDI_SPEC_PREFIX, CdiSources, cdi_device_id, claim_spec, spec_file_name
+from driver.gpu.cdiedits import PREFIX as ANNOTATION_PREFIX
 from driver.gpu.checkpoint import (
     Checkpoint,
     CheckpointCorrupt,
@@ -26,14 +26,15 @@ from driver.gpu.checkpoint import (
     ClaimPhase,
     ClaimRecord,
     PreparedDeviceRecord,
-    TimeSliceRecord,
     current_boot_id,
 )
-from driver.gpu.configapi import ConfigError, GpuConfig, MigDeviceConfig, resolve_mps_limits
-from driver.gpu.hostfs import HostFsError, control_device_paths, mig_capability_nodes, missing_paths
-from driver.gpu.mps import MpsDaemonRecord, MpsDaemonSpec, MpsError, MpsManager
+from driver.gpu.configapi import ConfigError
+from driver.gpu.errors import PrepareError
+from driver.gpu.hostfs import HostFsError
+from driver.gpu.mps import MpsError, MpsManager
 from driver.gpu.opaque import group_by_config, resolve_configs
-from driver.gpu.sharing import SharingLayout, TimeSliceInterval
+from driver.gpu.sharing import SharingLayout
+from driver.gpu.sharingruntime import SharingRuntime
 from driver.gpu.targets import DeviceTarget, NodeView, make_view, merge_layout
 from driver.gpu.timeslice import TimeSliceError, TimeSlicer
 from driver.gpu.toolkit import ToolkitEdits
@@ -43,14 +44,7 @@ from driver.kubeletplugin.types import ClaimRef, PreparedDevice
 
 log = logging.getLogger(__name__)
 
-CDI_VENDOR = "k8s.gpu.tessera.dev"
-CDI_CLASS = "claim"
-CDI_KIND = f"{CDI_VENDOR}/{CDI_CLASS}"
-MPS_CONTAINER_PIPE_DIR = "/tmp/nvidia-mps"
-
-
-class PrepareError(Exception):
-    """A claim cannot be prepared; the message is shown to the user in the pod's events."""
+__all__ = ["DeviceState", "PrepareError", "RecoveryReport", "StatePaths"]
 
 
 @dataclass(frozen=True)
@@ -70,25 +64,8 @@ class RecoveryReport:
     rebuilt_from_cdi: bool = False
 
 
-def spec_file_name(claim_uid: str) -> str:
-    return cdi.transient_spec_name(CDI_VENDOR, CDI_CLASS, claim_uid)
-
-
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
-
-
-def _short_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def plan_daemon_id(gpu_uuid: str) -> str:
-    # Short ids keep MPS socket paths under the 108-byte Unix socket limit.
-    return f"plan-{_short_hash(gpu_uuid)}"
-
-
-def claim_daemon_id(claim_uid: str, group: int) -> str:
-    return f"claim-{_short_hash(claim_uid)}-{group}"
 
 
 class DeviceState:
@@ -106,6 +83,8 @@ class DeviceState:
         self._view_mutex = threading.Lock()
         self._store = CheckpointStore(paths.state_dir / "checkpoint.json")
         self._lock = NodeLock(paths.state_dir / "state.lock", timeout=lock_timeout)
+        self.sharing = SharingRuntime(mps, timeslicer, self._save)
+        self.cdi_sources = CdiSources(paths.host_root, toolkit, mps, paths.mps_shm_dir)
 
     # ----------------------------------------------------------------------------- views
 
@@ -129,7 +108,7 @@ class DeviceState:
             busy = {uuid for rec in cp.claims.values() for uuid in rec.gpu_uuids}
             effective, deferred = merge_layout(self.view.layout, desired, busy)
             new_view = make_view(view.inventory, effective)
-            self._apply_plan_timeslices(cp, effective)
+            self.sharing.apply_plan_timeslices(cp, effective)
             cp.layout = dict(effective)
             self._save(cp)
             with self._view_mutex:
@@ -177,7 +156,7 @@ class DeviceState:
             self._save(cp)  # the intent is durable before any side effect
 
             try:
-                self._start_sharing(record, cp, targets, group_by_config(resolved))
+                self.sharing.start_for_claim(record, cp, targets, group_by_config(resolved))
                 self._write_cdi(record, cp)
                 record.phase = ClaimPhase.PREPARE_COMPLETED
                 record.updated_at = _now()
@@ -238,7 +217,7 @@ class DeviceState:
             request_names=[result.base_request],
             pool_name=self.pool_name,
             device_name=target.name,
-            cdi_device_ids=[f"{CDI_KIND}={cdispec.cdi_device_name(uid, target.name)}"],
+            cdi_device_ids=[cdi_device_id(uid, target.name)],
             share_id=result.share_id,
         )
         mig = target.mig
@@ -247,128 +226,8 @@ class DeviceState:
             mig_uuid=mig.uuid if mig else None, mig_gi_id=mig.gi_id if mig else None,
             mig_ci_id=mig.ci_id if mig else None)
 
-    # ----------------------------------------------------------------------------- sharing
-
-    def _start_sharing(self, record: ClaimRecord, cp: Checkpoint, targets: list[DeviceTarget],
-                       groups: list[tuple[GpuConfig | MigDeviceConfig, list[DeviceRequestAllocationResult]]]) -> None:
-        by_name = {t.name: t for t in targets}
-        dev_by_name = {d.device.device_name: d for d in record.devices}
-        # Plan MPS shares: one daemon per GPU, shared by every claim holding one of its shares.
-        for target in targets:
-            if target.kind != "mps" or target.shares is None:
-                continue
-            daemon_id = plan_daemon_id(target.gpu.uuid)
-            shares = target.shares
-            spec = MpsDaemonSpec(daemon_id=daemon_id, gpu_uuids=[target.gpu.uuid],
-                                 active_thread_percentage=shares.active_thread_percentage,
-                                 pinned_memory_limits={target.gpu.uuid: shares.memory_bytes_per_share})
-            self._ensure_daemon(cp, spec)
-            if daemon_id not in record.shared_mps_daemons:
-                record.shared_mps_daemons.append(daemon_id)
-            dev_by_name[target.name].mps_daemon_id = daemon_id
-        # Per-claim sharing config on whole GPUs and MIG devices.
-        for index, (config, results) in enumerate(groups):
-            sharing = config.sharing
-            group_targets = [by_name[r.device] for r in results if by_name[r.device].kind in ("gpu", "mig")]
-            if sharing is None or not group_targets:
-                continue
-            uuids = sorted(t.cuda_uuid for t in group_targets)
-            if sharing.strategy == "MPS":
-                daemon_id = claim_daemon_id(record.uid, index)
-                record.owned_mps_daemons.append(daemon_id)
-                self._save(cp)  # durable before the daemon exists, so a crash cannot leak it
-                self.mps.stop_by_id(daemon_id)  # a daemon left by a crash between start and record
-                memory = {t.cuda_uuid: t.memory_bytes or 0 for t in group_targets}
-                limits = resolve_mps_limits(sharing.mpsConfig, uuids, memory) if sharing.mpsConfig else None
-                spec = MpsDaemonSpec(
-                    daemon_id=daemon_id, gpu_uuids=uuids,
-                    active_thread_percentage=limits.active_thread_percentage if limits else None,
-                    pinned_memory_limits=dict(limits.pinned_memory_bytes) if limits else {})
-                cp.mps_daemons[daemon_id] = self.mps.start(spec)
-                self._save(cp)
-                for t in group_targets:
-                    dev_by_name[t.name].mps_daemon_id = daemon_id
-            elif sharing.strategy == "TimeSlicing":
-                interval: TimeSliceInterval = (
-                    sharing.timeSlicingConfig.interval if sharing.timeSlicingConfig else "Default")
-                gpu_uuids = sorted({t.gpu.uuid for t in group_targets})
-                record.timeslice = TimeSliceRecord(gpu_uuids=gpu_uuids, interval=interval)
-                self._save(cp)
-                self.timeslicer.apply(gpu_uuids, interval)
-
-    def _ensure_daemon(self, cp: Checkpoint, spec: MpsDaemonSpec) -> MpsDaemonRecord:
-        existing = cp.mps_daemons.get(spec.daemon_id)
-        if existing is not None and existing.spec == spec:
-            record = self.mps.ensure_running(existing)
-        else:
-            if existing is not None:
-                self.mps.stop(existing)
-            else:
-                self.mps.stop_by_id(spec.daemon_id)  # a daemon left by a crash between start and record
-            record = self.mps.start(spec)
-        cp.mps_daemons[spec.daemon_id] = record
-        self._save(cp)
-        return record
-
-    def _apply_plan_timeslices(self, cp: Checkpoint, layout: SharingLayout) -> None:
-        desired = {uuid: s.interval or "Default" for uuid, s in layout.items() if s.strategy == "TimeSlicing"}
-        for uuid in sorted(set(cp.plan_timeslices) - set(desired)):
-            self.timeslicer.reset([uuid])
-            del cp.plan_timeslices[uuid]
-        for uuid, interval in sorted(desired.items()):
-            if cp.plan_timeslices.get(uuid) != interval:
-                self.timeslicer.apply([uuid], interval)
-                cp.plan_timeslices[uuid] = interval
-
-    # ----------------------------------------------------------------------------- CDI
-
-    def _device_edits(self, dev: PreparedDeviceRecord, cp: Checkpoint) -> cdispec.DeviceEdits:
-        host = self.paths.host_root
-        gpu_node = f"/dev/nvidia{dev.gpu_minor}"
-        missing = missing_paths(host, [gpu_node])
-        if missing:
-            raise PrepareError(
-                f"device node {gpu_node} for {dev.device.device_name} does not exist on the node; the NVIDIA driver "
-                "has not created it yet (run nvidia-smi or nvidia-modprobe on the host), then the kubelet retries")
-        nodes: list[dict[str, object]] = [{"path": gpu_node}]
-        if dev.kind == "mig" and dev.mig_gi_id is not None and dev.mig_ci_id is not None:
-            for cap in mig_capability_nodes(host, dev.gpu_minor, dev.mig_gi_id, dev.mig_ci_id):
-                nodes.append({"path": cap.path, "type": "c", "major": cap.major, "minor": cap.minor,
-                              "fileMode": cap.file_mode})
-        env: list[str] = []
-        mounts: list[dict[str, object]] = []
-        prefix = cdispec.ANNOTATION_PREFIX
-        # Enough to rebuild the checkpoint entry from this file if the checkpoint is ever lost.
-        annotations = {f"{prefix}/device": dev.device.device_name, f"{prefix}/gpu-uuid": dev.gpu_uuid,
-                       f"{prefix}/request": ",".join(dev.device.request_names)}
-        if dev.device.share_id:
-            annotations[f"{prefix}/share-id"] = dev.device.share_id
-        if dev.mig_uuid:
-            annotations[f"{prefix}/mig-uuid"] = dev.mig_uuid
-        if dev.mps_daemon_id is not None:
-            daemon = cp.mps_daemons[dev.mps_daemon_id]
-            edits = self.mps.client_edits(daemon, MPS_CONTAINER_PIPE_DIR, self.paths.mps_shm_dir)
-            env.extend(edits.env)
-            mounts.extend({"hostPath": str(h), "containerPath": c, "options": list(o)} for h, c, o in edits.mounts)
-            annotations[f"{prefix}/mps-daemon"] = dev.mps_daemon_id
-        return cdispec.DeviceEdits(dev.device.device_name, nodes, env, mounts, annotations)
-
-    def build_spec(self, record: ClaimRecord, cp: Checkpoint) -> cdi.Spec:
-        control = control_device_paths(self.paths.host_root)
-        if "/dev/nvidiactl" not in control:
-            raise PrepareError("/dev/nvidiactl does not exist on the node: the NVIDIA kernel driver is not loaded "
-                               "(check 'lsmod | grep nvidia' and the driver installation)")
-        return cdispec.build_claim_spec(
-            kind=CDI_KIND,
-            claim=cdispec.ClaimIdentity(record.uid, record.namespace, record.name),
-            devices=[self._device_edits(d, cp) for d in record.devices],
-            common_edits=self.toolkit.edits,
-            control_nodes=control,
-            annotations={f"{cdispec.ANNOTATION_PREFIX}/driver-libraries": self.toolkit.status[:1000]},
-        )
-
     def _write_cdi(self, record: ClaimRecord, cp: Checkpoint) -> None:
-        cdi.write_spec(self.paths.cdi_root, record.cdi_spec_file, self.build_spec(record, cp))
+        cdi.write_spec(self.paths.cdi_root, record.cdi_spec_file, claim_spec(self.cdi_sources, record, cp.mps_daemons))
 
     # ----------------------------------------------------------------------------- unprepare
 
@@ -387,35 +246,13 @@ class DeviceState:
     def _undo(self, record: ClaimRecord, cp: Checkpoint) -> None:
         """Reverse everything ``record`` may have done; each step is idempotent."""
         cdi.remove_spec(self.paths.cdi_root, record.cdi_spec_file)
-        for daemon_id in record.owned_mps_daemons:
-            self._stop_daemon(cp, daemon_id)
-        for daemon_id in record.shared_mps_daemons:
-            users = [c for c in cp.claims.values() if c.uid != record.uid and daemon_id in c.shared_mps_daemons]
-            if not users:
-                self._stop_daemon(cp, daemon_id)
-        if record.timeslice is not None:
-            self.timeslicer.reset(record.timeslice.gpu_uuids)
-
-    def _stop_daemon(self, cp: Checkpoint, daemon_id: str) -> None:
-        daemon = cp.mps_daemons.pop(daemon_id, None)
-        if daemon is not None:
-            self.mps.stop(daemon)
-        else:
-            self.mps.stop_by_id(daemon_id)
+        self.sharing.release_claim(record, cp)
 
     # ----------------------------------------------------------------------------- recovery
 
     def _ensure_claim_runtime(self, record: ClaimRecord, cp: Checkpoint) -> tuple[bool, list[str]]:
         """Make a completed claim whole again: its daemons running and its CDI spec on disk."""
-        restarted: list[str] = []
-        for daemon_id in [*record.owned_mps_daemons, *record.shared_mps_daemons]:
-            daemon = cp.mps_daemons.get(daemon_id)
-            if daemon is None:
-                continue
-            running = self.mps.ensure_running(daemon)
-            if running.pid != daemon.pid:
-                restarted.append(daemon_id)
-            cp.mps_daemons[daemon_id] = running
+        restarted = self.sharing.ensure_claim_daemons(record, cp)
         spec_path = self.paths.cdi_root / record.cdi_spec_file
         recreated = False
         if restarted or not spec_path.exists():
@@ -451,16 +288,9 @@ class DeviceState:
                 if recreated:
                     report.cdi_recreated.append(record.uid)
                 report.daemons_restarted.extend(restarted)
-            referenced = {d for r in cp.claims.values() for d in (*r.owned_mps_daemons, *r.shared_mps_daemons)}
-            for daemon_id in sorted(set(cp.mps_daemons) - referenced):
-                self._stop_daemon(cp, daemon_id)
-                report.orphans_removed.append(f"mps daemon {daemon_id}")
-            for daemon_id in self.mps.daemon_ids_on_disk():
-                if daemon_id not in cp.mps_daemons:
-                    self.mps.stop_by_id(daemon_id)
-                    report.orphans_removed.append(f"mps directory {daemon_id}")
+            report.orphans_removed.extend(self.sharing.sweep_orphans(cp))
             known_files = {r.cdi_spec_file for r in cp.claims.values()}
-            for path in cdi.list_specs(self.paths.cdi_root, f"{CDI_VENDOR}-{CDI_CLASS}_"):
+            for path in cdi.list_specs(self.paths.cdi_root, CDI_SPEC_PREFIX):
                 if path.name not in known_files:
                     cdi.remove_spec(self.paths.cdi_root, path.name)
                     report.orphans_removed.append(f"cdi spec {path.name}")
@@ -475,8 +305,8 @@ class DeviceState:
     def _rebuild_from_cdi(self) -> Checkpoint:
         """Rebuild claim records from the annotations of the CDI specs we wrote."""
         cp = Checkpoint()
-        prefix = cdispec.ANNOTATION_PREFIX
-        for path in cdi.list_specs(self.paths.cdi_root, f"{CDI_VENDOR}-{CDI_CLASS}_"):
+        prefix = ANNOTATION_PREFIX
+        for path in cdi.list_specs(self.paths.cdi_root, CDI_SPEC_PREFIX):
             try:
                 spec = cdi.read_spec(path)
                 ann = spec.annotations or {}
@@ -515,7 +345,7 @@ class DeviceState:
 
 
 def _rebuilt_result(driver: str, pool: str, annotations: dict[str, str]) -> DeviceRequestAllocationResult:
-    prefix = cdispec.ANNOTATION_PREFIX
+    prefix = ANNOTATION_PREFIX
     return DeviceRequestAllocationResult(
         request=annotations.get(f"{prefix}/request", ""), driver=driver, pool=pool,
         device=annotations[f"{prefix}/device"], shareID=annotations.get(f"{prefix}/share-id"))

@@ -1,0 +1,90 @@
+"""What goes into a prepared claim's CDI spec, and where on the host it comes from.
+
+Per device: the GPU's ``/dev/nvidiaN`` (checked to exist, so a fresh node without device nodes
+fails the claim clearly instead of producing a container without a GPU), the MIG access
+capability nodes read from ``/proc``, MPS client environment and mounts, and annotations that
+let a person (and a checkpoint rebuild) tell which claim and device a spec belongs to. Per
+claim: the control device nodes and the NVIDIA Container Toolkit's common edits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import cdi
+from driver.gpu import cdispec
+from driver.gpu.checkpoint import ClaimRecord, PreparedDeviceRecord
+from driver.gpu.errors import PrepareError
+from driver.gpu.hostfs import control_device_paths, mig_capability_nodes, missing_paths
+from driver.gpu.mps import MpsDaemonRecord, MpsManager
+from driver.gpu.toolkit import ToolkitEdits
+
+CDI_VENDOR = "k8s.gpu.tessera.dev"
+CDI_CLASS = "claim"
+CDI_KIND = f"{CDI_VENDOR}/{CDI_CLASS}"
+CDI_SPEC_PREFIX = f"{CDI_VENDOR}-{CDI_CLASS}_"
+MPS_CONTAINER_PIPE_DIR = "/tmp/nvidia-mps"
+PREFIX = cdispec.ANNOTATION_PREFIX
+
+
+def spec_file_name(claim_uid: str) -> str:
+    return cdi.transient_spec_name(CDI_VENDOR, CDI_CLASS, claim_uid)
+
+
+def cdi_device_id(claim_uid: str, device_name: str) -> str:
+    return f"{CDI_KIND}={cdispec.cdi_device_name(claim_uid, device_name)}"
+
+
+@dataclass(frozen=True)
+class CdiSources:
+    host_root: Path  # where the host's /dev and /proc are visible
+    toolkit: ToolkitEdits
+    mps: MpsManager  # turns a daemon record into client edits
+    mps_shm_dir: Path | None
+
+
+def device_edits(src: CdiSources, dev: PreparedDeviceRecord,
+                 daemons: Mapping[str, MpsDaemonRecord]) -> cdispec.DeviceEdits:
+    gpu_node = f"/dev/nvidia{dev.gpu_minor}"
+    if missing_paths(src.host_root, [gpu_node]):
+        raise PrepareError(
+            f"device node {gpu_node} for {dev.device.device_name} does not exist on the node; the NVIDIA driver "
+            "has not created it yet (run nvidia-smi or nvidia-modprobe on the host), then the kubelet retries")
+    nodes: list[dict[str, object]] = [{"path": gpu_node}]
+    if dev.kind == "mig" and dev.mig_gi_id is not None and dev.mig_ci_id is not None:
+        # Written fully specified (type, major, minor) so the runtime need not find the node on the host.
+        for cap in mig_capability_nodes(src.host_root, dev.gpu_minor, dev.mig_gi_id, dev.mig_ci_id):
+            nodes.append({"path": cap.path, "type": "c", "major": cap.major, "minor": cap.minor,
+                          "fileMode": cap.file_mode})
+    env: list[str] = []
+    mounts: list[dict[str, object]] = []
+    # Enough to rebuild the checkpoint entry from this file if the checkpoint is ever lost.
+    annotations = {f"{PREFIX}/device": dev.device.device_name, f"{PREFIX}/gpu-uuid": dev.gpu_uuid,
+                   f"{PREFIX}/request": ",".join(dev.device.request_names)}
+    if dev.device.share_id:
+        annotations[f"{PREFIX}/share-id"] = dev.device.share_id
+    if dev.mig_uuid:
+        annotations[f"{PREFIX}/mig-uuid"] = dev.mig_uuid
+    if dev.mps_daemon_id is not None:
+        edits = src.mps.client_edits(daemons[dev.mps_daemon_id], MPS_CONTAINER_PIPE_DIR, src.mps_shm_dir)
+        env.extend(edits.env)
+        mounts.extend({"hostPath": str(h), "containerPath": c, "options": list(o)} for h, c, o in edits.mounts)
+        annotations[f"{PREFIX}/mps-daemon"] = dev.mps_daemon_id
+    return cdispec.DeviceEdits(dev.device.device_name, nodes, env, mounts, annotations)
+
+
+def claim_spec(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDaemonRecord]) -> cdi.Spec:
+    control = control_device_paths(src.host_root)
+    if "/dev/nvidiactl" not in control:
+        raise PrepareError("/dev/nvidiactl does not exist on the node: the NVIDIA kernel driver is not loaded "
+                           "(check 'lsmod | grep nvidia' and the driver installation)")
+    return cdispec.build_claim_spec(
+        kind=CDI_KIND,
+        claim=cdispec.ClaimIdentity(record.uid, record.namespace, record.name),
+        devices=[device_edits(src, d, daemons) for d in record.devices],
+        common_edits=src.toolkit.edits,
+        control_nodes=control,
+        annotations={f"{PREFIX}/driver-libraries": src.toolkit.status[:1000]},
+    )
