@@ -144,6 +144,18 @@ def _check_not_empty(value: str) -> str:
     return value
 
 
+def _check_device_node_type(value: str) -> str:
+    if value not in DEVICE_NODE_TYPES:
+        raise ValueError(f'{_q(value)} is not a device node type (expected "", "b", "c", "u" or "p")')
+    return value
+
+
+def _check_hook_name(value: str) -> str:
+    if value not in HOOK_NAMES:
+        raise ValueError(f"{_q(value)} is not a hook name (expected one of {', '.join(HOOK_NAMES)})")
+    return value
+
+
 def _sorted_by_key(mapping: dict[str, str]) -> dict[str, str]:
     return dict(sorted(mapping.items()))
 
@@ -152,6 +164,9 @@ EnvEntry = Annotated[StrictStr, AfterValidator(_check_env_entry)]
 # Kept sorted so the same annotations always serialise to the same bytes.
 Annotations = Annotated[dict[StrictStr, StrictStr], AfterValidator(_sorted_by_key)]
 NonEmptyStr = Annotated[StrictStr, AfterValidator(_check_not_empty)]
+DeviceName = Annotated[StrictStr, AfterValidator(check_device_name)]
+DeviceNodeType = Annotated[StrictStr, AfterValidator(_check_device_node_type)]
+HookName = Annotated[StrictStr, AfterValidator(_check_hook_name)]
 UInt32 = Annotated[StrictInt, Field(ge=0, le=_UINT32_MAX)]
 # The loader rejects negative device numbers: -1 means "any" in a cgroup rule.
 DeviceNumber = Annotated[StrictInt, Field(ge=0, le=_INT64_MAX)]
@@ -165,7 +180,7 @@ class _WireModel(BaseModel):
 class DeviceNode(_WireModel):
     path: NonEmptyStr
     host_path: StrictStr = Field(default="", alias="hostPath")
-    type: StrictStr = ""
+    type: DeviceNodeType = ""
     major: DeviceNumber = 0
     minor: DeviceNumber = 0
     # Permission bits only, written as a decimal integer (438 = 0o666); never file-type bits like S_IFCHR.
@@ -173,13 +188,6 @@ class DeviceNode(_WireModel):
     permissions: StrictStr = ""
     uid: UInt32 | None = None
     gid: UInt32 | None = None
-
-    @field_validator("type")
-    @classmethod
-    def _known_type(cls, value: str) -> str:
-        if value not in DEVICE_NODE_TYPES:
-            raise ValueError(f'{_q(value)} is not a device node type (expected "", "b", "c", "u" or "p")')
-        return value
 
     @field_validator("file_mode")
     @classmethod
@@ -205,19 +213,12 @@ class Mount(_WireModel):
 
 
 class Hook(_WireModel):
-    hook_name: StrictStr = Field(alias="hookName")
+    hook_name: HookName = Field(alias="hookName")
     path: NonEmptyStr
     # args[0] is argv[0], the program name, as in OCI hooks.
     args: list[StrictStr] = Field(default_factory=list)
     env: list[EnvEntry] = Field(default_factory=list)
     timeout: StrictInt | None = None
-
-    @field_validator("hook_name")
-    @classmethod
-    def _known_hook(cls, value: str) -> str:
-        if value not in HOOK_NAMES:
-            raise ValueError(f"{_q(value)} is not a hook name (expected one of {', '.join(HOOK_NAMES)})")
-        return value
 
 
 class IntelRdt(_WireModel):
@@ -281,14 +282,9 @@ class ContainerEdits(_WireModel):
 
 
 class Device(_WireModel):
-    name: StrictStr
+    name: DeviceName
     annotations: Annotations = Field(default_factory=dict)
     container_edits: ContainerEdits = Field(alias="containerEdits")
-
-    @field_validator("name")
-    @classmethod
-    def _valid_name(cls, value: str) -> str:
-        return check_device_name(value)
 
     @field_validator("container_edits")
     @classmethod

@@ -12,7 +12,7 @@ from typing import Any
 import cdi
 from driver.config import Settings
 from driver.gpu.cdiedits import CDI_SPEC_PREFIX
-from driver.gpu.checkpoint import CheckpointCorrupt, CheckpointStore
+from driver.gpu.checkpoint import CheckpointStore
 
 
 def collect(settings: Settings) -> dict[str, Any]:
@@ -21,10 +21,11 @@ def collect(settings: Settings) -> dict[str, Any]:
                               "cdi_root": str(settings.cdi_root), "claims": [], "mps_daemons": [],
                               "orphan_cdi_specs": [], "problems": []}
     try:
-        cp = CheckpointStore(checkpoint_path).load() if checkpoint_path.exists() else None
-    except CheckpointCorrupt as exc:
-        report["problems"].append(f"checkpoint was corrupt and has been set aside as {exc.set_aside}: {exc.reason}")
-        cp = None
+        cp = CheckpointStore(checkpoint_path).peek()
+    except (ValueError, OSError) as exc:
+        report["problems"].append(f"checkpoint {checkpoint_path} cannot be read ({exc}); the driver sets it aside "
+                                  "and rebuilds its state from the CDI specs at its next start")
+        return report
     if cp is None:
         report["problems"].append("no checkpoint: nothing has been prepared on this node yet")
         return report

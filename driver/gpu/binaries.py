@@ -1,4 +1,4 @@
-"""Locating NVIDIA driver executables under the driver root, and the environment to run them in.
+"""Locating NVIDIA driver executables under the driver root, the environment to run them in, and running them.
 
 The plugin container usually sees the host's driver installation mounted at a driver root
 (``nvidiaDriverRoot`` in the Helm chart, ``--driver-root`` on the command line) rather than at
@@ -8,7 +8,9 @@ The plugin container usually sees the host's driver installation mounted at a dr
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import shlex
+import subprocess
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 # Where driver installers put executables, relative to the driver root, in search order.
@@ -19,6 +21,14 @@ LIB_DIRS: tuple[str, ...] = ("usr/lib64", "usr/lib/x86_64-linux-gnu", "usr/lib/a
 
 class BinaryNotFound(Exception):
     """A driver executable is not under the configured driver root."""
+
+
+class BinaryFailed(Exception):
+    """A driver executable could not start or exited non-zero; the message has the command and its output."""
+
+
+class BinaryTimedOut(BinaryFailed):
+    """A driver executable did not finish within its timeout."""
 
 
 def find_binary(driver_root: Path, name: str) -> Path:
@@ -56,3 +66,40 @@ def _prepend(env: dict[str, str], key: str, dirs: list[str]) -> None:
         return
     existing = env.get(key, "")
     env[key] = ":".join([*dirs, existing] if existing else dirs)
+
+
+def run_binary(
+    command: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    timeout: float,
+    stdin_text: str | None = None,
+    label: str | None = None,
+) -> str:
+    """Run ``command`` to completion and return its stdout, stripped.
+
+    ``stdin_text`` is fed to it; without it stdin is /dev/null, so a tool that prompts cannot
+    hang. Failures raise :class:`BinaryFailed` (:class:`BinaryTimedOut` for the timeout) naming
+    the command (``label``, default the command line in backticks), the exit code and what it
+    said: stderr, else stdout, as tools differ in where their errors go.
+    """
+    label = label or f"`{shlex.join(command)}`"
+    try:
+        done = subprocess.run(
+            list(command),
+            input=stdin_text,
+            stdin=subprocess.DEVNULL if stdin_text is None else None,
+            env=dict(env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise BinaryTimedOut(f"{label} did not finish within {timeout:g}s") from exc
+    except OSError as exc:
+        raise BinaryFailed(f"{label} could not run: {exc}") from exc
+    if done.returncode != 0:
+        said = done.stderr.strip() or done.stdout.strip() or "(no output)"
+        raise BinaryFailed(f"{label} failed with exit code {done.returncode}: {said}")
+    return done.stdout.strip()

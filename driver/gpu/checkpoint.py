@@ -130,7 +130,7 @@ class CheckpointStore:
         try:
             checkpoint = self._parse(self.path.read_bytes())
         except (ValueError, ValidationError, OSError) as exc:
-            aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+            aside = self._set_aside_name()
             os.replace(self.path, aside)
             self._cached = None
             log.error(
@@ -140,6 +140,27 @@ class CheckpointStore:
             raise CheckpointCorrupt(str(exc), aside) from exc
         self._cached = (stamp, checkpoint)
         return checkpoint.model_copy(deep=True)
+
+    def peek(self) -> Checkpoint | None:
+        """Read without side effects (for ``inspect``): None if there is no file; ValueError if it is bad."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            return self._parse(raw)
+        except ValidationError as exc:
+            raise ValueError(str(exc)) from exc
+
+    def _set_aside_name(self) -> Path:
+        # Never overwrite the evidence of an earlier corruption, even within the same second.
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        candidate = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        n = 1
+        while candidate.exists():
+            candidate = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
+            n += 1
+        return candidate
 
     @staticmethod
     def _parse(raw: bytes) -> Checkpoint:

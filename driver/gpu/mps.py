@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from driver.gpu.binaries import BinaryNotFound, driver_env, find_binary
+from driver.gpu.binaries import BinaryFailed, BinaryNotFound, BinaryTimedOut, driver_env, find_binary, run_binary
 
 log = logging.getLogger(__name__)
 
@@ -393,22 +393,14 @@ class MpsManager:
     def _control(self, env: dict[str, str], command: str) -> str:
         """Send one command the way the docs do (``echo '<cmd>' | nvidia-cuda-mps-control``) and return the answer."""
         binary = find_binary(self.driver_root, CONTROL_BINARY)
+        label = f"control command {command!r}"
         try:
-            done = subprocess.run(
-                [str(binary)],
-                input=command + "\n",
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=self.command_timeout,
-                check=False,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise MpsError(f"control command {command!r} got no answer within {self.command_timeout:g}s") from exc
-        if done.returncode != 0:
-            said = done.stderr.strip() or done.stdout.strip() or "(no output)"
-            raise MpsError(f"control command {command!r} failed with status {done.returncode}: {said}")
-        return done.stdout.strip()
+            return run_binary([str(binary)], env=env, timeout=self.command_timeout, stdin_text=command + "\n",
+                              label=label)
+        except BinaryTimedOut as exc:
+            raise MpsError(f"{label} got no answer within {self.command_timeout:g}s") from exc
+        except BinaryFailed as exc:
+            raise MpsError(str(exc)) from exc
 
     def _set(self, env: dict[str, str], command: str) -> None:
         answer = self._control(env, command)

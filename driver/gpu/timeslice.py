@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import logging
 import re
-import shlex
-import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from driver.gpu.binaries import BinaryNotFound, driver_env, find_binary
+from driver.gpu.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
 from driver.gpu.sharing import TIMESLICE_VALUES, TimeSliceInterval
 
 log = logging.getLogger(__name__)
@@ -77,26 +75,9 @@ class TimeSlicer:
     def _run(self, *args: str) -> None:
         try:
             binary = find_binary(self.driver_root, NVIDIA_SMI)
-        except BinaryNotFound as exc:
+            run_binary([str(binary), *args], env=driver_env(self.driver_root), timeout=self.timeout)
+        except (BinaryNotFound, BinaryFailed) as exc:
             raise TimeSliceError(str(exc)) from exc
-        command = [str(binary), *args]
-        try:
-            done = subprocess.run(
-                command,
-                env=driver_env(self.driver_root),
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                timeout=self.timeout,
-                check=False,
-            )
-        except subprocess.TimeoutExpired as exc:
-            raise TimeSliceError(f"`{shlex.join(command)}` did not finish within {self.timeout:g}s") from exc
-        except OSError as exc:
-            raise TimeSliceError(f"`{shlex.join(command)}` could not run: {exc}") from exc
-        if done.returncode != 0:
-            stderr = done.stderr.strip() or "(no stderr)"
-            raise TimeSliceError(f"`{shlex.join(command)}` failed with exit code {done.returncode}: {stderr}")
 
 
 def _checked_gpu_uuids(gpu_uuids: Sequence[str]) -> list[str]:

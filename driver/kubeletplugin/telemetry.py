@@ -101,7 +101,9 @@ class Telemetry:
         server = ThreadingHTTPServer((host, port), _Handler)
         server.daemon_threads = True
         self._server = server
-        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+        # A short poll interval keeps shutdown() prompt.
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="metrics-http",
+                         daemon=True).start()
         return int(server.server_address[1])
 
     def shutdown(self) -> None:

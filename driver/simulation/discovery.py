@@ -9,6 +9,7 @@ profile does not allow, overlapping or over-subscribed MIG devices are errors na
 
 from __future__ import annotations
 
+import logging
 import uuid
 from importlib import resources
 from pathlib import Path
@@ -19,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from driver.gpu.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.simulation.gpus import GpuModel, MigProfileSpec, SimulationError, gpu_models
+
+log = logging.getLogger(__name__)
 
 SIMULATED_DRIVER_VERSION = "580.95.05"
 SIMULATED_CUDA_DRIVER_VERSION = "13.0"
@@ -189,6 +192,8 @@ class SimulatedDiscovery:
 
     ``layout_name_or_path`` is a built-in layout name (see :func:`available_layouts`) or a YAML
     file with one layout; the layout is read and validated here, so a bad one fails at startup.
+    A layout file is read again at every ``discover()``, so editing it simulates a hardware change
+    (e.g. MIG instances re-created); an edit that does not validate is logged and ignored.
     """
 
     simulated = True
@@ -196,9 +201,19 @@ class SimulatedDiscovery:
     def __init__(self, layout_name_or_path: str, node_name: str) -> None:
         label, node = load_layout(layout_name_or_path)
         self.description = node.description
+        self._source = layout_name_or_path
+        self._node_name = node_name
+        self._rereads = layout_name_or_path not in _builtin_layouts()
         self._inventory = build_inventory(label, node, node_name)
 
     def discover(self) -> NodeInventory:
+        if self._rereads:
+            try:
+                label, node = load_layout(self._source)
+                self._inventory = build_inventory(label, node, self._node_name)
+            except SimulationError as err:
+                log.warning("SIMULATION: the edited layout file is invalid; keeping the previous one",
+                            extra={"reason": str(err)})
         return self._inventory
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ counts (those capacities are simply absent on simulated MIG devices).
 from __future__ import annotations
 
 from importlib import resources
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -57,9 +58,7 @@ class GpuModel(BaseModel):
         return next((p for p in self.mig_profiles if p.name == name), None)
 
 
-class _ModelFacts(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
+class _ModelFacts(NamedTuple):
     product_name: str
     architecture: str
     compute_capability: str
@@ -68,47 +67,13 @@ class _ModelFacts(BaseModel):
     mig_table: str | None  # key in mig-profiles.json
 
 
+# One row per model, in _ModelFacts' column order, so the models compare at a glance.
 _MODELS: dict[str, _ModelFacts] = {
-    "A100-40GB": _ModelFacts(
-        product_name="NVIDIA A100-SXM4-40GB",
-        architecture="Ampere",
-        compute_capability="8.0",
-        memory_mib=40960,
-        multiprocessors=108,
-        mig_table="A100-SXM4-40GB",
-    ),
-    "A100-80GB": _ModelFacts(
-        product_name="NVIDIA A100-SXM4-80GB",
-        architecture="Ampere",
-        compute_capability="8.0",
-        memory_mib=81920,
-        multiprocessors=108,
-        mig_table="A100-80GB",
-    ),
-    "H100-80GB": _ModelFacts(
-        product_name="NVIDIA H100 80GB HBM3",
-        architecture="Hopper",
-        compute_capability="9.0",
-        memory_mib=81559,
-        multiprocessors=132,
-        mig_table="H100-80GB",
-    ),
-    "H200": _ModelFacts(
-        product_name="NVIDIA H200",
-        architecture="Hopper",
-        compute_capability="9.0",
-        memory_mib=143771,
-        multiprocessors=132,
-        mig_table="H200-141GB",
-    ),
-    "L4": _ModelFacts(
-        product_name="NVIDIA L4",
-        architecture="Ada Lovelace",
-        compute_capability="8.9",
-        memory_mib=23034,
-        multiprocessors=58,
-        mig_table=None,
-    ),
+    "A100-40GB": _ModelFacts("NVIDIA A100-SXM4-40GB", "Ampere", "8.0", 40960, 108, "A100-SXM4-40GB"),
+    "A100-80GB": _ModelFacts("NVIDIA A100-SXM4-80GB", "Ampere", "8.0", 81920, 108, "A100-80GB"),
+    "H100-80GB": _ModelFacts("NVIDIA H100 80GB HBM3", "Hopper", "9.0", 81559, 132, "H100-80GB"),
+    "H200": _ModelFacts("NVIDIA H200", "Hopper", "9.0", 143771, 132, "H200-141GB"),
+    "L4": _ModelFacts("NVIDIA L4", "Ada Lovelace", "8.9", 23034, 58, None),
 }
 
 

@@ -83,3 +83,25 @@ def test_metrics_and_health_endpoints(node: SimulatedNode) -> None:
     outcome = [e for e in node.log() if e.get("claim_uid") == ref.uid]
     assert outcome, "log lines carry the claim UID"
     json.dumps(outcome)
+
+
+def test_slices_follow_a_hardware_change() -> None:
+    import tempfile
+    from pathlib import Path
+
+    layout = Path(tempfile.mkdtemp(prefix="tsl-", dir="/tmp")) / "node.yaml"
+    layout.write_text("gpus:\n  - model: H100-80GB\n  - model: L4\n")
+    node = SimulatedNode(str(layout))
+    try:
+        node.start()
+        node.wait_for_devices(["gpu-0", "gpu-1"])
+        generation = node.api.slices(DRIVER, NODE)[0]["spec"]["pool"]["generation"]
+        # SIMULATION of an operator enabling MIG on gpu-0 and creating two instances.
+        layout.write_text("gpus:\n  - model: H100-80GB\n    mig:\n      - {profile: 3g.40gb, start: 0}\n"
+                          "      - {profile: 3g.40gb, start: 4}\n  - model: L4\n")
+        node.wait_for_devices(["gpu-0-mig-3g40gb-0", "gpu-0-mig-3g40gb-4", "gpu-1"])
+        assert node.api.slices(DRIVER, NODE)[0]["spec"]["pool"]["generation"] >= generation
+    finally:
+        node.close()
+        layout.unlink()
+        layout.parent.rmdir()

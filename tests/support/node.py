@@ -8,7 +8,6 @@ stand-in ``nvidia-smi`` / ``nvidia-cuda-mps-control`` executables.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -29,6 +28,7 @@ from driver.simulation.apiserver import FakeApiServer
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import build_host_root
 from driver.simulation.kubelet import KubeletEmulator, PrepareAnswer
+from tests.support.processes import install_standin, kill_processes_mentioning
 
 DRIVER = "gpu.tessera.dev"
 NODE = "node-a"
@@ -77,12 +77,8 @@ class SimulatedNode:
         self.log_path = self.work / "driver.log"
 
     def _fast_standins(self) -> None:
-        # The stand-ins say '#!/usr/bin/env python3'; point them at this interpreter so each
-        # simulated nvidia-smi / MPS control call does not pay for a version-manager shim.
         for name in ("nvidia-smi", "nvidia-cuda-mps-control"):
-            path = self.host / "usr" / "bin" / name
-            lines = path.read_text().splitlines(keepends=True)
-            path.write_text(f"#!{sys.executable}\n" + "".join(lines[1:]))
+            install_standin(name, self.host / "usr" / "bin")
 
     # ----------------------------------------------------------------------------- paths
 
@@ -197,17 +193,7 @@ class SimulatedNode:
 
     def _kill_leftover_daemons(self) -> None:
         # MPS daemon stand-ins daemonise (setsid); kill any that a failing test left behind.
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            try:
-                cmdline = (proc / "cmdline").read_bytes()
-                environ = (proc / "environ").read_bytes()
-            except OSError:
-                continue
-            if str(self.work).encode() in cmdline or str(self.work).encode() in environ:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(proc.name), signal.SIGKILL)
+        kill_processes_mentioning(str(self.work), in_environment=True)
 
     # ----------------------------------------------------------------------------- cluster
 

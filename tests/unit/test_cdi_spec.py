@@ -44,6 +44,17 @@ def edits(wire: Wire, device: int = 0) -> Wire:
     return result
 
 
+def net_devices(*host_and_container_names: tuple[str, str]) -> Callable[[Wire], object]:
+    """Set spec-level netDevices from (hostInterfaceName, name) pairs, declaring 1.1.0, which they need."""
+    devices = [{"hostInterfaceName": host, "name": name} for host, name in host_and_container_names]
+    return lambda w: w.update(cdiVersion="1.1.0", containerEdits={"netDevices": devices})
+
+
+def clos_id(value: str) -> Callable[[Wire], object]:
+    """Set a spec-level intelRdt with this closID, declaring 0.7.0, which it needs."""
+    return lambda w: w.update(cdiVersion="0.7.0", containerEdits={"intelRdt": {"closID": value}})
+
+
 def rejection(mutate: Callable[[Wire], object]) -> SpecError:
     wire = valid_wire()
     mutate(wire)
@@ -169,39 +180,17 @@ REJECTED: list[tuple[str, Callable[[Wire], object], str]] = [
     # net devices and Intel RDT (with a version new enough for them)
     (
         "duplicate host interface",
-        lambda w: w.update(
-            cdiVersion="1.1.0",
-            containerEdits={
-                "netDevices": [{"hostInterfaceName": "eth0", "name": "a"}, {"hostInterfaceName": "eth0", "name": "b"}]
-            },
-        ),
+        net_devices(("eth0", "a"), ("eth0", "b")),
         'containerEdits.netDevices: duplicate hostInterfaceName "eth0" in [0] and [1]',
     ),
     (
         "duplicate net device name",
-        lambda w: w.update(
-            cdiVersion="1.1.0",
-            containerEdits={
-                "netDevices": [{"hostInterfaceName": "eth0", "name": "a"}, {"hostInterfaceName": "eth1", "name": "a"}]
-            },
-        ),
+        net_devices(("eth0", "a"), ("eth1", "a")),
         'containerEdits.netDevices: duplicate name "a" in [0] and [1]',
     ),
-    (
-        "empty net device name",
-        lambda w: w.update(cdiVersion="1.1.0", containerEdits={"netDevices": [{"hostInterfaceName": "e", "name": ""}]}),
-        "containerEdits.netDevices[0].name: must not be empty",
-    ),
-    (
-        "closID with slash",
-        lambda w: w.update(cdiVersion="0.7.0", containerEdits={"intelRdt": {"closID": "a/b"}}),
-        'containerEdits.intelRdt.closID: "a/b" is not a CLOS ID',
-    ),
-    (
-        "closID ..",
-        lambda w: w.update(cdiVersion="0.7.0", containerEdits={"intelRdt": {"closID": ".."}}),
-        'containerEdits.intelRdt.closID: ".." is not a CLOS ID',
-    ),
+    ("empty net device name", net_devices(("e", "")), "containerEdits.netDevices[0].name: must not be empty"),
+    ("closID with slash", clos_id("a/b"), 'containerEdits.intelRdt.closID: "a/b" is not a CLOS ID'),
+    ("closID ..", clos_id(".."), 'containerEdits.intelRdt.closID: ".." is not a CLOS ID'),
     # strict parse: unknown keys and wrong types
     ("unknown top-level key", lambda w: w.update(extra="x"), "extra: unknown key"),
     (
@@ -250,7 +239,7 @@ ACCEPTED: list[tuple[str, Callable[[Wire], object]]] = [
     ("fifo node", lambda w: edits(w, 1)["deviceNodes"][0].update(type="p")),
     ("setgid file mode from a stat", lambda w: edits(w, 1)["deviceNodes"][0].update(fileMode=0o2666)),
     ("env value with =", lambda w: edits(w).update(env=["A=b=c", "EMPTY="])),
-    ("root CLOS", lambda w: w.update(cdiVersion="0.7.0", containerEdits={"intelRdt": {"closID": "/"}})),
+    ("root CLOS", clos_id("/")),
     ("empty spec-level edits", lambda w: w.update(containerEdits={})),
 ]
 

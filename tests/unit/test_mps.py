@@ -7,17 +7,13 @@ test, even a failing one.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,31 +21,10 @@ import pytest
 from pydantic import ValidationError
 
 from driver.gpu.mps import MIB, MpsDaemonRecord, MpsDaemonSpec, MpsError, MpsManager, MpsMount, _parse_mib
+from tests.support.processes import poll_until, processes_mentioning, standin_sandbox
 
-SIM_BIN = Path(__file__).resolve().parents[2] / "driver" / "simulation" / "bin"
 GPU_A = "GPU-11111111-2222-3333-4444-555555555555"
 GPU_B = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if text.encode() in cmdline:
-                pids.append(int(entry.name))
-    return pids
-
-
-def _wait_until(predicate: Callable[[], bool], what: str, limit: float = 10.0) -> None:
-    deadline = time.monotonic() + limit
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up waiting for {what}")
-        time.sleep(0.02)
 
 
 def _gone(pid: int) -> bool:
@@ -64,14 +39,6 @@ def _start_time(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
 
 
-def _install_standin(name: str, bin_dir: Path) -> None:
-    """Copy a stand-in, run by this interpreter: ``/usr/bin/env python3`` may be a slow shim."""
-    source = (SIM_BIN / name).read_text().split("\n", 1)[1]
-    target = bin_dir / name
-    target.write_text(f"#!{sys.executable}\n{source}")
-    target.chmod(0o755)
-
-
 @dataclass(frozen=True)
 class Sim:
     top: Path
@@ -83,7 +50,7 @@ class Sim:
         return MpsManager(self.root, self.base, ready_timeout=ready, command_timeout=command, stop_timeout=stop)
 
     def running(self) -> list[int]:
-        return _processes_mentioning(str(self.top))
+        return processes_mentioning(str(self.top))
 
     def journal_entries(self) -> list[dict[str, object]]:
         if not self.journal.exists():
@@ -93,20 +60,16 @@ class Sim:
 
 @pytest.fixture
 def sim(monkeypatch: pytest.MonkeyPatch) -> Iterator[Sim]:
-    top = Path(tempfile.mkdtemp(prefix="tsm", dir="/tmp"))
-    root = top / "root"
-    (root / "usr" / "bin").mkdir(parents=True)
-    _install_standin("nvidia-cuda-mps-control", root / "usr" / "bin")
-    journal = top / "journal.jsonl"
     monkeypatch.delenv("TESSERA_SIM_MPS_FAIL", raising=False)
-    monkeypatch.setenv("TESSERA_SIM_MPS_JOURNAL", str(journal))
-    try:
-        yield Sim(top=top, root=root, base=top / "mps", journal=journal)
-    finally:
-        for pid in _processes_mentioning(str(top)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(top, ignore_errors=True)
+    with standin_sandbox("tsm", ["nvidia-cuda-mps-control"]) as top:
+        journal = top / "journal.jsonl"
+        monkeypatch.setenv("TESSERA_SIM_MPS_JOURNAL", str(journal))
+        yield Sim(top=top, root=top / "root", base=top / "mps", journal=journal)
+
+
+def _assert_nothing_left(sim: Sim, daemon_id: str) -> None:
+    assert sim.running() == []
+    assert not (sim.base / daemon_id).exists()
 
 
 def _commands(record: MpsDaemonRecord) -> list[str]:
@@ -157,17 +120,27 @@ def test_start_without_limits_only_checks_readiness(sim: Sim) -> None:
     assert sim.manager().is_alive(record)
 
 
-def test_start_failure_raises_with_log_tail_and_leaves_nothing(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TESSERA_SIM_MPS_FAIL", "start")
+@pytest.mark.parametrize(
+    ("failure", "said"),
+    [
+        # The last fragment of each comes from the tail of control.log.
+        ("start", ["claim-1", "-d` exited with status 1", "control.log", "injected start failure"]),
+        (
+            "reject-limits",
+            ["refused 'set_default_active_thread_percentage 40'", "Cmd:set_default_active_thread_percentage 40"],
+        ),
+    ],
+    ids=["daemon does not start", "daemon refuses a limit"],
+)
+def test_failed_start_says_why_with_log_tail_and_leaves_nothing(
+    sim: Sim, monkeypatch: pytest.MonkeyPatch, failure: str, said: list[str]
+) -> None:
+    monkeypatch.setenv("TESSERA_SIM_MPS_FAIL", failure)
     with pytest.raises(MpsError) as caught:
         sim.manager().start(LIMITED)
-    message = str(caught.value)
-    assert "claim-1" in message
-    assert "-d` exited with status 1" in message
-    assert "control.log" in message
-    assert "injected start failure" in message  # from the log tail
-    assert not (sim.base / "claim-1").exists()
-    assert sim.running() == []
+    for fragment in said:
+        assert fragment in str(caught.value)
+    _assert_nothing_left(sim, "claim-1")
 
 
 def test_hanging_daemon_fails_readiness_within_bound_and_is_killed(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -177,27 +150,14 @@ def test_hanging_daemon_fails_readiness_within_bound_and_is_killed(sim: Sim, mon
     started = [e for e in sim.journal_entries() if e.get("event") == "start"]
     assert len(started) == 1  # a daemon did run...
     assert _gone(int(str(started[0]["pid"])))  # ...and was killed
-    assert sim.running() == []
-    assert not (sim.base / "gpu-0").exists()
+    _assert_nothing_left(sim, "gpu-0")
 
 
 def test_hanging_daemon_fails_on_first_limit(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TESSERA_SIM_MPS_FAIL", "hang")
     with pytest.raises(MpsError, match=r"'set_default_active_thread_percentage 40' got no answer within 0.3s"):
         sim.manager(ready=3.0, command=0.3, stop=0.3).start(LIMITED)
-    assert sim.running() == []
-    assert not (sim.base / "claim-1").exists()
-
-
-def test_refused_limit_fails_start(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TESSERA_SIM_MPS_FAIL", "reject-limits")
-    with pytest.raises(MpsError) as caught:
-        sim.manager().start(LIMITED)
-    message = str(caught.value)
-    assert "refused 'set_default_active_thread_percentage 40'" in message
-    assert "Cmd:set_default_active_thread_percentage 40" in message  # log tail
-    assert sim.running() == []
-    assert not (sim.base / "claim-1").exists()
+    _assert_nothing_left(sim, "claim-1")
 
 
 def test_limit_that_does_not_read_back_fails_start(sim: Sim) -> None:
@@ -216,8 +176,7 @@ def test_limit_that_does_not_read_back_fails_start(sim: Sim) -> None:
     wrapper.chmod(0o755)
     with pytest.raises(MpsError, match=r"device 0 \(GPU-1111.*\) reads back as 'unlimited', expected 2048M"):
         sim.manager().start(LIMITED)
-    assert sim.running() == []
-    assert not (sim.base / "claim-1").exists()
+    _assert_nothing_left(sim, "claim-1")
 
 
 def test_missing_binary_names_the_driver_root_setting(sim: Sim) -> None:
@@ -279,8 +238,7 @@ def test_stop_terminates_a_daemon_that_ignores_quit(sim: Sim, monkeypatch: pytes
     assert {"pid": record.pid, "cmd": "quit", "args": []} in mine
     assert not any(e.get("event") == "exit" for e in mine)  # it never quit: it was signalled
     assert _gone(record.pid)
-    assert sim.running() == []
-    assert not (sim.base / "gpu-0").exists()
+    _assert_nothing_left(sim, "gpu-0")
 
 
 def test_stop_kills_a_daemon_that_ignores_sigterm(sim: Sim) -> None:
@@ -288,8 +246,7 @@ def test_stop_kills_a_daemon_that_ignores_sigterm(sim: Sim) -> None:
     os.kill(record.pid, signal.SIGSTOP)  # a stopped process answers nothing and defers SIGTERM
     sim.manager(command=0.3, stop=0.3).stop(record)
     assert _gone(record.pid)
-    assert sim.running() == []
-    assert not (sim.base / "gpu-0").exists()
+    _assert_nothing_left(sim, "gpu-0")
 
 
 def test_stop_by_id_ends_a_daemon_whose_record_was_lost(sim: Sim) -> None:
@@ -319,7 +276,7 @@ def test_is_alive_false_after_kill_9(sim: Sim) -> None:
     record = manager.start(PLAIN)
     assert manager.is_alive(record)
     os.kill(record.pid, signal.SIGKILL)
-    _wait_until(lambda: _gone(record.pid), "the killed daemon to die")
+    poll_until(lambda: _gone(record.pid), "the killed daemon to die")
     assert not manager.is_alive(record)
 
 
@@ -341,7 +298,7 @@ def test_ensure_running_restarts_a_dead_daemon_with_the_same_limits(sim: Sim) ->
     manager = sim.manager()
     old = manager.start(LIMITED)
     os.kill(old.pid, signal.SIGKILL)
-    _wait_until(lambda: _gone(old.pid), "the killed daemon to die")
+    poll_until(lambda: _gone(old.pid), "the killed daemon to die")
     new = manager.ensure_running(old)
     assert new.pid != old.pid
     assert new.spec == old.spec
@@ -380,6 +337,19 @@ def test_recycled_pid_is_never_taken_for_our_daemon(sim: Sim) -> None:
 # -- client edits -----------------------------------------------------------------------------
 
 
+def _stored_record(spec: MpsDaemonSpec, pid: int, process_start_time: int) -> MpsDaemonRecord:
+    """A record as a checkpoint holds it, for a daemon under base dir /m that need not exist."""
+    daemon_dir = Path("/m") / spec.daemon_id
+    return MpsDaemonRecord(
+        spec=spec,
+        pid=pid,
+        pipe_dir=daemon_dir / "pipe",
+        log_dir=daemon_dir / "log",
+        started_at="2025-01-01T00:00:00+00:00",
+        process_start_time=process_start_time,
+    )
+
+
 def test_client_edits_carry_pipe_dir_limits_and_shm(sim: Sim) -> None:
     manager = sim.manager()
     record = manager.start(LIMITED)
@@ -397,14 +367,7 @@ def test_client_edits_carry_pipe_dir_limits_and_shm(sim: Sim) -> None:
 
 
 def test_client_edits_without_limits_or_shm() -> None:
-    record = MpsDaemonRecord(
-        spec=PLAIN,
-        pid=1,
-        pipe_dir=Path("/m/gpu-0/pipe"),
-        log_dir=Path("/m/gpu-0/log"),
-        started_at="2025-01-01T00:00:00+00:00",
-        process_start_time=5,
-    )
+    record = _stored_record(PLAIN, pid=1, process_start_time=5)
     edits = MpsManager(Path("/"), Path("/m")).client_edits(record, container_pipe_dir="/run/mps-a")
     assert edits.env == ["CUDA_MPS_PIPE_DIRECTORY=/run/mps-a"]
     assert edits.mounts == [MpsMount("/m/gpu-0/pipe", "/run/mps-a", ["rw", "nosuid", "nodev", "bind"])]
@@ -444,14 +407,7 @@ def test_spec_accepts_mig_devices_and_orders_limits_by_ordinal() -> None:
 
 
 def test_record_round_trips_and_ignores_fields_from_newer_drivers() -> None:
-    record = MpsDaemonRecord(
-        spec=LIMITED,
-        pid=42,
-        pipe_dir=Path("/m/claim-1/pipe"),
-        log_dir=Path("/m/claim-1/log"),
-        started_at="2025-01-01T00:00:00+00:00",
-        process_start_time=123,
-    )
+    record = _stored_record(LIMITED, pid=42, process_start_time=123)
     stored = json.loads(record.model_dump_json())
     stored["from_the_future"] = True
     stored["spec"]["also_new"] = 1

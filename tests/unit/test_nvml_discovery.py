@@ -66,8 +66,8 @@ class NVMLError_GpuIsLost(NVMLError):
 
 
 @dataclass
-class ProfileInfo:
-    """The v2 GPU/compute instance profile struct; field names are NVML's."""
+class ProfileInfoV1:
+    """The v1 GPU/compute instance profile struct; field names are NVML's."""
 
     id: int
     sliceCount: int
@@ -78,22 +78,13 @@ class ProfileInfo:
     encoderCount: int = 0
     jpegCount: int = 0
     ofaCount: int = 0
-    name: bytes = b""
 
 
 @dataclass
-class ProfileInfoV1:
-    """The v1 struct: no name."""
+class ProfileInfo(ProfileInfoV1):
+    """The v2 struct: v1's fields and the profile's name."""
 
-    id: int
-    sliceCount: int
-    memorySizeMB: int
-    multiprocessorCount: int
-    copyEngineCount: int = 0
-    decoderCount: int = 0
-    encoderCount: int = 0
-    jpegCount: int = 0
-    ofaCount: int = 0
+    name: bytes = b""
 
 
 @dataclass
@@ -567,38 +558,19 @@ def test_init_failure_is_a_clear_error() -> None:
 
 def test_mig_instances_are_enumerated(sysfs: Path) -> None:
     h100 = discover(FakeNvml([h100_mig()]), sysfs).gpus[0]
+    # One line each for identity, placement and capacity, so the two devices compare line by line.
     assert h100.mig_instances == (
         MigInstance(
-            uuid="MIG-one",
-            profile="1g.10gb",
-            gi_profile_id=19,
-            placement_start=3,
-            placement_size=1,
-            gi_id=9,
-            ci_id=0,
-            memory_bytes=9984 * MIB,
-            multiprocessors=16,
-            copy_engines=1,
-            decoders=0,
-            encoders=0,
-            jpeg_engines=0,
-            ofa_engines=0,
+            uuid="MIG-one", profile="1g.10gb", gi_profile_id=19,
+            placement_start=3, placement_size=1, gi_id=9, ci_id=0,
+            memory_bytes=9984 * MIB, multiprocessors=16,
+            copy_engines=1, decoders=0, encoders=0, jpeg_engines=0, ofa_engines=0,
         ),
         MigInstance(
-            uuid="MIG-three",
-            profile="3g.40gb",
-            gi_profile_id=9,
-            placement_start=4,
-            placement_size=4,
-            gi_id=2,
-            ci_id=0,
-            memory_bytes=40448 * MIB,
-            multiprocessors=60,
-            copy_engines=3,
-            decoders=3,
-            encoders=0,
-            jpeg_engines=3,
-            ofa_engines=0,
+            uuid="MIG-three", profile="3g.40gb", gi_profile_id=9,
+            placement_start=4, placement_size=4, gi_id=2, ci_id=0,
+            memory_bytes=40448 * MIB, multiprocessors=60,
+            copy_engines=3, decoders=3, encoders=0, jpeg_engines=3, ofa_engines=0,
         ),
     )
 

@@ -1,4 +1,4 @@
-"""The simulation stand-ins for nvidia-cuda-mps-control and nvidia-smi, and driver-root lookup.
+"""The simulation stand-ins for nvidia-cuda-mps-control and nvidia-smi, driver-root lookup, and run_binary.
 
 The stand-ins run as real processes in a simulated driver root under a short /tmp directory
 (Unix socket paths must stay under ~100 bytes).
@@ -6,57 +6,33 @@ The stand-ins run as real processes in a simulated driver root under a short /tm
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
+import shlex
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from driver.gpu.binaries import BIN_DIRS, BinaryNotFound, driver_env, find_binary
+from driver.gpu.binaries import (
+    BIN_DIRS,
+    BinaryFailed,
+    BinaryNotFound,
+    BinaryTimedOut,
+    driver_env,
+    find_binary,
+    run_binary,
+)
+from tests.support.processes import SIM_BIN, poll_until, processes_mentioning, standin_sandbox
 
-SIM_BIN = Path(__file__).resolve().parents[2] / "driver" / "simulation" / "bin"
 STANDINS = ("nvidia-cuda-mps-control", "nvidia-smi")
 GPU_A = "GPU-11111111-2222-3333-4444-555555555555"
-
-
-def _processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if text.encode() in cmdline:
-                pids.append(int(entry.name))
-    return pids
-
-
-def _wait_until(predicate: Callable[[], bool], what: str, limit: float = 10.0) -> None:
-    deadline = time.monotonic() + limit
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up waiting for {what}")
-        time.sleep(0.02)
-
-
-def _install_standin(name: str, bin_dir: Path) -> None:
-    """Copy a stand-in, run by this interpreter: ``/usr/bin/env python3`` may be a slow shim."""
-    source = (SIM_BIN / name).read_text().split("\n", 1)[1]
-    target = bin_dir / name
-    target.write_text(f"#!{sys.executable}\n{source}")
-    target.chmod(0o755)
 
 
 @dataclass(frozen=True)
@@ -70,19 +46,8 @@ class SimRoot:
 
 @pytest.fixture
 def sim() -> Iterator[SimRoot]:
-    top = Path(tempfile.mkdtemp(prefix="tss", dir="/tmp"))
-    root = top / "root"
-    (root / "usr" / "bin").mkdir(parents=True)
-    for name in STANDINS:
-        _install_standin(name, root / "usr" / "bin")
-    try:
-        yield SimRoot(top=top, root=root)
-    finally:
-        # Every daemon runs from this tree, so its command line names it: nothing escapes.
-        for pid in _processes_mentioning(str(top)):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(top, ignore_errors=True)
+    with standin_sandbox("tss", STANDINS) as top:
+        yield SimRoot(top=top, root=top / "root")
 
 
 def _mps_env(sim: SimRoot, **extra: str) -> dict[str, str]:
@@ -133,7 +98,7 @@ def test_mps_daemon_answers_commands_logs_them_and_quits(sim: SimRoot) -> None:
     started = _mps(sim, env, "-d")
     assert started.returncode == 0, started.stderr
     pid = int((sim.top / "p" / "nvidia-cuda-mps-control.pid").read_text())
-    assert pid in _processes_mentioning(str(sim.top))
+    assert pid in processes_mentioning(str(sim.top))
 
     answers = _mps(
         sim,
@@ -160,7 +125,7 @@ def test_mps_daemon_answers_commands_logs_them_and_quits(sim: SimRoot) -> None:
     assert any(line.endswith("Cmd:set_default_active_thread_percentage 25") for line in log_lines)
 
     assert _mps(sim, env, stdin="quit\n").returncode == 0
-    _wait_until(lambda: pid not in _processes_mentioning(str(sim.top)), "the daemon to exit after quit")
+    poll_until(lambda: pid not in processes_mentioning(str(sim.top)), "the daemon to exit after quit")
     assert sorted(p.name for p in (sim.top / "p").iterdir()) == []
 
 
@@ -176,7 +141,7 @@ def test_mps_daemon_refuses_second_instance_in_same_pipe_dir(sim: SimRoot) -> No
     second = _mps(sim, env, "-d")
     assert second.returncode != 0
     assert "already running" in (sim.top / "l" / "control.log").read_text()
-    assert len(_processes_mentioning(str(sim.top))) == 1
+    assert len(processes_mentioning(str(sim.top))) == 1
 
 
 def test_mps_injected_start_failure_leaves_nothing_running(sim: SimRoot) -> None:
@@ -185,7 +150,7 @@ def test_mps_injected_start_failure_leaves_nothing_running(sim: SimRoot) -> None
     assert "failed to start" in result.stderr
     assert "injected start failure" in (sim.top / "l" / "control.log").read_text()
     assert not (sim.top / "p" / "nvidia-cuda-mps-control.pid").exists()
-    assert _processes_mentioning(str(sim.top)) == []
+    assert processes_mentioning(str(sim.top)) == []
 
 
 def test_mps_reject_limits_answers_set_commands_with_error(sim: SimRoot) -> None:
@@ -210,7 +175,7 @@ def test_mps_daemon_dies_on_sigterm(sim: SimRoot) -> None:
     assert _mps(sim, env, "-d").returncode == 0
     pid = int((sim.top / "p" / "nvidia-cuda-mps-control.pid").read_text())
     os.kill(pid, signal.SIGTERM)
-    _wait_until(lambda: pid not in _processes_mentioning(str(sim.top)), "the daemon to die on SIGTERM")
+    poll_until(lambda: pid not in processes_mentioning(str(sim.top)), "the daemon to die on SIGTERM")
 
 
 # -- nvidia-smi -------------------------------------------------------------------------------
@@ -345,3 +310,56 @@ def test_driver_env_at_root_changes_nothing() -> None:
 def test_driver_env_defaults_to_our_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TESSERA_TEST_MARKER", "present")
     assert driver_env(tmp_path)["TESSERA_TEST_MARKER"] == "present"
+
+
+# -- run_binary -------------------------------------------------------------------------------
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_run_binary_feeds_stdin_and_returns_stripped_stdout() -> None:
+    echo = _python("import sys; print(sys.stdin.read().upper())")
+    assert run_binary(echo, env={}, timeout=10, stdin_text="quit\n") == "QUIT"
+
+
+def test_run_binary_without_input_gives_an_empty_stdin() -> None:
+    assert run_binary(_python("import sys; print(repr(sys.stdin.read()))"), env={}, timeout=10) == "''"
+
+
+def test_run_binary_passes_only_the_given_environment() -> None:
+    shown = run_binary(_python("import os; print(os.environ.get('MARKER'))"), env={"MARKER": "set"}, timeout=10)
+    assert shown == "set"
+
+
+@pytest.mark.parametrize(
+    ("code", "exit_code", "said"),
+    [
+        ("import sys; print('on stdout'); sys.exit('on stderr')", 1, "on stderr"),  # stderr wins
+        ("import sys; print('only stdout'); sys.exit(3)", 3, "only stdout"),  # nvidia-smi reports errors there
+        ("import sys; sys.exit(4)", 4, "(no output)"),
+    ],
+)
+def test_run_binary_failure_names_command_exit_code_and_output(code: str, exit_code: int, said: str) -> None:
+    command = _python(code)
+    with pytest.raises(BinaryFailed) as caught:
+        run_binary(command, env={}, timeout=10)
+    assert str(caught.value) == f"`{shlex.join(command)}` failed with exit code {exit_code}: {said}"
+    assert not isinstance(caught.value, BinaryTimedOut)
+
+
+def test_run_binary_label_replaces_the_command_line_in_errors() -> None:
+    with pytest.raises(BinaryFailed, match=r"^control command 'x' failed with exit code 2: \(no output\)$"):
+        run_binary(_python("raise SystemExit(2)"), env={}, timeout=10, label="control command 'x'")
+
+
+def test_run_binary_timeout_is_its_own_error() -> None:
+    with pytest.raises(BinaryTimedOut, match=r"time\.sleep\(30\)'` did not finish within 0\.2s$"):
+        run_binary(_python("import time; time.sleep(30)"), env={}, timeout=0.2)
+
+
+def test_run_binary_that_cannot_start_says_so(tmp_path: Path) -> None:
+    not_executable = _make_exe(tmp_path / "tool", mode=0o644)
+    with pytest.raises(BinaryFailed, match=f"`{not_executable}` could not run: .*Permission denied"):
+        run_binary([str(not_executable)], env={}, timeout=10)

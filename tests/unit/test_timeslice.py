@@ -10,25 +10,17 @@ import pytest
 
 from driver.gpu.sharing import TIMESLICE_VALUES, TimeSliceInterval
 from driver.gpu.timeslice import TimeSliceError, TimeSlicer
+from tests.support.processes import install_standin
 
-SIM_BIN = Path(__file__).resolve().parents[2] / "driver" / "simulation" / "bin"
 GPU_A = "GPU-11111111-2222-3333-4444-555555555555"
 GPU_B = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"
-
-
-def _install_standin(name: str, bin_dir: Path) -> None:
-    """Copy a stand-in, run by this interpreter: ``/usr/bin/env python3`` may be a slow shim."""
-    source = (SIM_BIN / name).read_text().split("\n", 1)[1]
-    target = bin_dir / name
-    target.write_text(f"#!{sys.executable}\n{source}")
-    target.chmod(0o755)
 
 
 @pytest.fixture
 def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     driver_root = tmp_path / "root"
     (driver_root / "usr" / "bin").mkdir(parents=True)
-    _install_standin("nvidia-smi", driver_root / "usr" / "bin")
+    install_standin("nvidia-smi", driver_root / "usr" / "bin")
     monkeypatch.setenv("TESSERA_SIM_NVIDIA_SMI_LOG", str(tmp_path / "calls.jsonl"))
     monkeypatch.setenv("TESSERA_SIM_NVIDIA_SMI_STATE", str(tmp_path / "state.json"))
     monkeypatch.delenv("TESSERA_SIM_NVIDIA_SMI_FAIL", raising=False)

@@ -1,0 +1,176 @@
+"""``inspect``: the report built from the checkpoint and CDI directory, and its text rendering."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import cdi
+from driver.config import Settings
+from driver.gpu.checkpoint import (
+    Checkpoint,
+    CheckpointStore,
+    ClaimPhase,
+    ClaimRecord,
+    PreparedDeviceRecord,
+    TimeSliceRecord,
+)
+from driver.gpu.mps import MpsDaemonRecord, MpsDaemonSpec
+from driver.gpu.state import DeviceState, StatePaths
+from driver.gpu.targets import make_view
+from driver.gpu.toolkit import load_toolkit_edits
+from driver.inspect_node import collect, inspect, render_text
+from driver.kubeletplugin.claim import ResourceClaim
+from driver.kubeletplugin.types import PreparedDevice
+from driver.simulation.discovery import SimulatedDiscovery
+from driver.simulation.hostroot import build_host_root
+
+GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
+MIG = "MIG-11111111-1111-1111-1111-111111111111"
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return Settings(node_name="node-a", plugins_dir=tmp_path / "plugins", cdi_root=tmp_path / "cdi")
+
+
+def _store(settings: Settings) -> CheckpointStore:
+    return CheckpointStore(settings.state_dir / "checkpoint.json")
+
+
+def _record(uid: str, name: str, device: str = "gpu-0", phase: ClaimPhase = ClaimPhase.PREPARE_COMPLETED,
+            mig: str | None = None, daemon: str | None = None) -> ClaimRecord:
+    prepared = PreparedDevice(request_names=["gpu"], pool_name="node-a", device_name=device,
+                              cdi_device_ids=[f"k8s.gpu.tessera.dev/claim={uid}-{device}"])
+    dev = PreparedDeviceRecord(device=prepared, kind="mig" if mig else "gpu", gpu_uuid=GPU0, gpu_minor=0,
+                               mig_uuid=mig, mps_daemon_id=daemon)
+    return ClaimRecord(uid=uid, namespace="team-a", name=name, phase=phase, devices=[dev],
+                       owned_mps_daemons=[daemon] if daemon else [],
+                       cdi_spec_file=f"k8s.gpu.tessera.dev-claim_{uid}.json", updated_at="2025-01-01T00:00:00+00:00")
+
+
+def _daemon(daemon_id: str, pid: int, tmp: Path) -> MpsDaemonRecord:
+    return MpsDaemonRecord(spec=MpsDaemonSpec(daemon_id=daemon_id, gpu_uuids=[GPU0], active_thread_percentage=40),
+                           pid=pid, pipe_dir=tmp / daemon_id / "pipe", log_dir=tmp / daemon_id / "log",
+                           started_at="2025-01-01T00:00:00+00:00", process_start_time=1)
+
+
+def _write_spec(settings: Settings, uid: str) -> Path:
+    spec = cdi.Spec.from_wire({"cdiVersion": "0.6.0", "kind": "k8s.gpu.tessera.dev/claim", "devices": [
+        {"name": f"{uid}-gpu-0", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0"}]}}]}, "test")
+    return cdi.write_spec(settings.cdi_root, f"k8s.gpu.tessera.dev-claim_{uid}.json", spec)
+
+
+def _unused_pid() -> int:
+    pid = 4_000_000
+    while Path(f"/proc/{pid}").exists():
+        pid -= 1
+    return pid
+
+
+def test_no_checkpoint_is_a_problem_line(settings: Settings) -> None:
+    report = collect(settings)
+    assert report["claims"] == [] and report["mps_daemons"] == []
+    assert report["problems"] == ["no checkpoint: nothing has been prepared on this node yet"]
+    text = render_text(report)
+    assert "0 prepared claim(s)" in text
+    assert "PROBLEM: no checkpoint" in text
+
+
+def test_corrupt_checkpoint_is_reported_and_left_for_the_driver(settings: Settings) -> None:
+    settings.state_dir.mkdir(parents=True)
+    (settings.state_dir / "checkpoint.json").write_text("{broken")
+    report = collect(settings)
+    assert any("cannot be read" in p and "sets it aside" in p for p in report["problems"])
+    # inspect is read-only: only the driver, under its lock, sets a bad checkpoint aside.
+    assert (settings.state_dir / "checkpoint.json").read_text() == "{broken"
+    assert not list(settings.state_dir.glob("checkpoint.json.corrupt-*"))
+
+
+def test_claims_daemons_orphans_and_missing_specs(settings: Settings, tmp_path: Path) -> None:
+    live, dead = _daemon("claim-live-0", os.getpid(), tmp_path), _daemon("claim-dead-0", _unused_pid(), tmp_path)
+    cp = Checkpoint(boot_id="boot-1", claims={
+        "u-ok": _record("u-ok", "with-spec", daemon="claim-live-0"),
+        "u-missing": _record("u-missing", "without-spec", device="gpu-1-mig-1g10gb-6", mig=MIG),
+        "u-started": _record("u-started", "half-done", device="gpu-2", phase=ClaimPhase.PREPARE_STARTED),
+    }, mps_daemons={"claim-live-0": live, "claim-dead-0": dead})
+    _store(settings).save(cp)
+    _write_spec(settings, "u-ok")
+    orphan = _write_spec(settings, "u-orphan")
+    (settings.cdi_root / "nvidia.yaml").write_text("not ours\n")
+
+    report = collect(settings)
+    assert report["driver"] == "gpu.tessera.dev" and report["boot_id"] == "boot-1"
+    claims = {c["uid"]: c for c in report["claims"]}
+    assert [c["claim"] for c in report["claims"]] == ["team-a/half-done", "team-a/with-spec", "team-a/without-spec"]
+    assert claims["u-ok"]["cdi_spec_present"] is True
+    assert claims["u-missing"]["cdi_spec_present"] is False
+    assert claims["u-started"]["phase"] == "PrepareStarted"
+    assert claims["u-ok"]["devices"][0]["mps_daemon"] == "claim-live-0"
+    assert claims["u-missing"]["devices"][0]["mig"] == MIG
+    assert report["orphan_cdi_specs"] == [str(orphan)]
+    # Only a completed claim without its spec is a problem; a PrepareStarted one is rolled back at start.
+    [problem] = report["problems"]
+    assert "u-missing" in problem and "is missing" in problem
+    daemons = {d["id"]: d for d in report["mps_daemons"]}
+    assert daemons["claim-live-0"]["pid_alive"] is True and daemons["claim-live-0"]["claims"] == ["u-ok"]
+    assert daemons["claim-dead-0"]["pid_alive"] is False and daemons["claim-dead-0"]["claims"] == []
+
+    text = render_text(report)
+    assert "3 prepared claim(s)" in text
+    assert "cdi spec (MISSING)" in text and "cdi spec (present)" in text
+    assert f"mig={MIG}" in text and "mps-daemon=claim-live-0" in text
+    assert "cdi: k8s.gpu.tessera.dev/claim=u-ok-gpu-0" in text
+    assert "2 MPS control daemon(s)" in text
+    assert "(running)" in text and "(NOT RUNNING)" in text and "threads=40%" in text
+    assert f"orphan CDI spec (no checkpoint entry; removed at next driver start): {orphan}" in text
+    assert text.splitlines()[-1].startswith("PROBLEM: claim u-missing")
+
+
+def test_timeslice_and_plan_timeslices_are_shown(settings: Settings) -> None:
+    record = _record("u-ts", "sliced")
+    record.timeslice = TimeSliceRecord(gpu_uuids=[GPU0], interval="Long")
+    cp = Checkpoint(claims={"u-ts": record}, plan_timeslices={GPU0: "Medium"})
+    _store(settings).save(cp)
+    report = collect(settings)
+    assert report["plan_timeslices"] == {GPU0: "Medium"}
+    assert f"time slice Long on {GPU0}" in render_text(report)
+
+
+def test_inspect_json_is_parseable(settings: Settings) -> None:
+    _store(settings).save(Checkpoint(claims={"u1": _record("u1", "c")}))
+    data = json.loads(inspect(settings, as_json=True))
+    assert [c["uid"] for c in data["claims"]] == ["u1"]
+    assert inspect(settings, as_json=False).startswith("driver gpu.tessera.dev")
+
+
+def test_state_prepared_by_the_driver_reads_back(settings: Settings, tmp_path: Path) -> None:
+    inventory = SimulatedDiscovery("demo", "node-a").discover()
+    host = tmp_path / "host"
+    build_host_root(host, inventory)
+    state = DeviceState(
+        driver_name="gpu.tessera.dev", pool_name="node-a",
+        paths=StatePaths(state_dir=settings.state_dir, cdi_root=settings.cdi_root, host_root=host, mps_shm_dir=None),
+        toolkit=load_toolkit_edits(host / "etc" / "cdi" / "nvidia.yaml"),
+        mps=None, timeslicer=None,  # type: ignore[arg-type]  # a whole GPU without sharing needs neither
+        view=make_view(inventory, {}))
+    state.prepare(ResourceClaim.model_validate({
+        "metadata": {"name": "train", "namespace": "team-a", "uid": "u1"},
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": "gpu.tessera.dev", "pool": "node-a", "device": "gpu-1-mig-3g40gb-0"}]}}}}))
+
+    report = collect(settings)
+    [claim] = report["claims"]
+    assert claim["claim"] == "team-a/train" and claim["phase"] == "PrepareCompleted"
+    assert claim["cdi_spec_present"] is True
+    assert [d["device"] for d in claim["devices"]] == ["gpu-1-mig-3g40gb-0"]
+    assert claim["devices"][0]["kind"] == "mig" and claim["devices"][0]["mig"] is not None
+    assert report["problems"] == [] and report["orphan_cdi_specs"] == []
+
+    Path(claim["cdi_spec"]).unlink()
+    text = render_text(collect(settings))
+    assert "cdi spec (MISSING)" in text
+    assert "PROBLEM: claim u1: CDI spec" in text

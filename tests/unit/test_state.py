@@ -1,0 +1,577 @@
+"""DeviceState through its public API: prepare, unprepare, rollback on failure, recover, apply_layout.
+
+The node is simulated (a host tree built from the ``demo`` layout: gpu-0 H100 whole, gpu-1 H100
+with MIG 3g.40gb@0, 2g.20gb@4, 1g.10gb@6, gpu-2 L4); MPS daemons and time slices are recording
+fakes that can be told to fail, so every side effect and every rollback is visible.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+import cdi
+from driver.gpu.checkpoint import CheckpointStore, ClaimPhase
+from driver.gpu.inventory import NodeInventory
+from driver.gpu.mps import MpsClientEdits, MpsDaemonRecord, MpsDaemonSpec, MpsError, MpsManager, MpsMount
+from driver.gpu.sharing import GpuShares, TimeSliceInterval
+from driver.gpu.state import DeviceState, PrepareError, StatePaths
+from driver.gpu.targets import make_view
+from driver.gpu.timeslice import TimeSliceError, TimeSlicer
+from driver.gpu.toolkit import load_toolkit_edits
+from driver.kubeletplugin.claim import ResourceClaim
+from driver.kubeletplugin.types import ClaimRef
+from driver.simulation.discovery import SimulatedDiscovery
+from driver.simulation.hostroot import build_host_root
+
+DRIVER = "gpu.tessera.dev"
+POOL = "node-a"
+GIB = 1 << 30
+
+
+# ----------------------------------------------------------------------------- fakes
+
+
+class FakeMps:
+    """Stands in for MpsManager: daemons are records in ``running``; every call is logged in ``calls``."""
+
+    def __init__(self, base_dir: Path) -> None:
+        self.base_dir = base_dir
+        self.running: dict[str, MpsDaemonRecord] = {}
+        self.calls: list[tuple[str, str]] = []
+        self.fail_start = False
+        self.on_disk: list[str] = []
+        self._next_pid = 1000
+
+    def start(self, spec: MpsDaemonSpec) -> MpsDaemonRecord:
+        self.calls.append(("start", spec.daemon_id))
+        if self.fail_start:
+            raise MpsError(f"starting MPS control daemon {spec.daemon_id} failed: simulated")
+        self._next_pid += 1
+        record = MpsDaemonRecord(spec=spec, pid=self._next_pid, pipe_dir=self.base_dir / spec.daemon_id / "pipe",
+                                 log_dir=self.base_dir / spec.daemon_id / "log", started_at="2025-01-01T00:00:00+00:00",
+                                 process_start_time=1)
+        self.running[spec.daemon_id] = record
+        return record
+
+    def is_alive(self, record: MpsDaemonRecord) -> bool:
+        current = self.running.get(record.spec.daemon_id)
+        return current is not None and current.pid == record.pid
+
+    def ensure_running(self, record: MpsDaemonRecord) -> MpsDaemonRecord:
+        self.calls.append(("ensure_running", record.spec.daemon_id))
+        if self.is_alive(record):
+            return record
+        self.running.pop(record.spec.daemon_id, None)
+        return self.start(record.spec)
+
+    def stop(self, record: MpsDaemonRecord) -> None:
+        self.calls.append(("stop", record.spec.daemon_id))
+        self.running.pop(record.spec.daemon_id, None)
+
+    def stop_by_id(self, daemon_id: str) -> None:
+        self.calls.append(("stop_by_id", daemon_id))
+        self.running.pop(daemon_id, None)
+
+    def daemon_ids_on_disk(self) -> list[str]:
+        return sorted({*self.running, *self.on_disk})
+
+    def client_edits(self, record: MpsDaemonRecord, container_pipe_dir: str = "/tmp/nvidia-mps",
+                     shm_host_dir: Path | None = None) -> MpsClientEdits:
+        mounts = [MpsMount(str(record.pipe_dir), container_pipe_dir, ["rw", "bind"])]
+        if shm_host_dir is not None:
+            mounts.append(MpsMount(str(shm_host_dir), "/dev/shm", ["rw", "bind"]))
+        return MpsClientEdits(env=[f"CUDA_MPS_PIPE_DIRECTORY={container_pipe_dir}"], mounts=mounts)
+
+    def stopped_after_start(self, daemon_id: str) -> bool:
+        """Whether ``daemon_id`` was stopped after its last start (the stop before a start clears leftovers)."""
+        last_start = max(i for i, call in enumerate(self.calls) if call == ("start", daemon_id))
+        return any(op in ("stop", "stop_by_id") and d == daemon_id for op, d in self.calls[last_start:])
+
+    def started(self) -> list[str]:
+        return [d for op, d in self.calls if op == "start"]
+
+
+@dataclass
+class FakeTimeSlicer:
+    """Stands in for TimeSlicer: remembers each GPU's interval; ``fail_apply`` makes apply raise."""
+
+    intervals: dict[str, str] = field(default_factory=dict)
+    calls: list[tuple[str, tuple[str, ...], str | None]] = field(default_factory=list)
+    fail_apply: bool = False
+
+    def apply(self, gpu_uuids: list[str], interval: TimeSliceInterval) -> None:
+        self.calls.append(("apply", tuple(gpu_uuids), interval))
+        if self.fail_apply:
+            raise TimeSliceError(f"setting time slice {interval} failed: simulated nvidia-smi exit 3")
+        for uuid in gpu_uuids:
+            self.intervals[uuid] = interval
+
+    def reset(self, gpu_uuids: list[str]) -> None:
+        self.calls.append(("reset", tuple(gpu_uuids), None))
+        for uuid in gpu_uuids:
+            self.intervals.pop(uuid, None)
+
+
+# ----------------------------------------------------------------------------- node
+
+
+class Node:
+    """One simulated node's directories, fakes and inventory; ``state()`` is a driver process on it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.inventory: NodeInventory = SimulatedDiscovery("demo", POOL).discover()
+        self.host = root / "host"
+        build_host_root(self.host, self.inventory)
+        self.paths = StatePaths(state_dir=root / "state", cdi_root=root / "cdi", host_root=self.host,
+                                mps_shm_dir=root / "state" / "mps" / "shm")
+        self.toolkit = load_toolkit_edits(self.host / "etc" / "cdi" / "nvidia.yaml")
+        self.mps = FakeMps(root / "state" / "mps")
+        self.timeslicer = FakeTimeSlicer()
+
+    def uuid(self, minor: int) -> str:
+        gpu = self.inventory.gpu_by_minor(minor)
+        assert gpu is not None
+        return gpu.uuid
+
+    def state(self) -> DeviceState:
+        """A fresh DeviceState on the same directories and fakes, as after a driver restart."""
+        return DeviceState(driver_name=DRIVER, pool_name=POOL, paths=self.paths, toolkit=self.toolkit,
+                           mps=cast(MpsManager, self.mps), timeslicer=cast(TimeSlicer, self.timeslicer),
+                           view=make_view(self.inventory, {}), lock_timeout=5)
+
+    @property
+    def store(self) -> CheckpointStore:
+        return CheckpointStore(self.paths.state_dir / "checkpoint.json")
+
+    def spec_path(self, uid: str) -> Path:
+        return self.paths.cdi_root / f"k8s.gpu.tessera.dev-claim_{uid}.json"
+
+    def cdi_files(self) -> list[str]:
+        return sorted(p.name for p in self.paths.cdi_root.iterdir()) if self.paths.cdi_root.exists() else []
+
+    def spec_json(self, uid: str) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.spec_path(uid).read_text())
+        return data
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Node:
+    return Node(tmp_path)
+
+
+def claim(uid: str, *devices: str, configs: list[dict[str, Any]] | None = None, pool: str = POOL,
+          name: str | None = None) -> ResourceClaim:
+    """A ResourceClaim allocated to ``devices`` (request ``r<i>`` for the i-th), as the API server returns it."""
+    results = [{"request": f"r{i}", "driver": DRIVER, "pool": pool, "device": d} for i, d in enumerate(devices)]
+    return ResourceClaim.model_validate({
+        "metadata": {"name": name or f"claim-{uid}", "namespace": "default", "uid": uid},
+        "status": {"allocation": {"devices": {"results": results, "config": configs or []}}},
+    })
+
+
+def ref(uid: str) -> ClaimRef:
+    return ClaimRef(namespace="default", name=f"claim-{uid}", uid=uid)
+
+
+def gpu_config(**sharing: Any) -> dict[str, Any]:
+    return {"source": "FromClaim", "requests": [],
+            "opaque": {"driver": DRIVER, "parameters": {"apiVersion": "gpu.tessera.dev/v1alpha1",
+                                                        "kind": "GpuConfig", "sharing": sharing}}}
+
+
+def mps_shares(count: int = 2) -> GpuShares:
+    return GpuShares(strategy="MPS", count=count, active_thread_percentage=50, memory_bytes_per_share=10 * GIB)
+
+
+def ts_shares(count: int = 2) -> GpuShares:
+    return GpuShares(strategy="TimeSlicing", count=count, memory_bytes_per_share=10 * GIB, interval="Long")
+
+
+def device_env(spec: dict[str, Any], index: int = 0) -> list[str]:
+    env: list[str] = spec["devices"][index]["containerEdits"].get("env", [])
+    return env
+
+
+# ----------------------------------------------------------------------------- prepare
+
+
+def test_prepare_whole_gpu_writes_spec_and_checkpoint(node: Node) -> None:
+    state = node.state()
+    devices = state.prepare(claim("u1", "gpu-0"))
+    assert [(d.device_name, d.pool_name, d.request_names) for d in devices] == [("gpu-0", POOL, ["r0"])]
+    assert devices[0].cdi_device_ids == ["k8s.gpu.tessera.dev/claim=u1-gpu-0"]
+    spec = node.spec_json("u1")
+    assert spec["kind"] == "k8s.gpu.tessera.dev/claim"
+    assert [d["name"] for d in spec["devices"]] == ["u1-gpu-0"]
+    assert spec["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}]
+    assert spec["annotations"]["gpu.tessera.dev/claim"] == "default/claim-u1"
+    assert "NVIDIA_VISIBLE_DEVICES=void" in spec["containerEdits"]["env"]
+    [record] = state.prepared_claims()
+    assert (record.uid, record.phase) == ("u1", ClaimPhase.PREPARE_COMPLETED)
+    assert record.gpu_uuids == {node.uuid(0)}
+    assert node.mps.calls == [] and node.timeslicer.calls == []
+
+
+def test_prepare_mig_device_adds_its_capability_nodes(node: Node) -> None:
+    node.state().prepare(claim("u1", "gpu-1-mig-1g10gb-6"))
+    nodes = node.spec_json("u1")["devices"][0]["containerEdits"]["deviceNodes"]
+    assert nodes[0] == {"path": "/dev/nvidia1"}
+    caps = [n for n in nodes if n["path"].startswith("/dev/nvidia-caps/")]
+    assert len(caps) == 2, "a MIG device needs its GI and CI access nodes"
+    assert all(n["type"] == "c" and n["major"] == 237 for n in caps)
+
+
+def test_prepare_again_returns_the_same_devices_without_new_side_effects(node: Node) -> None:
+    state = node.state()
+    first = state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
+    calls = list(node.mps.calls)
+    again = state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
+    assert again == first
+    assert node.mps.started() == [d for op, d in calls if op == "start"], "no second daemon"
+    assert len(state.prepared_claims()) == 1
+
+
+def test_claim_without_results_for_this_driver_is_a_no_op(node: Node) -> None:
+    other = ResourceClaim.model_validate({
+        "metadata": {"name": "c", "namespace": "default", "uid": "u1"},
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "r", "driver": "other.example.com", "pool": POOL, "device": "gpu-0"}]}}}})
+    state = node.state()
+    assert state.prepare(other) == []
+    assert state.prepared_claims() == [] and node.cdi_files() == []
+
+
+def test_device_of_another_pool_is_refused(node: Node) -> None:
+    state = node.state()
+    with pytest.raises(PrepareError, match=r"pool 'node-b'.*another node"):
+        state.prepare(claim("u1", "gpu-0", pool="node-b"))
+    assert state.prepared_claims() == [] and node.cdi_files() == []
+
+
+def test_device_not_published_is_refused_listing_what_is(node: Node) -> None:
+    state = node.state()
+    with pytest.raises(PrepareError, match=r"'gpu-1' is not published.*gpu-0") as info:
+        state.prepare(claim("u1", "gpu-1"))  # gpu 1 is MIG-enabled: only its MIG devices are published
+    assert "delete the pod" in str(info.value)
+    assert state.prepared_claims() == []
+
+
+def test_device_prepared_for_another_claim_is_refused(node: Node) -> None:
+    state = node.state()
+    state.prepare(claim("u1", "gpu-0"))
+    with pytest.raises(PrepareError, match="already prepared for claim default/claim-u1"):
+        state.prepare(claim("u2", "gpu-2", "gpu-0"))
+    assert [r.uid for r in state.prepared_claims()] == ["u1"]
+    assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u1.json"]
+
+
+def test_invalid_opaque_config_is_refused_before_anything_happens(node: Node) -> None:
+    bad = {"source": "FromClaim", "requests": [],
+           "opaque": {"driver": DRIVER, "parameters": {"apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "Nope"}}}
+    state = node.state()
+    with pytest.raises(PrepareError, match="invalid opaque configuration"):
+        state.prepare(claim("u1", "gpu-0", configs=[bad]))
+    assert state.prepared_claims() == [] and node.cdi_files() == []
+
+
+def test_missing_device_node_fails_prepare_and_rolls_back(node: Node) -> None:
+    (node.host / "dev" / "nvidia2").unlink()
+    state = node.state()
+    with pytest.raises(PrepareError, match=r"/dev/nvidia2 .* does not exist"):
+        state.prepare(claim("u1", "gpu-2"))
+    assert state.prepared_claims() == [] and node.cdi_files() == []
+
+
+# ----------------------------------------------------------------------------- per-claim sharing
+
+
+def test_claim_mps_config_starts_a_daemon_and_unprepare_stops_it(node: Node) -> None:
+    state = node.state()
+    mps = {"defaultActiveThreadPercentage": 25}
+    state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS", mpsConfig=mps)]))
+    [daemon_id] = node.mps.started()
+    daemon = node.mps.running[daemon_id]
+    assert daemon.spec.gpu_uuids == [node.uuid(0)]
+    assert daemon.spec.active_thread_percentage == 25
+    assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in device_env(node.spec_json("u1"))
+    [record] = state.prepared_claims()
+    assert record.owned_mps_daemons == [daemon_id]
+    assert node.store.load().mps_daemons.keys() == {daemon_id}
+
+    state.unprepare(ref("u1"))
+    assert node.mps.stopped_after_start(daemon_id) and node.mps.running == {}
+    assert state.prepared_claims() == [] and node.cdi_files() == []
+    assert node.store.load().mps_daemons == {}
+
+
+def test_cdi_write_failure_after_daemon_start_rolls_everything_back(node: Node,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(directory: Path, filename: str, spec: cdi.Spec) -> Path:
+        raise OSError("simulated: no space left on device")
+
+    monkeypatch.setattr(cdi, "write_spec", refuse)  # driver.gpu.state calls cdi.write_spec
+    state = node.state()
+    with pytest.raises(OSError, match="no space left"):
+        state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
+    [daemon_id] = node.mps.started()
+    assert node.mps.stopped_after_start(daemon_id)
+    assert node.mps.running == {}
+    assert state.prepared_claims() == []
+    assert node.store.load().mps_daemons == {}
+    assert node.cdi_files() == []
+
+
+def test_mps_start_failure_leaves_nothing(node: Node) -> None:
+    node.mps.fail_start = True
+    state = node.state()
+    with pytest.raises(PrepareError, match="starting MPS control daemon"):
+        state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
+    assert state.prepared_claims() == []
+    assert node.store.load().mps_daemons == {}
+    assert node.cdi_files() == []
+
+
+def test_claim_time_slicing_applies_and_unprepare_resets(node: Node) -> None:
+    state = node.state()
+    state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="TimeSlicing",
+                                                           timeSlicingConfig={"interval": "Long"})]))
+    assert node.timeslicer.intervals == {node.uuid(0): "Long"}
+    [record] = state.prepared_claims()
+    assert record.timeslice is not None and record.timeslice.gpu_uuids == [node.uuid(0)]
+    state.unprepare(ref("u1"))
+    assert node.timeslicer.intervals == {}
+    assert node.timeslicer.calls[-1] == ("reset", (node.uuid(0),), None)
+
+
+def test_time_slice_failure_leaves_nothing(node: Node) -> None:
+    node.timeslicer.fail_apply = True
+    state = node.state()
+    with pytest.raises(PrepareError, match="simulated nvidia-smi exit 3"):
+        state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="TimeSlicing",
+                                                               timeSlicingConfig={"interval": "Short"})]))
+    assert state.prepared_claims() == []
+    assert node.cdi_files() == []
+    assert node.timeslicer.intervals == {}
+    # The GPU is put back to its default in case the failed command half-applied.
+    assert node.timeslicer.calls[-1] == ("reset", (node.uuid(0),), None)
+
+
+# ----------------------------------------------------------------------------- plan shares
+
+
+def test_plan_mps_daemon_is_shared_and_stopped_after_its_last_user(node: Node) -> None:
+    state = node.state()
+    view, deferred = state.apply_layout(make_view(node.inventory, {}), {node.uuid(0): mps_shares(2)})
+    assert deferred == set()
+    assert {"gpu-0-mps-0", "gpu-0-mps-1"} <= set(view.targets) and "gpu-0" not in view.targets
+
+    state.prepare(claim("a", "gpu-0-mps-0"))
+    state.prepare(claim("b", "gpu-0-mps-1"))
+    [daemon_id] = node.mps.started()
+    assert daemon_id.startswith("plan-")
+    daemon = node.mps.running[daemon_id]
+    assert daemon.spec.active_thread_percentage == 50
+    assert daemon.spec.pinned_memory_limits == {node.uuid(0): 10 * GIB}
+    for uid in ("a", "b"):
+        assert "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps" in device_env(node.spec_json(uid))
+
+    before = len(node.mps.calls)
+    state.unprepare(ref("a"))
+    assert daemon_id in node.mps.running, "the daemon still serves claim b"
+    assert node.mps.calls[before:] == []
+    state.unprepare(ref("b"))
+    assert node.mps.calls[before:] == [("stop", daemon_id)]
+    assert node.mps.running == {}
+
+
+def test_two_shares_of_one_gpu_in_one_claim_are_refused(node: Node) -> None:
+    state = node.state()
+    state.apply_layout(make_view(node.inventory, {}), {node.uuid(0): mps_shares(2)})
+    with pytest.raises(PrepareError, match="2 shares of one GPU"):
+        state.prepare(claim("u1", "gpu-0-mps-0", "gpu-0-mps-1"))
+    assert state.prepared_claims() == [] and node.mps.started() == []
+
+
+def test_apply_layout_defers_a_busy_gpu_and_changes_idle_ones(node: Node) -> None:
+    state = node.state()
+    state.prepare(claim("u1", "gpu-0"))
+    desired = {node.uuid(0): mps_shares(2), node.uuid(2): ts_shares(2)}
+    view, deferred = state.apply_layout(make_view(node.inventory, {}), desired)
+    assert deferred == {node.uuid(0)}
+    assert "gpu-0" in view.targets and "gpu-0-mps-0" not in view.targets
+    assert {"gpu-2-ts-0", "gpu-2-ts-1"} <= set(view.targets) and "gpu-2" not in view.targets
+    assert state.view is view
+    assert node.timeslicer.intervals == {node.uuid(2): "Long"}, "plan time slices are applied with the plan"
+
+    state.unprepare(ref("u1"))
+    view, deferred = state.apply_layout(make_view(node.inventory, {}), desired)
+    assert deferred == set()
+    assert {"gpu-0-mps-0", "gpu-0-mps-1"} <= set(view.targets) and "gpu-0" not in view.targets
+    assert [c for c in node.timeslicer.calls if c[0] == "apply"] == [("apply", (node.uuid(2),), "Long")], \
+        "an unchanged plan time slice is not applied again"
+
+
+def test_removing_a_plan_time_slice_resets_the_gpu(node: Node) -> None:
+    state = node.state()
+    state.apply_layout(make_view(node.inventory, {}), {node.uuid(2): ts_shares(2)})
+    view, _ = state.apply_layout(make_view(node.inventory, {}), {})
+    assert node.timeslicer.intervals == {}
+    assert "gpu-2" in view.targets
+
+
+def test_prepare_after_layout_change_refuses_a_stale_share(node: Node) -> None:
+    state = node.state()
+    state.apply_layout(make_view(node.inventory, {}), {node.uuid(0): mps_shares(2)})
+    state.apply_layout(make_view(node.inventory, {}), {})
+    with pytest.raises(PrepareError, match="stale"):
+        state.prepare(claim("u1", "gpu-0-mps-0"))
+
+
+# ----------------------------------------------------------------------------- unprepare
+
+
+def test_unprepare_of_an_unknown_claim_succeeds_and_removes_a_stray_spec(node: Node) -> None:
+    node.paths.cdi_root.mkdir(parents=True)
+    node.spec_path("ghost").write_text("{}")
+    state = node.state()
+    state.unprepare(ref("ghost"))
+    state.unprepare(ref("never-seen"))
+    assert node.cdi_files() == []
+
+
+def test_unprepare_leaves_other_claims_alone(node: Node) -> None:
+    state = node.state()
+    state.prepare(claim("u1", "gpu-0"))
+    state.prepare(claim("u2", "gpu-2"))
+    state.unprepare(ref("u1"))
+    assert [r.uid for r in state.prepared_claims()] == ["u2"]
+    assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u2.json"]
+
+
+# ----------------------------------------------------------------------------- recover
+
+
+def _mark_started(node: Node, uid: str) -> None:
+    """Turn a completed claim back into PrepareStarted: what a crash before the final save leaves."""
+    store = node.store
+    cp = store.load()
+    cp.claims[uid].phase = ClaimPhase.PREPARE_STARTED
+    store.save(cp)
+
+
+def test_recover_rolls_back_an_interrupted_prepare(node: Node) -> None:
+    node.state().prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
+    node.state().prepare(claim("u2", "gpu-2"))
+    _mark_started(node, "u1")
+    [daemon_id] = node.mps.started()
+
+    restarted = node.state()
+    report = restarted.recover()
+    assert report.rolled_back == ["u1"]
+    assert node.mps.stopped_after_start(daemon_id) and daemon_id not in node.mps.running
+    assert [r.uid for r in restarted.prepared_claims()] == ["u2"]
+    assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u2.json"]
+    assert node.store.load().mps_daemons == {}
+
+
+def test_recover_resets_the_time_slice_of_an_interrupted_prepare(node: Node) -> None:
+    node.state().prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="TimeSlicing",
+                                                                  timeSlicingConfig={"interval": "Medium"})]))
+    assert node.timeslicer.intervals == {node.uuid(0): "Medium"}
+    _mark_started(node, "u1")
+    report = node.state().recover()
+    assert report.rolled_back == ["u1"]
+    assert node.timeslicer.intervals == {}, "the GPU goes back to the default time slice"
+    assert node.cdi_files() == []
+
+
+def test_retried_prepare_after_an_interrupted_one_succeeds(node: Node) -> None:
+    node.state().prepare(claim("u1", "gpu-0"))
+    _mark_started(node, "u1")
+    state = node.state()
+    devices = state.prepare(claim("u1", "gpu-0"))  # the kubelet retries before any recover()
+    assert [d.device_name for d in devices] == ["gpu-0"]
+    [record] = state.prepared_claims()
+    assert record.phase == ClaimPhase.PREPARE_COMPLETED
+    assert node.spec_path("u1").exists()
+
+
+def test_recover_recreates_a_missing_cdi_spec(node: Node) -> None:
+    node.state().prepare(claim("u1", "gpu-1-mig-2g20gb-4"))
+    before = node.spec_json("u1")
+    node.spec_path("u1").unlink()  # e.g. /var/run/cdi is a tmpfs and the node rebooted
+    report = node.state().recover()
+    assert report.cdi_recreated == ["u1"]
+    assert report.rolled_back == []
+    assert node.spec_json("u1") == before
+
+
+def test_recover_removes_orphan_cdi_specs_only_of_this_driver(node: Node) -> None:
+    node.state().prepare(claim("u1", "gpu-0"))
+    orphan = node.paths.cdi_root / "k8s.gpu.tessera.dev-claim_orphan.json"
+    orphan.write_text("{}")
+    foreign = node.paths.cdi_root / "nvidia.com-gpu.yaml"
+    foreign.write_text("kept: true\n")
+    report = node.state().recover()
+    assert "cdi spec k8s.gpu.tessera.dev-claim_orphan.json" in report.orphans_removed
+    assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u1.json", "nvidia.com-gpu.yaml"]
+
+
+def test_recover_restarts_a_dead_daemon_and_rewrites_the_spec(node: Node) -> None:
+    node.state().prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
+    [daemon_id] = node.mps.started()
+    old_pid = node.mps.running.pop(daemon_id).pid  # the daemon died with the node
+    report = node.state().recover()
+    assert report.daemons_restarted == [daemon_id]
+    assert report.cdi_recreated == ["u1"]
+    assert node.mps.running[daemon_id].pid != old_pid
+    assert node.store.load().mps_daemons[daemon_id].pid == node.mps.running[daemon_id].pid
+
+
+def test_recover_adopts_a_live_daemon(node: Node) -> None:
+    node.state().prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
+    report = node.state().recover()
+    assert report.daemons_restarted == [] and report.cdi_recreated == []
+    assert len(node.mps.started()) == 1
+
+
+def test_recover_stops_daemons_nobody_records(node: Node) -> None:
+    node.state().prepare(claim("u1", "gpu-0"))
+    node.mps.on_disk = ["claim-leftover-0"]
+    report = node.state().recover()
+    assert "mps directory claim-leftover-0" in report.orphans_removed
+    assert ("stop_by_id", "claim-leftover-0") in node.mps.calls
+
+
+def test_recover_rebuilds_from_cdi_specs_when_the_checkpoint_is_corrupt(node: Node) -> None:
+    node.state().prepare(claim("u1", "gpu-0"))
+    node.state().prepare(claim("u2", "gpu-1-mig-1g10gb-6"))
+    (node.paths.state_dir / "checkpoint.json").write_text("{garbage")
+    restarted = node.state()
+    report = restarted.recover()
+    assert report.rebuilt_from_cdi
+    records = {r.uid: r for r in restarted.prepared_claims()}
+    assert set(records) == {"u1", "u2"}
+    assert [d.device.device_name for d in records["u2"].devices] == ["gpu-1-mig-1g10gb-6"]
+    assert records["u2"].devices[0].kind == "mig"
+    assert records["u1"].phase == ClaimPhase.PREPARE_COMPLETED
+    assert any(".corrupt-" in p.name for p in node.paths.state_dir.iterdir())
+    restarted.unprepare(ref("u1"))  # and the rebuilt records can be unprepared normally
+    assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u2.json"]
+
+
+def test_recover_republishes_the_previous_layout(node: Node) -> None:
+    first = node.state()
+    first.apply_layout(make_view(node.inventory, {}), {node.uuid(0): mps_shares(2)})
+    first.prepare(claim("u1", "gpu-0-mps-0"))
+    restarted = node.state()
+    assert "gpu-0" in restarted.view.targets  # built with no layout
+    restarted.recover()
+    assert "gpu-0-mps-0" in restarted.view.targets and "gpu-0" not in restarted.view.targets
+    assert [r.uid for r in restarted.prepared_claims()] == ["u1"]

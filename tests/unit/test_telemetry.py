@@ -1,0 +1,142 @@
+"""Telemetry: Prometheus rendering of the OTel instruments, gauges, the HTTP endpoint and independence of objects."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+
+from driver.kubeletplugin.telemetry import Telemetry
+
+
+@pytest.fixture
+def telemetry() -> Iterator[Telemetry]:
+    t = Telemetry("tessera-test", "tessera")
+    try:
+        yield t
+    finally:
+        t.shutdown()
+
+
+def _samples(t: Telemetry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(sample name, labels without the OTel scope labels) -> value."""
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(t.render_metrics().decode()):
+        for sample in family.samples:
+            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if not k.startswith("otel_")))
+            out[(sample.name, labels)] = sample.value
+    return out
+
+
+def _get(port: int, path: str) -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, response.headers["Content-Type"], response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.headers["Content-Type"], err.read().decode()
+
+
+def test_counters_are_rendered_with_the_prefix(telemetry: Telemetry) -> None:
+    telemetry.prepare_total.add(1, {"result": "success"})
+    telemetry.prepare_total.add(2, {"result": "success"})
+    telemetry.prepare_total.add(1, {"result": "error"})
+    telemetry.unprepare_total.add(1, {"result": "success"})
+    telemetry.slice_sync_total.add(4, {"result": "success"})
+    samples = _samples(telemetry)
+    assert samples[("tessera_prepare_claims_total", (("result", "success"),))] == 3
+    assert samples[("tessera_prepare_claims_total", (("result", "error"),))] == 1
+    assert samples[("tessera_unprepare_claims_total", (("result", "success"),))] == 1
+    assert samples[("tessera_resourceslice_syncs_total", (("result", "success"),))] == 4
+
+
+def test_histograms_use_the_latency_buckets(telemetry: Telemetry) -> None:
+    telemetry.prepare_duration.record(0.02, {"result": "success"})
+    telemetry.prepare_duration.record(30.0, {"result": "success"})
+    telemetry.unprepare_duration.record(0.004)
+    samples = _samples(telemetry)
+    ok = (("result", "success"),)
+    assert samples[("tessera_prepare_claim_duration_seconds_count", ok)] == 2
+    assert samples[("tessera_prepare_claim_duration_seconds_sum", ok)] == pytest.approx(30.02)
+
+    def bucket(le: str) -> float:
+        return samples[("tessera_prepare_claim_duration_seconds_bucket", (("le", le), ("result", "success")))]
+
+    # Buckets reach the kubelet's 45 s limit, so a slow MPS start is still resolved.
+    assert bucket("0.01") == 0 and bucket("0.025") == 1 and bucket("20") == 1 and bucket("45") == 2
+    assert samples[("tessera_unprepare_claim_duration_seconds_count", ())] == 1
+
+
+def test_observed_gauge_is_read_at_scrape_time(telemetry: Telemetry) -> None:
+    value = [3.0]
+    telemetry.observe_gauge("prepared_claims", "Claims prepared on this node", lambda: value[0])
+    assert _samples(telemetry)[("tessera_prepared_claims", ())] == 3.0
+    value[0] = 5.0
+    assert _samples(telemetry)[("tessera_prepared_claims", ())] == 5.0
+
+
+def test_two_objects_in_one_process_keep_their_own_metrics() -> None:
+    first, second = Telemetry("a", "tessera"), Telemetry("b", "tessera")
+    try:
+        first.prepare_total.add(1, {"result": "success"})
+        second.prepare_total.add(7, {"result": "success"})
+        second.observe_gauge("prepared_claims", "x", lambda: 2.0)
+        key = ("tessera_prepare_claims_total", (("result", "success"),))
+        assert _samples(first)[key] == 1
+        assert _samples(second)[key] == 7
+        assert ("tessera_prepared_claims", ()) not in _samples(first)
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+def test_spans_reach_the_given_exporter() -> None:
+    exporter = InMemorySpanExporter()
+    t = Telemetry("tessera-test", "tessera", span_exporter=exporter)
+    try:
+        with t.tracer.start_as_current_span("NodePrepareResources") as span:
+            span.set_attribute("claim_uid", "uid-1")
+        [finished] = exporter.get_finished_spans()
+        assert finished.name == "NodePrepareResources"
+        assert finished.attributes is not None and finished.attributes["claim_uid"] == "uid-1"
+        assert finished.resource.attributes["service.name"] == "tessera-test"
+    finally:
+        t.shutdown()
+
+
+def test_http_server_serves_metrics_routes_and_404(telemetry: Telemetry) -> None:
+    telemetry.prepare_total.add(1, {"result": "success"})
+    port = telemetry.serve_metrics("127.0.0.1", 0, {"/healthz": lambda: (200, "ok\n"),
+                                                    "/readyz": lambda: (503, "not ready: no slices\n")})
+    assert port > 0
+    status, ctype, body = _get(port, "/metrics")
+    assert status == 200 and ctype.startswith("text/plain")
+    assert 'tessera_prepare_claims_total{' in body
+    assert _get(port, "/healthz")[::2] == (200, "ok\n")
+    assert _get(port, "/healthz?verbose=1")[::2] == (200, "ok\n")
+    assert _get(port, "/readyz")[::2] == (503, "not ready: no slices\n")
+    assert _get(port, "/nope")[0] == 404
+
+
+def test_routes_are_evaluated_per_request(telemetry: Telemetry) -> None:
+    ready = [False]
+    port = telemetry.serve_metrics("127.0.0.1", 0, {"/readyz": lambda: (200, "ok") if ready[0] else (503, "no")})
+    assert _get(port, "/readyz")[0] == 503
+    ready[0] = True
+    assert _get(port, "/readyz")[0] == 200
+
+
+def test_shutdown_stops_the_server() -> None:
+    t = Telemetry("tessera-test", "tessera")
+    port = t.serve_metrics("127.0.0.1", 0)
+    assert _get(port, "/metrics")[0] == 200
+    t.shutdown()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+
+def test_shutdown_without_a_server_is_fine() -> None:
+    Telemetry("tessera-test", "tessera").shutdown()

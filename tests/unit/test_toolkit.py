@@ -1,0 +1,111 @@
+"""load_toolkit_edits: the explicit spec, auto-detection over candidates, and the problems reported."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from driver.gpu.toolkit import DEFAULT_TOOLKIT_SPEC_PATHS, load_toolkit_edits
+from driver.simulation.discovery import SimulatedDiscovery
+from driver.simulation.hostroot import toolkit_spec
+
+
+def _spec() -> dict[str, Any]:
+    return toolkit_spec(SimulatedDiscovery("l4", "node-a").discover())
+
+
+def _write_spec(path: Path, spec: dict[str, Any] | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(spec if spec is not None else _spec()))
+    return path
+
+
+def test_explicit_spec_is_used(tmp_path: Path) -> None:
+    path = _write_spec(tmp_path / "custom" / "nvidia.yaml")
+    result = load_toolkit_edits(path, candidates=())
+    assert result.source == path
+    assert result.problem is None
+    assert result.edits is not None
+    assert result.edits["env"] == _spec()["containerEdits"]["env"]
+    assert [n["path"] for n in result.edits["deviceNodes"]] == ["/dev/nvidiactl", "/dev/nvidia-uvm",
+                                                                "/dev/nvidia-uvm-tools"]
+    assert result.status == f"from {path}"
+
+
+def test_json_spec_is_read_too(tmp_path: Path) -> None:
+    path = tmp_path / "nvidia.json"
+    path.write_text(json.dumps(_spec()))
+    result = load_toolkit_edits(path)
+    assert result.edits is not None and result.source == path
+
+
+def test_auto_detect_takes_the_first_existing_candidate(tmp_path: Path) -> None:
+    missing = tmp_path / "etc" / "cdi" / "nvidia.yaml"
+    second = _write_spec(tmp_path / "etc" / "cdi" / "nvidia.json")
+    spec = _spec()
+    spec["containerEdits"]["env"] = ["FROM_THIRD=1"]
+    third = _write_spec(tmp_path / "run" / "cdi" / "nvidia.yaml", spec)
+    result = load_toolkit_edits(None, candidates=(missing, second, third))
+    assert result.source == second
+    assert result.edits is not None and "FROM_THIRD=1" not in result.edits["env"]
+
+
+def test_auto_detect_skips_directories(tmp_path: Path) -> None:
+    directory = tmp_path / "nvidia.yaml"
+    directory.mkdir()
+    real = _write_spec(tmp_path / "other.yaml")
+    assert load_toolkit_edits(None, candidates=(directory, real)).source == real
+
+
+def test_explicit_path_is_not_replaced_by_a_candidate(tmp_path: Path) -> None:
+    candidate = _write_spec(tmp_path / "found.yaml")
+    explicit = tmp_path / "named-by-operator.yaml"
+    result = load_toolkit_edits(explicit, candidates=(candidate,))
+    assert result.edits is None and result.source is None
+    assert result.problem is not None and str(explicit) in result.problem
+    assert str(candidate) not in result.problem
+
+
+def test_nothing_found_tells_how_to_fix_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    a, b = tmp_path / "a.yaml", tmp_path / "b.json"
+    with caplog.at_level(logging.WARNING, logger="driver.gpu.toolkit"):
+        result = load_toolkit_edits(None, candidates=(a, b))
+    assert result.source is None and result.edits is None
+    assert result.problem is not None
+    assert "nvidia-ctk cdi generate" in result.problem
+    assert str(a) in result.problem and str(b) in result.problem
+    assert result.status == f"not injected: {result.problem}"
+    assert any(r.levelno == logging.WARNING for r in caplog.records)
+
+
+@pytest.mark.parametrize("content", ["cdiVersion: [unclosed", "cdiVersion: 0.5.0\nkind: nvidia.com/gpu\n",
+                                     "cdiVersion: 9.9.9\nkind: nvidia.com/gpu\ndevices: []\n", "just a string"])
+def test_invalid_spec_problem_names_the_file(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "nvidia.yaml"
+    path.write_text(content)
+    result = load_toolkit_edits(path)
+    assert result.edits is None
+    assert result.source == path
+    assert result.problem is not None and str(path) in result.problem and "invalid" in result.problem
+    assert result.status.startswith("not injected: ")
+
+
+def test_spec_without_spec_level_edits_gives_empty_edits(tmp_path: Path) -> None:
+    spec = _spec()
+    del spec["containerEdits"]
+    path = _write_spec(tmp_path / "nvidia.yaml", spec)
+    result = load_toolkit_edits(path)
+    assert result.edits == {}
+    assert result.problem is None
+    assert result.status == f"from {path}"
+
+
+def test_default_candidates_are_the_usual_places() -> None:
+    assert DEFAULT_TOOLKIT_SPEC_PATHS[0] == Path("/etc/cdi/nvidia.yaml")
+    assert set(DEFAULT_TOOLKIT_SPEC_PATHS) == {Path("/etc/cdi/nvidia.yaml"), Path("/etc/cdi/nvidia.json"),
+                                               Path("/var/run/cdi/nvidia.yaml"), Path("/var/run/cdi/nvidia.json")}
