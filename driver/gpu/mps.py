@@ -222,6 +222,10 @@ class MpsManager:
                                                       "gpu_uuids": spec.gpu_uuids})
         return record
 
+    def is_running(self, record: MpsDaemonRecord) -> bool:
+        """True if the recorded process still runs (same start time). Cheap: no control command."""
+        return _is_same_process(record.pid, record.process_start_time)
+
     def is_alive(self, record: MpsDaemonRecord) -> bool:
         """True if the recorded process still runs (same start time) and answers a control command."""
         if not _is_same_process(record.pid, record.process_start_time):

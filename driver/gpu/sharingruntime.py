@@ -95,6 +95,10 @@ class SharingRuntime:
     def ensure_daemon(self, cp: Checkpoint, spec: MpsDaemonSpec) -> MpsDaemonRecord:
         """Adopt the recorded daemon if it runs with these limits; otherwise (re)start it."""
         existing = cp.mps_daemons.get(spec.daemon_id)
+        if existing is not None and existing.spec == spec and self.mps.is_running(existing):
+            # Its limits and readiness were verified when it started (and again at every driver
+            # start); a control round trip per share prepare would cost a process spawn each time.
+            return existing
         if existing is not None and existing.spec == spec:
             record = self.mps.ensure_running(existing)
         else:

@@ -421,3 +421,14 @@ def test_record_round_trips_and_ignores_fields_from_newer_drivers() -> None:
 )
 def test_memory_read_back_understands_likely_answer_formats(answer: str, mib: int | None) -> None:
     assert _parse_mib(answer) == mib
+
+
+def test_is_running_is_the_cheap_process_check(sim: Sim) -> None:
+    manager = sim.manager()
+    record = manager.start(PLAIN)
+    commands_before = len(_commands(record))
+    assert manager.is_running(record)
+    assert _commands(record)[commands_before:] == [], "no control command is sent"
+    assert not manager.is_running(record.model_copy(update={"process_start_time": record.process_start_time + 1}))
+    manager.stop(record)
+    assert not manager.is_running(record)

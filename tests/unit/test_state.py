@@ -62,6 +62,9 @@ class FakeMps:
         current = self.running.get(record.spec.daemon_id)
         return current is not None and current.pid == record.pid
 
+    def is_running(self, record: MpsDaemonRecord) -> bool:
+        return self.is_alive(record)
+
     def ensure_running(self, record: MpsDaemonRecord) -> MpsDaemonRecord:
         self.calls.append(("ensure_running", record.spec.daemon_id))
         if self.is_alive(record):
