@@ -176,6 +176,10 @@ def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, w
 
 
 def run_demo(layout: str = "demo", workdir: str | None = None, examples: list[str] | None = None) -> int:
+    if not EXAMPLES_DIR.is_dir():
+        _say(f"The demo prepares the claims in examples/resourceclaims/ of a source checkout ({EXAMPLES_DIR} "
+             "does not exist); run it from a clone of the repository: bash scripts/demo.sh")
+        return 2
     keep = workdir is not None
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="tessera-demo-", dir="/tmp"))
     work.mkdir(parents=True, exist_ok=True)
@@ -227,7 +231,10 @@ def run_demo(layout: str = "demo", workdir: str | None = None, examples: list[st
             _say(f"CDI specs left: {left or 'none'}; MPS daemons left: "
                  f"{sorted(p.name for p in (work / 'plugins' / DEFAULT_DRIVER_NAME / 'mps').glob('*-*')) or 'none'}")
         _heading("Done")
-        _say(f"Driver log: {work / 'driver.log'}")
+        if keep:
+            _say(f"Files kept in {work}: driver.log, cdi/, plugins/ (checkpoint, MPS dirs), host/ (simulated host)")
+        else:
+            _say("The simulated node's files were removed; pass --workdir DIR to keep them (driver.log, cdi/, ...).")
         return 0
     except Exception as exc:
         _say(f"demo failed: {exc}")

@@ -84,9 +84,11 @@ def render_text(report: dict[str, Any]) -> str:
         lines.append(f"{len(report['mps_daemons'])} MPS control daemon(s)")
         for d in report["mps_daemons"]:
             alive = "running" if d["pid_alive"] else "NOT RUNNING"
-            lines.append(f"- {d['id']} pid={d['pid']} ({alive}) gpus={','.join(d['gpus'])} "
-                         f"threads={d['active_thread_percentage']}% pinned={d['pinned_memory_limits']} "
-                         f"claims={len(d['claims'])} pipe={d['pipe_dir']} log={d['log_dir']}")
+            threads = f"{d['active_thread_percentage']}%" if d["active_thread_percentage"] else "default"
+            pinned = ", ".join(f"{uuid}={limit // 2**20}MiB" for uuid, limit in d["pinned_memory_limits"].items())
+            lines.append(f"- {d['id']} pid={d['pid']} ({alive}) claims={len(d['claims'])}")
+            lines.append(f"    gpus={','.join(d['gpus'])} threads={threads} pinned-memory={pinned or 'default'}")
+            lines.append(f"    pipe={d['pipe_dir']} log={d['log_dir']}")
     for orphan in report["orphan_cdi_specs"]:
         lines.append(f"orphan CDI spec (no checkpoint entry; removed at next driver start): {orphan}")
     for problem in report["problems"]:

@@ -28,7 +28,7 @@ from driver.simulation.apiserver import FakeApiServer
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import build_host_root
 from driver.simulation.kubelet import KubeletEmulator, PrepareAnswer
-from tests.support.processes import install_standin, kill_processes_mentioning
+from tests.support.processes import kill_processes_mentioning
 
 DRIVER = "gpu.tessera.dev"
 NODE = "node-a"
@@ -62,7 +62,6 @@ class SimulatedNode:
         self.inventory = SimulatedDiscovery(layout, NODE).discover()
         self.host = self.work / "host"
         build_host_root(self.host, self.inventory)
-        self._fast_standins()
         self.plans_file: Path | None = None
         if plans is not None:
             self.plans_file = self.work / "plans.yaml"
@@ -75,10 +74,6 @@ class SimulatedNode:
         self.proc: subprocess.Popen[bytes] | None = None
         self.env: dict[str, str] = {}
         self.log_path = self.work / "driver.log"
-
-    def _fast_standins(self) -> None:
-        for name in ("nvidia-smi", "nvidia-cuda-mps-control"):
-            install_standin(name, self.host / "usr" / "bin")
 
     # ----------------------------------------------------------------------------- paths
 
