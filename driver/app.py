@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from types import FrameType
 
 import kubernetes.client
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
 
 from driver.config import Settings
 from driver.gpu.devices import build_devices
@@ -29,7 +31,7 @@ from driver.gpu.targets import make_view
 from driver.gpu.timeslice import TimeSlicer
 from driver.gpu.toolkit import load_toolkit_edits
 from driver.kubeletplugin.claims import ClaimFetcher
-from driver.kubeletplugin.kubeclient import load_api_client
+from driver.kubeletplugin.kubeclient import KubeConfigError, load_api_client
 from driver.kubeletplugin.liveness import check_sockets
 from driver.kubeletplugin.plugin import KubeletPlugin
 from driver.kubeletplugin.resourceslices import ResourceSlicePublisher
@@ -65,18 +67,26 @@ class DriverApp:
         if not settings.node_name:
             raise StartupError("the node name is required: set --node-name or NODE_NAME (downward API spec.nodeName)")
         self.settings = settings
-        self.telemetry = Telemetry("tessera-kubelet-plugin", "tessera")
-        self.api = load_api_client(settings.kubeconfig)
-        self.discovery: Discovery = open_discovery(settings.simulate, settings.node_name)
+        try:
+            self.api = load_api_client(settings.kubeconfig)
+        except KubeConfigError as exc:
+            raise StartupError(str(exc)) from exc
+        try:
+            self.discovery: Discovery = open_discovery(settings.simulate, settings.node_name)
+            inventory = self.discovery.discover()
+        except (RuntimeError, ValueError, ImportError, OSError) as exc:  # no NVML/driver, or a bad simulated layout
+            raise StartupError(f"GPU discovery failed: {exc}") from exc
         self.plans = PlanSource(settings, self.api)
-        self._stop = threading.Event()
-        self._exit_code = 0
-
-        inventory = self.discovery.discover()
         try:
             desired = self.plans.desired_layout(inventory)
         except PlanError as exc:
             raise StartupError(f"invalid sharing plan: {exc}") from exc
+        except (ApiException, HTTPError) as exc:
+            raise StartupError(f"cannot read Node {settings.node_name!r} to choose its sharing plan "
+                               f"(label {settings.sharing_plan_label}): {exc}") from exc
+        self.telemetry = Telemetry("tessera-kubelet-plugin", "tessera")
+        self._stop = threading.Event()
+        self._exit_code = 0
         paths = StatePaths(state_dir=settings.state_dir, cdi_root=settings.cdi_root,
                            host_root=settings.host_root, mps_shm_dir=settings.mps_shm_dir)
         self.state = DeviceState(

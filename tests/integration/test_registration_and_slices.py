@@ -105,3 +105,14 @@ def test_slices_follow_a_hardware_change() -> None:
         node.close()
         layout.unlink()
         layout.parent.rmdir()
+
+
+def test_startup_problems_exit_with_one_clear_line(node: SimulatedNode) -> None:
+    code, output = node.run_to_exit("--kubeconfig", str(node.work / "missing-kubeconfig"))
+    assert code == 1 and "tessera: cannot use kubeconfig" in output and "Traceback" not in output
+    code, output = node.run_to_exit("--simulate", "no-such-layout")
+    assert code == 1 and "GPU discovery failed" in output and "no-such-layout" in output
+    assert "Traceback" not in output
+    code, output = node.run_to_exit("--node-name", "")
+    assert code == 1 and "node name is required" in output
+    assert not list((node.work / "reg").glob("*.sock")), "nothing was served"

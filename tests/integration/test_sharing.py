@@ -199,3 +199,18 @@ def test_bad_plan_stops_the_driver_with_a_message_naming_the_entry() -> None:
         assert "plans.bad.gpus[0].mps.shares" in output
     finally:
         node.close()
+
+
+@pytest.mark.parametrize("plan", ["mps", "ts", "whole"])
+def test_published_slices_validate_against_the_kubernetes_schemas(plan: str) -> None:
+    import kubernetes_validate  # type: ignore[import-untyped]
+
+    node = SimulatedNode("demo", plans=PLANS, plan=plan)
+    try:
+        node.start()
+        wait_until(lambda: bool(node.devices()), what="slices")
+        for slice_ in node.api.slices():
+            for version in ("1.34", "1.36"):
+                kubernetes_validate.validate(slice_, version, strict=True)
+    finally:
+        node.close()
