@@ -105,7 +105,7 @@ class DriverApp:
             registrar_dir=settings.registrar_dir, plugin_dir=settings.state_dir, pod_uid=settings.pod_uid,
             on_registration_failed=self._registration_failed)
         self.telemetry.observe_gauge("prepared_claims", "Claims prepared on this node",
-                                     lambda: float(len(self.state.prepared_claims())))
+                                     lambda: float(self.state.prepared_count()))
         self.telemetry.observe_gauge("published_devices", "Devices published in ResourceSlices",
                                      lambda: float(self.publisher.published_device_count))
 

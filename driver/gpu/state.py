@@ -93,6 +93,14 @@ class DeviceState:
         with self._view_mutex:
             return self._view
 
+    def prepared_count(self) -> int:
+        """Prepared claims, read without the node lock (for metrics scrapes during a long prepare)."""
+        try:
+            cp = self._store.peek()
+        except (ValueError, OSError):
+            return 0
+        return 0 if cp is None else sum(1 for r in cp.claims.values() if r.phase == ClaimPhase.PREPARE_COMPLETED)
+
     def prepared_claims(self) -> list[ClaimRecord]:
         with self._lock.held():
             return list(self._load().claims.values())

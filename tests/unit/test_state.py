@@ -8,6 +8,8 @@ fakes that can be told to fail, so every side effect and every rollback is visib
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -578,3 +580,21 @@ def test_recover_republishes_the_previous_layout(node: Node) -> None:
     restarted.recover()
     assert "gpu-0-mps-0" in restarted.view.targets and "gpu-0" not in restarted.view.targets
     assert [r.uid for r in restarted.prepared_claims()] == ["u1"]
+
+
+def test_prepared_count_does_not_wait_for_the_node_lock(node: Node) -> None:
+    state = node.state()
+    assert state.prepared_count() == 0
+    state.prepare(claim("u1", "gpu-0"))
+    # Another process (the other pod of a rolling update) holds the node lock, as during a slow
+    # MPS start: a metrics scrape must still answer at once.
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+        "print('held', flush=True); time.sleep(30)"), str(node.paths.state_dir / "state.lock")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert state.prepared_count() == 1
+    finally:
+        holder.kill()
+        holder.wait()
