@@ -29,7 +29,7 @@ from driver.gpu.sharingplan import PlanError, load_plans, resolve_layout, select
 from driver.gpu.state import DeviceState, StatePaths
 from driver.gpu.targets import make_view
 from driver.gpu.timeslice import TimeSlicer
-from driver.gpu.toolkit import load_toolkit_edits
+from driver.gpu.toolkit import load_toolkit_edits, toolkit_spec_changed
 from driver.kubeletplugin.claims import ClaimFetcher
 from driver.kubeletplugin.kubeclient import KubeConfigError, load_api_client
 from driver.kubeletplugin.liveness import check_sockets
@@ -124,7 +124,10 @@ class DriverApp:
         return 200, "ok\n"
 
     def rescan(self) -> None:
-        """Pick up GPU and sharing-plan changes; a GPU with prepared claims keeps its form."""
+        """Pick up toolkit-spec, GPU and sharing-plan changes; a GPU with prepared claims keeps its form."""
+        if toolkit_spec_changed(self.state.toolkit, self.settings.nvidia_cdi_spec):
+            log.info("the NVIDIA Container Toolkit CDI spec changed; claims prepared from now on use it")
+            self.state.set_toolkit(load_toolkit_edits(self.settings.nvidia_cdi_spec))
         inventory = self.discovery.discover()
         try:
             desired = self.plans.desired_layout(inventory)

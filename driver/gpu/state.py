@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -92,6 +92,11 @@ class DeviceState:
     def view(self) -> NodeView:
         with self._view_mutex:
             return self._view
+
+    def set_toolkit(self, toolkit: ToolkitEdits) -> None:
+        """Use a regenerated toolkit spec for claims prepared from now on (prepared ones keep theirs)."""
+        self.toolkit = toolkit
+        self.cdi_sources = replace(self.cdi_sources, toolkit=toolkit)
 
     def prepared_count(self) -> int:
         """Prepared claims, read without the node lock (for metrics scrapes during a long prepare)."""

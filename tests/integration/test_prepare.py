@@ -133,3 +133,25 @@ def test_concurrent_calls_for_different_claims(node: SimulatedNode) -> None:
     assert errors == []
     assert node.cdi_files() == []
     assert node.checkpoint()["claims"] == {}
+
+
+def test_a_regenerated_toolkit_spec_is_used_for_new_claims(node: SimulatedNode) -> None:
+    import yaml
+
+    from tests.support.node import wait_until
+
+    node.start()
+    before = node.claim("before", [("gpu", "gpu-0")])
+    node.prepare_ok(before)
+    toolkit = node.host / "etc" / "cdi" / "nvidia.yaml"
+    spec = yaml.safe_load(toolkit.read_text())
+    spec["containerEdits"]["env"].append("UPGRADED_DRIVER=1")  # as after a driver upgrade
+    fresh = toolkit.with_name("nvidia.yaml.new")
+    fresh.write_text(yaml.safe_dump(spec))
+    fresh.replace(toolkit)
+    wait_until(lambda: any("Toolkit CDI spec changed" in str(e.get("msg")) for e in node.log()),
+               what="the driver to notice the regenerated spec")
+    after = node.claim("after", [("gpu", "gpu-2")])
+    node.prepare_ok(after)
+    assert "UPGRADED_DRIVER=1" in json.loads(node.cdi_spec(after.uid).read_text())["containerEdits"]["env"]
+    assert "UPGRADED_DRIVER=1" not in json.loads(node.cdi_spec(before.uid).read_text())["containerEdits"]["env"]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from driver.gpu.toolkit import DEFAULT_TOOLKIT_SPEC_PATHS, load_toolkit_edits
+from driver.gpu.toolkit import DEFAULT_TOOLKIT_SPEC_PATHS, load_toolkit_edits, toolkit_spec_changed
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import toolkit_spec
 
@@ -109,3 +109,26 @@ def test_default_candidates_are_the_usual_places() -> None:
     assert DEFAULT_TOOLKIT_SPEC_PATHS[0] == Path("/etc/cdi/nvidia.yaml")
     assert set(DEFAULT_TOOLKIT_SPEC_PATHS) == {Path("/etc/cdi/nvidia.yaml"), Path("/etc/cdi/nvidia.json"),
                                                Path("/var/run/cdi/nvidia.yaml"), Path("/var/run/cdi/nvidia.json")}
+
+
+def test_a_regenerated_spec_is_noticed(tmp_path: Path) -> None:
+    path = _write_spec(tmp_path / "nvidia.yaml")
+    loaded = load_toolkit_edits(path)
+    assert not toolkit_spec_changed(loaded, path)
+    spec = _spec()
+    spec["containerEdits"]["env"] = ["NVIDIA_VISIBLE_DEVICES=void", "NEW_DRIVER=1"]
+    replacement = _write_spec(tmp_path / "nvidia.new.yaml", spec)
+    replacement.replace(path)  # how nvidia-ctk --output rewrites a file: a new inode
+    assert toolkit_spec_changed(loaded, path)
+    assert "NEW_DRIVER=1" in (load_toolkit_edits(path).edits or {})["env"]
+
+
+def test_a_spec_appearing_or_disappearing_is_noticed(tmp_path: Path) -> None:
+    candidates = (tmp_path / "a.yaml", tmp_path / "b.yaml")
+    missing = load_toolkit_edits(None, candidates)
+    assert not toolkit_spec_changed(missing, None, candidates)
+    _write_spec(candidates[1])
+    assert toolkit_spec_changed(missing, None, candidates)
+    found = load_toolkit_edits(None, candidates)
+    candidates[1].unlink()
+    assert toolkit_spec_changed(found, None, candidates)
