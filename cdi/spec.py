@@ -384,18 +384,24 @@ class Spec(_WireModel):
     def from_text(cls, text: str, source: str = "<text>") -> Spec:
         """Parse a spec from YAML or JSON text (JSON is YAML), rejecting duplicate keys as the loader does."""
         data: object
+        json_error: ValueError | None = None
         if text.lstrip().startswith("{"):
-            # JSON, as this package writes it: the json module is ~100x faster than PyYAML, which
-            # matters on the prepare path where every written spec is parsed back once.
+            # Most likely JSON, as this package writes it: the json module is ~100x faster than
+            # PyYAML, which matters on the prepare path where every written spec is parsed back once.
+            # A YAML flow mapping also starts with "{" and the Go loader accepts it, so text that is
+            # not JSON still gets the YAML parse.
             try:
                 data = json.loads(text, object_pairs_hook=_unique_json_object)
             except ValueError as exc:
-                raise SpecError(source, [f"not valid JSON: {exc}"]) from exc
-            return cls.from_wire(data, source)
+                json_error = exc
+            else:
+                return cls.from_wire(data, source)
         try:
             data = yaml.load(text, Loader=_StrictYamlLoader)
         except yaml.YAMLError as exc:
-            raise SpecError(source, [f"not valid YAML or JSON: {exc}"]) from exc
+            problem = (f"not valid YAML or JSON: {exc}" if json_error is None
+                       else f"not valid JSON ({json_error}) nor YAML ({exc})")
+            raise SpecError(source, [problem]) from exc
         return cls.from_wire(data, source)
 
     @classmethod

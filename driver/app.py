@@ -32,7 +32,7 @@ from driver.gpu.timeslice import TimeSlicer
 from driver.gpu.toolkit import load_toolkit_edits, toolkit_spec_changed
 from driver.kubeletplugin.claims import ClaimFetcher
 from driver.kubeletplugin.kubeclient import KubeConfigError, load_api_client
-from driver.kubeletplugin.liveness import check_sockets
+from driver.kubeletplugin.liveness import check_plugin
 from driver.kubeletplugin.plugin import KubeletPlugin
 from driver.kubeletplugin.resourceslices import ResourceSlicePublisher
 from driver.kubeletplugin.telemetry import Telemetry
@@ -72,7 +72,7 @@ class DriverApp:
         except KubeConfigError as exc:
             raise StartupError(str(exc)) from exc
         try:
-            self.discovery: Discovery = open_discovery(settings.simulate, settings.node_name)
+            self.discovery: Discovery = open_discovery(settings.simulate, settings.node_name, settings.driver_root)
             inventory = self.discovery.discover()
         except (RuntimeError, ValueError, ImportError, OSError) as exc:  # no NVML/driver, or a bad simulated layout
             raise StartupError(f"GPU discovery failed: {exc}") from exc
@@ -115,7 +115,8 @@ class DriverApp:
         self._stop.set()
 
     def healthz(self) -> tuple[int, str]:
-        ok, detail = check_sockets(self.plugin.registration_socket, self.plugin.dra_socket, self.settings.driver_name)
+        # Busy with slow prepares is healthy; only a socket that makes no progress is not.
+        ok, detail = check_plugin(self.plugin)
         return (200 if ok else 503), detail + "\n"
 
     def readyz(self) -> tuple[int, str]:
@@ -136,9 +137,12 @@ class DriverApp:
             desired = self.state.view.layout
         view, _deferred = self.state.apply_layout(make_view(inventory, {}), desired)
         self.publisher.update(build_devices(view.inventory, view.layout))
+        # MPS daemons live in this container's cgroup: a replaced plugin pod takes the daemons it
+        # started with it, and the surviving pod restarts them here with the same limits.
+        self.state.check_daemons()
 
     def run(self) -> int:
-        port = self.telemetry.serve_metrics("0.0.0.0", self.settings.http_port,
+        port = self.telemetry.serve_metrics("::", self.settings.http_port,
                                             {"/healthz": self.healthz, "/readyz": self.readyz})
         self.publisher.start()
         self.plugin.start()

@@ -56,7 +56,8 @@ def _driver_process(work: Path, kubeconfig: Path, layout: str, plans: Path) -> I
             "--host-root", str(host), "--driver-root", str(host),
             "--nvidia-cdi-spec", str(host / "etc" / "cdi" / "nvidia.yaml"), "--sharing-plans", str(plans),
             "--http-port", "0", "--log-format", "text"]
-    env = dict(os.environ, TESSERA_SIM_NVIDIA_SMI_LOG=str(work / "nvidia-smi-calls.jsonl"))
+    (work / "tmp").mkdir(exist_ok=True)
+    env = dict(os.environ, TMPDIR=str(work / "tmp"), TESSERA_SIM_NVIDIA_SMI_LOG=str(work / "nvidia-smi-calls.jsonl"))
     with open(work / "driver.log", "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:

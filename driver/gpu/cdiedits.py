@@ -5,6 +5,9 @@ fails the claim clearly instead of producing a container without a GPU), the MIG
 capability nodes read from ``/proc``, MPS client environment and mounts, and annotations that
 let a person (and a checkpoint rebuild) tell which claim and device a spec belongs to. Per
 claim: the control device nodes and the NVIDIA Container Toolkit's common edits.
+
+Every name derives from the driver name, so two installations under different driver names
+never read, write or clean up each other's specs.
 """
 
 from __future__ import annotations
@@ -19,34 +22,52 @@ from driver.gpu.checkpoint import ClaimRecord, PreparedDeviceRecord
 from driver.gpu.errors import PrepareError
 from driver.gpu.hostfs import control_device_paths, mig_capability_nodes, missing_paths
 from driver.gpu.mps import MpsDaemonRecord, MpsManager
+from driver.gpu.sharing import GpuShares
 from driver.gpu.toolkit import ToolkitEdits
 
-CDI_VENDOR = "k8s.gpu.tessera.dev"
 CDI_CLASS = "claim"
-CDI_KIND = f"{CDI_VENDOR}/{CDI_CLASS}"
-CDI_SPEC_PREFIX = f"{CDI_VENDOR}-{CDI_CLASS}_"
 MPS_CONTAINER_PIPE_DIR = "/tmp/nvidia-mps"
-PREFIX = cdispec.ANNOTATION_PREFIX
 
 
-def spec_file_name(claim_uid: str) -> str:
-    return cdi.transient_spec_name(CDI_VENDOR, CDI_CLASS, claim_uid)
+@dataclass(frozen=True)
+class CdiNames:
+    """CDI kind, file names and annotation keys of one driver installation."""
 
+    driver_name: str  # e.g. gpu.tessera.dev -> kind k8s.gpu.tessera.dev/claim
 
-def cdi_device_id(claim_uid: str, device_name: str) -> str:
-    return f"{CDI_KIND}={cdispec.cdi_device_name(claim_uid, device_name)}"
+    @property
+    def vendor(self) -> str:
+        return f"k8s.{self.driver_name}"
+
+    @property
+    def kind(self) -> str:
+        return f"{self.vendor}/{CDI_CLASS}"
+
+    @property
+    def spec_prefix(self) -> str:
+        return f"{self.vendor}-{CDI_CLASS}_"
+
+    def annotation(self, key: str) -> str:
+        return f"{self.driver_name}/{key}"
+
+    def spec_file_name(self, claim_uid: str) -> str:
+        return cdi.transient_spec_name(self.vendor, CDI_CLASS, claim_uid)
+
+    def device_id(self, claim_uid: str, device_name: str) -> str:
+        return f"{self.kind}={cdispec.cdi_device_name(claim_uid, device_name)}"
 
 
 @dataclass(frozen=True)
 class CdiSources:
+    names: CdiNames
     host_root: Path  # where the host's /dev and /proc are visible
     toolkit: ToolkitEdits
     mps: MpsManager  # turns a daemon record into client edits
     mps_shm_dir: Path | None
 
 
-def device_edits(src: CdiSources, dev: PreparedDeviceRecord,
-                 daemons: Mapping[str, MpsDaemonRecord]) -> cdispec.DeviceEdits:
+def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[str, MpsDaemonRecord],
+                 shares: GpuShares | None) -> cdispec.DeviceEdits:
     gpu_node = f"/dev/nvidia{dev.gpu_minor}"
     if missing_paths(src.host_root, [gpu_node]):
         raise PrepareError(
@@ -60,31 +81,43 @@ def device_edits(src: CdiSources, dev: PreparedDeviceRecord,
                           "fileMode": cap.file_mode})
     env: list[str] = []
     mounts: list[dict[str, object]] = []
+    names = src.names
     # Enough to rebuild the checkpoint entry from this file if the checkpoint is ever lost.
-    annotations = {f"{PREFIX}/device": dev.device.device_name, f"{PREFIX}/gpu-uuid": dev.gpu_uuid,
-                   f"{PREFIX}/request": ",".join(dev.device.request_names)}
+    annotations = {names.annotation("device"): dev.device.device_name, names.annotation("kind"): dev.kind,
+                   names.annotation("gpu-uuid"): dev.gpu_uuid, names.annotation("gpu-minor"): str(dev.gpu_minor),
+                   names.annotation("request"): ",".join(dev.device.request_names)}
     if dev.device.share_id:
-        annotations[f"{PREFIX}/share-id"] = dev.device.share_id
-    if dev.mig_uuid:
-        annotations[f"{PREFIX}/mig-uuid"] = dev.mig_uuid
+        annotations[names.annotation("share-id")] = dev.device.share_id
+    if dev.mig_uuid is not None and dev.mig_gi_id is not None and dev.mig_ci_id is not None:
+        annotations[names.annotation("mig-uuid")] = dev.mig_uuid
+        annotations[names.annotation("mig-instance")] = f"{dev.mig_gi_id}/{dev.mig_ci_id}"
+    if shares is not None:
+        annotations[names.annotation("shares")] = shares.model_dump_json()
     if dev.mps_daemon_id is not None:
         edits = src.mps.client_edits(daemons[dev.mps_daemon_id], MPS_CONTAINER_PIPE_DIR, src.mps_shm_dir)
         env.extend(edits.env)
         mounts.extend({"hostPath": str(h), "containerPath": c, "options": list(o)} for h, c, o in edits.mounts)
-        annotations[f"{PREFIX}/mps-daemon"] = dev.mps_daemon_id
+        annotations[names.annotation("mps-daemon")] = dev.mps_daemon_id
     return cdispec.DeviceEdits(dev.device.device_name, nodes, env, mounts, annotations)
 
 
-def claim_spec(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDaemonRecord]) -> cdi.Spec:
+def claim_spec(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDaemonRecord],
+               layout: Mapping[str, GpuShares]) -> cdi.Spec:
     control = control_device_paths(src.host_root)
     if "/dev/nvidiactl" not in control:
         raise PrepareError("/dev/nvidiactl does not exist on the node: the NVIDIA kernel driver is not loaded "
                            "(check 'lsmod | grep nvidia' and the driver installation)")
+    names = src.names
+    annotations = {names.annotation("driver-libraries"): src.toolkit.status[:1000]}
+    if record.timeslice is not None:
+        annotations[names.annotation("timeslice")] = record.timeslice.model_dump_json()
     return cdispec.build_claim_spec(
-        kind=CDI_KIND,
+        kind=names.kind,
         claim=cdispec.ClaimIdentity(record.uid, record.namespace, record.name),
-        devices=[device_edits(src, d, daemons) for d in record.devices],
+        devices=[device_edits(src, d, daemons, layout.get(d.gpu_uuid) if d.kind in ("mps", "timeslice") else None)
+                 for d in record.devices],
         common_edits=src.toolkit.edits,
         control_nodes=control,
-        annotations={f"{PREFIX}/driver-libraries": src.toolkit.status[:1000]},
+        annotation_prefix=names.driver_name,
+        annotations=annotations,
     )

@@ -15,8 +15,6 @@ from typing import Any
 
 import cdi
 
-ANNOTATION_PREFIX = "gpu.tessera.dev"
-
 # Stops a legacy nvidia-container-runtime hook from adding every GPU to the container (CUDA
 # images set NVIDIA_VISIBLE_DEVICES=all); which GPUs a container sees is CDI's job.
 VISIBLE_DEVICES_VOID = "NVIDIA_VISIBLE_DEVICES=void"
@@ -51,6 +49,7 @@ def build_claim_spec(
     devices: list[DeviceEdits],
     common_edits: dict[str, Any] | None,
     control_nodes: list[str],
+    annotation_prefix: str,
     annotations: dict[str, str] | None = None,
 ) -> cdi.Spec:
     """The claim's spec with ``cdiVersion`` set to the minimum its content needs.
@@ -68,8 +67,8 @@ def build_claim_spec(
         spec_edits["deviceNodes"] = nodes
 
     spec_annotations = {
-        f"{ANNOTATION_PREFIX}/claim": f"{claim.namespace}/{claim.name}",
-        f"{ANNOTATION_PREFIX}/claim-uid": claim.uid,
+        f"{annotation_prefix}/claim": f"{claim.namespace}/{claim.name}",
+        f"{annotation_prefix}/claim-uid": claim.uid,
         **(annotations or {}),
     }
     wire: dict[str, Any] = {

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from driver.gpu.inventory import Discovery
 
 log = logging.getLogger(__name__)
 
 
-def open_discovery(simulate: str | None, node_name: str) -> Discovery:
+def open_discovery(simulate: str | None, node_name: str, driver_root: Path = Path("/")) -> Discovery:
+    """``driver_root`` is where the NVIDIA driver is mounted; NVML's library is loaded from there."""
     if simulate:
         from driver.simulation.discovery import SimulatedDiscovery
 
@@ -17,4 +19,4 @@ def open_discovery(simulate: str | None, node_name: str) -> Discovery:
         return SimulatedDiscovery(simulate, node_name)
     from driver.gpu.nvml import NvmlDiscovery
 
-    return NvmlDiscovery()
+    return NvmlDiscovery(driver_root=driver_root)

@@ -6,6 +6,15 @@ client (through the CDI spec written after :meth:`MpsManager.start` returns), so
 it spawns gets them. The returned :class:`MpsDaemonRecord` goes into the driver's checkpoint, so
 after a driver restart the daemon is adopted if it still runs, or restarted with the same limits.
 
+The pipe directory is bind-mounted read-write into client containers, so anything read from it
+(the pid file) is tenant-controlled. A PID, whether from there or from the checkpoint, is signalled
+or adopted only once /proc shows it is this daemon: the recorded start time, a command line naming
+the control binary, and ``CUDA_MPS_PIPE_DIRECTORY=<its pipe dir>`` in its environment.
+
+Every step is bounded so a prepare fits the kubelet's deadline: :meth:`MpsManager.start` takes at
+most ``ready_timeout`` (launch, limits and readiness together) plus a cleanup on failure, and
+:meth:`MpsManager.stop` at most ``stop_timeout`` for a graceful quit plus a few seconds of signals.
+
 Facts used here (commands, environment, formats) are in ``reference/nvidia-gpu.md`` section 1.
 """
 
@@ -23,6 +32,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from stat import S_ISREG
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -41,7 +51,9 @@ CONTROL_SOCKET_NAME = "control"
 
 _POLL_INTERVAL_S = 0.05
 _TERM_GRACE_S = 2.0
-_KILL_WAIT_S = 5.0
+_KILL_WAIT_S = 3.0
+# A pid file holds a few digits; anything longer is not one.
+_PID_FILE_MAX_BYTES = 32
 _DAEMON_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 # GPU-<uuid>, MIG-<uuid>, and the older MIG-GPU-<uuid>/<gi>/<ci>; commas would split CUDA_VISIBLE_DEVICES.
 _DEVICE_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")
@@ -149,6 +161,21 @@ class _ProcStat:
     start_time: int
 
 
+@dataclass(frozen=True)
+class _Deadline:
+    """A point on the monotonic clock that several steps share, and how to name it in errors."""
+
+    at: float
+    what: str  # e.g. "the 10s start deadline"
+
+    @classmethod
+    def after(cls, seconds: float, purpose: str) -> _Deadline:
+        return cls(time.monotonic() + seconds, f"the {seconds:g}s {purpose} deadline")
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+
 class MpsManager:
     """Starts, checks, adopts and stops daemons living in ``base_dir/<daemon_id>/{pipe,log}``."""
 
@@ -158,8 +185,10 @@ class MpsManager:
         base_dir: Path,
         ready_timeout: float = 10.0,
         command_timeout: float = 5.0,
-        stop_timeout: float = 10.0,
+        stop_timeout: float = 8.0,
     ) -> None:
+        """``ready_timeout`` bounds all of :meth:`start`; ``command_timeout`` one control command;
+        ``stop_timeout`` the graceful part of a stop (quit, then waiting for the exit)."""
         self.driver_root = driver_root
         self.base_dir = base_dir
         self.ready_timeout = ready_timeout
@@ -190,14 +219,14 @@ class MpsManager:
                 "adopt it with ensure_running() or stop it before starting another"
             )
         _remove_daemon_dirs(pipe_dir, log_dir)  # leftovers of a daemon that is gone
-        deadline = time.monotonic() + self.ready_timeout
+        deadline = _Deadline.after(self.ready_timeout, "start")
         started: tuple[int, int] | None = None
         try:
             self._make_dirs(pipe_dir, log_dir)
             self._launch(spec, pipe_dir, log_dir, deadline)
             started = self._wait_for_pid(pipe_dir, deadline)
             env = self._control_env(pipe_dir, log_dir)
-            self._apply_limits(spec, env)
+            self._apply_limits(spec, env, deadline)
             self._wait_until_ready(spec, env, started, deadline)
         except (MpsError, BinaryNotFound, OSError, subprocess.SubprocessError) as exc:
             tail = _log_tail(log_dir)
@@ -222,13 +251,18 @@ class MpsManager:
                                                       "gpu_uuids": spec.gpu_uuids})
         return record
 
+    def daemon_matches(self, record: MpsDaemonRecord) -> bool:
+        """True if ``record.pid`` is still this record's daemon: same start time, the control binary,
+        serving ``record.pipe_dir``. Only /proc is read."""
+        return _daemon_start_time(record.pid, record.pipe_dir) == record.process_start_time
+
     def is_running(self, record: MpsDaemonRecord) -> bool:
-        """True if the recorded process still runs (same start time). Cheap: no control command."""
-        return _is_same_process(record.pid, record.process_start_time)
+        """True if the recorded daemon still runs (:meth:`daemon_matches`). Cheap: no control command."""
+        return self.daemon_matches(record)
 
     def is_alive(self, record: MpsDaemonRecord) -> bool:
-        """True if the recorded process still runs (same start time) and answers a control command."""
-        if not _is_same_process(record.pid, record.process_start_time):
+        """True if the recorded daemon still runs (:meth:`daemon_matches`) and answers a control command."""
+        if not self.daemon_matches(record):
             return False
         try:
             self._control(self._control_env(record.pipe_dir, record.log_dir), "get_default_active_thread_percentage")
@@ -248,11 +282,11 @@ class MpsManager:
     def stop(self, record: MpsDaemonRecord) -> None:
         """Quit the daemon, fall back to SIGTERM then SIGKILL, and remove its directories.
 
-        A daemon that is already gone is fine. Signals only go to the recorded process if it still
-        has the recorded start time, so a process that reused the PID is never touched.
+        A daemon that is already gone is fine. Signals only go to the recorded process if
+        :meth:`daemon_matches` holds, so a process that reused the PID is never touched.
         """
         known: tuple[int, int] | None = (record.pid, record.process_start_time)
-        if not _is_same_process(record.pid, record.process_start_time):
+        if not self.daemon_matches(record):
             known = None
         self._teardown(record.pipe_dir, record.log_dir, known)
         log.info("MPS control daemon stopped", extra={"daemon_id": record.spec.daemon_id, "pid": record.pid})
@@ -261,8 +295,8 @@ class MpsManager:
         """Stop whatever daemon runs in ``base_dir/<daemon_id>`` and remove its directories.
 
         For a daemon that has no record: its starter crashed before checkpointing the one
-        :meth:`start` returned. The pid file names the process; it is signalled only if its command
-        line is the control daemon's.
+        :meth:`start` returned. The pid file names the process; it is signalled only if /proc shows
+        it is the control daemon serving this pipe directory.
         """
         daemon_dir = self.daemon_dir(check_daemon_id(daemon_id))
         self._teardown(daemon_dir / "pipe", daemon_dir / "log", None)
@@ -309,7 +343,7 @@ class MpsManager:
             directory.chmod(0o755)
         pipe_dir.parent.chmod(0o755)
 
-    def _launch(self, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path, deadline: float) -> None:
+    def _launch(self, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path, deadline: _Deadline) -> None:
         binary = find_binary(self.driver_root, CONTROL_BINARY)
         env = self._control_env(pipe_dir, log_dir)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids)
@@ -325,7 +359,7 @@ class MpsManager:
                     stdin=subprocess.DEVNULL,
                     stdout=output,
                     stderr=subprocess.STDOUT,
-                    timeout=max(deadline - time.monotonic(), _POLL_INTERVAL_S),
+                    timeout=max(deadline.remaining(), _POLL_INTERVAL_S),
                     start_new_session=True,
                     check=False,
                 )
@@ -336,28 +370,31 @@ class MpsManager:
                 said = output.read().decode("utf-8", "replace").strip()
                 raise MpsError(f"`{binary} -d` exited with status {done.returncode}: {said or '(no output)'}")
 
-    def _wait_for_pid(self, pipe_dir: Path, deadline: float) -> tuple[int, int]:
+    def _wait_for_pid(self, pipe_dir: Path, deadline: _Deadline) -> tuple[int, int]:
         pid_file = pipe_dir / PID_FILE_NAME
         while True:
             pid = _read_pid_file(pid_file)
             if pid is not None:
-                stat = _read_proc_stat(pid)
-                if stat is None or stat.state in ("Z", "X"):
-                    raise MpsError(f"the daemon's pid {pid} (from {pid_file}) is not running")
-                return pid, stat.start_time
-            if time.monotonic() >= deadline:
+                start_time = _daemon_start_time(pid, pipe_dir)
+                if start_time is None:
+                    raise MpsError(
+                        f"the daemon's pid {pid} (from {pid_file}) is not running, or is not "
+                        f"{CONTROL_BINARY} serving {pipe_dir}"
+                    )
+                return pid, start_time
+            if deadline.remaining() <= 0:
                 raise MpsError(f"{pid_file} did not appear within {self.ready_timeout:g}s")
             time.sleep(_POLL_INTERVAL_S)
 
-    def _apply_limits(self, spec: MpsDaemonSpec, env: dict[str, str]) -> None:
+    def _apply_limits(self, spec: MpsDaemonSpec, env: dict[str, str], deadline: _Deadline) -> None:
         if spec.active_thread_percentage is not None:
-            self._set(env, f"set_default_active_thread_percentage {spec.active_thread_percentage}")
+            self._set(env, f"set_default_active_thread_percentage {spec.active_thread_percentage}", deadline)
         for ordinal, mib in spec.pinned_limits_mib():
             # Whether the daemon honours a UUID or an index for <dev> is UNCONFIRMED (nvidia-gpu.md 1.4,
             # 5#1). The index within the daemon's CUDA_VISIBLE_DEVICES is what clients see, so use it,
             # and read the value back so a limit the daemon did not take fails here, not silently.
-            self._set(env, f"set_default_device_pinned_mem_limit {ordinal} {mib}M")
-            answer = self._control(env, f"get_default_device_pinned_mem_limit {ordinal}")
+            self._set(env, f"set_default_device_pinned_mem_limit {ordinal} {mib}M", deadline)
+            answer = self._control(env, f"get_default_device_pinned_mem_limit {ordinal}", deadline)
             if _parse_mib(answer) != mib:
                 raise MpsError(
                     f"pinned memory limit for device {ordinal} ({spec.gpu_uuids[ordinal]}) reads back as "
@@ -365,17 +402,17 @@ class MpsManager:
                 )
 
     def _wait_until_ready(
-        self, spec: MpsDaemonSpec, env: dict[str, str], started: tuple[int, int], deadline: float
+        self, spec: MpsDaemonSpec, env: dict[str, str], started: tuple[int, int], deadline: _Deadline
     ) -> None:
         pid, start_time = started
         while True:
             if not _is_same_process(pid, start_time):
                 raise MpsError(f"the daemon (pid {pid}) exited before it became ready")
             try:
-                answer = self._control(env, "get_default_active_thread_percentage")
+                answer = self._control(env, "get_default_active_thread_percentage", deadline)
                 break
             except MpsError as exc:
-                if time.monotonic() >= deadline:
+                if deadline.remaining() <= 0:
                     raise MpsError(f"the daemon did not become ready within {self.ready_timeout:g}s: {exc}") from exc
             time.sleep(_POLL_INTERVAL_S)
         try:
@@ -389,25 +426,35 @@ class MpsManager:
     # -- control commands -------------------------------------------------------------------------
 
     def _control_env(self, pipe_dir: Path, log_dir: Path) -> dict[str, str]:
-        env = driver_env(self.driver_root)
+        try:
+            env = driver_env(self.driver_root)
+        except BinaryFailed as exc:
+            raise MpsError(str(exc)) from exc
         env["CUDA_MPS_PIPE_DIRECTORY"] = str(pipe_dir)
         env["CUDA_MPS_LOG_DIRECTORY"] = str(log_dir)
         return env
 
-    def _control(self, env: dict[str, str], command: str) -> str:
-        """Send one command the way the docs do (``echo '<cmd>' | nvidia-cuda-mps-control``) and return the answer."""
-        binary = find_binary(self.driver_root, CONTROL_BINARY)
+    def _control(self, env: dict[str, str], command: str, deadline: _Deadline | None = None) -> str:
+        """Send one command the way the docs do (``echo '<cmd>' | nvidia-cuda-mps-control``) and return the answer.
+
+        It gets ``command_timeout``, or what is left before ``deadline`` if that is less.
+        """
         label = f"control command {command!r}"
+        timeout, limit = self.command_timeout, f"within {self.command_timeout:g}s"
+        if deadline is not None and deadline.remaining() < timeout:
+            timeout, limit = deadline.remaining(), f"before {deadline.what}"
+            if timeout <= 0:
+                raise MpsError(f"{label} not sent: {deadline.what} has passed")
+        binary = find_binary(self.driver_root, CONTROL_BINARY)
         try:
-            return run_binary([str(binary)], env=env, timeout=self.command_timeout, stdin_text=command + "\n",
-                              label=label)
+            return run_binary([str(binary)], env=env, timeout=timeout, stdin_text=command + "\n", label=label)
         except BinaryTimedOut as exc:
-            raise MpsError(f"{label} got no answer within {self.command_timeout:g}s") from exc
+            raise MpsError(f"{label} got no answer {limit}") from exc
         except BinaryFailed as exc:
             raise MpsError(str(exc)) from exc
 
-    def _set(self, env: dict[str, str], command: str) -> None:
-        answer = self._control(env, command)
+    def _set(self, env: dict[str, str], command: str, deadline: _Deadline) -> None:
+        answer = self._control(env, command, deadline)
         if _REFUSAL.search(answer):
             raise MpsError(f"the daemon refused {command!r}: {answer}")
 
@@ -425,17 +472,18 @@ class MpsManager:
         # A daemon may run in the directory without being the recorded one (started by a driver that
         # crashed before checkpointing it): the pid file names it.
         target = known or _daemon_in(pipe_dir)
+        deadline = _Deadline.after(self.stop_timeout, "stop")
         quit_delivered = False
         if pipe_dir.is_dir():
             try:
-                self._control(self._control_env(pipe_dir, log_dir), "quit")
+                self._control(self._control_env(pipe_dir, log_dir), "quit", deadline)
                 quit_delivered = True
             except (MpsError, BinaryNotFound, OSError) as exc:
                 log.info("MPS quit not delivered; will signal the daemon", extra={"pipe_dir": str(pipe_dir),
                                                                                    "reason": str(exc)})
         if target is not None:
             pid, start_time = target
-            exited = quit_delivered and _wait_for_exit(pid, start_time, self.stop_timeout)
+            exited = quit_delivered and _wait_for_exit(pid, start_time, max(deadline.remaining(), 0.0))
             if not exited:
                 _signal_daemon(pid, start_time, signal.SIGTERM)
                 exited = _wait_for_exit(pid, start_time, min(self.stop_timeout, _TERM_GRACE_S))
@@ -503,28 +551,69 @@ def _signal_daemon(pid: int, start_time: int, signum: signal.Signals) -> None:
 
 
 def _read_pid_file(path: Path) -> int | None:
+    """The positive PID in ``path``, or None.
+
+    Clients can write the pipe dir: the "pid file" may be a FIFO (a plain open would block), a link
+    to anywhere, or huge. Only a small regular file that is no symlink is read.
+    """
     try:
-        return int(path.read_text(encoding="ascii").strip())
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return None
+    try:
+        if not S_ISREG(os.fstat(fd).st_mode):
+            return None
+        text = os.read(fd, _PID_FILE_MAX_BYTES).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    # Not int(): "0" or "-1" would make a signal reach a whole process group.
+    return int(text) if text.isdigit() and int(text) > 0 else None
 
 
-def _daemon_in(pipe_dir: Path) -> tuple[int, int] | None:
-    """``(pid, start time)`` of a live control daemon named by the pipe dir's pid file, if any."""
-    pid = _read_pid_file(pipe_dir / PID_FILE_NAME)
-    if pid is None:
-        return None
+def _daemon_start_time(pid: int, pipe_dir: Path) -> int | None:
+    """The start time of ``pid`` if it is a live control daemon serving ``pipe_dir``, else None.
+
+    The PID may come from a tenant-writable pid file, or be recycled since it was recorded.
+    """
     stat = _read_proc_stat(pid)
     if stat is None or stat.state in ("Z", "X"):
         return None
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:  # gone, or not ours to read: either way not our daemon
         return None
-    # A stale pid file may name an unrelated process that got the PID later.
-    if not any(os.path.basename(arg) == os.fsencode(CONTROL_BINARY) for arg in argv):
+    if b"CUDA_MPS_PIPE_DIRECTORY=" + os.fsencode(pipe_dir) not in environ or not _runs_control_binary(pid):
         return None
-    return pid, stat.start_time
+    # The files above were read after the stat: a PID recycled in between would show a new start time.
+    again = _read_proc_stat(pid)
+    if again is None or again.start_time != stat.start_time:
+        return None
+    return stat.start_time
+
+
+def _runs_control_binary(pid: int) -> bool:
+    """Whether the command line (the simulation's, run by an interpreter) or the executable is the control binary.
+
+    Both are looked at in case the real daemon rewrites its argv.
+    """
+    name = os.fsencode(CONTROL_BINARY)
+    with contextlib.suppress(OSError):
+        if any(os.path.basename(arg) == name for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")):
+            return True
+    with contextlib.suppress(OSError):
+        return os.path.basename(os.readlink(f"/proc/{pid}/exe")) == CONTROL_BINARY
+    return False
+
+
+def _daemon_in(pipe_dir: Path) -> tuple[int, int] | None:
+    """``(pid, start time)`` of the live control daemon serving ``pipe_dir``, as its pid file names it, if any."""
+    pid = _read_pid_file(pipe_dir / PID_FILE_NAME)
+    if pid is None:
+        return None
+    start_time = _daemon_start_time(pid, pipe_dir)
+    return None if start_time is None else (pid, start_time)
 
 
 def _remove_daemon_dirs(pipe_dir: Path, log_dir: Path) -> None:

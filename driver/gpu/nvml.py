@@ -9,10 +9,16 @@ required; a GPU without it is skipped with a warning.
 Mappings of NVML enums to strings follow NVIDIA's own driver, so user CEL selectors keep working:
 an unknown brand is ``"Unknown"``; an unknown architecture or addressing mode is None (the
 attribute is omitted) because there is no NVIDIA string to match against.
+
+pynvml loads ``libnvidia-ml.so.1`` by soname, which the plugin container's loader cannot find when
+the driver is mounted at a driver root. So, with a driver root other than ``/``, the library is
+loaded from there first, globally: the loader then hands pynvml's later load by soname the same,
+already loaded library.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
@@ -21,12 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from driver.gpu.binaries import LIB_DIRS, find_driver_library
 from driver.gpu.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.migprofiles import profile_name
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+NVML_LIBRARY = "libnvidia-ml.so.1"
 
 BRAND_NAMES: dict[int, str] = {
     0: "Unknown",
@@ -302,20 +311,35 @@ class _MigScan:
         return shapes
 
 
+def load_library_globally(path: Path) -> None:
+    """dlopen ``path`` with RTLD_GLOBAL, so a later dlopen of its soname finds it loaded."""
+    ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+
+
 class NvmlDiscovery:
     """:class:`~driver.gpu.inventory.Discovery` backed by NVML.
 
     ``nvml`` is the pynvml module (tests pass a fake with the same names); ``sysfs_root`` is where
-    ``/sys`` is mounted, for the PCIe root lookup.
+    ``/sys`` is mounted, for the PCIe root lookup; ``driver_root`` is where the NVIDIA driver is
+    mounted, whose ``libnvidia-ml.so.1`` is loaded with ``load_library`` before NVML starts.
     """
 
-    def __init__(self, nvml: Any = None, sysfs_root: Path = Path("/sys")) -> None:
+    def __init__(
+        self,
+        nvml: Any = None,
+        sysfs_root: Path = Path("/sys"),
+        driver_root: Path = Path("/"),
+        load_library: Callable[[Path], None] = load_library_globally,
+    ) -> None:
         if nvml is None:
             import pynvml
 
             nvml = pynvml
         self._nvml = nvml
         self._sysfs_root = sysfs_root
+        self._driver_root = driver_root
+        self._load_library = load_library
+        self._library_loaded = False
         self._initialised = False
 
     def close(self) -> None:
@@ -344,6 +368,7 @@ class NvmlDiscovery:
     def _ensure_initialised(self) -> None:
         if self._initialised:
             return
+        self._load_library_from_driver_root()
         nvml = self._nvml
         try:
             # NO_GPUS: a node whose GPUs are all gone (or not yet bound) still initialises.
@@ -354,6 +379,26 @@ class NvmlDiscovery:
                 "libnvidia-ml.so visible to this process (driver root mounted)?"
             ) from err
         self._initialised = True
+
+    def _load_library_from_driver_root(self) -> None:
+        root = self._driver_root
+        if self._library_loaded or root.resolve() == Path("/"):
+            return
+        path = find_driver_library(root, NVML_LIBRARY)
+        if path is None:
+            looked_in = ", ".join(str(root / lib_dir) for lib_dir in LIB_DIRS)
+            raise NvmlDiscoveryError(
+                f"{NVML_LIBRARY} not found under driver root {root} (looked in {looked_in}); set the "
+                "nvidiaDriverRoot Helm value (--driver-root flag) to where the NVIDIA driver is installed"
+            )
+        try:
+            self._load_library(path)
+        except OSError as err:
+            raise NvmlDiscoveryError(
+                f"cannot load {path} (found for {NVML_LIBRARY} under driver root {root}): {err}"
+            ) from err
+        log.info("loaded NVML from the driver root", extra={"library": str(path)})
+        self._library_loaded = True
 
     def _optional(self, what: str, gpu_index: int | None, query: Callable[[], T]) -> T | None:
         try:

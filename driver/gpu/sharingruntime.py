@@ -9,7 +9,9 @@ recorded in the checkpoint *before* it is started, so a crash cannot leak it.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 
 from driver.gpu.checkpoint import Checkpoint, ClaimRecord, TimeSliceRecord
 from driver.gpu.configapi import DeviceConfig, Sharing, resolve_mps_limits
@@ -18,6 +20,8 @@ from driver.gpu.sharing import SharingLayout, TimeSliceInterval
 from driver.gpu.targets import DeviceTarget
 from driver.gpu.timeslice import TimeSlicer
 from driver.kubeletplugin.claim import DeviceRequestAllocationResult
+
+log = logging.getLogger(__name__)
 
 
 def _short_hash(text: str) -> str:
@@ -33,7 +37,22 @@ def claim_daemon_id(claim_uid: str, group: int) -> str:
     return f"claim-{_short_hash(claim_uid)}-{group}"
 
 
+def is_plan_daemon(daemon_id: str) -> bool:
+    return daemon_id.startswith("plan-")
+
+
 ConfigGroups = Sequence[tuple[DeviceConfig, Sequence[DeviceRequestAllocationResult]]]
+
+
+def daemons_needed(claim_uid: str, targets: Sequence[DeviceTarget], groups: ConfigGroups) -> list[str]:
+    """The MPS daemons a claim's devices would be served by (plan daemons per GPU, one per MPS config group)."""
+    by_name = {t.name: t for t in targets}
+    needed = {plan_daemon_id(t.gpu.uuid) for t in targets if t.kind == "mps"}
+    for index, (config, results) in enumerate(groups):
+        if config.sharing is not None and config.sharing.strategy == "MPS" and any(
+                by_name[r.device].kind in ("gpu", "mig") for r in results):
+            needed.add(claim_daemon_id(claim_uid, index))
+    return sorted(needed)
 
 
 class SharingRuntime:
@@ -146,21 +165,58 @@ class SharingRuntime:
         removed: list[str] = []
         referenced = {d for r in cp.claims.values() for d in (*r.owned_mps_daemons, *r.shared_mps_daemons)}
         for daemon_id in sorted(set(cp.mps_daemons) - referenced):
-            self.stop_daemon(cp, daemon_id)
-            removed.append(f"mps daemon {daemon_id}")
+            stopped = self._best_effort(f"stopping orphan MPS daemon {daemon_id}",
+                                        partial(self.stop_daemon, cp, daemon_id))
+            if stopped:
+                removed.append(f"mps daemon {daemon_id}")
         for daemon_id in self.mps.daemon_ids_on_disk():
-            if daemon_id not in cp.mps_daemons:
-                self.mps.stop_by_id(daemon_id)
+            # A referenced daemon without a record survives a checkpoint rebuild: its claim still runs.
+            if daemon_id not in cp.mps_daemons and daemon_id not in referenced and self._best_effort(
+                    f"stopping MPS daemon left in {daemon_id}", partial(self.mps.stop_by_id, daemon_id)):
                 removed.append(f"mps directory {daemon_id}")
         return removed
+
+    @staticmethod
+    def _best_effort(what: str, action: Callable[[], object]) -> bool:
+        """Recovery and rescans keep going past one stuck process or one GPU that refuses a setting."""
+        try:
+            action()
+        except Exception as exc:
+            log.error(f"{what} failed; will retry later", extra={"reason": str(exc)})
+            return False
+        return True
+
+    def check_daemons(self, cp: Checkpoint) -> list[str]:
+        """Restart recorded daemons that died (e.g. killed with an old plugin container). Returns their ids."""
+        restarted: list[str] = []
+        for daemon_id, daemon in sorted(cp.mps_daemons.items()):
+            def ensure(d: MpsDaemonRecord = daemon, i: str = daemon_id) -> None:
+                running = self.mps.ensure_running(d)
+                if running.pid != d.pid:
+                    restarted.append(i)
+                cp.mps_daemons[i] = running
+            self._best_effort(f"checking MPS daemon {daemon_id}", ensure)
+        return restarted
+
+    def after_reboot(self, cp: Checkpoint) -> None:
+        """GPU settings do not survive a reboot: forget the plan's and re-apply each claim's time slice."""
+        cp.plan_timeslices.clear()
+        for record in cp.claims.values():
+            if record.timeslice is not None:
+                ts = record.timeslice
+                self._best_effort(f"re-applying the time slice of claim {record.uid}",
+                                  partial(self.timeslicer.apply, ts.gpu_uuids, ts.interval))
 
     def apply_plan_timeslices(self, cp: Checkpoint, layout: SharingLayout) -> None:
         """Set the plan's time slices on GPUs entering a time-slicing plan, reset those leaving it."""
         desired = {uuid: s.interval or "Default" for uuid, s in layout.items() if s.strategy == "TimeSlicing"}
+        # Per GPU, recorded as soon as it is done: one GPU refusing (e.g. no compute-policy support)
+        # neither blocks the others nor loses track of what was already changed.
         for uuid in sorted(set(cp.plan_timeslices) - set(desired)):
-            self.timeslicer.reset([uuid])
-            del cp.plan_timeslices[uuid]
+            if self._best_effort(f"resetting the time slice of GPU {uuid}", partial(self.timeslicer.reset, [uuid])):
+                del cp.plan_timeslices[uuid]
         for uuid, interval in sorted(desired.items()):
-            if cp.plan_timeslices.get(uuid) != interval:
-                self.timeslicer.apply([uuid], interval)
+            if cp.plan_timeslices.get(uuid) != interval and self._best_effort(
+                    f"setting the plan's time slice on GPU {uuid}",
+                    partial(self.timeslicer.apply, [uuid], interval)):
                 cp.plan_timeslices[uuid] = interval

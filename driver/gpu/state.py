@@ -17,8 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import cdi
-from driver.gpu.cdiedits import CDI_SPEC_PREFIX, CdiSources, cdi_device_id, claim_spec, spec_file_name
-from driver.gpu.cdiedits import PREFIX as ANNOTATION_PREFIX
+from driver.gpu.cdiedits import MPS_CONTAINER_PIPE_DIR, CdiNames, CdiSources, claim_spec
 from driver.gpu.checkpoint import (
     Checkpoint,
     CheckpointCorrupt,
@@ -33,13 +32,14 @@ from driver.gpu.errors import PrepareError
 from driver.gpu.hostfs import HostFsError
 from driver.gpu.mps import MpsError, MpsManager
 from driver.gpu.opaque import group_by_config, resolve_configs
+from driver.gpu.rebuild import rebuild_checkpoint
 from driver.gpu.sharing import SharingLayout
-from driver.gpu.sharingruntime import SharingRuntime
+from driver.gpu.sharingruntime import ConfigGroups, SharingRuntime, daemons_needed
 from driver.gpu.targets import DeviceTarget, NodeView, make_view, merge_layout
 from driver.gpu.timeslice import TimeSliceError, TimeSlicer
 from driver.gpu.toolkit import ToolkitEdits
 from driver.kubeletplugin.claim import DeviceRequestAllocationResult, ResourceClaim
-from driver.kubeletplugin.nodelock import NodeLock
+from driver.kubeletplugin.nodelock import LockTimeout, NodeLock
 from driver.kubeletplugin.types import ClaimRef, PreparedDevice
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,8 @@ class DeviceState:
         self._store = CheckpointStore(paths.state_dir / "checkpoint.json")
         self._lock = NodeLock(paths.state_dir / "state.lock", timeout=lock_timeout)
         self.sharing = SharingRuntime(mps, timeslicer, self._save)
-        self.cdi_sources = CdiSources(paths.host_root, toolkit, mps, paths.mps_shm_dir)
+        self.names = CdiNames(driver_name)
+        self.cdi_sources = CdiSources(self.names, paths.host_root, toolkit, mps, paths.mps_shm_dir)
 
     # ----------------------------------------------------------------------------- views
 
@@ -138,21 +139,29 @@ class DeviceState:
         results = claim.results_for(self.driver_name)
         if not results:
             return []
-        view = self.view
-        targets = [self._target_for(r, view) for r in results]
-        kinds = {id(r): t.kind for r, t in zip(results, targets, strict=True)}
-        try:
-            resolved = resolve_configs(claim.configs_for(self.driver_name), results, lambda r: kinds[id(r)])
-        except ConfigError as exc:
-            raise PrepareError(f"invalid opaque configuration: {exc}") from exc
-        self._check_share_multiplicity(targets)
-
         with self._lock.held():
+            # Resolved under the lock: a rescan changes the published form of a GPU under the same
+            # lock, so a device cannot change form between its resolution and its preparation.
+            view = self.view
+            targets = [self._target_for(r, view) for r in results]
+            kinds = {id(r): t.kind for r, t in zip(results, targets, strict=True)}
+            try:
+                groups = group_by_config(resolve_configs(claim.configs_for(self.driver_name), results,
+                                                         lambda r: kinds[id(r)]))
+            except ConfigError as exc:
+                raise PrepareError(f"invalid opaque configuration: {exc}") from exc
+            self._check_share_multiplicity(targets)
+            self._check_one_mps_daemon(uid, targets, groups)
+
             cp = self._load()
             existing = cp.claims.get(uid)
             if existing is not None and existing.phase == ClaimPhase.PREPARE_COMPLETED:
-                self._ensure_claim_runtime(existing, cp)
-                self._save(cp)
+                try:
+                    self._ensure_claim_runtime(existing, cp)
+                except Exception as exc:
+                    raise _user_error(exc) from exc
+                finally:
+                    self._save(cp)
                 return [d.device for d in existing.devices]
             if existing is not None:
                 log.info("rolling back an interrupted prepare before retrying it", extra={"claim_uid": uid})
@@ -161,7 +170,7 @@ class DeviceState:
             self._check_overlap(cp, uid, targets)
 
             record = ClaimRecord(uid=uid, namespace=claim.metadata.namespace, name=claim.metadata.name,
-                                 phase=ClaimPhase.PREPARE_STARTED, cdi_spec_file=spec_file_name(uid),
+                                 phase=ClaimPhase.PREPARE_STARTED, cdi_spec_file=self.names.spec_file_name(uid),
                                  updated_at=_now())
             for result, target in zip(results, targets, strict=True):
                 record.devices.append(self._device_record(uid, result, target))
@@ -169,21 +178,36 @@ class DeviceState:
             self._save(cp)  # the intent is durable before any side effect
 
             try:
-                self.sharing.start_for_claim(record, cp, targets, group_by_config(resolved))
+                self.sharing.start_for_claim(record, cp, targets, groups)
                 self._write_cdi(record, cp)
                 record.phase = ClaimPhase.PREPARE_COMPLETED
                 record.updated_at = _now()
                 self._save(cp)
             except Exception as exc:
-                self._undo(record, cp)
-                cp.claims.pop(uid, None)
-                self._save(cp)
-                if isinstance(exc, PrepareError):
-                    raise
-                if isinstance(exc, MpsError | TimeSliceError | HostFsError | ConfigError):
-                    raise PrepareError(str(exc)) from exc
-                raise
+                self._roll_back_failed_prepare(record, cp)
+                raise _user_error(exc) from exc
             return [d.device for d in record.devices]
+
+    def _roll_back_failed_prepare(self, record: ClaimRecord, cp: Checkpoint) -> None:
+        try:
+            self._undo(record, cp)
+        except Exception:
+            # Keep the PrepareStarted record: the next prepare of this claim, or the next start,
+            # retries the rollback. The user still gets the original error.
+            log.exception("rolling back a failed prepare failed too; it is retried later",
+                          extra={"claim_uid": record.uid})
+        else:
+            cp.claims.pop(record.uid, None)
+        self._save(cp)
+
+    @staticmethod
+    def _check_one_mps_daemon(uid: str, targets: list[DeviceTarget], groups: ConfigGroups) -> None:
+        needed = daemons_needed(uid, targets, groups)
+        if len(needed) > 1:
+            raise PrepareError(
+                f"the claim's devices would be served by {len(needed)} MPS daemons, but a container reaches only "
+                f"one (its {MPS_CONTAINER_PIPE_DIR}). Ask for MPS shares of one GPU only, or put all whole GPUs of "
+                "the claim under one GpuConfig with sharing.strategy MPS (one daemon serves them all)")
 
     def _target_for(self, result: DeviceRequestAllocationResult, view: NodeView) -> DeviceTarget:
         if result.pool != self.pool_name:
@@ -230,7 +254,7 @@ class DeviceState:
             request_names=[result.base_request],
             pool_name=self.pool_name,
             device_name=target.name,
-            cdi_device_ids=[cdi_device_id(uid, target.name)],
+            cdi_device_ids=[self.names.device_id(uid, target.name)],
             share_id=result.share_id,
         )
         mig = target.mig
@@ -240,7 +264,8 @@ class DeviceState:
             mig_ci_id=mig.ci_id if mig else None)
 
     def _write_cdi(self, record: ClaimRecord, cp: Checkpoint) -> None:
-        cdi.write_spec(self.paths.cdi_root, record.cdi_spec_file, claim_spec(self.cdi_sources, record, cp.mps_daemons))
+        spec = claim_spec(self.cdi_sources, record, cp.mps_daemons, cp.layout)
+        cdi.write_spec(self.paths.cdi_root, record.cdi_spec_file, spec)
 
     # ----------------------------------------------------------------------------- unprepare
 
@@ -250,7 +275,7 @@ class DeviceState:
             record = cp.claims.get(ref.uid)
             if record is None:
                 # Never prepared here, or already unprepared: still make sure no spec is left.
-                cdi.remove_spec(self.paths.cdi_root, spec_file_name(ref.uid))
+                cdi.remove_spec(self.paths.cdi_root, self.names.spec_file_name(ref.uid))
                 return
             self._undo(record, cp)
             del cp.claims[ref.uid]
@@ -274,24 +299,39 @@ class DeviceState:
         return recreated, restarted
 
     def recover(self) -> RecoveryReport:
-        """Run once at start: finish or roll back what a crash or reboot interrupted."""
+        """Run once at start: finish or roll back what a crash or reboot interrupted.
+
+        Best effort per item: one stuck daemon or one failing GPU is logged and retried later, it
+        never keeps the driver from serving the node.
+        """
         report = RecoveryReport([], [], [], [])
         with self._lock.held():
             try:
                 cp = self._store.load()
             except CheckpointCorrupt:
-                cp = self._rebuild_from_cdi()
+                cp = rebuild_checkpoint(self.paths.cdi_root, self.names, self.pool_name, _now())
                 report.rebuilt_from_cdi = True
             # Publish what the previous process published until apply_layout decides otherwise.
             inventory = self.view.inventory
             present = {g.uuid for g in inventory.gpus}
             with self._view_mutex:
                 self._view = make_view(inventory, {u: s for u, s in cp.layout.items() if u in present})
+            boot_id = current_boot_id()
+            if cp.boot_id is not None and boot_id is not None and boot_id != cp.boot_id:
+                log.info("the node rebooted since the last run; re-applying GPU settings")
+                self.sharing.after_reboot(cp)
             for record in [r for r in cp.claims.values() if r.phase == ClaimPhase.PREPARE_STARTED]:
-                self._undo(record, cp)
+                try:
+                    self._undo(record, cp)
+                except Exception:
+                    log.exception("rolling back an interrupted prepare failed; retried at the next start",
+                                  extra={"claim_uid": record.uid})
+                    continue
                 del cp.claims[record.uid]
                 report.rolled_back.append(record.uid)
             for record in cp.claims.values():
+                if record.phase != ClaimPhase.PREPARE_COMPLETED:
+                    continue
                 try:
                     recreated, restarted = self._ensure_claim_runtime(record, cp)
                 except Exception:
@@ -302,12 +342,8 @@ class DeviceState:
                     report.cdi_recreated.append(record.uid)
                 report.daemons_restarted.extend(restarted)
             report.orphans_removed.extend(self.sharing.sweep_orphans(cp))
-            known_files = {r.cdi_spec_file for r in cp.claims.values()}
-            for path in cdi.list_specs(self.paths.cdi_root, CDI_SPEC_PREFIX):
-                if path.name not in known_files:
-                    cdi.remove_spec(self.paths.cdi_root, path.name)
-                    report.orphans_removed.append(f"cdi spec {path.name}")
-            cp.boot_id = current_boot_id()
+            report.orphans_removed.extend(self._remove_orphan_specs(cp))
+            cp.boot_id = boot_id
             self._save(cp)
         log.info("state recovered", extra={"rolled_back": report.rolled_back, "cdi_recreated": report.cdi_recreated,
                                            "daemons_restarted": report.daemons_restarted,
@@ -315,33 +351,40 @@ class DeviceState:
                                            "rebuilt_from_cdi": report.rebuilt_from_cdi})
         return report
 
-    def _rebuild_from_cdi(self) -> Checkpoint:
-        """Rebuild claim records from the annotations of the CDI specs we wrote."""
-        cp = Checkpoint()
-        prefix = ANNOTATION_PREFIX
-        for path in cdi.list_specs(self.paths.cdi_root, CDI_SPEC_PREFIX):
-            try:
-                spec = cdi.read_spec(path)
-                ann = spec.annotations or {}
-                uid = ann[f"{prefix}/claim-uid"]
-                namespace, name = ann[f"{prefix}/claim"].split("/", 1)
-                record = ClaimRecord(uid=uid, namespace=namespace, name=name, phase=ClaimPhase.PREPARE_COMPLETED,
-                                     cdi_spec_file=path.name, updated_at=_now())
-                for device in spec.devices:
-                    dann = device.annotations or {}
-                    device_name = dann[f"{prefix}/device"]
-                    target = self.view.targets.get(device_name)
-                    if target is None:
-                        raise KeyError(f"device {device_name} is no longer published")
-                    rebuilt = self._device_record(uid, _rebuilt_result(self.driver_name, self.pool_name, dann),
-                                                  target)
-                    record.devices.append(rebuilt)
-                cp.claims[uid] = record
-            except Exception as exc:
-                log.error("cannot rebuild a claim from its CDI spec; removing the spec",
-                          extra={"cdi_spec": str(path), "reason": str(exc)})
+    def _remove_orphan_specs(self, cp: Checkpoint) -> list[str]:
+        removed: list[str] = []
+        known_files = {r.cdi_spec_file for r in cp.claims.values()}
+        for path in cdi.list_specs(self.paths.cdi_root, self.names.spec_prefix):
+            if path.name not in known_files:
                 cdi.remove_spec(self.paths.cdi_root, path.name)
-        return cp
+                removed.append(f"cdi spec {path.name}")
+        # Temporary files of writes a crash interrupted (runtimes ignore them, nothing else removes them).
+        for pattern in (f".{self.names.spec_prefix}*.tmp",):
+            for tmp in self.paths.cdi_root.glob(pattern):
+                tmp.unlink(missing_ok=True)
+                removed.append(f"temporary file {tmp.name}")
+        for tmp in self.paths.state_dir.glob(".checkpoint.json.*.tmp"):
+            tmp.unlink(missing_ok=True)
+            removed.append(f"temporary file {tmp.name}")
+        return removed
+
+    def check_daemons(self) -> list[str]:
+        """Restart MPS daemons that died since the last check (called on every rescan)."""
+        with self._lock.held():
+            cp = self._load()
+            restarted = self.sharing.check_daemons(cp)
+            for record in cp.claims.values():
+                if set(restarted) & {*record.owned_mps_daemons, *record.shared_mps_daemons}:
+                    try:
+                        self._write_cdi(record, cp)
+                    except Exception:
+                        log.exception("could not rewrite the CDI spec after restarting its MPS daemon",
+                                      extra={"claim_uid": record.uid})
+            self._save(cp)
+        if restarted:
+            log.warning("restarted MPS daemons that had died; their clients must reconnect",
+                        extra={"daemons": restarted})
+        return restarted
 
     # ----------------------------------------------------------------------------- persistence
 
@@ -349,7 +392,7 @@ class DeviceState:
         try:
             return self._store.load()
         except CheckpointCorrupt:
-            cp = self._rebuild_from_cdi()
+            cp = rebuild_checkpoint(self.paths.cdi_root, self.names, self.pool_name, _now())
             self._save(cp)
             return cp
 
@@ -357,8 +400,10 @@ class DeviceState:
         self._store.save(cp)
 
 
-def _rebuilt_result(driver: str, pool: str, annotations: dict[str, str]) -> DeviceRequestAllocationResult:
-    prefix = ANNOTATION_PREFIX
-    return DeviceRequestAllocationResult(
-        request=annotations.get(f"{prefix}/request", ""), driver=driver, pool=pool,
-        device=annotations[f"{prefix}/device"], shareID=annotations.get(f"{prefix}/share-id"))
+def _user_error(exc: Exception) -> Exception:
+    """The error the kubelet shows the user: known failures keep their own message."""
+    if isinstance(exc, PrepareError):
+        return exc
+    if isinstance(exc, MpsError | TimeSliceError | HostFsError | ConfigError | LockTimeout):
+        return PrepareError(str(exc))
+    return exc

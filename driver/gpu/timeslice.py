@@ -27,7 +27,8 @@ class TimeSliceError(Exception):
 class TimeSlicer:
     """Sets and resets the compute time slice of full GPUs through the driver root's nvidia-smi."""
 
-    def __init__(self, driver_root: Path, timeout: float = 30.0) -> None:
+    def __init__(self, driver_root: Path, timeout: float = 10.0) -> None:
+        """``timeout`` bounds each nvidia-smi call; a prepare makes two per GPU and must fit the kubelet's 45 s."""
         self.driver_root = driver_root
         self.timeout = timeout
 

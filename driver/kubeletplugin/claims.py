@@ -19,7 +19,8 @@ from driver.kubeletplugin.claim import ResourceClaim
 from driver.kubeletplugin.types import ClaimRef
 
 # The kubelet gives a whole prepare call 45 s and a claim read must leave most of that to the
-# driver. urllib3 retries a failed connect (3 times by default), so the connect timeout is short.
+# driver. A client from load_api_client retries a failed connect twice and never retries a read,
+# so a claim read takes at most 3 connect timeouts plus one read timeout.
 DEFAULT_CONNECT_TIMEOUT_S = 3.0
 DEFAULT_READ_TIMEOUT_S = 10.0
 
@@ -37,7 +38,11 @@ class ClaimSource(Protocol):
 
 
 class ClaimFetcher:
-    """Reads ResourceClaims (resource.k8s.io/v1) from the API server; needs RBAC ``get`` on them."""
+    """Reads ResourceClaims (resource.k8s.io/v1) from the API server; needs RBAC ``get`` on them.
+
+    It uses ``api`` as it is: build it with :func:`driver.kubeletplugin.kubeclient.load_api_client`
+    so a hung server costs one read timeout, not one per urllib3 retry.
+    """
 
     def __init__(self, api: kubernetes.client.ApiClient, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):

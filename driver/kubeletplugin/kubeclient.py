@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -21,11 +20,13 @@ from kubernetes import client, config
 
 log = logging.getLogger(__name__)
 
-# The strictest limits (fewest taints per device) are those of the oldest supported release.
+# Assumed when the server's version cannot be read: the oldest supported release. Its limits are
+# the strictest on taints per device (4) and taint effects, but not on devices per slice: from
+# 1.35 a slice with a tainted device holds at most 64 devices, on 1.34 it may hold 128.
 FALLBACK_MINOR_VERSION = 34
 
 _AUTH_SETTINGS = ["BearerToken"]
-_MINOR = re.compile(r"^(\d+)")
+_MINOR = re.compile(r"[0-9]+")
 
 
 class KubeConfigError(Exception):
@@ -46,8 +47,23 @@ class KubeApiError(Exception):
         self.message = message
 
 
+def request_retries() -> urllib3.Retry:
+    """Retry a connection that could not be made, and nothing else.
+
+    urllib3's default (``Retry(3)``) also retries read timeouts, so a request to a hung API server
+    would take four read timeouts. A request that was sent is never repeated here: the callers
+    have their own retry loops (the kubelet retries prepares, the publisher backs off) and their
+    timeouts must mean what they say. A redirect is returned as it is, to be reported as an error.
+    """
+    return urllib3.Retry(total=2, connect=2, read=0, status=0, other=0, redirect=0, raise_on_redirect=False,
+                         backoff_factor=0.2)
+
+
 def load_api_client(kubeconfig: str | None) -> client.ApiClient:
-    """An ApiClient from the kubeconfig file if one is given, else from the pod's service account."""
+    """An ApiClient from the kubeconfig file if one is given, else from the pod's service account.
+
+    Its requests retry only failed connection attempts (:func:`request_retries`).
+    """
     configuration = client.Configuration()
     if kubeconfig:
         try:
@@ -62,17 +78,18 @@ def load_api_client(kubeconfig: str | None) -> client.ApiClient:
             raise KubeConfigError(
                 "no kubeconfig given and not running in a pod with a service account "
                 f"({err}); pass --kubeconfig or run the driver in the cluster") from err
+    configuration.retries = request_retries()
     return client.ApiClient(configuration)
 
 
 def parse_minor_version(minor: str) -> int | None:
     """The number in a ``/version`` ``minor`` field: "36" and "36+" (managed clusters) give 36."""
-    match = _MINOR.match(minor.strip())
-    return int(match.group(1)) if match else None
+    match = _MINOR.match(minor.strip())  # a prefix: "36+" is 36
+    return int(match.group(0)) if match else None
 
 
 def server_minor_version(api: client.ApiClient) -> int:
-    """The server's Kubernetes minor version from GET /version; 34 (strictest) if unknown."""
+    """The server's Kubernetes minor version from GET /version; 34 (the oldest supported) if unknown."""
     try:
         answer = request_json(api, "GET", "/version", timeout=10.0)
     except KubeApiError as err:
@@ -131,9 +148,11 @@ class JsonLineStream:
             raise KubeApiError(0, "ConnectionError", f"stream ended: {err}") from err
 
     def interrupt(self) -> None:
+        """Wake a reader blocked on this stream; a no-op once the stream was closed or has ended."""
         # Shutting the socket down wakes a reader blocked in recv (plain or TLS); close() alone
-        # can wait for that reader.
-        with contextlib.suppress(OSError, AttributeError):
+        # can wait for that reader. urllib3 raises ValueError after close() and RuntimeError once
+        # a finished stream gave its connection back to the pool: both mean nothing is blocked.
+        with contextlib.suppress(OSError, AttributeError, ValueError, RuntimeError):
             self._response.shutdown()
 
     def close(self) -> None:
@@ -160,7 +179,7 @@ def _send(api: client.ApiClient, method: str, path: str, *, query: Sequence[tupl
     method_, url, header_params, body_, post_params = api.param_serialize(
         method=method, resource_path=path, query_params=list(query), header_params=headers, body=body,
         auth_settings=_AUTH_SETTINGS)
-    read_timeout = max(1.0, math.ceil(timeout))
+    read_timeout = float(timeout)
     try:
         answer = api.call_api(method_, url, header_params=header_params, body=body_, post_params=post_params,
                               _request_timeout=(min(10.0, read_timeout), read_timeout))

@@ -4,6 +4,13 @@ It dials both sockets the way the kubelet does and makes harmless calls: ``GetIn
 registration socket and an empty ``NodePrepareResources`` on the DRA socket. That proves the
 files exist, the servers accept connections and their worker pools are not wedged.
 
+The DRA call shares its worker pool with the kubelet's calls. When that pool is full of slow
+prepares (each may wait seconds on the node lock or an MPS daemon start), the probe's call would
+queue, time out, and get a healthy container restarted, killing its MPS daemons. So
+:func:`check_plugin` skips the DRA call while calls are in flight and one started or finished
+recently: a busy server that makes progress is alive. Only a server with calls in flight and no
+progress for ``progress_window_s`` (or an idle one) is called.
+
 It only partly covers the kubelet 1.34.0-1.34.1 failure where the kubelet loses its connection
 to a healthy plugin: this check dials fresh connections, so it cannot see that the kubelet's own
 connection is gone. It does catch the plugin-side half (a deleted socket or a dead server).
@@ -14,10 +21,11 @@ from __future__ import annotations
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 
+from driver.kubeletplugin.activity import DraActivity
 from driver.kubeletplugin.api import (
     dra_v1_pb2,
     dra_v1_pb2_grpc,
@@ -26,16 +34,68 @@ from driver.kubeletplugin.api import (
 )
 from driver.kubeletplugin.registration import DRA_PLUGIN_TYPE
 
-DEFAULT_TIMEOUT_S = 5.0
+# Per call: both calls together stay under the probe's usual 5 s timeout.
+DEFAULT_TIMEOUT_S = 2.0
+# Longer than any single prepare step waits (the node lock and MPS start wait at most 10 s each).
+DEFAULT_PROGRESS_WINDOW_S = 60.0
 
 T = TypeVar("T")
 
 
+class LivenessTarget(Protocol):
+    """What :func:`check_plugin` needs of a plugin (:class:`driver.kubeletplugin.plugin.KubeletPlugin`)."""
+
+    @property
+    def driver_name(self) -> str: ...
+
+    @property
+    def registration_socket(self) -> Path: ...
+
+    @property
+    def dra_socket(self) -> Path: ...
+
+    def dra_activity(self) -> DraActivity: ...
+
+
+def check_plugin(plugin: LivenessTarget, timeout: float = DEFAULT_TIMEOUT_S,
+                 progress_window_s: float = DEFAULT_PROGRESS_WINDOW_S) -> tuple[bool, str]:
+    """(ok, detail) for a plugin served by this process; ``timeout`` bounds each of the (at most two) calls.
+
+    The registration socket is always called (it has its own worker pool). The DRA socket is
+    called only when no call is in flight, or none started or finished within ``progress_window_s``.
+    """
+    registration, dra = plugin.registration_socket, plugin.dra_socket
+    try:
+        _check_files(registration, dra)
+        _check_registration(registration, plugin.driver_name, timeout)
+        activity = plugin.dra_activity()
+        if activity.in_flight > 0 and activity.seconds_since_progress < progress_window_s:
+            return True, (f"registration socket {registration} answers; DRA socket {dra} busy: "
+                          f"{activity.in_flight} calls in flight, last progress "
+                          f"{activity.seconds_since_progress:.1f}s ago")
+        try:
+            _check_dra(dra, timeout)
+        except _SocketProblem as problem:
+            if activity.in_flight > 0:
+                raise _SocketProblem(f"{problem} ({activity.in_flight} calls in flight, no progress for "
+                                     f"{activity.seconds_since_progress:.1f}s)") from problem
+            raise
+    except _SocketProblem as problem:
+        return False, str(problem)
+    return True, f"registration socket {registration} and DRA socket {dra} answer"
+
+
 def check_sockets(registration_socket: Path, dra_socket: Path, driver_name: str,
                   timeout: float = DEFAULT_TIMEOUT_S) -> tuple[bool, str]:
-    """(ok, detail): whether both sockets answer like a registered DRA plugin should."""
+    """(ok, detail): whether both sockets answer like a registered DRA plugin should.
+
+    Always makes the DRA call, so under load it can time out behind the kubelet's calls; a
+    process serving the plugin itself should use :func:`check_plugin`.
+    """
     try:
-        _check_sockets(registration_socket, dra_socket, driver_name, timeout)
+        _check_files(registration_socket, dra_socket)
+        _check_registration(registration_socket, driver_name, timeout)
+        _check_dra(dra_socket, timeout)
     except _SocketProblem as problem:
         return False, str(problem)
     return True, f"registration socket {registration_socket} and DRA socket {dra_socket} answer"
@@ -45,17 +105,23 @@ class _SocketProblem(Exception):
     """What is wrong with one socket, worded for the probe's output."""
 
 
-def _check_sockets(registration_socket: Path, dra_socket: Path, driver_name: str, timeout: float) -> None:
+def _check_files(registration_socket: Path, dra_socket: Path) -> None:
     for label, path in (("registration", registration_socket), ("DRA", dra_socket)):
         problem = _socket_file_problem(path)
         if problem:
             raise _SocketProblem(f"{label} socket {path}: {problem}")
+
+
+def _check_registration(registration_socket: Path, driver_name: str, timeout: float) -> None:
     info = _call("registration", registration_socket, "GetInfo",
                  lambda channel: pluginregistration_v1_pb2_grpc.RegistrationStub(channel).GetInfo(
                      pluginregistration_v1_pb2.InfoRequest(), timeout=timeout))
     if info.name != driver_name or info.type != DRA_PLUGIN_TYPE:
         raise _SocketProblem(f"registration socket {registration_socket} belongs to {info.type} {info.name!r}, "
                              f"expected {DRA_PLUGIN_TYPE} {driver_name!r}")
+
+
+def _check_dra(dra_socket: Path, timeout: float) -> None:
     response = _call("DRA", dra_socket, "empty NodePrepareResources",
                      lambda channel: dra_v1_pb2_grpc.DRAPluginStub(channel).NodePrepareResources(
                          dra_v1_pb2.NodePrepareResourcesRequest(), timeout=timeout))

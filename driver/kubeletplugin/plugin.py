@@ -19,6 +19,7 @@ from types import TracebackType
 
 import grpc
 
+from driver.kubeletplugin.activity import DraActivity
 from driver.kubeletplugin.api import pluginregistration_v1_pb2_grpc
 from driver.kubeletplugin.claims import ClaimSource
 from driver.kubeletplugin.registration import RegistrationServicer, RegistrationStatus
@@ -74,6 +75,10 @@ class KubeletPlugin:
         self._lock = threading.Lock()
 
     @property
+    def driver_name(self) -> str:
+        return self._driver_name
+
+    @property
     def registration_socket(self) -> Path:
         return self._registration_socket
 
@@ -89,6 +94,10 @@ class KubeletPlugin:
     @property
     def registration_status(self) -> RegistrationStatus | None:
         return self._registration.status
+
+    def dra_activity(self) -> DraActivity:
+        """DRA calls (prepare and unprepare requests) in flight, and seconds since one last started or finished."""
+        return self._batch.activity.snapshot()
 
     def start(self) -> None:
         """Serve the DRA socket, then the registration socket; on failure nothing is left behind."""

@@ -347,9 +347,7 @@ class ResourceSlicePublisher:
             self._validation_problems = []
             self._wake = True
             self._cond.notify_all()
-            stream = self._stream
-        if stream is not None:
-            stream.interrupt()
+            self._interrupt_watch()
 
     def start(self) -> None:
         if self._thread is not None:
@@ -362,13 +360,20 @@ class ResourceSlicePublisher:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-            stream = self._stream
-        if stream is not None:
-            stream.interrupt()
+            self._interrupt_watch()
         if self._thread is None:
             return True
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def _interrupt_watch(self) -> None:
+        """Wake the worker if it is blocked reading the watch. Caller holds ``_cond``.
+
+        Under the lock the stream cannot be closed meanwhile: the worker clears ``_stream`` under
+        the same lock before it closes the stream.
+        """
+        if self._stream is not None:
+            self._stream.interrupt()
 
     def wait_synced(self, timeout: float) -> bool:
         """True once the latest devices are on the server and nothing has changed them since."""
@@ -527,17 +532,6 @@ class ResourceSlicePublisher:
                         extra=self._log_extra)
                 self._owner_warned = True
             return self._owner
-        self._owner = {"apiVersion": "v1", "kind": "Node", "name": self._node,
-                       "uid": node["metadata"]["uid"], "controller": True}
-        return self._owner
-        try:
-            node = request_json(self._api, "GET", f"/api/v1/nodes/{self._node}", timeout=_REQUEST_TIMEOUT_S)
-        except KubeApiError as err:
-            level = logging.DEBUG if self._owner_warned else logging.WARNING
-            log.log(level, "cannot read Node %s, publishing ResourceSlices without an owner reference "
-                    "(they will not be garbage-collected with the Node): %s", self._node, err, extra=self._log_extra)
-            self._owner_warned = True
-            return None
         self._owner = {"apiVersion": "v1", "kind": "Node", "name": self._node,
                        "uid": node["metadata"]["uid"], "controller": True}
         return self._owner

@@ -17,6 +17,7 @@ from typing import TypeVar
 import grpc
 from opentelemetry.trace import Span, Status, StatusCode, get_current_span
 
+from driver.kubeletplugin.activity import CallActivity
 from driver.kubeletplugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from driver.kubeletplugin.claims import ClaimError, ClaimSource
 from driver.kubeletplugin.telemetry import Telemetry
@@ -35,23 +36,34 @@ _Result = TypeVar("_Result")
 
 
 class ClaimBatch:
-    """Prepares or unprepares the claims of one kubelet request, answering every claim."""
+    """Prepares or unprepares the claims of one kubelet request, answering every claim.
+
+    Every request counts in :attr:`activity` while it runs, so a liveness probe can see the
+    server is busy rather than wedged.
+    """
 
     def __init__(self, driver: DRADriver, claims: ClaimSource, telemetry: Telemetry,
-                 max_parallel: int = MAX_PARALLEL_CLAIMS):
+                 max_parallel: int = MAX_PARALLEL_CLAIMS, activity: CallActivity | None = None):
         self._driver = driver
         self._claims = claims
         self._telemetry = telemetry
         self._max_parallel = max_parallel
+        self._activity = activity if activity is not None else CallActivity()
+
+    @property
+    def activity(self) -> CallActivity:
+        return self._activity
 
     def prepare(self, refs: Sequence[ClaimRef], is_active: Callable[[], bool]) -> dict[str, PrepareResult]:
         """Result per claim UID; a failed claim has ``error`` set and no devices."""
-        results = _map(lambda ref: self._prepare_one(ref, is_active), _unique(refs), self._max_parallel)
+        with self._activity.track():
+            results = _map(lambda ref: self._prepare_one(ref, is_active), _unique(refs), self._max_parallel)
         return {ref.uid: result for ref, result in results}
 
     def unprepare(self, refs: Sequence[ClaimRef], is_active: Callable[[], bool]) -> dict[str, str | None]:
         """Error per claim UID, None for success (claims the driver never prepared included)."""
-        results = _map(lambda ref: self._unprepare_one(ref, is_active), _unique(refs), self._max_parallel)
+        with self._activity.track():
+            results = _map(lambda ref: self._unprepare_one(ref, is_active), _unique(refs), self._max_parallel)
         return {ref.uid: error for ref, error in results}
 
     def _prepare_one(self, ref: ClaimRef, is_active: Callable[[], bool]) -> tuple[ClaimRef, PrepareResult]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
 
 from driver.kubeletplugin.slicemodel import Device, DeviceAttribute
@@ -22,24 +22,27 @@ from driver.kubeletplugin.slicemodel import Device, DeviceAttribute
 OLDEST_SUPPORTED_MINOR = 34
 NEWEST_KNOWN_MINOR = 37
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+# Every pattern is used with fullmatch (``$`` would also match before a trailing newline) and
+# spells digits [0-9] (``\d`` also matches non-ASCII digits such as "٣").
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 _DNS_LABEL_MAX = 63
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _DNS_SUBDOMAIN_MAX = 253
 _DRIVER_NAME_MAX = 63
 _POOL_NAME_MAX = 253
-_C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ATTRIBUTE_ID_MAX = 32
 _STRING_VALUE_MAX_BYTES = 64
 _VERSION_VALUE_MAX = 64
 # Semantic Versioning 2.0.0, the official grammar: no leading zeros, no "v" prefix.
 _SEMVER = re.compile(
-    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
-    r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
-    r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
+    r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)"
+    r"(?:-((?:0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9][0-9]*|[0-9]*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
+    r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?"
 )
 # resource.Quantity: a signed decimal number, then a binary-SI, decimal-SI or exponent suffix.
-_QUANTITY = re.compile(r"^([+-]?(?:\d+(?:\.\d*)?|\.\d+))(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?\d+)?$")
+_QUANTITY = re.compile(
+    r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?")
 _QUANTITY_SUFFIX_FACTORS: dict[str, Decimal] = {
     "": Decimal(1),
     "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30,
@@ -49,7 +52,7 @@ _QUANTITY_SUFFIX_FACTORS: dict[str, Decimal] = {
     "T": Decimal("1e12"), "P": Decimal("1e15"), "E": Decimal("1e18"),
 }
 # Label names (taint keys): an optional DNS-subdomain prefix and "/", then a name part.
-_LABEL_NAME_PART = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_LABEL_NAME_PART = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
 _LABEL_NAME_PART_MAX = 63
 _LABEL_VALUE_MAX = 63
 _TAINT_EFFECTS_1_34 = ("NoSchedule", "NoExecute")
@@ -91,16 +94,16 @@ def limits_for(minor_version: int) -> SliceLimits:
 
 
 def is_dns_label(value: str) -> bool:
-    return len(value) <= _DNS_LABEL_MAX and _DNS_LABEL.match(value) is not None
+    return len(value) <= _DNS_LABEL_MAX and _DNS_LABEL.fullmatch(value) is not None
 
 
 def is_dns_subdomain(value: str) -> bool:
-    return len(value) <= _DNS_SUBDOMAIN_MAX and _DNS_SUBDOMAIN.match(value) is not None
+    return len(value) <= _DNS_SUBDOMAIN_MAX and _DNS_SUBDOMAIN.fullmatch(value) is not None
 
 
 def quantity_value(text: str) -> Decimal | None:
     """The numeric value of a Kubernetes quantity string, or None if it is not one."""
-    match = _QUANTITY.match(text)
+    match = _QUANTITY.fullmatch(text)
     if match is None:
         return None
     number, suffix = match.group(1), match.group(2) or ""
@@ -108,7 +111,8 @@ def quantity_value(text: str) -> Decimal | None:
         if suffix[:1] in ("e", "E"):
             return Decimal(number) * (Decimal(10) ** int(suffix[1:]))
         return Decimal(number) * _QUANTITY_SUFFIX_FACTORS[suffix]
-    except (InvalidOperation, OverflowError):
+    except (ArithmeticError, ValueError):
+        # decimal.Overflow for "1E9999999"; ValueError for an exponent too long for int().
         return None
 
 
@@ -212,7 +216,7 @@ def _qualified_name_problems(key: str) -> list[str]:
         problems.append("name is empty")
     elif len(identifier) > _ATTRIBUTE_ID_MAX:
         problems.append(f'identifier "{identifier}" is {len(identifier)} characters, the limit is {_ATTRIBUTE_ID_MAX}')
-    elif not _C_IDENTIFIER.match(identifier):
+    elif not _C_IDENTIFIER.fullmatch(identifier):
         problems.append(
             f'identifier "{identifier}" must be a C identifier (letters, digits and \'_\', not starting with a digit)')
     return problems
@@ -237,7 +241,7 @@ def _attribute_value_problems(attribute: DeviceAttribute) -> list[str]:
     if attribute.version is not None:
         if len(attribute.version) > _VERSION_VALUE_MAX:
             return [f"version value is {len(attribute.version)} characters, the limit is {_VERSION_VALUE_MAX}"]
-        if not _SEMVER.match(attribute.version):
+        if not _SEMVER.fullmatch(attribute.version):
             return [
                 f'version value "{attribute.version}" is not strict semantic versioning 2.0.0 '
                 '(MAJOR.MINOR.PATCH, no leading zeros, no "v"; e.g. "580.95.5")']
@@ -251,7 +255,7 @@ def _label_name_problems(key: str) -> list[str]:
     problems: list[str] = []
     if "/" in key and not is_dns_subdomain(prefix):
         problems.append(f'"{key}": prefix "{prefix}" must be a DNS subdomain')
-    if len(name) > _LABEL_NAME_PART_MAX or not _LABEL_NAME_PART.match(name):
+    if len(name) > _LABEL_NAME_PART_MAX or not _LABEL_NAME_PART.fullmatch(name):
         problems.append(
             f'"{key}": name part must be at most 63 alphanumerics, \'-\', \'_\' or \'.\', '
             "starting and ending with an alphanumeric")
@@ -259,7 +263,7 @@ def _label_name_problems(key: str) -> list[str]:
 
 
 def _is_label_value(value: str) -> bool:
-    return value == "" or (len(value) <= _LABEL_VALUE_MAX and _LABEL_NAME_PART.match(value) is not None)
+    return value == "" or (len(value) <= _LABEL_VALUE_MAX and _LABEL_NAME_PART.fullmatch(value) is not None)
 
 
 def _restricts_slice(device: Device, limits: SliceLimits) -> bool:

@@ -6,6 +6,9 @@ down; there is no module-level state, so tests can build as many as they like.
 
 from __future__ import annotations
 
+import errno
+import logging
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,6 +22,13 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import Tracer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+log = logging.getLogger(__name__)
+
+# A client that connects and then stalls holds a server thread until this passes.
+DEFAULT_CONNECTION_TIMEOUT_S = 10.0
+# What binding an IPv6 socket fails with on a machine (or pod) without IPv6.
+_NO_IPV6_ERRNOS = frozenset({errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT})
 
 # Prepare latency is milliseconds when all goes well and seconds when a daemon starts;
 # the kubelet gives up at 45 s.
@@ -70,15 +80,21 @@ class Telemetry:
         return bytes(generate_latest(self.registry))
 
     def serve_metrics(self, host: str, port: int,
-                      extra_routes: dict[str, Callable[[], tuple[int, str]]] | None = None) -> int:
+                      extra_routes: dict[str, Callable[[], tuple[int, str]]] | None = None, *,
+                      connection_timeout_s: float = DEFAULT_CONNECTION_TIMEOUT_S) -> int:
         """Serve ``/metrics`` (and any extra routes, e.g. ``/healthz``) in a daemon thread.
 
-        Returns the bound port (useful when ``port`` is 0).
+        ``host`` ``"::"`` listens on IPv6 and IPv4 alike, or on IPv4 only (``0.0.0.0``) where the
+        machine has no IPv6. A connection idle for ``connection_timeout_s`` is closed. Returns the
+        bound port (useful when ``port`` is 0).
         """
         routes = dict(extra_routes or {})
         telemetry = self
 
         class _Handler(BaseHTTPRequestHandler):
+            # Applied to each connection's socket by StreamRequestHandler.
+            timeout = connection_timeout_s
+
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
@@ -98,7 +114,7 @@ class Telemetry:
                 # Scrapes every few seconds would drown the driver's own log.
                 return
 
-        server = ThreadingHTTPServer((host, port), _Handler)
+        server = _bind_http_server(host, port, _Handler)
         server.daemon_threads = True
         self._server = server
         # A short poll interval keeps shutdown() prompt.
@@ -113,3 +129,26 @@ class Telemetry:
             self._server = None
         self._meter_provider.shutdown()
         self._tracer_provider.shutdown()
+
+
+class _DualStackHTTPServer(ThreadingHTTPServer):
+    """Listens on IPv6 with IPv4 mapped in, so ``::`` also accepts IPv4 clients."""
+
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        # Linux defaults to dual-stack, but net.ipv6.bindv6only (and other systems) may not.
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+def _bind_http_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    if host == "::":
+        try:
+            return _DualStackHTTPServer((host, port), handler)
+        except OSError as err:
+            if err.errno not in _NO_IPV6_ERRNOS:
+                raise
+            log.warning("no IPv6 on this machine, serving HTTP on IPv4 only", extra={"port": port, "error": str(err)})
+            host = "0.0.0.0"
+    return ThreadingHTTPServer((host, port), handler)

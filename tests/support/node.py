@@ -132,7 +132,9 @@ class SimulatedNode:
 
     def start(self, *extra: str, env: dict[str, str] | None = None, register: bool = True) -> None:
         assert self.proc is None or self.proc.poll() is not None, "driver already running"
-        self.env = dict(os.environ, TESSERA_SIM_MPS_JOURNAL=str(self.mps_journal),
+        tmp = self.work / "tmp"  # the driver's private temporary files go away with the node
+        tmp.mkdir(exist_ok=True)
+        self.env = dict(os.environ, TMPDIR=str(tmp), TESSERA_SIM_MPS_JOURNAL=str(self.mps_journal),
                         TESSERA_SIM_NVIDIA_SMI_LOG=str(self.nvidia_smi_log),
                         TESSERA_SIM_NVIDIA_SMI_STATE=str(self.work / "nvidia-smi-state.json"),
                         **(env or {}))

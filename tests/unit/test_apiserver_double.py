@@ -366,12 +366,13 @@ def test_load_api_client_errors_are_clear(tmp_path: Path, monkeypatch: pytest.Mo
         load_api_client(None)
 
 
-@pytest.mark.parametrize(("minor", "expected"), [("36", 36), ("36+", 36), (" 34 ", 34), ("", None), ("x", None)])
+@pytest.mark.parametrize(("minor", "expected"), [("36", 36), ("36+", 36), (" 34 ", 34), ("", None), ("x", None),
+                                               ("\u0663\u0666", None)])
 def test_parse_minor_version(minor: str, expected: int | None) -> None:
     assert parse_minor_version(minor) == expected
 
 
-def test_server_minor_version_falls_back_to_strictest_when_unreachable(caplog: pytest.LogCaptureFixture) -> None:
+def test_server_minor_version_falls_back_to_oldest_supported_when_unreachable(caplog: pytest.LogCaptureFixture) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -267,6 +267,23 @@ def test_duplicate_json_key_is_rejected() -> None:
         Spec.from_text(text)
 
 
+def test_yaml_flow_mapping_is_read_like_json() -> None:
+    # Starts with "{" like JSON, but unquoted keys and values make it YAML only; the Go loader reads it.
+    text = "{cdiVersion: 0.3.0, kind: example.com/gpu, devices: [{name: gpu0, containerEdits: {env: [A=1]}}]}\n"
+
+    spec = Spec.from_text(text)
+
+    assert spec.to_wire() == {"cdiVersion": "0.3.0", "kind": "example.com/gpu",
+                              "devices": [{"name": "gpu0", "containerEdits": {"env": ["A=1"]}}]}
+
+
+def test_yaml_flow_mapping_with_a_duplicate_key_is_rejected() -> None:
+    text = "{cdiVersion: 0.3.0, kind: example.com/gpu, kind: example.com/other, devices: []}"
+
+    with pytest.raises(SpecError, match=r'not valid JSON \(.*\) nor YAML \(.*duplicate key "kind"'):
+        Spec.from_text(text)
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

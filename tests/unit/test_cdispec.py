@@ -32,7 +32,8 @@ def _gpu0() -> DeviceEdits:
 
 def _build(**overrides: Any) -> cdi.Spec:
     args: dict[str, Any] = {"kind": KIND, "claim": CLAIM, "devices": [_gpu0()], "common_edits": _toolkit_edits(),
-                            "control_nodes": ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]}
+                            "control_nodes": ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"],
+                            "annotation_prefix": "gpu.tessera.dev"}
     args.update(overrides)
     return build_claim_spec(**args)
 

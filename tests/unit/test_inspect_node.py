@@ -52,10 +52,17 @@ def _record(uid: str, name: str, device: str = "gpu-0", phase: ClaimPhase = Clai
                        cdi_spec_file=f"k8s.gpu.tessera.dev-claim_{uid}.json", updated_at="2025-01-01T00:00:00+00:00")
 
 
+def _start_time(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except OSError:
+        return 1
+
+
 def _daemon(daemon_id: str, pid: int, tmp: Path) -> MpsDaemonRecord:
     return MpsDaemonRecord(spec=MpsDaemonSpec(daemon_id=daemon_id, gpu_uuids=[GPU0], active_thread_percentage=40),
                            pid=pid, pipe_dir=tmp / daemon_id / "pipe", log_dir=tmp / daemon_id / "log",
-                           started_at="2025-01-01T00:00:00+00:00", process_start_time=1)
+                           started_at="2025-01-01T00:00:00+00:00", process_start_time=_start_time(pid))
 
 
 def _write_spec(settings: Settings, uid: str) -> Path:
@@ -174,3 +181,12 @@ def test_state_prepared_by_the_driver_reads_back(settings: Settings, tmp_path: P
     text = render_text(collect(settings))
     assert "cdi spec (MISSING)" in text
     assert "PROBLEM: claim u1: CDI spec" in text
+
+
+def test_a_recycled_pid_is_not_reported_running(settings: Settings, tmp_path: Path) -> None:
+    stale = _daemon("claim-stale-0", os.getpid(), tmp_path).model_copy(update={"process_start_time": 1})
+    cp = Checkpoint(claims={"u-ok": _record("u-ok", "with-spec", daemon="claim-stale-0")},
+                    mps_daemons={"claim-stale-0": stale})
+    CheckpointStore(settings.state_dir / "checkpoint.json").save(cp)
+    [daemon] = collect(settings)["mps_daemons"]
+    assert daemon["pid_alive"] is False

@@ -8,16 +8,20 @@ import stat
 import tempfile
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import pytest
 
+from driver.kubeletplugin.activity import DraActivity
+from driver.kubeletplugin.api import dra_v1_pb2, dra_v1_pb2_grpc
 from driver.kubeletplugin.claim import ResourceClaim
-from driver.kubeletplugin.liveness import check_sockets
+from driver.kubeletplugin.liveness import check_plugin, check_sockets
 from driver.kubeletplugin.plugin import KubeletPlugin
 from driver.kubeletplugin.telemetry import Telemetry
-from driver.kubeletplugin.types import ClaimRef, PreparedDevice, PrepareResult
+from driver.kubeletplugin.types import ClaimRef, DRADriver, PreparedDevice, PrepareResult
 from driver.simulation.kubelet import KubeletDevice, KubeletEmulator, KubeletProtocolError, PrepareAnswer
 
 DRIVER = "gpu.tessera.dev"
@@ -44,6 +48,19 @@ class EchoDriver:
 
     def unprepare_claim(self, claim: ClaimRef) -> str | None:
         return None
+
+
+class BlockingDriver(EchoDriver):
+    """Holds every prepare until ``release`` is set, like prepares waiting on the node lock."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Semaphore(0)
+        self.release = threading.Event()
+
+    def prepare_claim(self, claim: ResourceClaim) -> PrepareResult:
+        self.entered.release()
+        self.release.wait(timeout=30)
+        return super().prepare_claim(claim)
 
 
 class StaticClaims:
@@ -109,9 +126,10 @@ def make_plugin(
     pod_uid: str | None = None,
     rejections: Rejections | None = None,
     health_services: tuple[str, ...] = (),
+    driver: DRADriver | None = None,
 ) -> KubeletPlugin:
     return KubeletPlugin(
-        EchoDriver(),
+        driver or EchoDriver(),
         DRIVER,
         StaticClaims(),
         telemetry,
@@ -341,3 +359,93 @@ def test_liveness_fails_for_another_drivers_socket(dirs: Dirs, telemetry: Teleme
         ok, detail = check_sockets(plugin.registration_socket, plugin.dra_socket, "other.example.com", timeout=10)
     assert not ok
     assert "expected DRAPlugin 'other.example.com'" in detail
+
+
+WORKERS = 4  # make_plugin's DRA worker pool
+
+
+@contextmanager
+def prepares_blocked_in_driver(plugin: KubeletPlugin, driver: BlockingDriver, count: int) -> Iterator[None]:
+    """``count`` kubelet prepare calls, each held inside the driver until the block ends."""
+    with grpc.insecure_channel(f"unix://{plugin.dra_socket}") as channel:
+        stub = dra_v1_pb2_grpc.DRAPluginStub(channel)
+        requests = [dra_v1_pb2.NodePrepareResourcesRequest(claims=[dra_v1_pb2.Claim(namespace="ns", name=f"c{i}",
+                                                                                   uid=f"u{i}")])
+                    for i in range(count)]
+        calls = [stub.NodePrepareResources.future(request, timeout=30) for request in requests]
+        try:
+            for _ in range(count):
+                assert driver.entered.acquire(timeout=10), "a prepare never reached the driver"
+            yield
+        finally:
+            driver.release.set()
+            for call in calls:
+                call.result()  # the held calls finish once released
+
+
+def test_liveness_of_an_idle_plugin_calls_both_sockets(dirs: Dirs, telemetry: Telemetry) -> None:
+    with make_plugin(dirs, telemetry) as plugin:
+        ok, detail = check_plugin(plugin, timeout=10)
+        assert plugin.dra_activity().in_flight == 0
+    assert ok, detail
+    assert detail.endswith("answer")
+
+
+def test_liveness_stays_healthy_while_prepares_fill_the_worker_pool(dirs: Dirs, telemetry: Telemetry) -> None:
+    driver = BlockingDriver()
+    with make_plugin(dirs, telemetry, driver=driver) as plugin, prepares_blocked_in_driver(plugin, driver, WORKERS):
+        assert plugin.dra_activity().in_flight == WORKERS
+        ok, detail = check_plugin(plugin, timeout=10)
+        assert ok, detail
+        assert f"busy: {WORKERS} calls in flight" in detail
+        # The plain socket check queues its DRA call behind the blocked ones: what used to restart the pod.
+        ok_plain, detail_plain = check_sockets(plugin.registration_socket, plugin.dra_socket, DRIVER, timeout=0.5)
+        assert not ok_plain and "DEADLINE_EXCEEDED" in detail_plain
+
+
+def test_liveness_fails_when_calls_in_flight_make_no_progress(dirs: Dirs, telemetry: Telemetry) -> None:
+    driver = BlockingDriver()
+    with make_plugin(dirs, telemetry, driver=driver) as plugin, prepares_blocked_in_driver(plugin, driver, WORKERS):
+        # A zero window: the calls in flight have made no progress "recently", so the DRA socket is called.
+        ok, detail = check_plugin(plugin, timeout=0.5, progress_window_s=0.0)
+    assert not ok
+    assert "DRA socket" in detail and "DEADLINE_EXCEEDED" in detail
+    assert f"{WORKERS} calls in flight, no progress for" in detail
+
+
+def test_liveness_with_calls_in_flight_still_checks_the_registration_socket(dirs: Dirs, telemetry: Telemetry) -> None:
+    driver = BlockingDriver()
+    with make_plugin(dirs, telemetry, driver=driver) as plugin, prepares_blocked_in_driver(plugin, driver, 1):
+        ok, detail = check_plugin(plugin, timeout=10)
+        assert ok, detail
+        ok_other, detail_other = check_plugin(_Renamed(plugin, "other.example.com"), timeout=10)
+    assert not ok_other
+    assert "expected DRAPlugin 'other.example.com'" in detail_other
+
+
+def test_liveness_of_a_stopped_plugin_reports_the_missing_socket(dirs: Dirs, telemetry: Telemetry) -> None:
+    plugin = make_plugin(dirs, telemetry)
+    plugin.start()
+    plugin.stop()
+    ok, detail = check_plugin(plugin, timeout=10)
+    assert not ok
+    assert "registration socket" in detail and "missing" in detail
+
+
+@dataclass
+class _Renamed:
+    """A plugin as seen by a probe configured with another driver name."""
+
+    plugin: KubeletPlugin
+    driver_name: str
+
+    @property
+    def registration_socket(self) -> Path:
+        return self.plugin.registration_socket
+
+    @property
+    def dra_socket(self) -> Path:
+        return self.plugin.dra_socket
+
+    def dra_activity(self) -> DraActivity:
+        return self.plugin.dra_activity()

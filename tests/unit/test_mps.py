@@ -8,7 +8,9 @@ test, even a failing one.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -20,7 +22,17 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from driver.gpu.mps import MIB, MpsDaemonRecord, MpsDaemonSpec, MpsError, MpsManager, MpsMount, _parse_mib
+from driver.gpu.mps import (
+    _KILL_WAIT_S,
+    _TERM_GRACE_S,
+    MIB,
+    MpsDaemonRecord,
+    MpsDaemonSpec,
+    MpsError,
+    MpsManager,
+    MpsMount,
+    _parse_mib,
+)
 from tests.support.processes import poll_until, processes_mentioning, standin_sandbox
 
 GPU_A = "GPU-11111111-2222-3333-4444-555555555555"
@@ -162,7 +174,9 @@ def test_hanging_daemon_fails_on_first_limit(sim: Sim, monkeypatch: pytest.Monke
 
 def test_limit_that_does_not_read_back_fails_start(sim: Sim) -> None:
     # A daemon that accepts the limit but reports none: wraps the stand-in and lies on read-back.
-    real = sim.root / "usr" / "bin" / "real-mps-control"
+    # The stand-in keeps its name, so the daemon it starts is still recognisably the control daemon.
+    real = sim.top / "real" / "nvidia-cuda-mps-control"
+    real.parent.mkdir()
     (sim.root / "usr" / "bin" / "nvidia-cuda-mps-control").rename(real)
     wrapper = sim.root / "usr" / "bin" / "nvidia-cuda-mps-control"
     wrapper.write_text(
@@ -332,6 +346,121 @@ def test_recycled_pid_is_never_taken_for_our_daemon(sim: Sim) -> None:
     finally:
         stranger.kill()
         stranger.wait()
+
+
+# -- tenant-controlled pids ---------------------------------------------------------------------
+# Clients get the pipe dir read-write, so they can write any PID into its pid file.
+
+
+@pytest.fixture
+def stranger() -> Iterator[subprocess.Popen[bytes]]:
+    """A process that is not an MPS daemon, though its command line names the control binary."""
+    sleep = shutil.which("sleep")
+    assert sleep is not None
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
+    process = subprocess.Popen(["nvidia-cuda-mps-control", "60"], executable=sleep, env=env)
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait()
+
+
+def _forge_pid_file(pipe_dir: Path, pid: int) -> None:
+    (pipe_dir / "nvidia-cuda-mps-control.pid").write_text(f"{pid}\n")
+
+
+def test_stop_by_id_never_signals_a_process_a_tenant_named(sim: Sim, stranger: subprocess.Popen[bytes]) -> None:
+    manager = sim.manager(stop=0.3)
+    record = manager.start(PLAIN)
+    _forge_pid_file(record.pipe_dir, stranger.pid)
+    manager.stop_by_id("gpu-0")
+    assert stranger.poll() is None
+    assert _gone(record.pid)  # the daemon itself still got quit through its socket
+    _assert_nothing_left(sim, "gpu-0")
+
+
+def test_stop_never_signals_another_tenants_daemon(sim: Sim) -> None:
+    manager = sim.manager(stop=0.3)
+    mine = manager.start(PLAIN)
+    theirs = manager.start(PLAIN.model_copy(update={"daemon_id": "gpu-1"}))
+    os.kill(mine.pid, signal.SIGKILL)
+    poll_until(lambda: _gone(mine.pid), "the killed daemon to die")
+    _forge_pid_file(mine.pipe_dir, theirs.pid)
+    manager.stop(mine)
+    manager.stop_by_id("gpu-0")
+    assert manager.is_alive(theirs)
+    assert not (sim.base / "gpu-0").exists()
+    manager.stop(theirs)
+
+
+def test_a_forged_checkpoint_pid_is_neither_adopted_nor_signalled(
+    sim: Sim, stranger: subprocess.Popen[bytes]
+) -> None:
+    manager = sim.manager(stop=0.3)
+    record = manager.start(PLAIN)
+    manager.stop(record)
+    forged = record.model_copy(update={"pid": stranger.pid, "process_start_time": _start_time(stranger.pid)})
+    assert not manager.daemon_matches(forged)
+    assert not manager.is_running(forged)
+    assert not manager.is_alive(forged)
+    manager.stop(forged)
+    restarted = manager.ensure_running(forged)
+    assert stranger.poll() is None
+    assert restarted.pid != stranger.pid
+    assert manager.daemon_matches(restarted)
+
+
+def test_start_is_not_blocked_by_a_pid_file_naming_a_stranger(sim: Sim, stranger: subprocess.Popen[bytes]) -> None:
+    pipe = sim.base / "gpu-0" / "pipe"
+    pipe.mkdir(parents=True)
+    _forge_pid_file(pipe, stranger.pid)
+    record = sim.manager().start(PLAIN)
+    assert sim.manager().is_alive(record)
+    assert stranger.poll() is None
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_for_a_pid_file_does_not_hang_stop(sim: Sim) -> None:
+    manager = sim.manager(stop=0.3)
+    record = manager.start(PLAIN)
+    pid_file = record.pipe_dir / "nvidia-cuda-mps-control.pid"
+    pid_file.unlink()
+    os.mkfifo(pid_file)
+    manager.stop_by_id("gpu-0")
+    assert _gone(record.pid)
+    _assert_nothing_left(sim, "gpu-0")
+
+
+# -- bounded time -----------------------------------------------------------------------------
+
+
+def test_limit_commands_share_the_start_deadline(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TESSERA_SIM_MPS_FAIL", "hang")
+    with pytest.raises(MpsError, match=r"'set_default_active_thread_percentage 40' got no answer before the 1s start"):
+        sim.manager(ready=1.0, command=30.0, stop=0.3).start(LIMITED)
+    _assert_nothing_left(sim, "claim-1")
+
+
+def test_quit_shares_the_stop_deadline(
+    sim: Sim, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("TESSERA_SIM_MPS_FAIL", "hang-quit")
+    record = sim.manager().start(PLAIN)
+    with caplog.at_level(logging.INFO, logger="driver.gpu.mps"):
+        sim.manager(command=30.0, stop=0.5).stop(record)
+    reasons = [str(getattr(r, "reason", "")) for r in caplog.records]
+    assert any("'quit' got no answer before the 0.5s stop deadline" in reason for reason in reasons), reasons
+    assert _gone(record.pid)
+    _assert_nothing_left(sim, "gpu-0")
+
+
+def test_default_bounds_fit_the_kubelet_deadline(tmp_path: Path) -> None:
+    manager = MpsManager(tmp_path, tmp_path)
+    # A stop is a graceful part, then SIGTERM's grace, then SIGKILL's wait.
+    assert manager.stop_timeout + _TERM_GRACE_S + _KILL_WAIT_S <= 15
+    # A failed start is followed by a stop; the kubelet allows 45 s for the whole prepare.
+    assert manager.ready_timeout + manager.stop_timeout + _TERM_GRACE_S + _KILL_WAIT_S < 45
 
 
 # -- client edits -----------------------------------------------------------------------------

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from driver.gpu.binaries import LIB_DIRS
 from driver.gpu.devices import build_devices
+from driver.gpu.discovery import open_discovery
 from driver.gpu.inventory import MigInstance
 from driver.gpu.nvml import (
     NvmlDiscovery,
@@ -551,6 +556,117 @@ def test_init_failure_is_a_clear_error() -> None:
     fake.init_error = NVMLError_DriverNotLoaded()
     with pytest.raises(NvmlDiscoveryError, match=r"NVML initialisation failed \(NVMLError_DriverNotLoaded\).*driver"):
         NvmlDiscovery(nvml=fake).discover()
+
+
+# --- loading libnvidia-ml from the driver root -------------------------------------------------
+
+
+def _recording_loader(fake: FakeNvml) -> Any:
+    def load(path: Path) -> None:
+        fake.calls.append(f"load({path})")
+
+    return load
+
+
+def test_nvml_library_is_loaded_from_the_driver_root_before_init(tmp_path: Path) -> None:
+    lib64 = tmp_path / "usr" / "lib64"
+    lib64.mkdir(parents=True)
+    (lib64 / "libnvidia-ml.so.580.95.05").write_text("")
+    # An absolute link, as some installers write: on the host it points inside the driver root.
+    (lib64 / "libnvidia-ml.so.1").symlink_to("/usr/lib64/libnvidia-ml.so.580.95.05")
+    fake = FakeNvml([l4()])
+    discovery = NvmlDiscovery(nvml=fake, driver_root=tmp_path, load_library=_recording_loader(fake))
+    discovery.discover()
+    discovery.discover()
+    assert fake.calls[:2] == [f"load({lib64 / 'libnvidia-ml.so.580.95.05'})", "nvmlInitWithFlags(1)"]
+    assert sum(call.startswith("load(") for call in fake.calls) == 1
+
+
+def test_missing_nvml_library_says_where_it_looked_and_what_to_set(tmp_path: Path) -> None:
+    (tmp_path / "usr" / "lib").mkdir(parents=True)
+    (tmp_path / "usr" / "lib" / "libc.so.6").write_text("")
+    fake = FakeNvml([l4()])
+    with pytest.raises(NvmlDiscoveryError) as caught:
+        NvmlDiscovery(nvml=fake, driver_root=tmp_path, load_library=_recording_loader(fake)).discover()
+    message = str(caught.value)
+    assert f"libnvidia-ml.so.1 not found under driver root {tmp_path}" in message
+    for lib_dir in LIB_DIRS:
+        assert str(tmp_path / lib_dir) in message
+    assert "nvidiaDriverRoot" in message
+    assert "--driver-root" in message
+    assert fake.calls == []  # NVML itself was never started
+
+
+def test_unloadable_nvml_library_is_a_clear_error(tmp_path: Path) -> None:
+    lib = tmp_path / "usr" / "lib" / "x86_64-linux-gnu"
+    lib.mkdir(parents=True)
+    (lib / "libnvidia-ml.so.1").write_text("not an ELF file")
+    fake = FakeNvml([l4()])
+
+    def refuse(path: Path) -> None:
+        raise OSError(f"{path}: invalid ELF header")
+
+    with pytest.raises(NvmlDiscoveryError, match=r"cannot load .*libnvidia-ml\.so\.1 .*invalid ELF header"):
+        NvmlDiscovery(nvml=fake, driver_root=tmp_path, load_library=refuse).discover()
+    assert fake.calls == []
+
+
+def test_driver_at_root_leaves_loading_to_pynvml(sysfs: Path) -> None:
+    fake = FakeNvml([l4()])
+
+    def must_not_load(path: Path) -> None:
+        raise AssertionError(f"loaded {path}")
+
+    NvmlDiscovery(nvml=fake, sysfs_root=sysfs, load_library=must_not_load).discover()
+    NvmlDiscovery(nvml=fake, sysfs_root=sysfs, driver_root=Path("/"), load_library=must_not_load).discover()
+
+
+_SONAME_PROBE = """
+import ctypes, sys
+from pathlib import Path
+from driver.gpu.nvml import NvmlDiscovery
+
+class ProbeNvml:
+    # pynvml does CDLL("libnvidia-ml.so.1") on init; do the same and call the probe library's function.
+    class NVMLError(Exception):
+        pass
+    NVML_INIT_FLAG_NO_GPUS = 1
+    def nvmlInitWithFlags(self, flags):
+        print(ctypes.CDLL("libnvidia-ml.so.1").tessera_probe())
+        sys.exit(0)
+
+NvmlDiscovery(nvml=ProbeNvml(), driver_root=Path(sys.argv[1])).discover()
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build a library with a soname")
+def test_pynvmls_load_by_soname_gets_the_driver_roots_library(tmp_path: Path) -> None:
+    # A separate process: the stand-in library must not become this process's libnvidia-ml.
+    lib = tmp_path / "root" / "usr" / "lib" / "x86_64-linux-gnu"
+    lib.mkdir(parents=True)
+    source = tmp_path / "probe.c"
+    source.write_text("int tessera_probe(void) { return 42; }\n")
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-Wl,-soname,libnvidia-ml.so.1", "-o", str(lib / "libnvidia-ml.so.580.1"),
+         str(source)],
+        check=True,
+        timeout=60,
+    )
+    (lib / "libnvidia-ml.so.1").symlink_to("libnvidia-ml.so.580.1")
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", _SONAME_PROBE, str(tmp_path / "root")],
+        capture_output=True, text=True, timeout=60, check=False, env=env, cwd=Path(__file__).resolve().parents[2],
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "42"), done.stderr
+
+
+def test_open_discovery_looks_for_nvml_under_the_driver_root(tmp_path: Path) -> None:
+    discovery = open_discovery(None, "node-a", tmp_path)
+    assert isinstance(discovery, NvmlDiscovery)
+    with pytest.raises(NvmlDiscoveryError, match=f"not found under driver root {tmp_path}"):
+        discovery.discover()
+    assert isinstance(open_discovery(None, "node-a"), NvmlDiscovery)
 
 
 # --- MIG ---------------------------------------------------------------------------------------

@@ -100,6 +100,18 @@ def test_device_name_must_be_dns_label() -> None:
     assert problems_of(Device(name="g" * 63)) == []
 
 
+def test_device_name_with_trailing_newline_is_rejected() -> None:
+    name = "gpu-0\n"
+    assert problems_of(Device(name=name)) == [
+        f'device "{name}": name must be a DNS label (at most 63 lower-case alphanumerics or \'-\', '
+        "starting and ending with an alphanumeric)"]
+
+
+@pytest.mark.parametrize(("driver", "pool"), [("gpu.tessera.dev\n", "node-a"), ("gpu.tessera.dev", "node-a\n")])
+def test_driver_and_pool_names_with_trailing_newline_are_rejected(driver: str, pool: str) -> None:
+    assert len(validate_driver_and_pool(driver, pool)) == 1
+
+
 def test_device_name_is_required() -> None:
     assert validate_devices([Device(name="gpu-0"), Device(name="")], DRIVER, L36) == [
         "device at index 1: name is required"]
@@ -125,6 +137,8 @@ def test_device_names_unique_across_the_whole_pool() -> None:
     ("model-name", 'attribute "model-name": identifier "model-name" must be a C identifier '
                    "(letters, digits and '_', not starting with a digit)"),
     ("m" * 33, f'attribute "{"m" * 33}": identifier "{"m" * 33}" is 33 characters, the limit is 32'),
+    ("model\n", 'attribute "model\n": identifier "model\n" must be a C identifier '
+                 "(letters, digits and '_', not starting with a digit)"),
 ])
 def test_attribute_name_rules(key: str, message: str) -> None:
     assert problems_of(Device(name="gpu-0", attributes={key: int_attr(1)})) == [f'device "gpu-0": {message}']
@@ -169,7 +183,8 @@ def test_strict_semver_accepted(version: str) -> None:
     assert problems_of(Device(name="gpu-0", attributes={"v": version_attr(version)})) == []
 
 
-@pytest.mark.parametrize("version", ["v1.2.3", "580.95.05", "9.0", "01.2.3", "1.2.3-01", "1.2.3.4", "latest"])
+@pytest.mark.parametrize("version", ["v1.2.3", "580.95.05", "9.0", "01.2.3", "1.2.3-01", "1.2.3.4", "latest",
+                                     "580.95.5\n", "580.95.5\u0663", "1.2.3-rc.1\u0663"])  # U+0663: a digit 3
 def test_non_semver_rejected(version: str) -> None:
     assert problems_of(Device(name="gpu-0", attributes={"v": version_attr(version)})) == [
         f'device "gpu-0": attribute "v": version value "{version}" is not strict semantic versioning 2.0.0 '
@@ -196,7 +211,8 @@ def test_valid_quantities(value: str) -> None:
     assert problems_of(Device(name="gpu-0", capacity={"memory": DeviceCapacity(value=value)})) == []
 
 
-@pytest.mark.parametrize("value", ["80 GB", "80GB", "Gi", "", "1.2.3", "0x10", "1iB"])
+@pytest.mark.parametrize("value", ["80 GB", "80GB", "Gi", "", "1.2.3", "0x10", "1iB", "80Gi\n", "\u0663Gi", "1e\u0663",
+                                   "1E9999999", "1e" + "9" * 5000])
 def test_invalid_quantities(value: str) -> None:
     assert problems_of(Device(name="gpu-0", capacity={"memory": DeviceCapacity(value=value)})) == [
         f'device "gpu-0": capacity "memory": value "{value}" is not a Kubernetes quantity '
@@ -208,6 +224,11 @@ def test_quantity_values_compare_by_amount() -> None:
     assert quantity_value("500m") == Decimal("0.5")
     assert quantity_value("1e3") == quantity_value("1k") == Decimal(1000)
     assert quantity_value("80 GB") is None
+
+
+def test_quantity_too_large_for_decimal_is_invalid_not_an_exception() -> None:
+    assert quantity_value("1E9999999") is None  # decimal.Overflow
+    assert quantity_value("1e" + "9" * 5000) is None  # an exponent longer than int() converts
 
 
 # ----- taints -------------------------------------------------------------------------------
@@ -241,6 +262,12 @@ def test_taint_key_and_value_format() -> None:
         "'-', '_' or '.', starting and ending with an alphanumeric)"]
     assert problems_of(Device(name="gpu-0", taints=[DeviceTaint(key="", effect="NoSchedule")])) == [
         'device "gpu-0": taint 0: key is required']
+
+
+def test_taint_key_and_value_with_trailing_newline_are_rejected() -> None:
+    assert len(problems_of(Device(name="gpu-0", taints=[DeviceTaint(key="xid\n", effect="NoSchedule")]))) == 1
+    assert len(problems_of(Device(name="gpu-0", taints=[DeviceTaint(key="xid", value="79\n",
+                                                                     effect="NoSchedule")]))) == 1
 
 
 def test_every_problem_is_reported_at_once() -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import stat
 import subprocess
@@ -22,11 +23,16 @@ import pytest
 
 from driver.gpu.binaries import (
     BIN_DIRS,
+    LIBRARY_LINK_DIR_PREFIX,
     BinaryFailed,
     BinaryNotFound,
     BinaryTimedOut,
+    DriverLibrariesUnusable,
     driver_env,
     find_binary,
+    find_driver_library,
+    nvidia_library_dir,
+    resolve_in_root,
     run_binary,
 )
 from tests.support.processes import SIM_BIN, poll_until, processes_mentioning, standin_sandbox
@@ -286,30 +292,116 @@ def test_find_binary_wants_a_bare_name(tmp_path: Path, name: str) -> None:
         find_binary(tmp_path, name)
 
 
-def test_driver_env_prepends_existing_driver_dirs(tmp_path: Path) -> None:
-    for d in ("usr/bin", "bin", "usr/lib64", "usr/lib/x86_64-linux-gnu"):
-        (tmp_path / d).mkdir(parents=True)
-    env = driver_env(tmp_path, {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/opt/lib", "OTHER": "x"})
-    assert env["PATH"] == f"{tmp_path}/usr/bin:{tmp_path}/bin:/usr/bin:/bin"
-    assert env["LD_LIBRARY_PATH"] == f"{tmp_path}/usr/lib64:{tmp_path}/usr/lib/x86_64-linux-gnu:/opt/lib"
+def _fake_driver_root(root: Path) -> Path:
+    """A driver root laid out like Ubuntu's, with the host's libc next to NVIDIA's libraries."""
+    lib = root / "usr/lib/x86_64-linux-gnu"
+    lib.mkdir(parents=True)
+    for name in ("libc.so.6", "libm.so.6", "libnvidia-ml.so.580.95.05", "libcuda.so.580.95.05",
+                 "libnvidia-ptxjitcompiler.so.580.95.05", "libcudart.so.12"):
+        (lib / name).write_text(name)
+    (lib / "libnvidia-ml.so.1").symlink_to("libnvidia-ml.so.580.95.05")
+    # Some installers write absolute links; on the host they point inside the driver root.
+    (lib / "libcuda.so.1").symlink_to("/usr/lib/x86_64-linux-gnu/libcuda.so.580.95.05")
+    (lib / "libnvidia-gone.so.1").symlink_to("libnvidia-gone.so.580")  # dangling: skipped
+    (root / "usr/bin").mkdir(parents=True)
+    return lib
+
+
+def _links(directory: Path) -> dict[str, str]:
+    return {entry.name: os.readlink(entry) for entry in directory.iterdir()}
+
+
+def test_driver_env_exposes_only_nvidia_libraries(tmp_path: Path) -> None:
+    root = tmp_path / "driver-root"
+    lib = _fake_driver_root(root)
+    env = driver_env(root, {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/opt/lib", "OTHER": "x"}, tmp_path)
+    assert env["PATH"] == f"{root}/usr/bin:/usr/bin:/bin"
+    link_dir, rest = env["LD_LIBRARY_PATH"].split(":", 1)
+    assert rest == "/opt/lib"
+    assert Path(link_dir).parent == tmp_path
+    assert Path(link_dir).name.startswith(LIBRARY_LINK_DIR_PREFIX)
+    assert _links(Path(link_dir)) == {
+        "libcuda.so.1": str(lib / "libcuda.so.580.95.05"),
+        "libcuda.so.580.95.05": str(lib / "libcuda.so.580.95.05"),
+        "libnvidia-ml.so.1": str(lib / "libnvidia-ml.so.580.95.05"),
+        "libnvidia-ml.so.580.95.05": str(lib / "libnvidia-ml.so.580.95.05"),
+        "libnvidia-ptxjitcompiler.so.580.95.05": str(lib / "libnvidia-ptxjitcompiler.so.580.95.05"),
+    }
     assert env["OTHER"] == "x"
+    assert str(lib) not in env["LD_LIBRARY_PATH"]
 
 
-def test_driver_env_without_lib_dirs_leaves_library_path_unset(tmp_path: Path) -> None:
+def test_library_dir_is_rebuilt_in_place_after_a_driver_upgrade(tmp_path: Path) -> None:
+    root = tmp_path / "driver-root"
+    lib = _fake_driver_root(root)
+    first = nvidia_library_dir(root, tmp_path)
+    assert first is not None
+    assert nvidia_library_dir(root, tmp_path) == first  # idempotent
+    (lib / "libnvidia-ml.so.1").unlink()
+    (lib / "libnvidia-ml.so.580.95.05").unlink()
+    (lib / "libnvidia-ml.so.590.1").write_text("new")
+    (lib / "libnvidia-ml.so.1").symlink_to("libnvidia-ml.so.590.1")
+    assert nvidia_library_dir(root, tmp_path) == first
+    links = _links(first)
+    assert links["libnvidia-ml.so.1"] == str(lib / "libnvidia-ml.so.590.1")
+    assert "libnvidia-ml.so.580.95.05" not in links
+    assert (first / "libnvidia-ml.so.1").read_text() == "new"
+
+
+def test_library_dir_differs_per_driver_root(tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    _fake_driver_root(one)
+    _fake_driver_root(two)
+    assert nvidia_library_dir(one, tmp_path) != nvidia_library_dir(two, tmp_path)
+
+
+def test_library_dir_someone_else_planted_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "driver-root"
+    _fake_driver_root(root)
+    planted = nvidia_library_dir(root, tmp_path)
+    assert planted is not None
+    shutil.rmtree(planted)
+    planted.symlink_to(tmp_path)  # not a directory of ours
+    with pytest.raises(DriverLibrariesUnusable, match=f"cannot build {planted}.*writable {tmp_path}"):
+        driver_env(root, {}, tmp_path)
+
+
+def test_driver_env_without_nvidia_libraries_leaves_library_path_alone(tmp_path: Path) -> None:
     (tmp_path / "usr/bin").mkdir(parents=True)
-    env = driver_env(tmp_path, {"PATH": "/usr/bin"})
+    (tmp_path / "usr/lib64").mkdir(parents=True)
+    (tmp_path / "usr/lib64/libc.so.6").write_text("libc")
+    env = driver_env(tmp_path, {"PATH": "/usr/bin"}, tmp_path / "links")
     assert env["PATH"] == f"{tmp_path}/usr/bin:/usr/bin"
     assert "LD_LIBRARY_PATH" not in env
+    assert not (tmp_path / "links").exists()
 
 
-def test_driver_env_at_root_changes_nothing() -> None:
+def test_driver_env_at_root_changes_nothing(tmp_path: Path) -> None:
     base = {"PATH": "/usr/bin", "LD_LIBRARY_PATH": "/opt/lib"}
-    assert driver_env(Path("/"), base) == base
+    assert driver_env(Path("/"), base, tmp_path) == base
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_driver_env_defaults_to_our_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TESSERA_TEST_MARKER", "present")
     assert driver_env(tmp_path)["TESSERA_TEST_MARKER"] == "present"
+
+
+def test_find_driver_library_searches_lib_dirs_in_order(tmp_path: Path) -> None:
+    (tmp_path / "usr/lib").mkdir(parents=True)
+    (tmp_path / "usr/lib/libnvidia-ml.so.1").write_text("late")
+    assert find_driver_library(tmp_path, "libnvidia-ml.so.1") == tmp_path / "usr/lib/libnvidia-ml.so.1"
+    (tmp_path / "usr/lib64").mkdir(parents=True)
+    (tmp_path / "usr/lib64/libnvidia-ml.so.580").write_text("early")
+    (tmp_path / "usr/lib64/libnvidia-ml.so.1").symlink_to("/usr/lib64/libnvidia-ml.so.580")
+    assert find_driver_library(tmp_path, "libnvidia-ml.so.1") == tmp_path / "usr/lib64/libnvidia-ml.so.580"
+    assert find_driver_library(tmp_path, "libcuda.so.1") is None
+
+
+def test_resolve_in_root_gives_up_on_link_loops(tmp_path: Path) -> None:
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("/a")
+    assert resolve_in_root(tmp_path, tmp_path / "a") is None
 
 
 # -- run_binary -------------------------------------------------------------------------------

@@ -7,9 +7,11 @@ fakes that can be told to fail, so every side effect and every rollback is visib
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -598,3 +600,133 @@ def test_prepared_count_does_not_wait_for_the_node_lock(node: Node) -> None:
     finally:
         holder.kill()
         holder.wait()
+
+
+# ----------------------------------------------------------------------------- review fixes
+
+
+def test_devices_are_resolved_under_the_lock_so_a_concurrent_plan_change_cannot_hand_out_a_gpu_twice(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = node.state()
+    real_held = state._lock.held
+
+    @contextlib.contextmanager
+    def held_after_a_rescan() -> Iterator[None]:
+        with real_held():
+            # What a rescan that won the lock just before this prepare leaves behind.
+            state._view = make_view(node.inventory, {node.uuid(0): mps_shares(2)})
+            yield
+
+    monkeypatch.setattr(state._lock, "held", held_after_a_rescan)
+    with pytest.raises(PrepareError, match="'gpu-0' is not published"):
+        state.prepare(claim("whole", "gpu-0"))
+    assert node.cdi_files() == []
+
+
+def test_a_claim_needing_two_mps_daemons_is_refused(node: Node) -> None:
+    state = node.state()
+    state.apply_layout(make_view(node.inventory, {}), {node.uuid(0): mps_shares(2), node.uuid(2): mps_shares(2)})
+    with pytest.raises(PrepareError, match="2 MPS daemons"):
+        state.prepare(claim("two-gpus", "gpu-0-mps-0", "gpu-2-mps-0"))
+    with pytest.raises(PrepareError, match="2 MPS daemons"):
+        mig_mps = {"source": "FromClaim", "requests": ["r1"], "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "MigDeviceConfig", "sharing": {"strategy": "MPS"}}}}
+        state.prepare(claim("share-and-mig", "gpu-0-mps-1", "gpu-1-mig-1g10gb-6", configs=[mig_mps]))
+    assert node.mps.started() == [] and node.cdi_files() == []
+
+
+def test_after_a_reboot_time_slices_are_applied_again(node: Node) -> None:
+    state = node.state()
+    state.apply_layout(make_view(node.inventory, {}), {node.uuid(2): ts_shares(2)})
+    state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="TimeSlicing",
+                                                           timeSlicingConfig={"interval": "Medium"})]))
+    cp = node.store.load()
+    node.store.save(cp.model_copy(update={"boot_id": "an-earlier-boot"}))
+    node.timeslicer.intervals.clear()  # a reboot forgets GPU settings
+    restarted = node.state()
+    restarted.recover()
+    assert node.timeslicer.intervals == {node.uuid(0): "Medium"}
+    restarted.apply_layout(make_view(node.inventory, {}), {node.uuid(2): ts_shares(2)})
+    assert node.timeslicer.intervals == {node.uuid(0): "Medium", node.uuid(2): "Long"}
+
+
+def test_one_gpu_refusing_a_plan_time_slice_does_not_block_the_others(node: Node,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    state = node.state()
+    real_apply = node.timeslicer.apply
+
+    def refuse_gpu0(gpu_uuids: list[str], interval: TimeSliceInterval) -> None:
+        if node.uuid(0) in gpu_uuids:
+            raise TimeSliceError("compute-policy is not supported on this GPU")
+        real_apply(gpu_uuids, interval)
+
+    monkeypatch.setattr(node.timeslicer, "apply", refuse_gpu0)
+    state.apply_layout(make_view(node.inventory, {}), {node.uuid(0): ts_shares(2), node.uuid(2): ts_shares(2)})
+    assert node.timeslicer.intervals == {node.uuid(2): "Long"}
+    assert node.store.load().plan_timeslices == {node.uuid(2): "Long"}, "only what was done is recorded"
+
+
+def test_recovery_survives_a_daemon_that_cannot_be_stopped(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    node.mps.on_disk.append("claim-stuck-0")
+
+    def stuck(daemon_id: str) -> None:
+        raise MpsError(f"MPS control daemon {daemon_id} still running after SIGKILL")
+
+    monkeypatch.setattr(node.mps, "stop_by_id", stuck)
+    state = node.state()
+    state.recover()  # does not raise: logged and retried at the next start
+    state.prepare(claim("u1", "gpu-0"))
+
+
+def test_a_rebuilt_checkpoint_keeps_shares_daemons_and_time_slices(node: Node) -> None:
+    state = node.state()
+    state.apply_layout(make_view(node.inventory, {}), {node.uuid(2): mps_shares(2)})
+    state.prepare(claim("share", "gpu-2-mps-0"))
+    state.prepare(claim("ts", "gpu-0", configs=[gpu_config(strategy="TimeSlicing",
+                                                           timeSlicingConfig={"interval": "Short"})]))
+    [daemon_id] = node.mps.started()
+    (node.paths.state_dir / "checkpoint.json").write_text("{garbage")
+
+    restarted = node.state()
+    report = restarted.recover()
+    assert report.rebuilt_from_cdi
+    assert daemon_id in node.mps.running, "the running workload keeps its MPS daemon"
+    assert sorted(node.cdi_files()) == ["k8s.gpu.tessera.dev-claim_share.json", "k8s.gpu.tessera.dev-claim_ts.json"]
+    assert "gpu-2-mps-0" in restarted.view.targets, "the GPU keeps its published form"
+    records = {r.uid: r for r in restarted.prepared_claims()}
+    assert records["share"].shared_mps_daemons == [daemon_id]
+    assert records["ts"].timeslice is not None and records["ts"].timeslice.interval == "Short"
+    restarted.unprepare(ref("share"))
+    assert daemon_id not in node.mps.running, "unprepare still stops the daemon"
+    restarted.unprepare(ref("ts"))
+    assert ("reset", (node.uuid(0),), None) in node.timeslicer.calls
+
+
+def test_installations_under_different_driver_names_leave_each_other_alone(node: Node) -> None:
+    node.state().prepare(claim("u1", "gpu-0"))
+    other = DeviceState(driver_name="gpu.other.example", pool_name=POOL, paths=node.paths, toolkit=node.toolkit,
+                        mps=cast(MpsManager, node.mps), timeslicer=cast(TimeSlicer, node.timeslicer),
+                        view=make_view(node.inventory, {}), lock_timeout=5)
+    other.recover()
+    assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u1.json"]
+
+
+def test_rescan_restarts_a_daemon_that_died(node: Node) -> None:
+    state = node.state()
+    state.apply_layout(make_view(node.inventory, {}), {node.uuid(2): mps_shares(2)})
+    state.prepare(claim("share", "gpu-2-mps-0"))
+    [daemon_id] = node.mps.started()
+    node.mps.running.pop(daemon_id)  # killed with an old plugin container
+    assert state.check_daemons() == [daemon_id]
+    assert daemon_id in node.mps.running
+    assert state.check_daemons() == []
+
+
+def test_leftover_temporary_files_are_removed_at_start(node: Node) -> None:
+    node.paths.cdi_root.mkdir(parents=True)
+    tmp = node.paths.cdi_root / ".k8s.gpu.tessera.dev-claim_u9.json.abc123.tmp"
+    tmp.write_text("{")
+    foreign = node.paths.cdi_root / ".nvidia.yaml.tmp"
+    foreign.write_text("{")
+    node.state().recover()
+    assert not tmp.exists() and foreign.exists()

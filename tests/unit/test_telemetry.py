@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -32,9 +35,9 @@ def _samples(t: Telemetry) -> dict[tuple[str, tuple[tuple[str, str], ...]], floa
     return out
 
 
-def _get(port: int, path: str) -> tuple[int, str, str]:
+def _get(port: int, path: str, host: str = "127.0.0.1") -> tuple[int, str, str]:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+        with urllib.request.urlopen(f"http://{host}:{port}{path}", timeout=10) as response:
             return response.status, response.headers["Content-Type"], response.read().decode()
     except urllib.error.HTTPError as err:
         return err.code, err.headers["Content-Type"], err.read().decode()
@@ -140,3 +143,44 @@ def test_shutdown_stops_the_server() -> None:
 
 def test_shutdown_without_a_server_is_fine() -> None:
     Telemetry("tessera-test", "tessera").shutdown()
+
+
+def test_a_client_that_sends_nothing_is_disconnected(telemetry: Telemetry) -> None:
+    port = telemetry.serve_metrics("127.0.0.1", 0, connection_timeout_s=0.2)
+    with socket.create_connection(("127.0.0.1", port)) as idle:
+        idle.settimeout(10)  # far beyond the server's timeout: only a hang reaches it
+        assert idle.recv(1024) == b""  # the server closed the connection
+    assert _get(port, "/metrics")[0] == 200  # and keeps serving others
+
+
+def _ipv6_loopback_works() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def test_any_address_host_serves_ipv4_and_ipv6(telemetry: Telemetry) -> None:
+    port = telemetry.serve_metrics("::", 0, {"/healthz": lambda: (200, "ok\n")})
+    assert _get(port, "/healthz")[::2] == (200, "ok\n")
+    if _ipv6_loopback_works():
+        assert _get(port, "/healthz", host="[::1]")[::2] == (200, "ok\n")
+
+
+class _SocketWithoutIPv6(socket.socket):
+    """socket.socket on a machine whose kernel has no IPv6."""
+
+    def __init__(self, family: Any = socket.AF_INET, *args: Any, **kwargs: Any) -> None:
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        super().__init__(family, *args, **kwargs)
+
+
+def test_any_address_host_falls_back_to_ipv4_without_ipv6(telemetry: Telemetry,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(socket, "socket", _SocketWithoutIPv6)
+    port = telemetry.serve_metrics("::", 0, {"/healthz": lambda: (200, "ok\n")})
+    monkeypatch.undo()
+    assert _get(port, "/healthz")[::2] == (200, "ok\n")

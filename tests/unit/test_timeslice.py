@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -148,9 +149,26 @@ def test_hung_nvidia_smi_times_out(root: Path) -> None:
         TimeSlicer(root, timeout=0.2).apply([GPU_A], "Short")
 
 
-def test_nvidia_smi_runs_with_the_driver_root_libraries(root: Path) -> None:
-    (root / "usr" / "lib64").mkdir(parents=True)
+def test_nvidia_smi_sees_only_the_driver_roots_nvidia_libraries(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    lib64 = root / "usr" / "lib64"
+    lib64.mkdir(parents=True)
+    (lib64 / "libnvidia-ml.so.580.95.05").write_text("nvml")
+    (lib64 / "libnvidia-ml.so.1").symlink_to("libnvidia-ml.so.580.95.05")
+    (lib64 / "libc.so.6").write_text("the host's libc")
     seen = root.parent / "ld_library_path"
     _fake_nvidia_smi(root, f"open({str(seen)!r}, 'w').write(os.environ.get('LD_LIBRARY_PATH', ''))")
     TimeSlicer(root).apply([GPU_A], "Short")
-    assert seen.read_text().split(":")[0] == str(root / "usr" / "lib64")
+    first = Path(seen.read_text().split(":")[0])
+    assert first.parent == tmp_path / "tmp"
+    assert sorted(entry.name for entry in first.iterdir()) == ["libnvidia-ml.so.1", "libnvidia-ml.so.580.95.05"]
+    assert (first / "libnvidia-ml.so.1").read_text() == "nvml"
+
+
+def test_default_timeout_keeps_a_prepare_inside_the_kubelet_deadline(tmp_path: Path) -> None:
+    # apply() on one GPU runs two nvidia-smi calls and, on failure, two more to roll back; the
+    # kubelet gives the whole prepare 45 s.
+    assert 4 * TimeSlicer(tmp_path).timeout < 45

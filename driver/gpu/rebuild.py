@@ -1,0 +1,75 @@
+"""Rebuild the checkpoint from the CDI specs on disk, after the checkpoint was found corrupt.
+
+Every spec the driver writes carries annotations naming its claim and, per device, everything
+the checkpoint held about it: kind, GPU, MIG instance, request names, share ID, the share layout
+of its GPU and its MPS daemon; the claim's time slice is a spec-level annotation. So running
+workloads keep their specs, their daemons and their GPUs' published form; only daemon PIDs are
+lost, and unprepare still stops those daemons through their directories.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import cdi
+from driver.gpu.cdiedits import CdiNames
+from driver.gpu.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord, TimeSliceRecord
+from driver.gpu.sharing import GpuShares
+from driver.gpu.sharingruntime import is_plan_daemon
+from driver.kubeletplugin.types import PreparedDevice
+
+log = logging.getLogger(__name__)
+
+
+def rebuild_checkpoint(cdi_root: Path, names: CdiNames, pool_name: str, updated_at: str) -> Checkpoint:
+    cp = Checkpoint()
+    for path in cdi.list_specs(cdi_root, names.spec_prefix):
+        try:
+            record, layout = _claim_from_spec(path, names, pool_name, updated_at)
+        except Exception as exc:  # any unreadable spec: it cannot be managed, so it is an orphan
+            log.error("cannot rebuild a claim from its CDI spec; removing the spec",
+                      extra={"cdi_spec": str(path), "reason": str(exc)})
+            cdi.remove_spec(cdi_root, path.name)
+            continue
+        cp.claims[record.uid] = record
+        cp.layout.update(layout)
+    log.warning("checkpoint rebuilt from CDI specs", extra={"claims": sorted(cp.claims)})
+    return cp
+
+
+def _claim_from_spec(path: Path, names: CdiNames, pool_name: str,
+                     updated_at: str) -> tuple[ClaimRecord, dict[str, GpuShares]]:
+    spec = cdi.read_spec(path)
+    ann = spec.annotations or {}
+    uid = ann[names.annotation("claim-uid")]
+    namespace, name = ann[names.annotation("claim")].split("/", 1)
+    record = ClaimRecord(uid=uid, namespace=namespace, name=name, phase=ClaimPhase.PREPARE_COMPLETED,
+                         cdi_spec_file=path.name, updated_at=updated_at)
+    timeslice = ann.get(names.annotation("timeslice"))
+    if timeslice:
+        record.timeslice = TimeSliceRecord.model_validate_json(timeslice)
+    layout: dict[str, GpuShares] = {}
+    for device in spec.devices:
+        dann = device.annotations or {}
+        device_name = dann[names.annotation("device")]
+        gi_ci = dann.get(names.annotation("mig-instance"))
+        gi, ci = (int(x) for x in gi_ci.split("/")) if gi_ci else (None, None)
+        requests = dann.get(names.annotation("request"), "")
+        daemon = dann.get(names.annotation("mps-daemon"))
+        gpu_uuid = dann[names.annotation("gpu-uuid")]
+        record.devices.append(PreparedDeviceRecord(
+            device=PreparedDevice(request_names=[r for r in requests.split(",") if r], pool_name=pool_name,
+                                  device_name=device_name, cdi_device_ids=[names.device_id(uid, device_name)],
+                                  share_id=dann.get(names.annotation("share-id"))),
+            kind=dann[names.annotation("kind")], gpu_uuid=gpu_uuid,
+            gpu_minor=int(dann[names.annotation("gpu-minor")]), mig_uuid=dann.get(names.annotation("mig-uuid")),
+            mig_gi_id=gi, mig_ci_id=ci, mps_daemon_id=daemon))
+        if daemon is not None:
+            daemons = record.shared_mps_daemons if is_plan_daemon(daemon) else record.owned_mps_daemons
+            if daemon not in daemons:
+                daemons.append(daemon)
+        shares = dann.get(names.annotation("shares"))
+        if shares:
+            layout[gpu_uuid] = GpuShares.model_validate_json(shares)
+    return record, layout
