@@ -28,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.support.node import DRIVER, SimulatedNode
 
+# The test harness rescans every 0.5 s to notice changes quickly; measure with the default.
+PRODUCTION_RESCAN = ("--rescan-interval", "30")
+
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
@@ -105,7 +108,7 @@ def mps_share_latency(repeats: int) -> tuple[list[float], list[float]]:
     for _ in range(repeats):
         node = SimulatedNode("l4", plans=plans, plan="mps")
         try:
-            node.start()
+            node.start(*PRODUCTION_RESCAN)
             node.wait_for_devices([f"gpu-0-mps-{k}" for k in range(8)])
             refs = [node.claim(f"share-{k}", [("share", f"gpu-0-mps-{k}")]) for k in range(8)]
             for k, ref in enumerate(refs):
@@ -130,7 +133,7 @@ def main() -> None:
     registration = time_to_registration(args.registration_runs)
     node = SimulatedNode("dgx-h100")
     try:
-        node.start()
+        node.start(*PRODUCTION_RESCAN)
         node.wait_for_devices([f"gpu-{i}" for i in range(8)])
         latencies = one_gpu_cycles(node, args.cycles)
         total = concurrent_claims(node, args.claims, args.concurrency)

@@ -4,8 +4,9 @@ Every state change runs under the node lock and follows one pattern: record the 
 checkpoint (``PrepareStarted``), do the side effects (MPS daemon, time slice, CDI spec), then
 record the outcome (``PrepareCompleted``). A crash between the two leaves a ``PrepareStarted``
 record that :meth:`DeviceState.recover` rolls back at the next start; the kubelet then retries
-the prepare. Any failure inside prepare is rolled back before the error is returned, so a
-failed claim leaves no daemon, no CDI file and no checkpoint entry behind.
+the prepare. A claim whose only side effect is its CDI spec skips the intent record: recovery
+removes a spec that no record claims. Any failure inside prepare is rolled back before the
+error is returned, so a failed claim leaves no daemon, no CDI file and no checkpoint entry.
 """
 
 from __future__ import annotations
@@ -122,9 +123,11 @@ class DeviceState:
             busy = {uuid for rec in cp.claims.values() for uuid in rec.gpu_uuids}
             effective, deferred = merge_layout(self.view.layout, desired, busy)
             new_view = make_view(view.inventory, effective)
+            before = (dict(cp.layout), dict(cp.plan_timeslices))
             self.sharing.apply_plan_timeslices(cp, effective)
             cp.layout = dict(effective)
-            self._save(cp)
+            if (cp.layout, cp.plan_timeslices) != before:  # rescans mostly change nothing: no write then
+                self._save(cp)
             with self._view_mutex:
                 self._view = new_view
         for uuid in sorted(deferred):
@@ -175,7 +178,11 @@ class DeviceState:
             for result, target in zip(results, targets, strict=True):
                 record.devices.append(self._device_record(uid, result, target))
             cp.claims[uid] = record
-            self._save(cp)  # the intent is durable before any side effect
+            if daemons_needed(uid, targets, groups) or _sets_time_slice(targets, groups):
+                # The intent is durable before a side effect that outlives the process. A claim
+                # whose only side effect is its CDI spec skips this write: a spec without a
+                # checkpoint entry is removed as an orphan at the next start.
+                self._save(cp)
 
             try:
                 self.sharing.start_for_claim(record, cp, targets, groups)
@@ -372,7 +379,11 @@ class DeviceState:
         """Restart MPS daemons that died since the last check (called on every rescan)."""
         with self._lock.held():
             cp = self._load()
+            if not cp.mps_daemons:
+                return []
             restarted = self.sharing.check_daemons(cp)
+            if not restarted:
+                return []
             for record in cp.claims.values():
                 if set(restarted) & {*record.owned_mps_daemons, *record.shared_mps_daemons}:
                     try:
@@ -398,6 +409,12 @@ class DeviceState:
 
     def _save(self, cp: Checkpoint) -> None:
         self._store.save(cp)
+
+
+def _sets_time_slice(targets: list[DeviceTarget], groups: ConfigGroups) -> bool:
+    by_name = {t.name: t for t in targets}
+    return any(config.sharing is not None and config.sharing.strategy == "TimeSlicing"
+               and any(by_name[r.device].kind == "gpu" for r in results) for config, results in groups)
 
 
 def _user_error(exc: Exception) -> Exception:

@@ -730,3 +730,40 @@ def test_leftover_temporary_files_are_removed_at_start(node: Node) -> None:
     foreign.write_text("{")
     node.state().recover()
     assert not tmp.exists() and foreign.exists()
+
+
+class _Crash(BaseException):
+    """Stands for the process dying: not an Exception, so no rollback runs."""
+
+
+def test_a_crash_before_a_plain_claim_is_recorded_leaves_only_an_orphan_spec(node: Node,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    state = node.state()
+
+    def crash(_cp: object) -> None:
+        raise _Crash()
+
+    monkeypatch.setattr(state._store, "save", crash)
+    with pytest.raises(_Crash):
+        state.prepare(claim("u1", "gpu-0"))
+    assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u1.json"], "written, never recorded"
+    restarted = node.state()
+    restarted.recover()
+    assert node.cdi_files() == [] and restarted.prepared_claims() == []
+    restarted.prepare(claim("u1", "gpu-0"))  # the kubelet's retry succeeds
+    assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u1.json"]
+
+
+def test_a_claim_with_an_mps_daemon_records_its_intent_before_starting_it(node: Node,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    state = node.state()
+    phases: list[str] = []
+    real_start = node.mps.start
+
+    def start(spec: MpsDaemonSpec) -> MpsDaemonRecord:
+        phases.append(node.store.load().claims["u1"].phase.value)
+        return real_start(spec)
+
+    monkeypatch.setattr(node.mps, "start", start)
+    state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
+    assert phases == ["PrepareStarted"]
