@@ -6,13 +6,13 @@ Read-only and lock-free, so it is safe to run (``kubectl exec``) next to a busy 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import cdi
 from driver.config import Settings
 from driver.gpu.cdiedits import CdiNames
 from driver.gpu.checkpoint import CheckpointStore
+from driver.gpu.mps import is_same_process
 
 
 def collect(settings: Settings) -> dict[str, Any]:
@@ -46,7 +46,7 @@ def collect(settings: Settings) -> dict[str, Any]:
                                       "it at start; restart the plugin pod if containers fail to start)")
     for daemon_id, daemon in sorted(cp.mps_daemons.items()):
         users = [r.uid for r in cp.claims.values() if daemon_id in (*r.owned_mps_daemons, *r.shared_mps_daemons)]
-        alive = _same_process(daemon.pid, daemon.process_start_time)
+        alive = is_same_process(daemon.pid, daemon.process_start_time)
         report["mps_daemons"].append({"id": daemon_id, "pid": daemon.pid, "pid_alive": alive,
                                       "gpus": daemon.spec.gpu_uuids,
                                       "active_thread_percentage": daemon.spec.active_thread_percentage,
@@ -60,15 +60,6 @@ def collect(settings: Settings) -> dict[str, Any]:
     if cp.plan_timeslices:
         report["plan_timeslices"] = dict(cp.plan_timeslices)
     return report
-
-
-def _same_process(pid: int, start_time: int) -> bool:
-    """PID alive with the recorded start time (field 22 of /proc/<pid>/stat): a recycled PID is not "running"."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return False
-    return fields[0] != "Z" and int(fields[19]) == start_time
 
 
 def render_text(report: dict[str, Any]) -> str:

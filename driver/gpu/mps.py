@@ -406,7 +406,7 @@ class MpsManager:
     ) -> None:
         pid, start_time = started
         while True:
-            if not _is_same_process(pid, start_time):
+            if not is_same_process(pid, start_time):
                 raise MpsError(f"the daemon (pid {pid}) exited before it became ready")
             try:
                 answer = self._control(env, "get_default_active_thread_percentage", deadline)
@@ -510,7 +510,8 @@ def _read_proc_stat(pid: int) -> _ProcStat | None:
         return None
 
 
-def _is_same_process(pid: int, start_time: int) -> bool:
+def is_same_process(pid: int, start_time: int) -> bool:
+    """The PID is alive and started at ``start_time`` (field 22 of /proc/<pid>/stat): never a recycled PID."""
     stat = _read_proc_stat(pid)
     return stat is not None and stat.start_time == start_time and stat.state not in ("Z", "X")
 

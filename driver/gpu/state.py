@@ -154,7 +154,8 @@ class DeviceState:
             except ConfigError as exc:
                 raise PrepareError(f"invalid opaque configuration: {exc}") from exc
             self._check_share_multiplicity(targets)
-            self._check_one_mps_daemon(uid, targets, groups)
+            daemons = daemons_needed(uid, targets, groups)
+            self._check_one_mps_daemon(daemons)
 
             cp = self._load()
             existing = cp.claims.get(uid)
@@ -178,7 +179,7 @@ class DeviceState:
             for result, target in zip(results, targets, strict=True):
                 record.devices.append(self._device_record(uid, result, target))
             cp.claims[uid] = record
-            if daemons_needed(uid, targets, groups) or _sets_time_slice(targets, groups):
+            if daemons or _sets_time_slice(targets, groups):
                 # The intent is durable before a side effect that outlives the process. A claim
                 # whose only side effect is its CDI spec skips this write: a spec without a
                 # checkpoint entry is removed as an orphan at the next start.
@@ -208,8 +209,7 @@ class DeviceState:
         self._save(cp)
 
     @staticmethod
-    def _check_one_mps_daemon(uid: str, targets: list[DeviceTarget], groups: ConfigGroups) -> None:
-        needed = daemons_needed(uid, targets, groups)
+    def _check_one_mps_daemon(needed: list[str]) -> None:
         if len(needed) > 1:
             raise PrepareError(
                 f"the claim's devices would be served by {len(needed)} MPS daemons, but a container reaches only "
