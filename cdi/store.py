@@ -41,7 +41,13 @@ def write_spec(directory: Path, filename: str, spec: Spec) -> Path:
     text = spec.to_json()
     # Validate exactly the text about to be written, not the in-memory model.
     Spec.from_text(text, source=filename)
-    directory.mkdir(mode=_SPEC_DIR_MODE, parents=True, exist_ok=True)
+    try:
+        directory.mkdir(mode=_SPEC_DIR_MODE, parents=True)
+    except FileExistsError:
+        pass  # an existing CDI directory is the node's, and keeps its mode
+    else:
+        # Runtimes may read specs as another user; mkdir's mode is cut by the driver's umask (0o077).
+        directory.chmod(_SPEC_DIR_MODE)
     target = directory / filename
     fd, temp_name = tempfile.mkstemp(dir=directory, prefix=f".{filename}.", suffix=".tmp")
     temp_path = Path(temp_name)

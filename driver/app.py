@@ -1,8 +1,8 @@
-"""``python -m driver run``: wire discovery, state, the kubelet plugin and slice publishing together.
+"""``python -m driver run``: wire the GPU side (discovery, state, devices) to the kubelet-plugin helper.
 
 Start-up order matters: recover local state first (so the kubelet never talks to a driver
-with half-finished work), then publish slices and serve the sockets. A bad sharing plan stops
-the process before anything is served, with a message naming the entry.
+with half-finished work), then start the helper (sockets, registration) and publish the devices.
+A bad sharing plan stops the process before anything is served, with a message naming the entry.
 """
 
 from __future__ import annotations
@@ -18,24 +18,24 @@ import kubernetes.client
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
+from driver import nodelayout
 from driver.config import Settings
 from driver.gpu.devices import build_devices
 from driver.gpu.discovery import open_discovery
 from driver.gpu.driver import GpuDriver
 from driver.gpu.inventory import Discovery, NodeInventory
 from driver.gpu.mps import MpsManager
+from driver.gpu.mpshost import MpsHostLauncher
+from driver.gpu.mpslaunch import DaemonLauncher, LocalLauncher
 from driver.gpu.sharing import SharingLayout
 from driver.gpu.sharingplan import PlanError, load_plans, resolve_layout, select_plan
 from driver.gpu.state import DeviceState, StatePaths
 from driver.gpu.targets import make_view
 from driver.gpu.timeslice import TimeSlicer
-from driver.gpu.toolkit import load_toolkit_edits, toolkit_spec_changed
-from driver.kubeletplugin.claims import ClaimFetcher
+from driver.gpu.toolkit import toolkit_spec_changed
+from driver.kubeletplugin.helper import Helper, HttpEndpoint, TelemetryNames
+from driver.kubeletplugin.helper import start as start_plugin
 from driver.kubeletplugin.kubeclient import KubeConfigError, load_api_client
-from driver.kubeletplugin.liveness import check_plugin
-from driver.kubeletplugin.plugin import KubeletPlugin
-from driver.kubeletplugin.resourceslices import ResourceSlicePublisher
-from driver.kubeletplugin.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,21 @@ class PlanSource:
         return resolve_layout(plan, inventory, name)
 
 
+def state_paths(settings: Settings) -> StatePaths:
+    device_root = nodelayout.device_root(settings)
+    log.info("NVIDIA device nodes are read from %s", device_root.describe())
+    return StatePaths(state_dir=settings.state_dir, cdi_root=settings.cdi_root, host_root=settings.host_root,
+                      mps_shm_dir=settings.mps_shm_dir, driver_root=settings.driver_root,
+                      driver_root_on_host=nodelayout.driver_root_on_host(settings))
+
+
+def choose_launcher(settings: Settings) -> DaemonLauncher:
+    """The MPS host when one is configured (daemons outlive this process), else children of this process."""
+    if settings.mps_host_socket is not None:
+        return MpsHostLauncher(settings.mps_host_socket)
+    return LocalLauncher(settings.driver_root)
+
+
 class DriverApp:
     def __init__(self, settings: Settings):
         if not settings.node_name:
@@ -84,51 +99,49 @@ class DriverApp:
         except (ApiException, HTTPError) as exc:
             raise StartupError(f"cannot read Node {settings.node_name!r} to choose its sharing plan "
                                f"(label {settings.sharing_plan_label}): {exc}") from exc
-        self.telemetry = Telemetry("tessera-kubelet-plugin", "tessera")
+        self._helper: Helper | None = None
         self._stop = threading.Event()
         self._exit_code = 0
-        paths = StatePaths(state_dir=settings.state_dir, cdi_root=settings.cdi_root,
-                           host_root=settings.host_root, mps_shm_dir=settings.mps_shm_dir)
+        paths = state_paths(settings)
+        self.mps_launcher = choose_launcher(settings)
         self.state = DeviceState(
             driver_name=settings.driver_name, pool_name=settings.node_name, paths=paths,
-            toolkit=load_toolkit_edits(settings.nvidia_cdi_spec),
-            mps=MpsManager(settings.driver_root, settings.state_dir / "mps"),
+            toolkit=nodelayout.load_toolkit(settings),
+            mps=MpsManager(settings.driver_root, settings.state_dir / "mps", self.mps_launcher,
+                           shm_dir=settings.mps_shm_dir),
             timeslicer=TimeSlicer(settings.driver_root), view=make_view(inventory, {}))
         self.state.recover()
         view, _deferred = self.state.apply_layout(make_view(inventory, {}), desired)
 
-        self.publisher = ResourceSlicePublisher(self.api, settings.driver_name, settings.node_name, self.telemetry)
-        self.publisher.update(build_devices(view.inventory, view.layout))
-        self.plugin = KubeletPlugin(
-            driver=GpuDriver(self.state), driver_name=settings.driver_name,
-            claim_fetcher=ClaimFetcher(self.api), telemetry=self.telemetry,
-            registrar_dir=settings.registrar_dir, plugin_dir=settings.state_dir, pod_uid=settings.pod_uid,
-            on_registration_failed=self._registration_failed)
-        self.telemetry.observe_gauge("prepared_claims", "Claims prepared on this node",
-                                     lambda: float(self.state.prepared_count()))
-        self.telemetry.observe_gauge("published_devices", "Devices published in ResourceSlices",
-                                     lambda: float(self.publisher.published_device_count))
+        self.devices = build_devices(view.inventory, view.layout)
 
     def _registration_failed(self, error: str) -> None:
         log.error("the kubelet refused the plugin registration; exiting", extra={"kubelet_error": error})
         self._exit_code = 1
         self._stop.set()
 
-    def healthz(self) -> tuple[int, str]:
-        # Busy with slow prepares is healthy; only a socket that makes no progress is not.
-        ok, detail = check_plugin(self.plugin)
-        return (200 if ok else 503), detail + "\n"
+    @property
+    def helper(self) -> Helper:
+        if self._helper is None:
+            raise RuntimeError("the kubelet plugin is not started yet")
+        return self._helper
 
     def readyz(self) -> tuple[int, str]:
-        if not self.plugin.registered.is_set():
-            return 503, "not yet registered with the kubelet\n"
+        registered, detail = self.helper.readiness()
+        if not registered:
+            return 503, detail + "\n"
+        if self.state.toolkit.readiness_problem is not None:
+            # The full reason names host files: it is in the log and in 'inspect', not on the HTTP port.
+            return 503, ("no usable NVIDIA driver libraries for containers (toolkit CDI spec missing, invalid or "
+                         "without libcuda); see the plugin log or 'python -m driver inspect'\n")
         return 200, "ok\n"
 
     def rescan(self) -> None:
         """Pick up toolkit-spec, GPU and sharing-plan changes; a GPU with prepared claims keeps its form."""
-        if toolkit_spec_changed(self.state.toolkit, self.settings.nvidia_cdi_spec):
+        candidates = nodelayout.toolkit_candidates(self.settings)
+        if toolkit_spec_changed(self.state.toolkit, self.settings.nvidia_cdi_spec, candidates):
             log.info("the NVIDIA Container Toolkit CDI spec changed; claims prepared from now on use it")
-            self.state.set_toolkit(load_toolkit_edits(self.settings.nvidia_cdi_spec))
+            self.state.set_toolkit(nodelayout.load_toolkit(self.settings))
         inventory = self.discovery.discover()
         try:
             desired = self.plans.desired_layout(inventory)
@@ -136,19 +149,28 @@ class DriverApp:
             log.error("the sharing plan became invalid; keeping the one in force", extra={"reason": str(exc)})
             desired = self.state.view.layout
         view, _deferred = self.state.apply_layout(make_view(inventory, {}), desired)
-        self.publisher.update(build_devices(view.inventory, view.layout))
-        # MPS daemons live in this container's cgroup: a replaced plugin pod takes the daemons it
-        # started with it, and the surviving pod restarts them here with the same limits.
+        self.helper.publish(build_devices(view.inventory, view.layout))
+        # A daemon that died (with the MPS host, or with this container when daemons are our own
+        # children) is restarted here with the same limits; live ones are only looked up in /proc.
         self.state.check_daemons()
 
     def run(self) -> int:
-        port = self.telemetry.serve_metrics("::", self.settings.http_port,
-                                            {"/healthz": self.healthz, "/readyz": self.readyz})
-        self.publisher.start()
-        self.plugin.start()
+        settings = self.settings
+        # The helper serves /metrics, /healthz (its sockets) and /readyz, which adds the GPU side's checks.
+        self._helper = start_plugin(
+            GpuDriver(self.state), driver_name=settings.driver_name, node_name=settings.node_name, api=self.api,
+            names=TelemetryNames(service="tessera-kubelet-plugin", metric_prefix="tessera"),
+            registrar_dir=settings.registrar_dir, plugin_dir=settings.state_dir, pod_uid=settings.pod_uid,
+            on_registration_failed=self._registration_failed,
+            http=HttpEndpoint(port=settings.http_port, routes={"/readyz": self.readyz}))
+        self.helper.telemetry.observe_gauge("prepared_claims", "Claims prepared on this node",
+                                            lambda: float(self.state.prepared_count()))
+        self.helper.publish(self.devices)
         log.info("driver started", extra={"driver": self.settings.driver_name, "node": self.settings.node_name,
-                                          "http_port": port, "dra_socket": str(self.plugin.dra_socket),
-                                          "simulated": self.settings.simulate is not None})
+                                          "http_port": self.helper.http_port,
+                                          "dra_socket": str(self.helper.dra_socket),
+                                          "simulated": self.settings.simulate is not None,
+                                          "mps_daemons": self.mps_launcher.describe()})
         next_scan = time.monotonic() + self.settings.rescan_interval
         while not self._stop.wait(timeout=1.0):
             if time.monotonic() >= next_scan:
@@ -166,10 +188,9 @@ class DriverApp:
     def shutdown(self) -> None:
         # Slices stay published: during a rolling update the other pod keeps serving them, and
         # after a real removal the kubelet wipes them 30 s after the sockets are gone.
-        self.plugin.stop()
-        self.publisher.stop()
+        if self._helper is not None:
+            self._helper.stop()
         self.discovery.close()
-        self.telemetry.shutdown()
         log.info("driver stopped")
 
 

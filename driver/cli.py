@@ -1,8 +1,9 @@
-"""Entry point: ``python -m driver {run,demo,inspect}``."""
+"""Entry point: ``python -m driver {run,demo,inspect,check-node,mps-host}``."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -10,6 +11,7 @@ from pydantic import ValidationError
 
 from driver.config import add_settings_arguments, settings_from_args
 from driver.kubeletplugin.logfmt import configure_logging
+from driver.mpshostcli import add_host_arguments, main_host
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,20 +23,33 @@ def _parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="show what is prepared on this node (claims, devices, CDI, MPS)")
     add_settings_arguments(inspect)
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
-    demo = sub.add_parser("demo", help="SIMULATION: run a simulated node end to end, no cluster or GPU needed")
-    demo.add_argument("--layout", default="demo", help="simulated node layout (default: demo)")
-    demo.add_argument("--workdir", default=None, help="keep the demo's files here instead of a temporary dir")
-    demo.add_argument("--example", action="append", default=None,
-                      help="example file(s) from examples/resourceclaims to prepare (default: a representative set)")
+    # Listed for --help only: main() hands `demo ...` to driver.demo, whose parser lists the layouts.
+    sub.add_parser("demo", help="SIMULATION: run a simulated node end to end, no cluster or GPU needed "
+                                "(python -m driver demo --help)", add_help=False)
+    check = sub.add_parser("check-node", help="check that this node can serve GPU claims: a table, exit status 1 on "
+                                              "any failure (docs/operations.md, 'Checking a new node')")
+    add_settings_arguments(check)
+    check.add_argument("--json", action="store_true", help="machine-readable output")
+    check.add_argument("--mps-device", default=None, help="GPU or MIG UUID for the MPS checks (default: chosen)")
+    check.add_argument("--verbose", action="store_true", help="log what the checks do to stderr")
+    host = sub.add_parser("mps-host", help="run the MPS host: owns the node's MPS daemons so they outlive the plugin")
+    add_host_arguments(host)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "demo":
-        from driver.demo import run_demo
+    # Everything the driver creates (state dir, sockets, lock, checkpoint) is root's alone unless
+    # created with an explicit mode: CDI specs (0644, runtimes read them) and the MPS pipe dir
+    # (0755, client UIDs traverse it) set theirs; MPS daemons are started with their own umask.
+    os.umask(0o077)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"]:
+        from driver.demo import main as demo_main
 
-        return run_demo(layout=args.layout, workdir=args.workdir, examples=args.example)
+        return demo_main(argv[1:])
+    args = _parser().parse_args(argv)
+    if args.command == "mps-host":
+        return main_host(args)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
@@ -45,6 +60,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(inspect(settings, args.json))
         return 0
+    if args.command == "check-node":
+        from driver.checknode import run_check_node
+
+        configure_logging("debug" if args.verbose else "critical", "text")
+        status, output = run_check_node(settings, args.json, args.mps_device)
+        print(output)
+        return status
     configure_logging(settings.log_level, settings.log_format)
     from driver.app import StartupError, run
 

@@ -29,9 +29,12 @@ class Settings(BaseModel):
     cdi_root: Path = Path("/var/run/cdi")
     driver_root: Path = Path("/")
     host_root: Path = Path("/")
+    driver_root_on_host: Path | None = None  # None: derived (driver.gpu.hostfs.driver_root_host_path)
+    driver_libraries_required: bool = True
     nvidia_cdi_spec: Path | None = None
     sharing_plans: Path | None = None
     sharing_plan_label: str = "gpu.tessera.dev/sharing-plan"
+    mps_host_socket: Path | None = None
     simulate: str | None = None
     http_port: int = Field(default=8080, ge=0, le=65535)
     rescan_interval: float = Field(default=30.0, gt=0)
@@ -45,6 +48,13 @@ class Settings(BaseModel):
             raise ValueError(f"{value!r} is not a DNS subdomain of at most 63 characters (e.g. gpu.tessera.dev)")
         return value
 
+    @field_validator("driver_root_on_host")
+    @classmethod
+    def _host_path_is_absolute(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError(f"{str(value)!r} is not an absolute path (e.g. /run/nvidia/driver)")
+        return value
+
     @property
     def state_dir(self) -> Path:
         """The driver's own directory: DRA socket, checkpoint, lock, MPS daemons."""
@@ -52,7 +62,8 @@ class Settings(BaseModel):
 
     @property
     def mps_shm_dir(self) -> Path:
-        return self.state_dir / "mps" / "shm"
+        # Beside, never inside, the MPS daemon directory: tenants write here (issue 6, point 11).
+        return self.state_dir / "mps-shm"
 
 
 # flag -> (settings field, environment variable, help)
@@ -67,9 +78,16 @@ _FLAGS: list[tuple[str, str, str, str]] = [
     ("--cdi-root", "cdi_root", "CDI_ROOT", "where per-claim CDI specs are written"),
     ("--driver-root", "driver_root", "NVIDIA_DRIVER_ROOT", "where NVIDIA binaries (nvidia-smi, MPS) are found"),
     ("--host-root", "host_root", "HOST_ROOT", "where the host's /dev and /proc/driver/nvidia are visible"),
+    ("--driver-root-on-host", "driver_root_on_host", "NVIDIA_DRIVER_ROOT_ON_HOST",
+     "the driver root's path on the node, for CDI hostPath of device nodes under it (derived when unset)"),
+    ("--driver-libraries-required", "driver_libraries_required", "DRIVER_LIBRARIES_REQUIRED",
+     "true: a node without a usable toolkit CDI spec (libcuda) is not ready and fails prepares; false: allowed"),
     ("--nvidia-cdi-spec", "nvidia_cdi_spec", "NVIDIA_CDI_SPEC", "NVIDIA Container Toolkit CDI spec (auto-detected)"),
     ("--sharing-plans", "sharing_plans", "SHARING_PLANS_FILE", "node sharing plans (YAML)"),
     ("--sharing-plan-label", "sharing_plan_label", "SHARING_PLAN_LABEL", "node label naming this node's plan"),
+    ("--mps-host-socket", "mps_host_socket", "MPS_HOST_SOCKET",
+     "socket of the MPS host (python -m driver mps-host) that runs MPS daemons outside this process; "
+     "unset: daemons are this process's children"),
     ("--simulate", "simulate", "TESSERA_SIMULATE", "SIMULATION: use a simulated GPU node layout (name or file)"),
     ("--http-port", "http_port", "HTTP_PORT", "port for /metrics, /healthz and /readyz (0 = any)"),
     ("--rescan-interval", "rescan_interval", "RESCAN_INTERVAL", "seconds between GPU and sharing-plan rescans"),

@@ -4,38 +4,88 @@ Runs the real driver process (``python -m driver run --simulate``) against simul
 GPUs from ``driver/simulation``, a host tree with stand-in device nodes and executables, an
 in-process Kubernetes API server double, and a kubelet stand-in calling the real Unix sockets.
 Nothing here touches real GPUs, a real cluster or the host's /dev.
+
+SIGTERM and Ctrl-C stop the demo cleanly: the driver gets SIGTERM, then every process it started
+(the MPS daemon stand-ins detach from it) is found by a token in its environment and stopped.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from importlib import resources
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import yaml
 
 from driver.config import DEFAULT_DRIVER_NAME
+from driver.demoargs import (
+    DemoArgsError,
+    DemoOptions,
+    ShareMode,
+    claim_documents,
+    demo_plan,
+    parse_options,
+    share_mode,
+)
+from driver.gpu.inventory import NodeInventory
 from driver.kubeletplugin.types import ClaimRef
 from driver.simulation.allocator import AllocationError, allocate, claim_from_template
 from driver.simulation.apiserver import FakeApiServer
-from driver.simulation.discovery import SimulatedDiscovery
-from driver.simulation.hostroot import build_host_root
+from driver.simulation.discovery import SimulatedDiscovery, available_layouts
+from driver.simulation.hostroot import SimulatedHost, build_host_root
 from driver.simulation.kubelet import KubeletEmulator
+from driver.simulation.leftovers import processes_with_env, stop_processes
 
 NODE = "demo-node"
 PLAN_LABEL = "gpu.tessera.dev/sharing-plan"
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "resourceclaims"
-DEFAULT_EXAMPLES = ("gpu-mps-per-claim.yaml", "mig-by-profile.yaml", "mps-share-from-plan.yaml")
+# Inherited by every process the demo's driver starts, daemons included: how the demo finds them to stop them.
+RUN_TOKEN_ENV = "TESSERA_DEMO_RUN"
+
+
+class DemoStopped(BaseException):
+    """SIGTERM or SIGINT arrived; a BaseException so that no ``except Exception`` on the way swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _stop_on_signal(signum: int, frame: FrameType | None) -> None:
+    # The first signal starts the shutdown; more of them (an impatient Ctrl-C) must not cut it short.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise DemoStopped(signum)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m driver demo [options]``: exit status 0 done, 1 failed, 2 bad arguments, 128+N stopped by signal N."""
+    try:
+        options = parse_options(argv, available_layouts())
+        mode = share_mode(options.examples, DEFAULT_DRIVER_NAME)
+    except DemoArgsError as exc:
+        print(f"python -m driver demo: {exc}", file=sys.stderr)
+        return 2
+    previous = {s: signal.signal(s, _stop_on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return run_demo(options, mode)
+    except DemoStopped as stop:
+        _say(f"\ndemo stopped by {stop}: the driver and every stand-in it started are stopped")
+        return 128 + stop.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _say(text: str = "") -> None:
@@ -47,19 +97,25 @@ def _heading(text: str) -> None:
     _say(f"=== {text}")
 
 
+def _node_args(work: Path, layout: str, host: SimulatedHost, cdi_dir: Path, plans: Path) -> list[str]:
+    """The settings ``run`` and ``inspect`` share: the simulated node's host tree, state and CDI directories."""
+    return ["--simulate", layout, "--node-name", NODE, "--plugins-dir", str(work / "plugins"),
+            "--cdi-root", str(cdi_dir), *host.driver_args(), "--sharing-plans", str(plans)]
+
+
 @contextmanager
-def _driver_process(work: Path, kubeconfig: Path, layout: str, plans: Path) -> Iterator[subprocess.Popen[bytes]]:
-    host = work / "host"
-    args = [sys.executable, "-m", "driver", "run", "--simulate", layout, "--node-name", NODE,
+def _driver_process(work: Path, kubeconfig: Path, node_args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+    args = [sys.executable, "-m", "driver", "run", *node_args,
             "--kubeconfig", str(kubeconfig), "--registrar-dir", str(work / "plugins_registry"),
-            "--plugins-dir", str(work / "plugins"), "--cdi-root", str(work / "cdi"),
-            "--host-root", str(host), "--driver-root", str(host),
-            "--nvidia-cdi-spec", str(host / "etc" / "cdi" / "nvidia.yaml"), "--sharing-plans", str(plans),
             "--http-port", "0", "--log-format", "text"]
     (work / "tmp").mkdir(exist_ok=True)
-    env = dict(os.environ, TMPDIR=str(work / "tmp"), TESSERA_SIM_NVIDIA_SMI_LOG=str(work / "nvidia-smi-calls.jsonl"))
+    token = uuid.uuid4().hex
+    env = dict(os.environ, TMPDIR=str(work / "tmp"), TESSERA_SIM_NVIDIA_SMI_LOG=str(work / "nvidia-smi-calls.jsonl"),
+               **{RUN_TOKEN_ENV: token})
     with open(work / "driver.log", "wb") as log:
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # A session of its own: a terminal's Ctrl-C reaches only the demo, which then stops the driver
+        # with SIGTERM (its clean shutdown) and in order, instead of both dying at once.
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             yield proc
         finally:
@@ -69,6 +125,7 @@ def _driver_process(work: Path, kubeconfig: Path, layout: str, plans: Path) -> I
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            stop_processes(processes_with_env(RUN_TOKEN_ENV, token))
 
 
 def _wait_for_slices(api: FakeApiServer, expected: int, timeout: float = 20.0) -> list[dict[str, Any]]:
@@ -108,11 +165,6 @@ def _print_slices(slices: list[dict[str, Any]]) -> None:
             _say(f"  {d['name']:<24} {kind:<10} {what:<28} {memory:<10} {details}")
 
 
-def _claim_documents(path: Path) -> list[dict[str, Any]]:
-    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return [d for d in docs if d.get("kind") in ("ResourceClaimTemplate", "ResourceClaim")]
-
-
 def _show_mps_commands(work: Path, spec_json: dict[str, Any]) -> None:
     daemons = {ann for dev in spec_json.get("devices", [])
                for key, ann in (dev.get("annotations") or {}).items() if key.endswith("/mps-daemon")}
@@ -126,10 +178,10 @@ def _show_mps_commands(work: Path, spec_json: dict[str, Any]) -> None:
             _say(f"    {' '.join([entry['cmd'], *entry.get('args', [])])}")
 
 
-def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, work: Path,
+def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, work: Path, cdi_dir: Path,
                      taken: set[str]) -> list[ClaimRef]:
     refs: list[ClaimRef] = []
-    for doc in _claim_documents(path):
+    for doc in claim_documents(path):
         name = f"demo-{doc['metadata']['name']}"
         claim = claim_from_template(doc, name) if doc["kind"] == "ResourceClaimTemplate" else {
             **doc, "metadata": {**doc["metadata"], "name": name, "namespace": "default",
@@ -155,7 +207,7 @@ def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, w
         for dev in answer.devices:
             ids = ", ".join(dev.cdi_device_ids)
             _say(f"    device {dev.device_name} for request(s) {list(dev.request_names)}: CDI {ids}")
-        spec_path = work / "cdi" / f"k8s.gpu.tessera.dev-claim_{ref.uid}.json"
+        spec_path = cdi_dir / f"k8s.gpu.tessera.dev-claim_{ref.uid}.json"
         spec_json = json.loads(spec_path.read_text())
         _say(f"  CDI spec written: {spec_path} (cdiVersion {spec_json['cdiVersion']})")
         for dev in spec_json["devices"]:
@@ -163,6 +215,7 @@ def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, w
             _say(f"    {dev['name']}")
             for node in edits.get("deviceNodes", []):
                 extra = f" (char {node['major']}:{node['minor']})" if "major" in node else ""
+                extra += f" from host {node['hostPath']}" if "hostPath" in node else ""
                 _say(f"      device node {node['path']}{extra}")
             for env in edits.get("env", []):
                 _say(f"      env {env}")
@@ -176,66 +229,71 @@ def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, w
     return refs
 
 
-def run_demo(layout: str = "demo", workdir: str | None = None, examples: list[str] | None = None) -> int:
-    if not EXAMPLES_DIR.is_dir():
-        _say(f"The demo prepares the claims in examples/resourceclaims/ of a source checkout ({EXAMPLES_DIR} "
-             "does not exist); run it from a clone of the repository: bash scripts/demo.sh")
-        return 2
-    keep = workdir is not None
-    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="tessera-demo-", dir="/tmp"))
+def run_demo(options: DemoOptions, mode: ShareMode = "mps") -> int:
+    keep = options.workdir is not None
+    work = options.workdir or Path(tempfile.mkdtemp(prefix="tessera-demo-", dir="/tmp"))
     work.mkdir(parents=True, exist_ok=True)
     _say("Tessera demo: SIMULATION of one GPU node (simulated GPUs, stand-in nvidia-smi and")
     _say("nvidia-cuda-mps-control, an in-process API server double, a kubelet stand-in).")
     _say("The driver itself is the real one, running as `python -m driver run --simulate`.")
     _say(f"Working directory: {work}")
-
-    inventory = SimulatedDiscovery(layout, NODE).discover()
-    build_host_root(work / "host", inventory)
-    plans = work / "sharing-plans.yaml"
-    plans.write_text(resources.files("driver.simulation").joinpath("demo-sharing-plans.yaml").read_text())
     api = FakeApiServer(minor_version=36)
-    api.start()
-    api.add_node(NODE, labels={PLAN_LABEL: "demo"})
-    kubeconfig = api.kube_config(work / "kubeconfig")
     kubelet = KubeletEmulator(work / "plugins_registry")
     try:
-        with _driver_process(work, kubeconfig, layout, plans) as proc:
-            _heading("1. The driver registers with the kubelet")
+        discovery = SimulatedDiscovery(options.layout, NODE)
+        inventory = discovery.discover()
+        host = build_host_root(work / "host", inventory, discovery.driver_layout)
+        # On a GPU Operator node the driver writes its specs next to the operator's toolkit spec and finds it there.
+        cdi_dir = host.toolkit_spec.parent if host.layout == "gpu-operator" else work / "cdi"
+        if host.layout == "gpu-operator":
+            _say(f"Driver layout: NVIDIA GPU Operator (driver root {host.driver_root}, device nodes in its dev/, "
+                 f"toolkit spec {host.toolkit_spec.name})")
+        plan, plan_text = demo_plan(inventory, mode)
+        plans = work / "sharing-plans.yaml"
+        plans.write_text("# SIMULATION: the sharing plan of the demo's node, chosen for its layout and examples.\n"
+                         + yaml.safe_dump(plan, sort_keys=False))
+        api.start()
+        api.add_node(NODE, labels={PLAN_LABEL: "demo"})
+        kubeconfig = api.kube_config(work / "kubeconfig")
+        layout_name = Path(options.layout).name if "/" in options.layout else options.layout
+        node_args = _node_args(work, options.layout, host, cdi_dir, plans)
+        with _driver_process(work, kubeconfig, node_args) as proc:
+            _heading(f"1. The driver registers with the kubelet (simulated node '{layout_name}': "
+                     f"{discovery.description or f'{len(inventory.gpus)} GPUs'})")
             registered = kubelet.wait_for_plugin(DEFAULT_DRIVER_NAME, timeout=30)
             _say(f"Registered {registered.name} (pid {proc.pid}); DRA endpoint {registered.endpoint}; "
                  f"API {registered.api_version}")
 
-            _heading("2. ResourceSlices it published (node sharing plan 'demo': the L4 as 4 MPS shares)")
-            expected = _expected_devices(work, layout)
-            _print_slices(_wait_for_slices(api, expected))
+            _heading(f"2. ResourceSlices it published (node sharing plan 'demo': {plan_text})")
+            _print_slices(_wait_for_slices(api, _expected_devices(plans, inventory)))
 
-            _heading("3. The kubelet prepares claims from examples/resourceclaims/")
-            _say("(the simulated allocator picks the first free device that the request's DeviceClass and simple")
-            _say(" equality selectors allow; a real scheduler evaluates the full CEL)")
+            sources = sorted({str(p.parent) for p in options.examples})
+            _heading(f"3. The kubelet prepares claims from {', '.join(_short(s) for s in sources)}")
+            _say("(the simulated allocator picks the first free device that the request's DeviceClass and its")
+            _say(" equality, prefix and capacity selectors allow; a real scheduler evaluates the full CEL)")
             taken: set[str] = set()
             prepared: list[ClaimRef] = []
-            for name in examples or DEFAULT_EXAMPLES:
+            for path in options.examples:
                 _say()
-                prepared += _prepare_example(EXAMPLES_DIR / name, api, kubelet, work, taken)
+                prepared += _prepare_example(path, api, kubelet, work, cdi_dir, taken)
 
             _heading("4. `python -m driver inspect` on the node")
-            inspect = subprocess.run(
-                [sys.executable, "-m", "driver", "inspect", "--plugins-dir", str(work / "plugins"),
-                 "--cdi-root", str(work / "cdi")], capture_output=True, text=True, check=False)
-            _say(inspect.stdout.rstrip() or inspect.stderr.rstrip())
+            _say(_run_inspect(node_args))
 
-            _heading("5. The kubelet unprepares them")
-            answers = kubelet.unprepare(prepared)
-            for ref in prepared:
-                _say(f"NodeUnprepareResources {ref.namespace}/{ref.name}: {answers[ref.uid] or 'ok'}")
-            left = sorted(p.name for p in (work / "cdi").glob("k8s.gpu.tessera.dev-claim_*"))
-            _say(f"CDI specs left: {left or 'none'}; MPS daemons left: "
-                 f"{sorted(p.name for p in (work / 'plugins' / DEFAULT_DRIVER_NAME / 'mps').glob('*-*')) or 'none'}")
+            if options.keep_prepared:
+                _heading("5. The claims stay prepared (--keep-prepared)")
+                _say(f"{len(prepared)} claim(s) left prepared; stopping the driver (SIGTERM) and the MPS daemon "
+                     "stand-ins it started.")
+            else:
+                _heading("5. The kubelet unprepares them")
+                answers = kubelet.unprepare(prepared)
+                for ref in prepared:
+                    _say(f"NodeUnprepareResources {ref.namespace}/{ref.name}: {answers[ref.uid] or 'ok'}")
+                left = sorted(p.name for p in cdi_dir.glob("k8s.gpu.tessera.dev-claim_*"))
+                mps_dirs = sorted(p.name for p in (work / "plugins" / DEFAULT_DRIVER_NAME / "mps").glob("*-*"))
+                _say(f"CDI specs left: {left or 'none'}; MPS daemons left: {mps_dirs or 'none'}")
         _heading("Done")
-        if keep:
-            _say(f"Files kept in {work}: driver.log, cdi/, plugins/ (checkpoint, MPS dirs), host/ (simulated host)")
-        else:
-            _say("The simulated node's files were removed; pass --workdir DIR to keep them (driver.log, cdi/, ...).")
+        _say(_closing(work, cdi_dir, node_args, keep, options.keep_prepared))
         return 0
     except Exception as exc:
         _say(f"demo failed: {exc}")
@@ -251,11 +309,44 @@ def run_demo(layout: str = "demo", workdir: str | None = None, examples: list[st
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _expected_devices(work: Path, layout: str) -> int:
+def _short(directory: str) -> str:
+    try:
+        return f"{Path(directory).relative_to(Path.cwd())}/"
+    except ValueError:
+        return f"{directory}/"
+
+
+def inspect_command(node_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "driver", "inspect", *node_args]
+
+
+def _run_inspect(node_args: list[str]) -> str:
+    done = subprocess.run(inspect_command(node_args), capture_output=True, text=True, check=False)
+    return (done.stdout.rstrip() + "\n" + done.stderr.rstrip()).strip()
+
+
+def _closing(work: Path, cdi_dir: Path, node_args: list[str], keep: bool, kept_prepared: bool) -> str:
+    if not keep:
+        return ("The simulated node's files were removed. To read them afterwards: --workdir DIR keeps them, and "
+                "--workdir DIR --keep-prepared also leaves the claims prepared for `inspect`.")
+    cdi_text = f"{cdi_dir.relative_to(work)}/" if cdi_dir.is_relative_to(work) else str(cdi_dir)
+    lines = [f"Files kept in {work}: driver.log, {cdi_text} (CDI specs), plugins/ (checkpoint, MPS dirs), "
+             "host/ (the simulated host)."]
+    if kept_prepared:
+        lines += ["The claims are still prepared (the driver and the daemon stand-ins are stopped, so inspect shows "
+                  "the MPS daemons as not running). Read them with:",
+                  f"  {shlex.join(inspect_command(node_args))}",
+                  f"  ls {shlex.quote(str(cdi_dir))}",
+                  f"  cat {shlex.quote(str(cdi_dir))}/k8s.{DEFAULT_DRIVER_NAME}-claim_*.json"]
+    else:
+        lines += ["Pass --keep-prepared too to leave the claims prepared for `python -m driver inspect`."]
+    lines.append(f"Remove them with: rm -rf {shlex.quote(str(work))}")
+    return "\n".join(lines)
+
+
+def _expected_devices(plans_file: Path, inventory: NodeInventory) -> int:
     from driver.gpu.devices import build_devices
     from driver.gpu.sharingplan import load_plans, resolve_layout
 
-    inventory = SimulatedDiscovery(layout, NODE).discover()
-    plans = load_plans(work / "sharing-plans.yaml")
-    plan = plans.plans["demo"]
+    plan = load_plans(plans_file).plans["demo"]
     return len(build_devices(inventory, resolve_layout(plan, inventory, "demo")))

@@ -9,9 +9,11 @@ import json
 from typing import Any
 
 import cdi
+from driver import nodelayout
 from driver.config import Settings
 from driver.gpu.cdiedits import CdiNames
 from driver.gpu.checkpoint import CheckpointStore
+from driver.gpu.discovery import open_discovery
 from driver.gpu.mps import is_same_process
 
 
@@ -64,6 +66,9 @@ def collect(settings: Settings) -> dict[str, Any]:
 
 def render_text(report: dict[str, Any]) -> str:
     lines = [f"driver {report['driver']}  checkpoint {report['checkpoint']}  cdi {report['cdi_root']}"]
+    if "node_driver" in report:
+        node = report["node_driver"]
+        lines.append(f"device nodes from {node['device_root']}; driver libraries {node['driver_libraries']}")
     lines.append(f"{len(report['claims'])} prepared claim(s)")
     for claim in report["claims"]:
         present = "present" if claim["cdi_spec_present"] else "MISSING"
@@ -89,6 +94,11 @@ def render_text(report: dict[str, Any]) -> str:
             lines.append(f"- {d['id']} pid={d['pid']} ({alive}) claims={len(d['claims'])}")
             lines.append(f"    gpus={','.join(d['gpus'])} threads={threads} pinned-memory={pinned or 'default'}")
             lines.append(f"    pipe={d['pipe_dir']} log={d['log_dir']}")
+    for gpu in report.get("gpus", []):
+        sms = ("MIG enabled (SM counts per MIG device)" if gpu["mig_enabled"] else
+               f"{gpu['multiprocessors']} SMs" if gpu["multiprocessors"] is not None else
+               f"SM count not published: {gpu['multiprocessors_missing'] or 'unknown'}")
+        lines.append(f"GPU {gpu['minor']} {gpu['uuid']} {gpu['product']}: {sms}")
     for orphan in report["orphan_cdi_specs"]:
         lines.append(f"orphan CDI spec (no checkpoint entry; removed at next driver start): {orphan}")
     for problem in report["problems"]:
@@ -96,6 +106,26 @@ def render_text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def discovered_gpus(settings: Settings) -> tuple[list[dict[str, Any]], str | None]:
+    """The GPUs discovery sees now, each with its SM count or why it has none (never silently missing)."""
+    try:
+        discovery = open_discovery(settings.simulate, settings.node_name or "inspect", settings.driver_root)
+        try:
+            inventory = discovery.discover()
+        finally:
+            discovery.close()
+    except (RuntimeError, ValueError, ImportError, OSError) as exc:
+        return [], f"GPU discovery failed: {exc}"
+    return [{"minor": g.minor, "uuid": g.uuid, "product": g.product_name, "mig_enabled": g.mig_enabled,
+             "multiprocessors": g.multiprocessors, "multiprocessors_missing": g.multiprocessors_missing}
+            for g in inventory.gpus], None
+
+
 def inspect(settings: Settings, as_json: bool) -> str:
     report = collect(settings)
+    report["node_driver"], problems = nodelayout.describe(settings)
+    report["problems"].extend(problems)
+    report["gpus"], problem = discovered_gpus(settings)
+    if problem is not None:
+        report["problems"].append(problem)
     return json.dumps(report, indent=2, default=str) if as_json else render_text(report)

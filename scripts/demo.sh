@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # SIMULATION demo: a simulated GPU node end to end (ResourceSlices, prepare over the real
 # kubelet gRPC socket, CDI specs, an MPS daemon stand-in). No cluster, GPU or root needed.
+# Options go to `python -m driver demo` (see --help); paths in them are relative to where you run this.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
+root="$(cd "$(dirname "$0")/.." && pwd)"
+python="$root/.venv/bin/python"
+if [ ! -x "$python" ]; then
+  python3 -m venv "$root/.venv"
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e .
-exec .venv/bin/python -m driver demo "$@"
+# Install on the first run and whenever pyproject.toml changes; later runs start the demo at once.
+stamp="$root/.venv/.demo-installed"
+if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
+  "$python" -m pip install -q --upgrade pip
+  "$python" -m pip install -q -e "$root"
+  touch "$stamp"
+fi
+exec "$python" -m driver demo "$@"

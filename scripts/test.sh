@@ -12,5 +12,8 @@ echo "== ruff"
 .venv/bin/ruff check .
 echo "== mypy"
 .venv/bin/mypy
+echo "== NVIDIA's MPS daemon for the MPS tests (never fails the run)"
+bash scripts/fetch-nvidia-mps.sh
 echo "== pytest"
-.venv/bin/python -m pytest "$@"
+# Two workers on CI's two cores: the suite is mostly subprocess and socket waits.
+.venv/bin/python -m pytest -n auto "$@"

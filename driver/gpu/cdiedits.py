@@ -1,7 +1,8 @@
 """What goes into a prepared claim's CDI spec, and where on the host it comes from.
 
 Per device: the GPU's ``/dev/nvidiaN`` (checked to exist, so a fresh node without device nodes
-fails the claim clearly instead of producing a container without a GPU), the MIG access
+fails the claim clearly instead of producing a container without a GPU; with a ``hostPath``
+when the node lives under the GPU Operator's driver root, not in the host's ``/dev``), the MIG access
 capability nodes read from ``/proc``, MPS client environment and mounts, and annotations that
 let a person (and a checkpoint rebuild) tell which claim and device a spec belongs to. Per
 claim: the control device nodes and the NVIDIA Container Toolkit's common edits.
@@ -14,13 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import cdi
 from driver.gpu import cdispec
 from driver.gpu.checkpoint import ClaimRecord, PreparedDeviceRecord
 from driver.gpu.errors import PrepareError
-from driver.gpu.hostfs import control_device_paths, mig_capability_nodes, missing_paths
+from driver.gpu.hostfs import NODE_ROOT, DeviceRoot, control_device_paths, find_device_root, mig_capability_nodes
 from driver.gpu.mps import MpsDaemonRecord, MpsManager
 from driver.gpu.sharing import GpuShares
 from driver.gpu.toolkit import ToolkitEdits
@@ -64,21 +65,29 @@ class CdiSources:
     toolkit: ToolkitEdits
     mps: MpsManager  # turns a daemon record into client edits
     mps_shm_dir: Path | None
+    driver_root: Path | None = None  # where this process sees the driver root; None: the driver is on the host
+    driver_root_on_host: PurePosixPath = NODE_ROOT  # the same root's path on the node
+
+    def device_root(self) -> DeviceRoot:
+        if self.driver_root is None:
+            return DeviceRoot(self.host_root, NODE_ROOT, "host")
+        return find_device_root(self.host_root, self.driver_root, self.driver_root_on_host)
 
 
 def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[str, MpsDaemonRecord],
-                 shares: GpuShares | None) -> cdispec.DeviceEdits:
+                 shares: GpuShares | None, root: DeviceRoot) -> cdispec.DeviceEdits:
     gpu_node = f"/dev/nvidia{dev.gpu_minor}"
-    if missing_paths(src.host_root, [gpu_node]):
+    if not root.local(gpu_node).exists():
         raise PrepareError(
-            f"device node {gpu_node} for {dev.device.device_name} does not exist on the node; the NVIDIA driver "
-            "has not created it yet (run nvidia-smi or nvidia-modprobe on the host), then the kubelet retries")
-    nodes: list[dict[str, object]] = [{"path": gpu_node}]
+            f"device node {gpu_node} for {dev.device.device_name} does not exist in {root.describe()}; the NVIDIA "
+            "driver has not created it yet (run nvidia-smi or nvidia-modprobe where the driver runs), then the "
+            "kubelet retries")
+    nodes: list[dict[str, object]] = [root.node(gpu_node)]
     if dev.kind == "mig" and dev.mig_gi_id is not None and dev.mig_ci_id is not None:
-        # Written fully specified (type, major, minor) so the runtime need not find the node on the host.
+        # Written fully specified (type, major, minor) so the runtime need not find the node on the host;
+        # /proc is the kernel's, the same for a host-installed and a containerised driver.
         for cap in mig_capability_nodes(src.host_root, dev.gpu_minor, dev.mig_gi_id, dev.mig_ci_id):
-            nodes.append({"path": cap.path, "type": "c", "major": cap.major, "minor": cap.minor,
-                          "fileMode": cap.file_mode})
+            nodes.append(root.node(cap.path, type="c", major=cap.major, minor=cap.minor, fileMode=cap.file_mode))
     env: list[str] = []
     mounts: list[dict[str, object]] = []
     names = src.names
@@ -103,10 +112,15 @@ def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[st
 
 def claim_spec(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDaemonRecord],
                layout: Mapping[str, GpuShares]) -> cdi.Spec:
-    control = control_device_paths(src.host_root)
+    required_problem = src.toolkit.readiness_problem
+    if required_problem is not None:
+        raise PrepareError(required_problem)
+    root = src.device_root()
+    control = control_device_paths(root.seen_at)
     if "/dev/nvidiactl" not in control:
-        raise PrepareError("/dev/nvidiactl does not exist on the node: the NVIDIA kernel driver is not loaded "
-                           "(check 'lsmod | grep nvidia' and the driver installation)")
+        raise PrepareError(f"/dev/nvidiactl does not exist in {root.describe()}: the NVIDIA kernel driver is not "
+                           "loaded, or the GPU Operator's driver container is not running yet (check "
+                           "'lsmod | grep nvidia' and the driver installation)")
     names = src.names
     annotations = {names.annotation("driver-libraries"): src.toolkit.status[:1000]}
     if record.timeslice is not None:
@@ -114,10 +128,11 @@ def claim_spec(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDa
     return cdispec.build_claim_spec(
         kind=names.kind,
         claim=cdispec.ClaimIdentity(record.uid, record.namespace, record.name),
-        devices=[device_edits(src, d, daemons, layout.get(d.gpu_uuid) if d.kind in ("mps", "timeslice") else None)
+        devices=[device_edits(src, d, daemons, layout.get(d.gpu_uuid) if d.kind in ("mps", "timeslice") else None,
+                              root)
                  for d in record.devices],
         common_edits=src.toolkit.edits,
-        control_nodes=control,
+        control_nodes=[root.node(path) for path in control],
         annotation_prefix=names.driver_name,
         annotations=annotations,
     )

@@ -48,21 +48,23 @@ def build_claim_spec(
     claim: ClaimIdentity,
     devices: list[DeviceEdits],
     common_edits: dict[str, Any] | None,
-    control_nodes: list[str],
+    control_nodes: list[dict[str, Any]],
     annotation_prefix: str,
     annotations: dict[str, str] | None = None,
 ) -> cdi.Spec:
     """The claim's spec with ``cdiVersion`` set to the minimum its content needs.
 
     ``common_edits`` is the toolkit spec's spec-level ``containerEdits`` in wire form, or None
-    when the node has no toolkit spec; ``control_nodes`` are container paths that exist on the host.
+    when the node has no toolkit spec; ``control_nodes`` are CDI device nodes (``path``, and
+    ``hostPath`` where the node is elsewhere on the host) of control devices that exist. A node the
+    toolkit's edits already list is kept as the toolkit wrote it.
     """
     spec_edits: dict[str, Any] = dict(common_edits or {})
     env = [e for e in spec_edits.get("env", []) if not e.startswith("NVIDIA_VISIBLE_DEVICES=")]
     spec_edits["env"] = [VISIBLE_DEVICES_VOID, *env]
     nodes = list(spec_edits.get("deviceNodes", []))
     present = {n["path"] for n in nodes}
-    nodes.extend({"path": p} for p in control_nodes if p not in present)
+    nodes.extend(dict(n) for n in control_nodes if n["path"] not in present)
     if nodes:
         spec_edits["deviceNodes"] = nodes
 

@@ -1,7 +1,8 @@
 """The driver's durable record of what it did on this node: prepared claims and MPS daemons.
 
 Written atomically (temporary file, fsync, rename, directory fsync) after every state change,
-read under the node lock before every change. The on-disk form is
+read under the node lock before every change (parsed only when the file changed since this
+process last read or wrote it). The on-disk form is
 ``{"version": N, "checksum": "sha256:...", "data": {...}}``; the checksum covers the parsed
 ``data`` object rather than the model, so a newer driver that adds fields does not invalidate
 it for an older one (the failure behind NVIDIA's checkpoint upgrade bug). A file that cannot be
@@ -22,6 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from driver.gpu.computemode import ComputeMode
 from driver.gpu.mps import MpsDaemonRecord
 from driver.gpu.sharing import GpuShares, TimeSliceInterval
 from driver.kubeletplugin.types import PreparedDevice
@@ -69,6 +71,9 @@ class ClaimRecord(_Record):
     owned_mps_daemons: list[str] = Field(default_factory=list)
     shared_mps_daemons: list[str] = Field(default_factory=list)
     timeslice: TimeSliceRecord | None = None
+    # Whole GPUs this claim's MPS daemons need in EXCLUSIVE_PROCESS; a GPU goes back to its
+    # previous mode (Checkpoint.compute_modes) when no claim lists it any more.
+    exclusive_gpus: list[str] = Field(default_factory=list)
     cdi_spec_file: str
     updated_at: str = ""
 
@@ -86,6 +91,9 @@ class Checkpoint(_Record):
     layout: dict[str, GpuShares] = Field(default_factory=dict)
     # Time-slice intervals this driver applied to GPUs because of the node sharing plan.
     plan_timeslices: dict[str, TimeSliceInterval] = Field(default_factory=dict)
+    # GPUs this driver set to EXCLUSIVE_PROCESS, with the mode each had before: written before
+    # the change, removed after the mode is restored, so a crash in between is repaired at start.
+    compute_modes: dict[str, ComputeMode] = Field(default_factory=dict)
 
 
 def _checksum(data: Any) -> str:
@@ -120,13 +128,17 @@ class CheckpointStore:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    def load(self) -> Checkpoint:
-        """Current checkpoint; an empty one if none exists. Raises CheckpointCorrupt after setting it aside."""
+    def load(self, shared: bool = False) -> Checkpoint:
+        """Current checkpoint; an empty one if none exists. Raises CheckpointCorrupt after setting it aside.
+
+        ``shared=True`` returns the cached object itself, for callers that only read it: it saves
+        a deep copy per read (most reads of a prepare), and changing it would corrupt the cache.
+        """
         stamp = self._stamp()
         if stamp is None:
             return Checkpoint()
         if self._cached is not None and self._cached[0] == stamp:
-            return self._cached[1].model_copy(deep=True)
+            return self._cached[1] if shared else self._cached[1].model_copy(deep=True)
         try:
             checkpoint = self._parse(self.path.read_bytes())
         except (ValueError, ValidationError, OSError) as exc:
@@ -139,7 +151,7 @@ class CheckpointStore:
             )
             raise CheckpointCorrupt(str(exc), aside) from exc
         self._cached = (stamp, checkpoint)
-        return checkpoint.model_copy(deep=True)
+        return checkpoint if shared else checkpoint.model_copy(deep=True)
 
     def peek(self) -> Checkpoint | None:
         """Read without side effects (for ``inspect``): None if there is no file; ValueError if it is bad."""

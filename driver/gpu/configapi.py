@@ -57,13 +57,30 @@ class _ApiObject(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+# Longer than any device key: GPU and MIG UUIDs are 40 characters, the older MIG form
+# ("MIG-GPU-<uuid>/<gi>/<ci>") about 50, and an index a few digits.
+_MAX_DEVICE_KEY_CHARS = 64
+
+
+def _device_keys(value: object) -> object:
+    # Checked before the values, so that errors never carry an over-long key in their path.
+    if isinstance(value, Mapping):
+        for key in value:
+            if isinstance(key, str) and len(key) > _MAX_DEVICE_KEY_CHARS:
+                raise ValueError(
+                    f"key {_show_key(key)} is too long ({len(key)} characters); expected a device UUID "
+                    f"or an index into the claim's devices (at most {_MAX_DEVICE_KEY_CHARS} characters)"
+                )
+    return value
+
+
 class MpsConfig(_ApiObject):
     """Defaults the claim's MPS control daemon applies to every client process."""
 
     defaultActiveThreadPercentage: int | None = None
     defaultPinnedDeviceMemoryLimit: ByteQuantity | None = None
     # Keys: a device UUID, or a decimal index into the claim's devices sorted by UUID.
-    defaultPerDevicePinnedMemoryLimit: dict[str, ByteQuantity] | None = None
+    defaultPerDevicePinnedMemoryLimit: Annotated[dict[str, ByteQuantity] | None, BeforeValidator(_device_keys)] = None
 
     @field_validator("defaultActiveThreadPercentage", mode="after")
     @classmethod
@@ -197,7 +214,19 @@ def resolve_mps_limits(cfg: MpsConfig, gpu_uuids_sorted: list[str], gpu_memory_b
 
 
 def _device_for_key(key: str, uuids: list[str], field: str) -> str:
-    if key.isdecimal():
+    if len(key) > _MAX_DEVICE_KEY_CHARS:  # parse_config refuses these; a model built otherwise may not
+        raise ConfigError(f"mpsConfig.defaultPerDevicePinnedMemoryLimit: key {_show_key(key)} is too long "
+                          f"({len(key)} characters); expected a device UUID or an index")
+    if _is_ascii_number(key.removeprefix("-")) and key.startswith("-"):
+        raise ConfigError(
+            f"{field}: index {key} is negative; the claim's devices (sorted by UUID) are indices "
+            f"0 to {len(uuids) - 1}: {', '.join(uuids)}"
+        )
+    if not key.isascii() and any(c.isdigit() for c in key):
+        raise ConfigError(f"{field}: an index is written in ASCII digits 0-9 only; expected a UUID from "
+                          f"{', '.join(uuids)} or an index from 0 to {len(uuids) - 1}")
+    if _is_ascii_number(key):
+        # isdecimal() alone would take other scripts' digits too, which int() then reads.
         index = int(key)
         if index >= len(uuids):
             raise ConfigError(
@@ -211,6 +240,14 @@ def _device_for_key(key: str, uuids: list[str], field: str) -> str:
             f"{', '.join(uuids)} or an index from 0 to {len(uuids) - 1}"
         )
     return key
+
+
+def _is_ascii_number(text: str) -> bool:
+    return text.isascii() and text.isdigit()
+
+
+def _show_key(key: str) -> str:
+    return json.dumps(key[:20] + "..." if len(key) > 20 else key)
 
 
 def _check_limit(field: str, uuid: str, limit: int, memory: int | None) -> None:

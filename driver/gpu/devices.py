@@ -19,11 +19,18 @@ from pydantic import BaseModel, ConfigDict
 
 from driver.gpu.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.migprofiles import device_name_fragment
+from driver.gpu.mpsmodel import multi_user_capable
 from driver.gpu.sharing import GpuShares, SharingLayout
+from driver.kubeletplugin.slicelimits import (
+    MAX_ATTRIBUTES_AND_CAPACITIES,
+    MAX_DEVICE_NAME_LENGTH,
+    MAX_STRING_ATTRIBUTE_BYTES,
+)
 from driver.kubeletplugin.slicemodel import (
     Device,
     DeviceAttribute,
     DeviceCapacity,
+    bool_attr,
     int_attr,
     string_attr,
     version_attr,
@@ -35,10 +42,6 @@ ShareStrategy = Literal["MPS", "TimeSlicing"]
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"
 
-# resource.k8s.io: attributes + capacities per device, and the byte limit of a string attribute.
-MAX_ATTRIBUTES_AND_CAPACITIES = 32
-MAX_STRING_ATTRIBUTE_BYTES = 64
-MAX_DEVICE_NAME_LENGTH = 63
 
 _SHARE_INFIX: dict[ShareStrategy, str] = {"MPS": "mps", "TimeSlicing": "ts"}
 _KIND_BY_SHARE_INFIX: dict[str, DeviceKind] = {"mps": "mps", "ts": "timeslice"}
@@ -228,7 +231,7 @@ def _mig_device(inventory: NodeInventory, gpu: GpuInfo, mig: MigInstance) -> Dev
     return _checked(Device(name=name, attributes=attributes, capacity=capacity))
 
 
-def _share_devices(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares) -> list[Device]:
+def _share_devices(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, mps_multi_user: bool) -> list[Device]:
     common = {
         "type": string_attr(shares.device_type),
         "parentUUID": _string(gpu.uuid),
@@ -240,6 +243,11 @@ def _share_devices(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares) ->
     }
     if shares.strategy == "MPS" and shares.active_thread_percentage is not None:
         common["activeThreadPercentage"] = int_attr(shares.active_thread_percentage)
+    if shares.strategy == "MPS":
+        # Whether pods of different UIDs can run on this GPU's MPS server at once. Without NVIDIA's
+        # multi-user mode the daemon runs one UID's server at a time and queues the others
+        # (nvidia-cuda-mps-control(1)); users who run as several UIDs select on this.
+        common["mpsMultiUser"] = bool_attr(mps_multi_user and multi_user_capable(gpu.cuda_compute_capability))
     if shares.strategy == "TimeSlicing":
         common["timeSliceInterval"] = string_attr(shares.interval or "Default")
     capacity = {"memory": DeviceCapacity(value=quantity_from_bytes(shares.memory_bytes_per_share))}
@@ -267,12 +275,15 @@ def _mig_devices(inventory: NodeInventory, gpu: GpuInfo) -> list[Device]:
     return devices
 
 
-def build_devices(inventory: NodeInventory, layout: SharingLayout | None = None) -> list[Device]:
+def build_devices(
+    inventory: NodeInventory, layout: SharingLayout | None = None, mps_multi_user: bool = False
+) -> list[Device]:
     """Every device this node publishes, ordered by GPU minor then placement start / share index.
 
     A GPU in ``layout`` is published only as its shares; a MIG-enabled GPU only as its MIG
     instances (none at all if it has none: the caller decides how to report that); any other GPU
-    whole. Attributes whose source is unknown (None) are left out.
+    whole. Attributes whose source is unknown (None) are left out. ``mps_multi_user``: the node's
+    MPS daemons for plan shares run in multi-user mode (on GPUs that support it).
     """
     shares_by_uuid = layout or {}
     devices: list[Device] = []
@@ -284,7 +295,7 @@ def build_devices(inventory: NodeInventory, layout: SharingLayout | None = None)
                     f"GPU {gpu.uuid} (minor {gpu.minor}) has MIG enabled and cannot also be shared with "
                     f"{shares.strategy}; remove it from the sharing plan or disable MIG"
                 )
-            devices.extend(_share_devices(inventory, gpu, shares))
+            devices.extend(_share_devices(inventory, gpu, shares, mps_multi_user))
         elif gpu.mig_enabled:
             devices.extend(_mig_devices(inventory, gpu))
         else:

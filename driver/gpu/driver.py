@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 
+from driver.gpu.computemode import ComputeModeError
 from driver.gpu.errors import PrepareError
+from driver.gpu.gpulocks import GpuBusy
 from driver.gpu.mps import MpsError
 from driver.gpu.state import DeviceState
 from driver.gpu.timeslice import TimeSliceError
-from driver.kubeletplugin.claim import ResourceClaim
+from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.nodelock import LockTimeout
-from driver.kubeletplugin.types import ClaimRef, PrepareResult
+from driver.kubeletplugin.types import ClaimRef, Deadline, PrepareResult
 
 log = logging.getLogger(__name__)
 
@@ -21,15 +23,15 @@ class GpuDriver:
     def __init__(self, state: DeviceState):
         self.state = state
 
-    def prepare_claim(self, claim: ResourceClaim) -> PrepareResult:
+    def prepare_claim(self, claim: ResourceClaim, deadline: Deadline) -> PrepareResult:
         try:
-            return PrepareResult(devices=self.state.prepare(claim))
+            return PrepareResult(devices=self.state.prepare(claim, deadline))
         except (PrepareError, LockTimeout) as exc:
             return PrepareResult(error=str(exc))
 
     def unprepare_claim(self, claim: ClaimRef) -> str | None:
         try:
             self.state.unprepare(claim)
-        except (MpsError, TimeSliceError, LockTimeout, OSError) as exc:
+        except (MpsError, TimeSliceError, ComputeModeError, GpuBusy, LockTimeout, OSError) as exc:
             return f"unprepare of {claim} failed and will be retried by the kubelet: {exc}"
         return None

@@ -1,20 +1,26 @@
 """Reading the host's NVIDIA device nodes and /proc entries, under a configurable host root.
 
-Everything takes ``host_root`` (``/`` on a real node, the host mounted elsewhere in a container,
-or a tree built by ``driver.simulation.hostroot`` for the simulated node). Paths returned are
-the paths as the container sees them (``/dev/nvidiactl``), not the host-root-prefixed ones.
+``/proc`` is always read under ``host_root`` (``/`` on a real node, the host mounted elsewhere in
+a container, or a tree built by ``driver.simulation.hostroot`` for the simulated node). Device
+nodes are read under a *device root* (:func:`find_device_root`): the host's ``/dev`` for a driver
+installed on the host, ``<driver root>/dev`` for the GPU Operator's containerised driver. Paths
+returned are the paths as the workload container sees them (``/dev/nvidiactl``); a
+:class:`DeviceRoot` also knows where the same node is on the host, which CDI needs as ``hostPath``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 CONTROL_DEVICE_PATHS = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
 NVIDIA_CAPS_DEVICE_NAME = "nvidia-caps"
 CAPABILITIES_DIR = "proc/driver/nvidia/capabilities"
+NODE_ROOT = PurePosixPath("/")  # the node's own root, as a host path
 
 
 class HostFsError(Exception):
@@ -37,9 +43,76 @@ def host_path(host_root: Path, container_path: str) -> Path:
     return host_root / container_path.lstrip("/")
 
 
-def control_device_paths(host_root: Path = Path("/")) -> list[str]:
-    """The NVIDIA control device nodes that exist on the host, in a fixed order."""
-    return [path for path in CONTROL_DEVICE_PATHS if host_path(host_root, path).exists()]
+@dataclass(frozen=True)
+class DeviceRoot:
+    """A root whose ``dev/`` holds the NVIDIA device nodes, seen from two places.
+
+    ``seen_at`` is where this process reads it (``/host`` or ``/driver-root`` in the plugin pod);
+    ``on_host`` is the same root's path on the node (``/`` or ``/run/nvidia/driver``), which is
+    what the container runtime resolves a CDI ``hostPath`` against.
+    """
+
+    seen_at: Path
+    on_host: PurePosixPath
+    origin: str  # "host" or "driver root": for messages
+
+    def local(self, container_path: str) -> Path:
+        """Where this process finds the node that containers see at ``container_path``."""
+        return host_path(self.seen_at, container_path)
+
+    def host_path(self, container_path: str) -> str:
+        return str(self.on_host / container_path.lstrip("/"))
+
+    def node(self, container_path: str, **fields: Any) -> dict[str, Any]:
+        """A CDI ``deviceNodes`` entry: ``hostPath`` only when the node is not at the same path on the host.
+
+        A ``hostPath`` forces CDI 0.5.0, so a host-installed driver keeps writing the older specs.
+        """
+        entry: dict[str, Any] = {"path": container_path}
+        on_host = self.host_path(container_path)
+        if on_host != container_path:
+            entry["hostPath"] = on_host
+        entry.update(fields)
+        return entry
+
+    def describe(self) -> str:
+        return f"{self.on_host / 'dev'} (the {self.origin}'s /dev)"
+
+
+def driver_root_host_path(host_root: Path, driver_root: Path, explicit: PurePosixPath | None) -> PurePosixPath:
+    """The driver root's path on the node.
+
+    Named explicitly in the plugin pod (the chart mounts the driver root at ``/driver-root``, which
+    says nothing about where it is on the host). Otherwise a driver root under the host root is
+    taken at that place (``<host root>/run/nvidia/driver`` is ``/run/nvidia/driver``), and any other
+    is taken as a host path, as when the driver runs on the host itself.
+    """
+    if explicit is not None:
+        return explicit
+    try:
+        return NODE_ROOT / driver_root.relative_to(host_root)
+    except ValueError:
+        return PurePosixPath(driver_root)
+
+
+def find_device_root(host_root: Path, driver_root: Path, driver_root_on_host: PurePosixPath) -> DeviceRoot:
+    """Where the device nodes are: ``<driver root>/dev`` if it holds them, else the host's ``/dev``.
+
+    NVIDIA's DRA kubelet plugin (``cmd/gpu-kubelet-plugin/root.go``, ``getDevRoot``) and the GPU
+    Operator's validator (``cmd/nvidia-validator/driver.go``) use the driver root as device root
+    when it has a ``dev`` directory; the GPU Operator's driver container creates the nodes there and
+    the host's ``/dev`` never gets them. This asks for ``nvidiactl`` itself rather than any ``dev``
+    directory, so a driver root with an empty or unrelated ``dev/`` does not hide the host's nodes.
+    Evaluated per use: the operator's driver container may come up after the plugin.
+    """
+    if driver_root_on_host != NODE_ROOT and host_path(driver_root, "/dev/nvidiactl").exists():
+        return DeviceRoot(driver_root, driver_root_on_host, "driver root")
+    return DeviceRoot(host_root, NODE_ROOT, "host")
+
+
+def control_device_paths(device_root: Path = Path("/")) -> list[str]:
+    """The NVIDIA control device nodes that exist under ``device_root``, in a fixed order."""
+    return [path for path in CONTROL_DEVICE_PATHS if host_path(device_root, path).exists()]
 
 
 def missing_paths(host_root: Path, paths: Iterable[str]) -> list[str]:

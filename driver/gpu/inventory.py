@@ -48,6 +48,7 @@ class GpuInfo(BaseModel):
     cuda_compute_capability: str | None = None  # "9.0"
     memory_bytes: int | None = None
     multiprocessors: int | None = None
+    multiprocessors_missing: str | None = None  # why multiprocessors is None, for logs, inspect and check-node
     pci_bus_id: str | None = None  # normalised "0000:3b:00.0"
     pcie_root: str | None = None  # "pci0000:3a"
     addressing_mode: str | None = None  # "None", "HMM", "ATS"

@@ -14,6 +14,11 @@ pynvml loads ``libnvidia-ml.so.1`` by soname, which the plugin container's loade
 the driver is mounted at a driver root. So, with a driver root other than ``/``, the library is
 loaded from there first, globally: the loader then hands pynvml's later load by soname the same,
 already loaded library.
+
+A whole GPU's SM count does not come from NVML: ``nvmlDeviceGetAttributes`` "currently only
+supports MIG device handles" (nvml.h). It comes from CUDA through ``sm_counts`` (by default
+:class:`~driver.gpu.cudarun.CudaSmCounts`, a child process against the driver root's libcuda);
+a GPU still without one carries the reason in ``GpuInfo.multiprocessors_missing``, logged once.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from driver.gpu.binaries import LIB_DIRS, find_driver_library
+from driver.gpu.cudarun import CudaSmCounts, SmCountSource, fill_sm_counts
 from driver.gpu.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.migprofiles import profile_name
 
@@ -321,7 +327,8 @@ class NvmlDiscovery:
 
     ``nvml`` is the pynvml module (tests pass a fake with the same names); ``sysfs_root`` is where
     ``/sys`` is mounted, for the PCIe root lookup; ``driver_root`` is where the NVIDIA driver is
-    mounted, whose ``libnvidia-ml.so.1`` is loaded with ``load_library`` before NVML starts.
+    mounted, whose ``libnvidia-ml.so.1`` is loaded with ``load_library`` before NVML starts;
+    ``sm_counts`` supplies whole GPUs' SM counts (default: CUDA under the driver root).
     """
 
     def __init__(
@@ -330,6 +337,7 @@ class NvmlDiscovery:
         sysfs_root: Path = Path("/sys"),
         driver_root: Path = Path("/"),
         load_library: Callable[[Path], None] = load_library_globally,
+        sm_counts: SmCountSource | None = None,
     ) -> None:
         if nvml is None:
             import pynvml
@@ -341,6 +349,8 @@ class NvmlDiscovery:
         self._load_library = load_library
         self._library_loaded = False
         self._initialised = False
+        self._sm_counts: SmCountSource = sm_counts if sm_counts is not None else CudaSmCounts(driver_root)
+        self._sm_gaps_logged: set[tuple[str, str]] = set()
 
     def close(self) -> None:
         if not self._initialised:
@@ -363,6 +373,7 @@ class NvmlDiscovery:
         except nvml.NVMLError as err:
             raise NvmlDiscoveryError(f"NVML cannot count GPUs ({err}); is the NVIDIA driver loaded?") from err
         gpus = [gpu for gpu in (self._gpu(index) for index in range(count)) if gpu is not None]
+        gpus = fill_sm_counts(gpus, self._sm_counts, self._sm_gaps_logged)
         return NodeInventory(driver_version=driver_version, cuda_driver_version=cuda_version, gpus=tuple(gpus))
 
     def _ensure_initialised(self) -> None:
@@ -441,6 +452,7 @@ class NvmlDiscovery:
                 "compute capability", lambda: "{}.{}".format(*nvml.nvmlDeviceGetCudaComputeCapability(handle))
             ),
             memory_bytes=memory_bytes,
+            # NVML answers only for MIG handles (nvml.h); kept for drivers that may answer, CUDA fills the gap.
             multiprocessors=optional(
                 "multiprocessors", lambda: int(nvml.nvmlDeviceGetAttributes(handle).multiprocessorCount)
             ),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from driver.gpu.configapi import ConfigError, DeviceConfig, GpuConfig, MigDeviceConfig, parse_config
-from driver.kubeletplugin.claim import DeviceAllocationConfiguration, DeviceRequestAllocationResult
+from driver.kubeletplugin.claimmodel import DeviceAllocationConfiguration, DeviceRequestAllocationResult
 
 DEVICE_KINDS = ("gpu", "mig", "mps", "timeslice")
 _SHARE_KINDS = ("mps", "timeslice")

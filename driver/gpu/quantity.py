@@ -3,7 +3,9 @@
 Memory limits arrive as quantities in the opaque config and in the sharing plan file. The grammar
 is Kubernetes' own (apimachinery ``resource.Quantity``); it is parsed here with a strict regex and
 exact rational arithmetic instead of ``Decimal(text)``, which would also accept "NaN", "1_000" and
-surrounding whitespace.
+surrounding whitespace. Digits are ASCII only, as in Kubernetes: Python's ``\\d``, ``int()`` and
+``Decimal()`` also take other Unicode digits (Arabic-Indic "10Gi" would read as 10Gi), which the API
+server refuses.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ MIB = 1024 * 1024
 _MAX_BYTES = 2**63 - 1
 
 _QUANTITY = re.compile(
-    r"(?P<number>[+-]?(?:\d+(?:\.\d*)?|\.\d+))"
-    r"(?:(?P<binary>Ki|Mi|Gi|Ti|Pi|Ei)|[eE](?P<exponent>[+-]?\d+)|(?P<decimal>[numkMGTPE]))?"
+    r"(?P<number>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
+    r"(?:(?P<binary>Ki|Mi|Gi|Ti|Pi|Ei)|[eE](?P<exponent>[+-]?[0-9]+)|(?P<decimal>[numkMGTPE]))?"
 )
 
 _BINARY_POWERS = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
 _DECIMAL_POWERS = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+
+# Any quantity that fits in int64 bytes is far shorter; the bound keeps exact arithmetic cheap.
+_MAX_TEXT_CHARS = 64
 
 _EXAMPLE = 'a quantity such as "10Gi", "512Mi", "1.5G" or 1073741824'
 
@@ -41,6 +46,13 @@ def parse_quantity(value: str | int, field: str) -> int:
 
 
 def _parse_text(text: str, field: str) -> Fraction:
+    foreign = next((c for c in text if not c.isascii()), None)
+    if foreign is not None:
+        raise ValueError(f"{field}: {_show(text)} contains {foreign!r} (U+{ord(foreign):04X}), which is not an "
+                         f"ASCII digit, sign, point or suffix; expected {_EXAMPLE}")
+    if len(text) > _MAX_TEXT_CHARS:
+        raise ValueError(f"{field}: {_show(text)} is too long for a quantity (at most {_MAX_TEXT_CHARS} "
+                         f"characters); expected {_EXAMPLE}")
     match = _QUANTITY.fullmatch(text)
     if match is None:
         raise ValueError(f"{field}: {_show(text)} is not a valid quantity; expected {_EXAMPLE}")
@@ -58,8 +70,18 @@ def _parse_text(text: str, field: str) -> Fraction:
     return number
 
 
+# Longer input is cut in messages so that a megabyte of digits does not become a megabyte of event.
+_SHOWN_CHARS = 40
+
+
 def _show(value: object) -> str:
-    return f'"{value}"' if isinstance(value, str) else repr(value)
+    if isinstance(value, int) and value.bit_length() > 128:
+        # repr() of an int past 4300 digits raises; the size is what matters here.
+        return f"an integer of {value.bit_length()} bits"
+    text = value if isinstance(value, str) else repr(value)
+    if len(text) > _SHOWN_CHARS:
+        text = f"{text[:_SHOWN_CHARS]}... ({len(text)} characters)"
+    return f'"{text}"' if isinstance(value, str) else text
 
 
 def format_mib(value_bytes: int) -> str:

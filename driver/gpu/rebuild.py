@@ -4,7 +4,8 @@ Every spec the driver writes carries annotations naming its claim and, per devic
 the checkpoint held about it: kind, GPU, MIG instance, request names, share ID, the share layout
 of its GPU and its MPS daemon; the claim's time slice is a spec-level annotation. So running
 workloads keep their specs, their daemons and their GPUs' published form; only daemon PIDs are
-lost, and unprepare still stops those daemons through their directories.
+lost, and unprepare still stops those daemons through their directories. The compute modes
+the GPUs had before their daemons are lost too; recovery then takes them as DEFAULT.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from pathlib import Path
 import cdi
 from driver.gpu.cdiedits import CdiNames
 from driver.gpu.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord, TimeSliceRecord
+from driver.gpu.claimplan import is_plan_daemon
 from driver.gpu.sharing import GpuShares
-from driver.gpu.sharingruntime import is_plan_daemon
 from driver.kubeletplugin.types import PreparedDevice
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ def _claim_from_spec(path: Path, names: CdiNames, pool_name: str,
             daemons = record.shared_mps_daemons if is_plan_daemon(daemon) else record.owned_mps_daemons
             if daemon not in daemons:
                 daemons.append(daemon)
+            # The same rule as at prepare (computemode.exclusive_gpus): whole GPUs only, never a MIG parent.
+            if record.devices[-1].kind in ("gpu", "mps") and gpu_uuid not in record.exclusive_gpus:
+                record.exclusive_gpus.append(gpu_uuid)
         shares = dann.get(names.annotation("shares"))
         if shares:
             layout[gpu_uuid] = GpuShares.model_validate_json(shares)

@@ -1,124 +1,116 @@
-"""The running side of GPU sharing: MPS daemons and time slices, kept in step with the checkpoint.
+"""The running side of GPU sharing: MPS daemons, compute modes and time slices, kept in the checkpoint.
+
+Callers hold the per-GPU locks of every GPU they touch (``gpulocks.py``) and never the node lock:
+the work here runs processes. Each result is recorded through a :class:`Ledger`, which takes the
+node lock only for the checkpoint write, so the records of GPUs one holds are stable while other
+GPUs' claims change theirs. What must survive a crash is recorded *before* the change (a
+compute mode's previous value, a time slice, a claim's intended daemons in its PrepareStarted
+record), the rest right after it.
 
 Plan MPS shares use one daemon per GPU, started by the first share's prepare and stopped after
 the last share's unprepare (its users are the claims that list it, so the count is derived,
-never stored). Per-claim MPS config gets one daemon per claim and config group. A daemon's id is
-recorded in the checkpoint *before* it is started, so a crash cannot leak it.
+never stored). Per-claim MPS config gets one daemon per claim and config group. A whole GPU is
+EXCLUSIVE_PROCESS while any claim's daemon serves it (``computemode.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from functools import partial
+from typing import Protocol
 
-from driver.gpu.checkpoint import Checkpoint, ClaimRecord, TimeSliceRecord
-from driver.gpu.configapi import DeviceConfig, Sharing, resolve_mps_limits
+from driver.gpu.checkpoint import Checkpoint, ClaimRecord
+from driver.gpu.claimplan import ClaimPlan
+from driver.gpu.computemode import ComputeMode, ComputeModeError, ComputeModes
 from driver.gpu.mps import MpsDaemonRecord, MpsDaemonSpec, MpsManager
-from driver.gpu.sharing import SharingLayout, TimeSliceInterval
-from driver.gpu.targets import DeviceTarget
+from driver.gpu.sharing import TimeSliceInterval
 from driver.gpu.timeslice import TimeSlicer
-from driver.kubeletplugin.claim import DeviceRequestAllocationResult
+from driver.kubeletplugin.types import Deadline
 
 log = logging.getLogger(__name__)
 
 
-def _short_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+class Ledger(Protocol):
+    """The checkpoint as the runtime sees it."""
+
+    def read(self) -> Checkpoint:
+        """The current checkpoint, for reading only (it is the ledger's cached copy)."""
+        ...
+
+    def commit(self, change: Callable[[Checkpoint], object]) -> Checkpoint:
+        """Apply ``change`` to the current checkpoint under the node lock, save it, return it."""
+        ...
 
 
-def plan_daemon_id(gpu_uuid: str) -> str:
-    # Short ids keep MPS socket paths under the 108-byte Unix socket limit.
-    return f"plan-{_short_hash(gpu_uuid)}"
+def _remember_mode(cp: Checkpoint, uuid: str, mode: ComputeMode) -> None:
+    cp.compute_modes.setdefault(uuid, mode)
 
 
-def claim_daemon_id(claim_uid: str, group: int) -> str:
-    return f"claim-{_short_hash(claim_uid)}-{group}"
+def _same_limits(running: MpsDaemonSpec, wanted: MpsDaemonSpec) -> bool:
+    """Whether a running shared daemon can serve ``wanted``. A changed multi-user setting (a driver
+    upgrade) is not worth restarting it under the claims it serves; it applies from its next start."""
+    return running.model_copy(update={"multi_user": wanted.multi_user}) == wanted
 
 
-def is_plan_daemon(daemon_id: str) -> bool:
-    return daemon_id.startswith("plan-")
+def _forget_mode(cp: Checkpoint, uuid: str) -> None:
+    cp.compute_modes.pop(uuid, None)
 
 
-ConfigGroups = Sequence[tuple[DeviceConfig, Sequence[DeviceRequestAllocationResult]]]
-
-
-def daemons_needed(claim_uid: str, targets: Sequence[DeviceTarget], groups: ConfigGroups) -> list[str]:
-    """The MPS daemons a claim's devices would be served by (plan daemons per GPU, one per MPS config group)."""
-    by_name = {t.name: t for t in targets}
-    needed = {plan_daemon_id(t.gpu.uuid) for t in targets if t.kind == "mps"}
-    for index, (config, results) in enumerate(groups):
-        if config.sharing is not None and config.sharing.strategy == "MPS" and any(
-                by_name[r.device].kind in ("gpu", "mig") for r in results):
-            needed.add(claim_daemon_id(claim_uid, index))
-    return sorted(needed)
+def _exclusive_users(cp: Checkpoint, gpu_uuid: str, other_than: str) -> list[str]:
+    return [c.uid for c in cp.claims.values() if c.uid != other_than and gpu_uuid in c.exclusive_gpus]
 
 
 class SharingRuntime:
-    def __init__(self, mps: MpsManager, timeslicer: TimeSlicer, save: Callable[[Checkpoint], None]):
+    def __init__(self, mps: MpsManager, timeslicer: TimeSlicer, compute_modes: ComputeModes, ledger: Ledger):
         self.mps = mps
         self.timeslicer = timeslicer
-        self._save = save
+        self.compute_modes = compute_modes
+        self._ledger = ledger
 
-    def start_for_claim(self, record: ClaimRecord, cp: Checkpoint, targets: Sequence[DeviceTarget],
-                        groups: ConfigGroups) -> None:
-        by_name = {t.name: t for t in targets}
-        dev_by_name = {d.device.device_name: d for d in record.devices}
-        for target in targets:
-            if target.kind != "mps" or target.shares is None:
+    # ----------------------------------------------------------------------------- prepare
+
+    def start_for_claim(self, plan: ClaimPlan, deadline: Deadline) -> None:
+        """Do the plan's side effects; its PrepareStarted record already names every one of them."""
+        for daemon in plan.daemons:
+            self.hold_exclusive(daemon.exclusive_gpus, deadline)
+            deadline.check(f"starting MPS daemon {daemon.daemon_id}")
+            self.ensure_daemon(daemon.spec, fresh=not daemon.shared)
+        if plan.timeslice is not None:
+            deadline.check("setting the time slice")
+            self.timeslicer.apply(list(plan.timeslice.gpu_uuids), plan.timeslice.interval, deadline)
+
+    def hold_exclusive(self, gpu_uuids: Sequence[str], deadline: Deadline | None = None) -> None:
+        """Put each GPU in EXCLUSIVE_PROCESS, recording its previous mode first."""
+        for uuid in gpu_uuids:
+            if uuid in self._ledger.read().compute_modes:
+                continue  # already ours: another daemon serves this GPU
+            if deadline is not None:
+                deadline.check(f"setting the compute mode of {uuid}")
+            previous = self.compute_modes.get(uuid, deadline)
+            self._ledger.commit(partial(_remember_mode, uuid=uuid, mode=previous))
+            if previous == ComputeMode.EXCLUSIVE_PROCESS:
                 continue
-            shares = target.shares
-            spec = MpsDaemonSpec(daemon_id=plan_daemon_id(target.gpu.uuid), gpu_uuids=[target.gpu.uuid],
-                                 active_thread_percentage=shares.active_thread_percentage,
-                                 pinned_memory_limits={target.gpu.uuid: shares.memory_bytes_per_share})
-            if spec.daemon_id not in record.shared_mps_daemons:
-                record.shared_mps_daemons.append(spec.daemon_id)
-            self.ensure_daemon(cp, spec)
-            dev_by_name[target.name].mps_daemon_id = spec.daemon_id
-        for index, (config, results) in enumerate(groups):
-            sharing = config.sharing
-            group = [by_name[r.device] for r in results if by_name[r.device].kind in ("gpu", "mig")]
-            if sharing is None or not group:
-                continue
-            if sharing.strategy == "MPS":
-                daemon_id = self._start_claim_daemon(record, cp, index, config, group)
-                for t in group:
-                    dev_by_name[t.name].mps_daemon_id = daemon_id
-            elif isinstance(sharing, Sharing) and sharing.strategy == "TimeSlicing":
-                timeslicing = sharing.timeSlicingConfig
-                interval: TimeSliceInterval = timeslicing.interval if timeslicing else "Default"
-                gpu_uuids = sorted({t.gpu.uuid for t in group})
-                record.timeslice = TimeSliceRecord(gpu_uuids=gpu_uuids, interval=interval)
-                self._save(cp)  # recorded first, so recovery resets it even if we crash mid-command
-                self.timeslicer.apply(gpu_uuids, interval)
+            try:
+                self.compute_modes.set(uuid, ComputeMode.EXCLUSIVE_PROCESS, deadline)
+            except ComputeModeError:
+                # A refused change leaves the mode as it was: forget the record so the rollback does
+                # not run nvidia-smi again for nothing. If the mode cannot even be read, keep it.
+                with suppress(ComputeModeError):
+                    if self.compute_modes.get(uuid) == previous:
+                        self._ledger.commit(partial(_forget_mode, uuid=uuid))
+                raise
+            log.info("compute mode set for MPS", extra={"gpu_uuid": uuid, "previous": previous.value})
 
-    def _start_claim_daemon(self, record: ClaimRecord, cp: Checkpoint, index: int, config: DeviceConfig,
-                            group: list[DeviceTarget]) -> str:
-        assert config.sharing is not None
-        daemon_id = claim_daemon_id(record.uid, index)
-        uuids = sorted(t.cuda_uuid for t in group)
-        mps_config = config.sharing.mpsConfig
-        memory = {t.cuda_uuid: t.memory_bytes or 0 for t in group}
-        limits = resolve_mps_limits(mps_config, uuids, memory) if mps_config else None
-        spec = MpsDaemonSpec(daemon_id=daemon_id, gpu_uuids=uuids,
-                             active_thread_percentage=limits.active_thread_percentage if limits else None,
-                             pinned_memory_limits=dict(limits.pinned_memory_bytes) if limits else {})
-        record.owned_mps_daemons.append(daemon_id)
-        self._save(cp)
-        self.mps.stop_by_id(daemon_id)  # a daemon left by a crash between its start and its record
-        cp.mps_daemons[daemon_id] = self.mps.start(spec)
-        self._save(cp)
-        return daemon_id
-
-    def ensure_daemon(self, cp: Checkpoint, spec: MpsDaemonSpec) -> MpsDaemonRecord:
-        """Adopt the recorded daemon if it runs with these limits; otherwise (re)start it."""
-        existing = cp.mps_daemons.get(spec.daemon_id)
-        if existing is not None and existing.spec == spec and self.mps.is_running(existing):
-            # Its limits and readiness were verified when it started (and again at every driver
-            # start); a control round trip per share prepare would cost a process spawn each time.
-            return existing
-        if existing is not None and existing.spec == spec:
+    def ensure_daemon(self, spec: MpsDaemonSpec, fresh: bool = False) -> MpsDaemonRecord:
+        """Adopt the recorded daemon if it runs with these limits (unless ``fresh``); otherwise (re)start it."""
+        existing = self._ledger.read().mps_daemons.get(spec.daemon_id)
+        if not fresh and existing is not None and _same_limits(existing.spec, spec):
+            if self.mps.is_running(existing):
+                # Its limits and readiness were verified when it started; a control round trip per
+                # share prepare would cost a process spawn each time.
+                return existing
             record = self.mps.ensure_running(existing)
         else:
             if existing is not None:
@@ -126,55 +118,127 @@ class SharingRuntime:
             else:
                 self.mps.stop_by_id(spec.daemon_id)  # a daemon left by a crash between its start and its record
             record = self.mps.start(spec)
-        cp.mps_daemons[spec.daemon_id] = record
-        self._save(cp)
+        self._ledger.commit(lambda cp: cp.mps_daemons.__setitem__(spec.daemon_id, record))
         return record
 
-    def release_claim(self, record: ClaimRecord, cp: Checkpoint) -> None:
+    # ----------------------------------------------------------------------------- unprepare
+
+    def release_claim(self, record: ClaimRecord) -> None:
         """Stop what only this claim needed; every step is idempotent."""
         for daemon_id in record.owned_mps_daemons:
-            self.stop_daemon(cp, daemon_id)
+            self.stop_daemon(daemon_id)
         for daemon_id in record.shared_mps_daemons:
+            cp = self._ledger.read()
             if not any(c.uid != record.uid and daemon_id in c.shared_mps_daemons for c in cp.claims.values()):
-                self.stop_daemon(cp, daemon_id)
+                self.stop_daemon(daemon_id)
         if record.timeslice is not None:
             self.timeslicer.reset(record.timeslice.gpu_uuids)
+        for uuid in record.exclusive_gpus:
+            if not _exclusive_users(self._ledger.read(), uuid, other_than=record.uid):
+                self.restore_compute_mode(uuid)
 
-    def stop_daemon(self, cp: Checkpoint, daemon_id: str) -> None:
-        daemon = cp.mps_daemons.pop(daemon_id, None)
-        if daemon is not None:
-            self.mps.stop(daemon)
-        else:
+    def restore_compute_mode(self, uuid: str) -> None:
+        previous = self._ledger.read().compute_modes.get(uuid)
+        if previous is None:
+            return
+        if previous != ComputeMode.EXCLUSIVE_PROCESS:
+            self.compute_modes.set(uuid, previous)
+            log.info("compute mode restored", extra={"gpu_uuid": uuid, "mode": previous.value})
+        self._ledger.commit(partial(_forget_mode, uuid=uuid))
+
+    def stop_daemon(self, daemon_id: str) -> None:
+        daemon = self._ledger.read().mps_daemons.get(daemon_id)
+        if daemon is None:
             self.mps.stop_by_id(daemon_id)
+            return
+        self.mps.stop(daemon)
+        self._ledger.commit(lambda cp: cp.mps_daemons.pop(daemon_id, None))
 
-    def ensure_claim_daemons(self, record: ClaimRecord, cp: Checkpoint) -> list[str]:
-        """After a restart: adopt the claim's live daemons, restart dead ones. Returns the restarted ids."""
+    # ----------------------------------------------------------------------------- recovery and rescans
+
+    def ensure_claim_daemons(self, record: ClaimRecord) -> list[str]:
+        """Adopt the claim's live daemons, restart dead ones. Returns the restarted ids."""
         restarted: list[str] = []
         for daemon_id in [*record.owned_mps_daemons, *record.shared_mps_daemons]:
-            daemon = cp.mps_daemons.get(daemon_id)
-            if daemon is None:
-                continue
-            running = self.mps.ensure_running(daemon)
-            if running.pid != daemon.pid:
+            if self.check_daemon(daemon_id):
                 restarted.append(daemon_id)
-            cp.mps_daemons[daemon_id] = running
         return restarted
 
-    def sweep_orphans(self, cp: Checkpoint) -> list[str]:
+    def check_daemon(self, daemon_id: str) -> bool:
+        """Restart the recorded daemon if it died; True if it was restarted."""
+        daemon = self._ledger.read().mps_daemons.get(daemon_id)
+        if daemon is None:
+            return False
+        running = self.mps.ensure_running(daemon)
+        if running.pid == daemon.pid:
+            return False
+        self._ledger.commit(lambda cp: cp.mps_daemons.__setitem__(daemon_id, running))
+        return True
+
+    def sweep_orphans(self) -> list[str]:
         """Stop daemons no claim refers to, recorded or only left on disk."""
         removed: list[str] = []
+        cp = self._ledger.read()
         referenced = {d for r in cp.claims.values() for d in (*r.owned_mps_daemons, *r.shared_mps_daemons)}
         for daemon_id in sorted(set(cp.mps_daemons) - referenced):
-            stopped = self._best_effort(f"stopping orphan MPS daemon {daemon_id}",
-                                        partial(self.stop_daemon, cp, daemon_id))
-            if stopped:
+            if self._best_effort(f"stopping orphan MPS daemon {daemon_id}", partial(self.stop_daemon, daemon_id)):
                 removed.append(f"mps daemon {daemon_id}")
+        recorded = set(self._ledger.read().mps_daemons)
         for daemon_id in self.mps.daemon_ids_on_disk():
             # A referenced daemon without a record survives a checkpoint rebuild: its claim still runs.
-            if daemon_id not in cp.mps_daemons and daemon_id not in referenced and self._best_effort(
+            if daemon_id not in recorded and daemon_id not in referenced and self._best_effort(
                     f"stopping MPS daemon left in {daemon_id}", partial(self.mps.stop_by_id, daemon_id)):
                 removed.append(f"mps directory {daemon_id}")
         return removed
+
+    def reconcile_compute_modes(self, rebuilt: bool) -> None:
+        """Make every GPU's compute mode match the claims: EXCLUSIVE_PROCESS where a daemon serves it,
+        the recorded previous mode elsewhere. Best effort per GPU.
+
+        After a checkpoint rebuild the previous modes are unknown; a GPU found in EXCLUSIVE_PROCESS
+        is then taken to have been DEFAULT (the mode a node boots with) before this driver set it.
+        """
+        cp = self._ledger.read()
+        wanted = sorted({g for c in cp.claims.values() for g in c.exclusive_gpus})
+        for uuid in sorted(set(cp.compute_modes) - set(wanted)):
+            self._best_effort(f"restoring the compute mode of {uuid}", partial(self.restore_compute_mode, uuid))
+        for uuid in wanted:
+            self._best_effort(f"setting the compute mode of {uuid}", partial(self._ensure_exclusive, uuid, rebuilt))
+
+    def _ensure_exclusive(self, uuid: str, rebuilt: bool) -> None:
+        current = self.compute_modes.get(uuid)
+        if uuid not in self._ledger.read().compute_modes:
+            previous = ComputeMode.DEFAULT if rebuilt and current == ComputeMode.EXCLUSIVE_PROCESS else current
+            self._ledger.commit(lambda cp: cp.compute_modes.setdefault(uuid, previous))
+        if current != ComputeMode.EXCLUSIVE_PROCESS:
+            self.compute_modes.set(uuid, ComputeMode.EXCLUSIVE_PROCESS)
+
+    def after_reboot(self) -> None:
+        """GPU settings do not survive a reboot (NVML: the compute mode "always resets to Default"):
+        forget the plan's time slices and the modes recorded before it, re-apply each claim's time slice."""
+        def forget(cp: Checkpoint) -> None:
+            cp.plan_timeslices.clear()
+            for uuid in cp.compute_modes:
+                cp.compute_modes[uuid] = ComputeMode.DEFAULT
+        cp = self._ledger.commit(forget)
+        for record in cp.claims.values():
+            if record.timeslice is not None:
+                ts = record.timeslice
+                self._best_effort(f"re-applying the time slice of claim {record.uid}",
+                                  partial(self.timeslicer.apply, ts.gpu_uuids, ts.interval))
+
+    def set_plan_timeslice(self, uuid: str, interval: TimeSliceInterval | None) -> bool:
+        """Apply the plan's time slice to one GPU (None: reset it), recorded once done; False if it failed."""
+        if interval is None:
+            done = self._best_effort(f"resetting the time slice of GPU {uuid}", partial(self.timeslicer.reset, [uuid]))
+            if done:
+                self._ledger.commit(lambda cp: cp.plan_timeslices.pop(uuid, None))
+            return done
+        done = self._best_effort(f"setting the plan's time slice on GPU {uuid}",
+                                 partial(self.timeslicer.apply, [uuid], interval))
+        if done:
+            self._ledger.commit(lambda cp: cp.plan_timeslices.__setitem__(uuid, interval))
+        return done
 
     @staticmethod
     def _best_effort(what: str, action: Callable[[], object]) -> bool:
@@ -185,38 +249,3 @@ class SharingRuntime:
             log.error(f"{what} failed; will retry later", extra={"reason": str(exc)})
             return False
         return True
-
-    def check_daemons(self, cp: Checkpoint) -> list[str]:
-        """Restart recorded daemons that died (e.g. killed with an old plugin container). Returns their ids."""
-        restarted: list[str] = []
-        for daemon_id, daemon in sorted(cp.mps_daemons.items()):
-            def ensure(d: MpsDaemonRecord = daemon, i: str = daemon_id) -> None:
-                running = self.mps.ensure_running(d)
-                if running.pid != d.pid:
-                    restarted.append(i)
-                cp.mps_daemons[i] = running
-            self._best_effort(f"checking MPS daemon {daemon_id}", ensure)
-        return restarted
-
-    def after_reboot(self, cp: Checkpoint) -> None:
-        """GPU settings do not survive a reboot: forget the plan's and re-apply each claim's time slice."""
-        cp.plan_timeslices.clear()
-        for record in cp.claims.values():
-            if record.timeslice is not None:
-                ts = record.timeslice
-                self._best_effort(f"re-applying the time slice of claim {record.uid}",
-                                  partial(self.timeslicer.apply, ts.gpu_uuids, ts.interval))
-
-    def apply_plan_timeslices(self, cp: Checkpoint, layout: SharingLayout) -> None:
-        """Set the plan's time slices on GPUs entering a time-slicing plan, reset those leaving it."""
-        desired = {uuid: s.interval or "Default" for uuid, s in layout.items() if s.strategy == "TimeSlicing"}
-        # Per GPU, recorded as soon as it is done: one GPU refusing (e.g. no compute-policy support)
-        # neither blocks the others nor loses track of what was already changed.
-        for uuid in sorted(set(cp.plan_timeslices) - set(desired)):
-            if self._best_effort(f"resetting the time slice of GPU {uuid}", partial(self.timeslicer.reset, [uuid])):
-                del cp.plan_timeslices[uuid]
-        for uuid, interval in sorted(desired.items()):
-            if cp.plan_timeslices.get(uuid) != interval and self._best_effort(
-                    f"setting the plan's time slice on GPU {uuid}",
-                    partial(self.timeslicer.apply, [uuid], interval)):
-                cp.plan_timeslices[uuid] = interval

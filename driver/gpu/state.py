@@ -1,24 +1,34 @@
-"""Prepare and unprepare claims on this node, crash-safely.
+"""Prepare and unprepare claims on this node, crash-safely, without one GPU waiting for another.
 
-Every state change runs under the node lock and follows one pattern: record the intent in the
-checkpoint (``PrepareStarted``), do the side effects (MPS daemon, time slice, CDI spec), then
-record the outcome (``PrepareCompleted``). A crash between the two leaves a ``PrepareStarted``
-record that :meth:`DeviceState.recover` rolls back at the next start; the kubelet then retries
-the prepare. A claim whose only side effect is its CDI spec skips the intent record: recovery
-removes a spec that no record claims. Any failure inside prepare is rolled back before the
-error is returned, so a failed claim leaves no daemon, no CDI file and no checkpoint entry.
+A prepare runs in three steps:
+
+1. **Plan** (``claimplan.py``, pure): resolve the devices and configs, derive the daemons, time
+   slice and compute modes, refuse what cannot work. Nothing has happened yet.
+2. **Reserve** under the claim's per-GPU locks, then briefly the node lock: re-plan against the
+   view in force, check no other claim holds the devices, and write the ``PrepareStarted``
+   record naming the devices, the daemons it will start or share, the time slice and the GPUs
+   it needs in EXCLUSIVE_PROCESS. A rescan cannot re-publish a GPU with such a record.
+3. **Act** under the per-GPU locks only: compute mode, daemons, time slice, CDI spec, each
+   result recorded through the :class:`NodeLedger` (node lock held only for the write), then
+   ``PrepareCompleted``.
+
+Every step is bounded by the call's :class:`Deadline`; when it passes or the kubelet gives up,
+or anything fails, the claim is rolled back before the error is returned, so a failed claim
+leaves no daemon, no changed GPU setting, no CDI file and no checkpoint entry. A crash leaves a
+``PrepareStarted`` record that recovery (``recovery.py``) rolls back at the next start.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import cdi
-from driver.gpu.cdiedits import MPS_CONTAINER_PIPE_DIR, CdiNames, CdiSources, claim_spec
+from driver.gpu.cdiedits import CdiNames, CdiSources, claim_spec
 from driver.gpu.checkpoint import (
     Checkpoint,
     CheckpointCorrupt,
@@ -26,67 +36,107 @@ from driver.gpu.checkpoint import (
     ClaimPhase,
     ClaimRecord,
     PreparedDeviceRecord,
-    current_boot_id,
+    TimeSliceRecord,
 )
+from driver.gpu.claimplan import ClaimPlan, plan_claim
+from driver.gpu.computemode import ComputeModeError, ComputeModes
 from driver.gpu.configapi import ConfigError
 from driver.gpu.errors import PrepareError
+from driver.gpu.gpulocks import GpuBusy, GpuLocks
 from driver.gpu.hostfs import HostFsError
 from driver.gpu.mps import MpsError, MpsManager
-from driver.gpu.opaque import group_by_config, resolve_configs
 from driver.gpu.rebuild import rebuild_checkpoint
+from driver.gpu.recovery import RecoveryReport, recover
 from driver.gpu.sharing import SharingLayout
-from driver.gpu.sharingruntime import ConfigGroups, SharingRuntime, daemons_needed
-from driver.gpu.targets import DeviceTarget, NodeView, make_view, merge_layout
+from driver.gpu.sharingruntime import SharingRuntime
+from driver.gpu.targets import NodeView, make_view, merge_layout
 from driver.gpu.timeslice import TimeSliceError, TimeSlicer
 from driver.gpu.toolkit import ToolkitEdits
-from driver.kubeletplugin.claim import DeviceRequestAllocationResult, ResourceClaim
+from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.nodelock import LockTimeout, NodeLock
-from driver.kubeletplugin.types import ClaimRef, PreparedDevice
+from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, ClaimRef, Deadline, DeadlineExceeded, PreparedDevice
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DeviceState", "PrepareError", "RecoveryReport", "StatePaths"]
+__all__ = ["DeviceState", "NodeLedger", "PrepareError", "RecoveryReport", "StatePaths"]
+
+# How long a rescan waits for a GPU another operation holds before leaving it to the next rescan.
+RESCAN_GPU_WAIT = 1.0
+# How long an unprepare waits for its GPUs (a prepare on them is bounded by its own deadline).
+UNPREPARE_GPU_WAIT = DEFAULT_PREPARE_DEADLINE + 10.0
+_RESERVE_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
 class StatePaths:
-    state_dir: Path  # checkpoint, lock, MPS daemon directories
+    state_dir: Path  # checkpoint, locks, MPS daemon directories
     cdi_root: Path
     host_root: Path  # where the host's /dev and /proc are visible
     mps_shm_dir: Path | None  # host directory mounted as /dev/shm for MPS clients
+    driver_root: Path | None = None  # where this process sees the driver root; None: the driver is on the host
+    driver_root_on_host: PurePosixPath | None = None  # the same root's path on the node
 
 
-@dataclass
-class RecoveryReport:
-    rolled_back: list[str]
-    cdi_recreated: list[str]
-    daemons_restarted: list[str]
-    orphans_removed: list[str]
-    rebuilt_from_cdi: bool = False
-
-
-def _now() -> str:
+def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+class NodeLedger:
+    """The checkpoint behind the node lock: every read and write holds it only for the file access."""
+
+    def __init__(self, store: CheckpointStore, lock: NodeLock, rebuild: Callable[[], Checkpoint]):
+        self.store = store
+        self.lock = lock
+        self._rebuild = rebuild
+
+    def load_locked(self, shared: bool = False) -> Checkpoint:
+        """Load with the node lock already held; a corrupt file is rebuilt from the CDI specs.
+
+        ``shared``: read-only use (see :meth:`CheckpointStore.load`)."""
+        try:
+            return self.store.load(shared)
+        except CheckpointCorrupt:
+            cp = self._rebuild()
+            self.store.save(cp)
+            return cp
+
+    def read(self) -> Checkpoint:
+        """The current checkpoint, shared with the cache: read it, never change it."""
+        with self.lock.held():
+            return self.load_locked(shared=True)
+
+    def commit(self, change: Callable[[Checkpoint], object]) -> Checkpoint:
+        with self.lock.held():
+            cp = self.load_locked()
+            change(cp)
+            self.store.save(cp)
+            return cp
 
 
 class DeviceState:
     """The node's prepared claims and the side effects behind them."""
 
     def __init__(self, *, driver_name: str, pool_name: str, paths: StatePaths, toolkit: ToolkitEdits,
-                 mps: MpsManager, timeslicer: TimeSlicer, view: NodeView, lock_timeout: float = 10.0):
+                 mps: MpsManager, timeslicer: TimeSlicer, view: NodeView, lock_timeout: float = 10.0,
+                 compute_modes: ComputeModes | None = None, mps_multi_user: bool = False):
+        """``compute_modes`` defaults to the time slicer's nvidia-smi (same driver root and timeout);
+        ``mps_multi_user``: the node's MPS supports multi-user mode (plan daemons then use it)."""
+        self.mps_multi_user = mps_multi_user
         self.driver_name = driver_name
         self.pool_name = pool_name
         self.paths = paths
         self.toolkit = toolkit
-        self.mps = mps
-        self.timeslicer = timeslicer
+        self.names = CdiNames(driver_name)
         self._view = view
         self._view_mutex = threading.Lock()
-        self._store = CheckpointStore(paths.state_dir / "checkpoint.json")
-        self._lock = NodeLock(paths.state_dir / "state.lock", timeout=lock_timeout)
-        self.sharing = SharingRuntime(mps, timeslicer, self._save)
-        self.names = CdiNames(driver_name)
-        self.cdi_sources = CdiSources(self.names, paths.host_root, toolkit, mps, paths.mps_shm_dir)
+        self.node_lock = NodeLock(paths.state_dir / "state.lock", timeout=lock_timeout)
+        self.gpu_locks = GpuLocks(paths.state_dir / "gpu-locks")
+        self.ledger = NodeLedger(CheckpointStore(paths.state_dir / "checkpoint.json"), self.node_lock,
+                                 lambda: rebuild_checkpoint(paths.cdi_root, self.names, pool_name, now()))
+        modes = compute_modes if compute_modes is not None else ComputeModes(timeslicer.driver_root, timeslicer.timeout)
+        self.sharing = SharingRuntime(mps, timeslicer, modes, self.ledger)
+        self.cdi_sources = CdiSources(self.names, paths.host_root, toolkit, mps, paths.mps_shm_dir,
+                                      paths.driver_root, paths.driver_root_on_host or PurePosixPath("/"))
 
     # ----------------------------------------------------------------------------- views
 
@@ -94,6 +144,10 @@ class DeviceState:
     def view(self) -> NodeView:
         with self._view_mutex:
             return self._view
+
+    def set_view(self, view: NodeView) -> None:
+        with self._view_mutex:
+            self._view = view
 
     def set_toolkit(self, toolkit: ToolkitEdits) -> None:
         """Use a regenerated toolkit spec for claims prepared from now on (prepared ones keep theirs)."""
@@ -103,324 +157,243 @@ class DeviceState:
     def prepared_count(self) -> int:
         """Prepared claims, read without the node lock (for metrics scrapes during a long prepare)."""
         try:
-            cp = self._store.peek()
+            cp = self.ledger.store.peek()
         except (ValueError, OSError):
             return 0
         return 0 if cp is None else sum(1 for r in cp.claims.values() if r.phase == ClaimPhase.PREPARE_COMPLETED)
 
     def prepared_claims(self) -> list[ClaimRecord]:
-        with self._lock.held():
-            return list(self._load().claims.values())
+        return list(self.ledger.read().claims.values())
 
     def apply_layout(self, view: NodeView, desired: SharingLayout) -> tuple[NodeView, set[str]]:
         """Switch to a new inventory/plan, keeping GPUs with prepared claims in their current form.
 
         Returns the view now in force and the GPUs whose change was deferred. Plan time slices
-        are applied or reset here, when the plan changes, not at prepare.
+        are applied or reset here, when the plan changes, not at prepare: each under its GPU's
+        lock after the node lock is released; a GPU that stays busy is left to the next rescan.
         """
-        with self._lock.held():
-            cp = self._load()
+        with self.node_lock.held():
+            cp = self.ledger.load_locked()
             busy = {uuid for rec in cp.claims.values() for uuid in rec.gpu_uuids}
             effective, deferred = merge_layout(self.view.layout, desired, busy)
             new_view = make_view(view.inventory, effective)
-            before = (dict(cp.layout), dict(cp.plan_timeslices))
-            self.sharing.apply_plan_timeslices(cp, effective)
-            cp.layout = dict(effective)
-            if (cp.layout, cp.plan_timeslices) != before:  # rescans mostly change nothing: no write then
-                self._save(cp)
-            with self._view_mutex:
-                self._view = new_view
+            if cp.layout != effective:  # rescans mostly change nothing: no write then
+                cp.layout = dict(effective)
+                self.ledger.store.save(cp)
+            self.set_view(new_view)
         for uuid in sorted(deferred):
             log.warning("sharing plan change for this GPU deferred until its prepared claims are gone",
                         extra={"gpu_uuid": uuid})
+        self._apply_plan_timeslices(effective)
         return new_view, deferred
+
+    def _apply_plan_timeslices(self, layout: SharingLayout) -> None:
+        desired = {uuid: s.interval or "Default" for uuid, s in layout.items() if s.strategy == "TimeSlicing"}
+        recorded = self.ledger.read().plan_timeslices
+        for uuid in sorted(set(recorded) | set(desired)):
+            if recorded.get(uuid) == desired.get(uuid):
+                continue
+            try:
+                with self.gpu_locks.held([uuid], RESCAN_GPU_WAIT, "changing the plan's time slice"):
+                    self.sharing.set_plan_timeslice(uuid, desired.get(uuid))
+            except GpuBusy as exc:
+                log.info("plan time slice left to the next rescan", extra={"gpu_uuid": uuid, "reason": str(exc)})
 
     # ----------------------------------------------------------------------------- prepare
 
-    def prepare(self, claim: ResourceClaim) -> list[PreparedDevice]:
+    def prepare(self, claim: ResourceClaim, deadline: Deadline | None = None) -> list[PreparedDevice]:
+        deadline = deadline or Deadline.after(DEFAULT_PREPARE_DEADLINE)
         uid = claim.metadata.uid
-        results = claim.results_for(self.driver_name)
-        if not results:
-            return []
-        with self._lock.held():
-            # Resolved under the lock: a rescan changes the published form of a GPU under the same
-            # lock, so a device cannot change form between its resolution and its preparation.
-            view = self.view
-            targets = [self._target_for(r, view) for r in results]
-            kinds = {id(r): t.kind for r, t in zip(results, targets, strict=True)}
-            try:
-                groups = group_by_config(resolve_configs(claim.configs_for(self.driver_name), results,
-                                                         lambda r: kinds[id(r)]))
-            except ConfigError as exc:
-                raise PrepareError(f"invalid opaque configuration: {exc}") from exc
-            self._check_share_multiplicity(targets)
-            daemons = daemons_needed(uid, targets, groups)
-            self._check_one_mps_daemon(daemons)
-
-            cp = self._load()
-            existing = cp.claims.get(uid)
-            if existing is not None and existing.phase == ClaimPhase.PREPARE_COMPLETED:
-                try:
-                    self._ensure_claim_runtime(existing, cp)
-                except Exception as exc:
-                    raise _user_error(exc) from exc
-                finally:
-                    self._save(cp)
-                return [d.device for d in existing.devices]
-            if existing is not None:
-                log.info("rolling back an interrupted prepare before retrying it", extra={"claim_uid": uid})
-                self._undo(existing, cp)
-                del cp.claims[uid]
-            self._check_overlap(cp, uid, targets)
-
-            record = ClaimRecord(uid=uid, namespace=claim.metadata.namespace, name=claim.metadata.name,
-                                 phase=ClaimPhase.PREPARE_STARTED, cdi_spec_file=self.names.spec_file_name(uid),
-                                 updated_at=_now())
-            for result, target in zip(results, targets, strict=True):
-                record.devices.append(self._device_record(uid, result, target))
-            cp.claims[uid] = record
-            if daemons or _sets_time_slice(targets, groups):
-                # The intent is durable before a side effect that outlives the process. A claim
-                # whose only side effect is its CDI spec skips this write: a spec without a
-                # checkpoint entry is removed as an orphan at the next start.
-                self._save(cp)
-
-            try:
-                self.sharing.start_for_claim(record, cp, targets, groups)
-                self._write_cdi(record, cp)
-                record.phase = ClaimPhase.PREPARE_COMPLETED
-                record.updated_at = _now()
-                self._save(cp)
-            except Exception as exc:
-                self._roll_back_failed_prepare(record, cp)
-                raise _user_error(exc) from exc
-            return [d.device for d in record.devices]
-
-    def _roll_back_failed_prepare(self, record: ClaimRecord, cp: Checkpoint) -> None:
         try:
-            self._undo(record, cp)
+            for _ in range(_RESERVE_ATTEMPTS):
+                plan, gpus = self._plan(claim)
+                if plan is None:
+                    return []
+                with self.gpu_locks.held(gpus, deadline.remaining(), f"preparing claim {uid}"):
+                    devices = self._prepare_holding(claim, gpus, deadline)
+                if devices is not None:
+                    return devices
+        except (GpuBusy, LockTimeout, DeadlineExceeded) as exc:
+            raise PrepareError(f"{exc}; nothing was left prepared, the kubelet will retry") from exc
+        raise PrepareError("the claim's devices changed form while it was being prepared; the kubelet will retry")
+
+    def _plan(self, claim: ResourceClaim) -> tuple[ClaimPlan | None, list[str]]:
+        """The plan against the view in force, and the GPUs to lock (the plan's and a previous attempt's)."""
+        with self.node_lock.held():
+            plan = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name, view=self.view,
+                              multi_user=self.mps_multi_user)
+            existing = self.ledger.load_locked(shared=True).claims.get(claim.metadata.uid)
+        gpus = set(plan.gpu_uuids if plan else []) | (existing.gpu_uuids if existing else set())
+        return plan, sorted(gpus)
+
+    def _prepare_holding(self, claim: ResourceClaim, gpus: list[str],
+                         deadline: Deadline) -> list[PreparedDevice] | None:
+        """Prepare with ``gpus`` locked; None if the plan no longer matches them (the caller plans again)."""
+        uid = claim.metadata.uid
+        deadline.check("reserving the claim's devices")
+        with self.node_lock.held():
+            # Planned and reserved in one node-lock section: a rescan changes the published form of
+            # a GPU under the same lock, so a device cannot change form between the two.
+            plan = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name, view=self.view,
+                              multi_user=self.mps_multi_user)
+            cp = self.ledger.load_locked()
+            existing = cp.claims.get(uid)
+            if plan is None or sorted(set(plan.gpu_uuids) | (existing.gpu_uuids if existing else set())) != gpus:
+                return None
+            record: ClaimRecord | None = None
+            if existing is None:
+                _check_overlap(cp, plan)
+                record = self._started_record(plan)
+                cp.claims[uid] = record
+                self.ledger.store.save(cp)  # the intent is durable before any side effect
+        if existing is not None and existing.phase == ClaimPhase.PREPARE_COMPLETED:
+            try:
+                self.ensure_claim_runtime(existing)
+            except Exception as exc:
+                raise _user_error(exc) from exc
+            return [d.device for d in existing.devices]
+        if existing is not None:
+            log.info("rolling back an interrupted prepare before retrying it", extra={"claim_uid": uid})
+            self.undo(existing)
+            self.ledger.commit(lambda c: c.claims.pop(uid, None))
+            return None
+        assert record is not None
+        try:
+            self.sharing.start_for_claim(plan, deadline)
+            deadline.check("writing the CDI spec")
+            self.write_cdi(record, self.ledger.read())
+            deadline.check("recording the prepared claim")
+            self.ledger.commit(lambda c: _complete(c, uid))
+        except Exception as exc:
+            self._roll_back_failed_prepare(record)
+            raise _user_error(exc) from exc
+        return [d.device for d in record.devices]
+
+    def _started_record(self, plan: ClaimPlan) -> ClaimRecord:
+        uid = plan.uid
+        record = ClaimRecord(uid=uid, namespace=plan.namespace, name=plan.name, phase=ClaimPhase.PREPARE_STARTED,
+                             cdi_spec_file=self.names.spec_file_name(uid), updated_at=now())
+        daemon_of = {name: d.daemon_id for d in plan.daemons for name in d.device_names}
+        for result, target in zip(plan.results, plan.targets, strict=True):
+            device = PreparedDevice(request_names=[result.base_request], pool_name=self.pool_name,
+                                    device_name=target.name, cdi_device_ids=[self.names.device_id(uid, target.name)],
+                                    share_id=result.share_id)
+            mig = target.mig
+            record.devices.append(PreparedDeviceRecord(
+                device=device, kind=target.kind, gpu_uuid=target.gpu.uuid, gpu_minor=target.gpu.minor,
+                mig_uuid=mig.uuid if mig else None, mig_gi_id=mig.gi_id if mig else None,
+                mig_ci_id=mig.ci_id if mig else None, mps_daemon_id=daemon_of.get(target.name)))
+        for daemon in plan.daemons:
+            (record.shared_mps_daemons if daemon.shared else record.owned_mps_daemons).append(daemon.daemon_id)
+            record.exclusive_gpus.extend(g for g in daemon.exclusive_gpus if g not in record.exclusive_gpus)
+        if plan.timeslice is not None:
+            record.timeslice = TimeSliceRecord(gpu_uuids=list(plan.timeslice.gpu_uuids),
+                                               interval=plan.timeslice.interval)
+        return record
+
+    def _roll_back_failed_prepare(self, record: ClaimRecord) -> None:
+        try:
+            self.undo(record)
         except Exception:
             # Keep the PrepareStarted record: the next prepare of this claim, or the next start,
             # retries the rollback. The user still gets the original error.
             log.exception("rolling back a failed prepare failed too; it is retried later",
                           extra={"claim_uid": record.uid})
-        else:
-            cp.claims.pop(record.uid, None)
-        self._save(cp)
+            return
+        self.ledger.commit(lambda c: c.claims.pop(record.uid, None))
 
-    @staticmethod
-    def _check_one_mps_daemon(needed: list[str]) -> None:
-        if len(needed) > 1:
-            raise PrepareError(
-                f"the claim's devices would be served by {len(needed)} MPS daemons, but a container reaches only "
-                f"one (its {MPS_CONTAINER_PIPE_DIR}). Ask for MPS shares of one GPU only, or put all whole GPUs of "
-                "the claim under one GpuConfig with sharing.strategy MPS (one daemon serves them all)")
-
-    def _target_for(self, result: DeviceRequestAllocationResult, view: NodeView) -> DeviceTarget:
-        if result.pool != self.pool_name:
-            raise PrepareError(f"device {result.device!r} was allocated from pool {result.pool!r}, but this node's "
-                               f"pool is {self.pool_name!r}; the claim belongs to another node")
-        target = view.targets.get(result.device)
-        if target is None:
-            known = ", ".join(sorted(view.targets)) or "none"
-            raise PrepareError(
-                f"device {result.device!r} is not published by this node (published: {known}). The allocation is "
-                "stale (the GPU or the sharing plan changed); delete the pod so its claim is allocated again")
-        return target
-
-    @staticmethod
-    def _check_share_multiplicity(targets: list[DeviceTarget]) -> None:
-        by_gpu: dict[str, list[DeviceTarget]] = {}
-        for t in targets:
-            if t.shares is not None and not t.shares.allow_multiple_shares_per_claim:
-                by_gpu.setdefault(t.gpu.uuid, []).append(t)
-        for group in by_gpu.values():
-            if len(group) > 1:
-                names = ", ".join(t.name for t in group)
-                raise PrepareError(
-                    f"the claim holds {len(group)} shares of one GPU ({names}); shares of the same GPU in one claim "
-                    "add no capacity (every process still gets one share's limits). Ask for one share, or for a whole "
-                    "GPU (DeviceClass gpu.tessera.dev) with GpuConfig.sharing to choose your own limits; the node "
-                    "operator can allow this with allowMultipleSharesPerClaim in the sharing plan")
-
-    @staticmethod
-    def _check_overlap(cp: Checkpoint, uid: str, targets: list[DeviceTarget]) -> None:
-        for other in cp.claims.values():
-            if other.uid == uid:
-                continue
-            taken = {d.device.device_name for d in other.devices}
-            for t in targets:
-                if t.name in taken:
-                    raise PrepareError(
-                        f"device {t.name!r} is already prepared for claim {other.namespace}/{other.name} "
-                        f"({other.uid}); the allocation is stale, delete the pod so its claim is allocated again")
-
-    def _device_record(self, uid: str, result: DeviceRequestAllocationResult,
-                       target: DeviceTarget) -> PreparedDeviceRecord:
-        device = PreparedDevice(
-            request_names=[result.base_request],
-            pool_name=self.pool_name,
-            device_name=target.name,
-            cdi_device_ids=[self.names.device_id(uid, target.name)],
-            share_id=result.share_id,
-        )
-        mig = target.mig
-        return PreparedDeviceRecord(
-            device=device, kind=target.kind, gpu_uuid=target.gpu.uuid, gpu_minor=target.gpu.minor,
-            mig_uuid=mig.uuid if mig else None, mig_gi_id=mig.gi_id if mig else None,
-            mig_ci_id=mig.ci_id if mig else None)
-
-    def _write_cdi(self, record: ClaimRecord, cp: Checkpoint) -> None:
+    def write_cdi(self, record: ClaimRecord, cp: Checkpoint) -> None:
         spec = claim_spec(self.cdi_sources, record, cp.mps_daemons, cp.layout)
         cdi.write_spec(self.paths.cdi_root, record.cdi_spec_file, spec)
+
+    def ensure_claim_runtime(self, record: ClaimRecord) -> tuple[bool, list[str]]:
+        """Make a completed claim whole again: its daemons running and its CDI spec on disk."""
+        restarted = self.sharing.ensure_claim_daemons(record)
+        recreated = False
+        if restarted or not (self.paths.cdi_root / record.cdi_spec_file).exists():
+            self.write_cdi(record, self.ledger.read())
+            recreated = True
+        return recreated, restarted
 
     # ----------------------------------------------------------------------------- unprepare
 
     def unprepare(self, ref: ClaimRef) -> None:
-        with self._lock.held():
-            cp = self._load()
-            record = cp.claims.get(ref.uid)
-            if record is None:
-                # Never prepared here, or already unprepared: still make sure no spec is left.
-                cdi.remove_spec(self.paths.cdi_root, self.names.spec_file_name(ref.uid))
+        record = self.ledger.read().claims.get(ref.uid)
+        if record is None:
+            # Never prepared here, or already unprepared: still make sure no spec is left.
+            cdi.remove_spec(self.paths.cdi_root, self.names.spec_file_name(ref.uid))
+            return
+        with self.gpu_locks.held(record.gpu_uuids, UNPREPARE_GPU_WAIT, f"unpreparing claim {ref.uid}"):
+            current = self.ledger.read().claims.get(ref.uid)
+            if current is None:
                 return
-            self._undo(record, cp)
-            del cp.claims[ref.uid]
-            self._save(cp)
+            self.undo(current)
+            self.ledger.commit(lambda c: c.claims.pop(ref.uid, None))
 
-    def _undo(self, record: ClaimRecord, cp: Checkpoint) -> None:
-        """Reverse everything ``record`` may have done; each step is idempotent."""
+    def undo(self, record: ClaimRecord) -> None:
+        """Reverse everything ``record`` may have done; each step is idempotent. GPU locks held."""
         cdi.remove_spec(self.paths.cdi_root, record.cdi_spec_file)
-        self.sharing.release_claim(record, cp)
+        self.sharing.release_claim(record)
 
-    # ----------------------------------------------------------------------------- recovery
-
-    def _ensure_claim_runtime(self, record: ClaimRecord, cp: Checkpoint) -> tuple[bool, list[str]]:
-        """Make a completed claim whole again: its daemons running and its CDI spec on disk."""
-        restarted = self.sharing.ensure_claim_daemons(record, cp)
-        spec_path = self.paths.cdi_root / record.cdi_spec_file
-        recreated = False
-        if restarted or not spec_path.exists():
-            self._write_cdi(record, cp)
-            recreated = True
-        return recreated, restarted
-
-    def recover(self) -> RecoveryReport:
-        """Run once at start: finish or roll back what a crash or reboot interrupted.
-
-        Best effort per item: one stuck daemon or one failing GPU is logged and retried later, it
-        never keeps the driver from serving the node.
-        """
-        report = RecoveryReport([], [], [], [])
-        with self._lock.held():
-            try:
-                cp = self._store.load()
-            except CheckpointCorrupt:
-                cp = rebuild_checkpoint(self.paths.cdi_root, self.names, self.pool_name, _now())
-                report.rebuilt_from_cdi = True
-            # Publish what the previous process published until apply_layout decides otherwise.
-            inventory = self.view.inventory
-            present = {g.uuid for g in inventory.gpus}
-            with self._view_mutex:
-                self._view = make_view(inventory, {u: s for u, s in cp.layout.items() if u in present})
-            boot_id = current_boot_id()
-            if cp.boot_id is not None and boot_id is not None and boot_id != cp.boot_id:
-                log.info("the node rebooted since the last run; re-applying GPU settings")
-                self.sharing.after_reboot(cp)
-            for record in [r for r in cp.claims.values() if r.phase == ClaimPhase.PREPARE_STARTED]:
-                try:
-                    self._undo(record, cp)
-                except Exception:
-                    log.exception("rolling back an interrupted prepare failed; retried at the next start",
-                                  extra={"claim_uid": record.uid})
-                    continue
-                del cp.claims[record.uid]
-                report.rolled_back.append(record.uid)
-            for record in cp.claims.values():
-                if record.phase != ClaimPhase.PREPARE_COMPLETED:
-                    continue
-                try:
-                    recreated, restarted = self._ensure_claim_runtime(record, cp)
-                except Exception:
-                    log.exception("could not restore a prepared claim; its containers may fail to start",
-                                  extra={"claim_uid": record.uid})
-                    continue
-                if recreated:
-                    report.cdi_recreated.append(record.uid)
-                report.daemons_restarted.extend(restarted)
-            report.orphans_removed.extend(self.sharing.sweep_orphans(cp))
-            report.orphans_removed.extend(self._remove_orphan_specs(cp))
-            cp.boot_id = boot_id
-            self._save(cp)
-        log.info("state recovered", extra={"rolled_back": report.rolled_back, "cdi_recreated": report.cdi_recreated,
-                                           "daemons_restarted": report.daemons_restarted,
-                                           "orphans_removed": report.orphans_removed,
-                                           "rebuilt_from_cdi": report.rebuilt_from_cdi})
-        return report
-
-    def _remove_orphan_specs(self, cp: Checkpoint) -> list[str]:
-        removed: list[str] = []
-        known_files = {r.cdi_spec_file for r in cp.claims.values()}
-        for path in cdi.list_specs(self.paths.cdi_root, self.names.spec_prefix):
-            if path.name not in known_files:
-                cdi.remove_spec(self.paths.cdi_root, path.name)
-                removed.append(f"cdi spec {path.name}")
-        # Temporary files of writes a crash interrupted (runtimes ignore them, nothing else removes them).
-        for pattern in (f".{self.names.spec_prefix}*.tmp",):
-            for tmp in self.paths.cdi_root.glob(pattern):
-                tmp.unlink(missing_ok=True)
-                removed.append(f"temporary file {tmp.name}")
-        for tmp in self.paths.state_dir.glob(".checkpoint.json.*.tmp"):
-            tmp.unlink(missing_ok=True)
-            removed.append(f"temporary file {tmp.name}")
-        return removed
+    # ----------------------------------------------------------------------------- rescans
 
     def check_daemons(self) -> list[str]:
-        """Restart MPS daemons that died since the last check (called on every rescan)."""
-        with self._lock.held():
-            cp = self._load()
-            if not cp.mps_daemons:
-                return []
-            restarted = self.sharing.check_daemons(cp)
-            if not restarted:
-                return []
-            for record in cp.claims.values():
-                if set(restarted) & {*record.owned_mps_daemons, *record.shared_mps_daemons}:
-                    try:
-                        self._write_cdi(record, cp)
-                    except Exception:
-                        log.exception("could not rewrite the CDI spec after restarting its MPS daemon",
-                                      extra={"claim_uid": record.uid})
-            self._save(cp)
+        """Restart MPS daemons that died since the last check (called on every rescan), each under its
+        GPUs' locks; a GPU busy with a prepare is checked at the next rescan."""
+        cp = self.ledger.read()
+        restarted: list[str] = []
+        for daemon_id in sorted(cp.mps_daemons):
+            users = [r for r in cp.claims.values() if daemon_id in (*r.owned_mps_daemons, *r.shared_mps_daemons)]
+            gpus = sorted({g for r in users for g in r.gpu_uuids})
+            if not gpus:
+                continue  # an orphan: stopped at the next start
+            try:
+                with self.gpu_locks.held(gpus, RESCAN_GPU_WAIT, f"checking MPS daemon {daemon_id}"):
+                    if not self.sharing.check_daemon(daemon_id):
+                        continue
+                    restarted.append(daemon_id)
+                    current = self.ledger.read()
+                    for record in current.claims.values():
+                        if daemon_id in (*record.owned_mps_daemons, *record.shared_mps_daemons):
+                            self.write_cdi(record, current)
+            except Exception as exc:
+                log.error("checking an MPS daemon failed; retried at the next rescan",
+                          extra={"daemon_id": daemon_id, "reason": str(exc)})
         if restarted:
             log.warning("restarted MPS daemons that had died; their clients must reconnect",
                         extra={"daemons": restarted})
         return restarted
 
-    # ----------------------------------------------------------------------------- persistence
-
-    def _load(self) -> Checkpoint:
-        try:
-            return self._store.load()
-        except CheckpointCorrupt:
-            cp = rebuild_checkpoint(self.paths.cdi_root, self.names, self.pool_name, _now())
-            self._save(cp)
-            return cp
-
-    def _save(self, cp: Checkpoint) -> None:
-        self._store.save(cp)
+    def recover(self) -> RecoveryReport:
+        """Run once at start: finish or roll back what a crash or reboot interrupted (``recovery.py``)."""
+        return recover(self)
 
 
-def _sets_time_slice(targets: list[DeviceTarget], groups: ConfigGroups) -> bool:
-    by_name = {t.name: t for t in targets}
-    return any(config.sharing is not None and config.sharing.strategy == "TimeSlicing"
-               and any(by_name[r.device].kind == "gpu" for r in results) for config, results in groups)
+def _check_overlap(cp: Checkpoint, plan: ClaimPlan) -> None:
+    for other in cp.claims.values():
+        if other.uid == plan.uid:
+            continue
+        taken = {d.device.device_name for d in other.devices}
+        for t in plan.targets:
+            if t.name in taken:
+                raise PrepareError(
+                    f"device {t.name!r} is already prepared for claim {other.namespace}/{other.name} "
+                    f"({other.uid}); the allocation is stale, delete the pod so its claim is allocated again")
+
+
+def _complete(cp: Checkpoint, uid: str) -> None:
+    record = cp.claims[uid]
+    record.phase = ClaimPhase.PREPARE_COMPLETED
+    record.updated_at = now()
 
 
 def _user_error(exc: Exception) -> Exception:
     """The error the kubelet shows the user: known failures keep their own message."""
     if isinstance(exc, PrepareError):
         return exc
-    if isinstance(exc, MpsError | TimeSliceError | HostFsError | ConfigError | LockTimeout):
+    if isinstance(exc, DeadlineExceeded):
+        return PrepareError(f"{exc}; the claim's work was rolled back, the kubelet will retry")
+    if isinstance(exc, MpsError | TimeSliceError | ComputeModeError | HostFsError | ConfigError | LockTimeout
+                  | GpuBusy):
         return PrepareError(str(exc))
     return exc

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from driver.gpu.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
 from driver.gpu.sharing import TIMESLICE_VALUES, TimeSliceInterval
+from driver.kubeletplugin.types import Deadline
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,11 @@ class TimeSlicer:
         self.driver_root = driver_root
         self.timeout = timeout
 
-    def apply(self, gpu_uuids: Sequence[str], interval: TimeSliceInterval) -> None:
-        """Set compute mode DEFAULT and the time slice on every GPU, or on none of them."""
+    def apply(self, gpu_uuids: Sequence[str], interval: TimeSliceInterval, deadline: Deadline | None = None) -> None:
+        """Set compute mode DEFAULT and the time slice on every GPU, or on none of them.
+
+        ``deadline`` shortens each call's timeout to the time left; the rollback is not shortened.
+        """
         if interval not in TIMESLICE_VALUES:
             raise TimeSliceError(f"time-slice interval {interval!r} is not one of {', '.join(TIMESLICE_VALUES)}")
         uuids = _checked_gpu_uuids(gpu_uuids)
@@ -41,8 +45,8 @@ class TimeSlicer:
         for uuid in uuids:
             try:
                 # NVIDIA's driver does the same: EXCLUSIVE_PROCESS (left by MPS) would defeat sharing.
-                self._run("-i", uuid, "-c", "DEFAULT")
-                self._run("compute-policy", "-i", uuid, "--set-timeslice", str(TIMESLICE_VALUES[interval]))
+                self._run(deadline, "-i", uuid, "-c", "DEFAULT")
+                self._run(deadline, "compute-policy", "-i", uuid, "--set-timeslice", str(TIMESLICE_VALUES[interval]))
             except TimeSliceError as exc:
                 rollback = self._reset_each(applied)
                 note = f"; rolled back {', '.join(applied)} to Default" if applied else ""
@@ -68,15 +72,18 @@ class TimeSlicer:
                 ("-i", uuid, "-c", "DEFAULT"),
             ):
                 try:
-                    self._run(*args)
+                    self._run(None, *args)
                 except TimeSliceError as exc:
                     problems.append(f"{uuid}: {exc}")
         return problems
 
-    def _run(self, *args: str) -> None:
+    def _run(self, deadline: Deadline | None, *args: str) -> None:
+        timeout = self.timeout if deadline is None else deadline.bound(self.timeout)
+        if timeout <= 0:
+            raise TimeSliceError(f"no time left to run nvidia-smi {' '.join(args)}")
         try:
             binary = find_binary(self.driver_root, NVIDIA_SMI)
-            run_binary([str(binary), *args], env=driver_env(self.driver_root), timeout=self.timeout)
+            run_binary([str(binary), *args], env=driver_env(self.driver_root), timeout=timeout)
         except (BinaryNotFound, BinaryFailed) as exc:
             raise TimeSliceError(str(exc)) from exc
 

@@ -18,12 +18,9 @@ from typing import Any
 import urllib3
 from kubernetes import client, config
 
-log = logging.getLogger(__name__)
+from driver.kubeletplugin.slicelimits import FALLBACK_MINOR_VERSION
 
-# Assumed when the server's version cannot be read: the oldest supported release. Its limits are
-# the strictest on taints per device (4) and taint effects, but not on devices per slice: from
-# 1.35 a slice with a tainted device holds at most 64 devices, on 1.34 it may hold 128.
-FALLBACK_MINOR_VERSION = 34
+log = logging.getLogger(__name__)
 
 _AUTH_SETTINGS = ["BearerToken"]
 _MINOR = re.compile(r"[0-9]+")

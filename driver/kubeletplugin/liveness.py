@@ -18,8 +18,10 @@ connection is gone. It does catch the plugin-side half (a deleted socket or a de
 
 from __future__ import annotations
 
+import logging
 import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -33,6 +35,8 @@ from driver.kubeletplugin.api import (
     pluginregistration_v1_pb2_grpc,
 )
 from driver.kubeletplugin.registration import DRA_PLUGIN_TYPE
+
+log = logging.getLogger(__name__)
 
 # Per call: both calls together stay under the probe's usual 5 s timeout.
 DEFAULT_TIMEOUT_S = 2.0
@@ -63,14 +67,16 @@ def check_plugin(plugin: LivenessTarget, timeout: float = DEFAULT_TIMEOUT_S,
 
     The registration socket is always called (it has its own worker pool). The DRA socket is
     called only when no call is in flight, or none started or finished within ``progress_window_s``.
+    ``detail`` names no host path: it is served on the HTTP port. A failure is logged with the paths.
     """
-    registration, dra = plugin.registration_socket, plugin.dra_socket
+    registration = _Socket("registration", plugin.registration_socket, show_path=False)
+    dra = _Socket("DRA", plugin.dra_socket, show_path=False)
     try:
         _check_files(registration, dra)
         _check_registration(registration, plugin.driver_name, timeout)
         activity = plugin.dra_activity()
         if activity.in_flight > 0 and activity.seconds_since_progress < progress_window_s:
-            return True, (f"registration socket {registration} answers; DRA socket {dra} busy: "
+            return True, (f"{registration} answers; {dra} busy: "
                           f"{activity.in_flight} calls in flight, last progress "
                           f"{activity.seconds_since_progress:.1f}s ago")
         try:
@@ -81,62 +87,76 @@ def check_plugin(plugin: LivenessTarget, timeout: float = DEFAULT_TIMEOUT_S,
                                      f"{activity.seconds_since_progress:.1f}s)") from problem
             raise
     except _SocketProblem as problem:
+        log.warning("liveness check failed", extra={"problem": str(problem),
+                                                    "registration_socket": str(registration.path),
+                                                    "dra_socket": str(dra.path)})
         return False, str(problem)
-    return True, f"registration socket {registration} and DRA socket {dra} answer"
+    return True, f"{registration} and {dra} answer"
 
 
 def check_sockets(registration_socket: Path, dra_socket: Path, driver_name: str,
                   timeout: float = DEFAULT_TIMEOUT_S) -> tuple[bool, str]:
-    """(ok, detail): whether both sockets answer like a registered DRA plugin should.
+    """(ok, detail): whether both sockets answer like a registered DRA plugin should; ``detail`` names the paths.
 
     Always makes the DRA call, so under load it can time out behind the kubelet's calls; a
     process serving the plugin itself should use :func:`check_plugin`.
     """
+    registration = _Socket("registration", registration_socket, show_path=True)
+    dra = _Socket("DRA", dra_socket, show_path=True)
     try:
-        _check_files(registration_socket, dra_socket)
-        _check_registration(registration_socket, driver_name, timeout)
-        _check_dra(dra_socket, timeout)
+        _check_files(registration, dra)
+        _check_registration(registration, driver_name, timeout)
+        _check_dra(dra, timeout)
     except _SocketProblem as problem:
         return False, str(problem)
-    return True, f"registration socket {registration_socket} and DRA socket {dra_socket} answer"
+    return True, f"{registration} and {dra} answer"
 
 
 class _SocketProblem(Exception):
     """What is wrong with one socket, worded for the probe's output."""
 
 
-def _check_files(registration_socket: Path, dra_socket: Path) -> None:
-    for label, path in (("registration", registration_socket), ("DRA", dra_socket)):
-        problem = _socket_file_problem(path)
+@dataclass(frozen=True)
+class _Socket:
+    label: str
+    path: Path
+    show_path: bool
+
+    def __str__(self) -> str:
+        return f"{self.label} socket {self.path}" if self.show_path else f"{self.label} socket"
+
+
+def _check_files(*sockets: _Socket) -> None:
+    for sock in sockets:
+        problem = _socket_file_problem(sock.path)
         if problem:
-            raise _SocketProblem(f"{label} socket {path}: {problem}")
+            raise _SocketProblem(f"{sock}: {problem}")
 
 
-def _check_registration(registration_socket: Path, driver_name: str, timeout: float) -> None:
-    info = _call("registration", registration_socket, "GetInfo",
+def _check_registration(registration: _Socket, driver_name: str, timeout: float) -> None:
+    info = _call(registration, "GetInfo",
                  lambda channel: pluginregistration_v1_pb2_grpc.RegistrationStub(channel).GetInfo(
                      pluginregistration_v1_pb2.InfoRequest(), timeout=timeout))
     if info.name != driver_name or info.type != DRA_PLUGIN_TYPE:
-        raise _SocketProblem(f"registration socket {registration_socket} belongs to {info.type} {info.name!r}, "
+        raise _SocketProblem(f"{registration} belongs to {info.type} {info.name!r}, "
                              f"expected {DRA_PLUGIN_TYPE} {driver_name!r}")
 
 
-def _check_dra(dra_socket: Path, timeout: float) -> None:
-    response = _call("DRA", dra_socket, "empty NodePrepareResources",
+def _check_dra(dra: _Socket, timeout: float) -> None:
+    response = _call(dra, "empty NodePrepareResources",
                      lambda channel: dra_v1_pb2_grpc.DRAPluginStub(channel).NodePrepareResources(
                          dra_v1_pb2.NodePrepareResourcesRequest(), timeout=timeout))
     if len(response.claims) != 0:
-        raise _SocketProblem(f"DRA socket {dra_socket}: empty NodePrepareResources answered "
-                             f"{len(response.claims)} claims")
+        raise _SocketProblem(f"{dra}: empty NodePrepareResources answered {len(response.claims)} claims")
 
 
-def _call(label: str, socket: Path, rpc: str, call: Callable[[grpc.Channel], T]) -> T:
-    """``call`` over a fresh channel to ``socket``, as the kubelet dials it; _SocketProblem if the RPC fails."""
+def _call(sock: _Socket, rpc: str, call: Callable[[grpc.Channel], T]) -> T:
+    """``call`` over a fresh channel to ``sock``, as the kubelet dials it; _SocketProblem if the RPC fails."""
     try:
-        with grpc.insecure_channel(f"unix://{socket}") as channel:
+        with grpc.insecure_channel(f"unix://{sock.path}") as channel:
             return call(channel)
     except grpc.RpcError as err:
-        raise _SocketProblem(f"{label} socket {socket}: {rpc} failed: {_rpc_error(err)}") from err
+        raise _SocketProblem(f"{sock}: {rpc} failed: {_rpc_error(err, sock)}") from err
 
 
 def _socket_file_problem(path: Path) -> str | None:
@@ -149,8 +169,13 @@ def _socket_file_problem(path: Path) -> str | None:
     return None if stat.S_ISSOCK(mode) else "exists but is not a socket"
 
 
-def _rpc_error(err: grpc.RpcError) -> str:
+def _rpc_error(err: grpc.RpcError, sock: _Socket) -> str:
     # grpc raises objects that are both RpcError and Call; RpcError alone declares no accessors.
     code = err.code() if isinstance(err, grpc.Call) else None
     details = err.details() if isinstance(err, grpc.Call) else str(err)
+    if not sock.show_path:
+        # gRPC's connection errors quote the target ("unix:/var/lib/kubelet/..."); keep it out.
+        details = (details or "").replace(f"unix://{sock.path}", "the socket").replace(f"unix:{sock.path}",
+                                                                                       "the socket")
+        details = details.replace(str(sock.path), "the socket")
     return f"{code.name if code is not None else 'UNKNOWN'}: {details}"

@@ -3,21 +3,33 @@
 During a rolling update two plugin pods serve the same node and share the state directory;
 ``flock`` on a file in that directory serialises their state changes. The in-process mutex
 keeps threads of one process from relying on flock semantics between their own descriptors.
+
+The lock file is opened without following a symlink and must be a regular file: the state
+directory is shared with the previous pod, and a planted link or FIFO must not make the driver
+lock (or block on) something else.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from driver.kubeletplugin.filemodes import PRIVATE_FILE_MODE, ensure_private_dir
+
 
 class LockTimeout(Exception):
     pass
+
+
+class LockFileError(OSError):
+    """The lock file cannot be used (a symlink or not a regular file); the message says which."""
 
 
 class NodeLock:
@@ -32,8 +44,8 @@ class NodeLock:
         if not self._mutex.acquire(timeout=self.timeout):
             raise LockTimeout(f"another operation in this driver held the node lock for over {self.timeout:.0f}s")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            ensure_private_dir(self.path.parent)
+            fd = _open_lock_file(self.path)
             try:
                 while True:
                     try:
@@ -53,3 +65,26 @@ class NodeLock:
                 os.close(fd)
         finally:
             self._mutex.release()
+
+
+def _open_lock_file(path: Path) -> int:
+    # O_NONBLOCK: opening a FIFO planted in place of the file must not hang; it is refused below.
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise LockFileError(errno.ELOOP, f"lock file {path} is a symlink; remove it (the driver "
+                                             "creates a regular file there)") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise LockFileError(errno.EINVAL, f"lock file {path} is not a regular file; remove it "
+                                              "(the driver creates a regular file there)")
+        if stat.S_IMODE(info.st_mode) != PRIVATE_FILE_MODE:
+            os.fchmod(fd, PRIVATE_FILE_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -21,11 +21,12 @@ import grpc
 
 from driver.kubeletplugin.activity import DraActivity
 from driver.kubeletplugin.api import pluginregistration_v1_pb2_grpc
-from driver.kubeletplugin.claims import ClaimSource
+from driver.kubeletplugin.claimfetch import ClaimSource
+from driver.kubeletplugin.filemodes import ensure_private_dir, restrict_socket
 from driver.kubeletplugin.registration import RegistrationServicer, RegistrationStatus
 from driver.kubeletplugin.service import ClaimBatch, add_dra_services
 from driver.kubeletplugin.telemetry import Telemetry
-from driver.kubeletplugin.types import DRADriver
+from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, DRADriver
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class KubeletPlugin:
         pod_uid: str | None = None,
         max_workers: int = 16,
         health_services: Sequence[str] = (),
+        prepare_deadline: float = DEFAULT_PREPARE_DEADLINE,
     ):
         _require_name("driver_name", driver_name)
         if pod_uid is not None:
@@ -66,7 +68,7 @@ class KubeletPlugin:
             if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
                 raise ValueError(f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow at most "
                                  f"{MAX_SOCKET_PATH_BYTES}: use shorter registrar_dir/plugin_dir")
-        self._batch = ClaimBatch(driver, claim_fetcher, telemetry)
+        self._batch = ClaimBatch(driver, claim_fetcher, telemetry, prepare_deadline=prepare_deadline)
         self._registration = RegistrationServicer(driver_name, str(self._dra_socket), on_registration_failed,
                                                   health_services=health_services)
         self._max_workers = max_workers
@@ -106,6 +108,9 @@ class KubeletPlugin:
                 raise RuntimeError("plugin already started")
             self._registration.registered.clear()  # a restarted plugin must be registered again
             try:
+                # The plugin dir is this driver's own (state, checkpoint, lock); the registrar dir is
+                # the kubelet's and keeps its mode.
+                ensure_private_dir(self._dra_socket.parent)
                 # The kubelet dials the DRA endpoint right after GetInfo, so it must already be served.
                 self._servers.append(_serve(self._dra_socket, self._max_workers,
                                             lambda server: add_dra_services(server, self._batch)))
@@ -159,6 +164,7 @@ def _serve(path: Path, workers: int, add_services: Callable[[grpc.Server], None]
         add_services(server)
         server.add_insecure_port(f"unix://{path}")
         server.start()
+        restrict_socket(path)
         st = path.stat()
     except BaseException:
         server.stop(0)

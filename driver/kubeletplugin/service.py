@@ -2,8 +2,11 @@
 
 The kubelet fails a whole pod setup when the RPC itself fails, so every claim of a request is
 answered individually: fetch errors, driver errors and driver exceptions all become that claim's
-``error``, and the RPC always succeeds. :class:`ClaimBatch` holds that version-neutral logic;
-the two servicers only translate protobuf messages.
+``error``, and the RPC always succeeds. Every prepare request gets one :class:`Deadline`: the
+kubelet's gRPC deadline less a margin to answer, capped by ``prepare_deadline`` (30 s), and tied
+to the call's liveness, so the driver stops and rolls back work the kubelet gave up on.
+:class:`ClaimBatch` holds that version-neutral logic; the two servicers only translate protobuf
+messages.
 """
 
 from __future__ import annotations
@@ -21,13 +24,16 @@ from driver.kubeletplugin.activity import CallActivity
 from driver.kubeletplugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
 from driver.kubeletplugin.claims import ClaimError, ClaimSource
 from driver.kubeletplugin.telemetry import Telemetry
-from driver.kubeletplugin.types import ClaimRef, DRADriver, PrepareResult
+from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, ClaimRef, Deadline, DRADriver, PrepareResult
 
 log = logging.getLogger(__name__)
 
 # Claims of one request are independent (DRADriver allows concurrent calls); a pod rarely has
 # more than a handful, so a small per-request pool is enough.
 MAX_PARALLEL_CLAIMS = 8
+
+# A kubelet deadline shorter than our own (DEFAULT_PREPARE_DEADLINE) wins, less this margin to reply.
+ANSWER_MARGIN = 1.0
 
 KUBELET_GAVE_UP = "the kubelet cancelled the call or its deadline passed before this claim was started; it will retry"
 
@@ -43,7 +49,11 @@ class ClaimBatch:
     """
 
     def __init__(self, driver: DRADriver, claims: ClaimSource, telemetry: Telemetry,
-                 max_parallel: int = MAX_PARALLEL_CLAIMS, activity: CallActivity | None = None):
+                 max_parallel: int = MAX_PARALLEL_CLAIMS, activity: CallActivity | None = None,
+                 prepare_deadline: float = DEFAULT_PREPARE_DEADLINE):
+        if prepare_deadline <= 0:
+            raise ValueError(f"prepare_deadline must be positive seconds, got {prepare_deadline!r}")
+        self._prepare_deadline = prepare_deadline
         self._driver = driver
         self._claims = claims
         self._telemetry = telemetry
@@ -54,10 +64,23 @@ class ClaimBatch:
     def activity(self) -> CallActivity:
         return self._activity
 
-    def prepare(self, refs: Sequence[ClaimRef], is_active: Callable[[], bool]) -> dict[str, PrepareResult]:
-        """Result per claim UID; a failed claim has ``error`` set and no devices."""
+    def deadline(self, is_active: Callable[[], bool], time_remaining: float | None) -> Deadline:
+        """The deadline of one request: ours, or the caller's (less a margin to answer) if sooner."""
+        seconds = self._prepare_deadline
+        if time_remaining is not None:
+            seconds = min(seconds, time_remaining - ANSWER_MARGIN)
+        return Deadline.after(seconds, is_active)
+
+    def prepare(self, refs: Sequence[ClaimRef], is_active: Callable[[], bool],
+                time_remaining: float | None = None) -> dict[str, PrepareResult]:
+        """Result per claim UID; a failed claim has ``error`` set and no devices.
+
+        ``time_remaining`` is the caller's deadline in seconds (gRPC ``context.time_remaining()``),
+        None without one. All claims of the request share one :class:`Deadline`.
+        """
+        deadline = self.deadline(is_active, time_remaining)
         with self._activity.track():
-            results = _map(lambda ref: self._prepare_one(ref, is_active), _unique(refs), self._max_parallel)
+            results = _map(lambda ref: self._prepare_one(ref, deadline), _unique(refs), self._max_parallel)
         return {ref.uid: result for ref, result in results}
 
     def unprepare(self, refs: Sequence[ClaimRef], is_active: Callable[[], bool]) -> dict[str, str | None]:
@@ -66,11 +89,11 @@ class ClaimBatch:
             results = _map(lambda ref: self._unprepare_one(ref, is_active), _unique(refs), self._max_parallel)
         return {ref.uid: error for ref, error in results}
 
-    def _prepare_one(self, ref: ClaimRef, is_active: Callable[[], bool]) -> tuple[ClaimRef, PrepareResult]:
+    def _prepare_one(self, ref: ClaimRef, deadline: Deadline) -> tuple[ClaimRef, PrepareResult]:
         start = time.monotonic()
         with self._telemetry.tracer.start_as_current_span("tessera.prepare_claim") as span:
             _describe_claim(span, ref)
-            result = self._run_prepare(ref, is_active)
+            result = self._run_prepare(ref, deadline)
             if result.error:
                 result = PrepareResult(error=result.error)
                 span.set_status(Status(StatusCode.ERROR, result.error))
@@ -82,8 +105,8 @@ class ClaimBatch:
         _log_outcome("prepare", ref, seconds, result.error, devices=len(result.devices))
         return ref, result
 
-    def _run_prepare(self, ref: ClaimRef, is_active: Callable[[], bool]) -> PrepareResult:
-        if not is_active():
+    def _run_prepare(self, ref: ClaimRef, deadline: Deadline) -> PrepareResult:
+        if deadline.expired():
             return PrepareResult(error=KUBELET_GAVE_UP)
         try:
             claim = self._claims.fetch(ref)
@@ -92,7 +115,7 @@ class ClaimBatch:
         except Exception as err:
             return PrepareResult(error=_unexpected("reading the claim", ref, err))
         try:
-            return self._driver.prepare_claim(claim)
+            return self._driver.prepare_claim(claim, deadline)
         except Exception as err:
             return PrepareResult(error=_unexpected("preparing the claim", ref, err))
 
@@ -127,7 +150,8 @@ class DRAPluginV1Servicer:
     def NodePrepareResources(self, request: dra_v1_pb2.NodePrepareResourcesRequest,
                              context: grpc.ServicerContext) -> dra_v1_pb2.NodePrepareResourcesResponse:
         response = dra_v1_pb2.NodePrepareResourcesResponse()
-        for uid, result in self._batch.prepare(_refs(request.claims), context.is_active).items():
+        for uid, result in self._batch.prepare(_refs(request.claims), context.is_active,
+                                               context.time_remaining()).items():
             entry = response.claims[uid]  # reading a map key creates the entry: the claim is answered
             if result.error:
                 entry.error = result.error
@@ -156,7 +180,8 @@ class DRAPluginV1Beta1Servicer:
     def NodePrepareResources(self, request: dra_v1beta1_pb2.NodePrepareResourcesRequest,
                              context: grpc.ServicerContext) -> dra_v1beta1_pb2.NodePrepareResourcesResponse:
         response = dra_v1beta1_pb2.NodePrepareResourcesResponse()
-        for uid, result in self._batch.prepare(_refs(request.claims), context.is_active).items():
+        for uid, result in self._batch.prepare(_refs(request.claims), context.is_active,
+                                               context.time_remaining()).items():
             entry = response.claims[uid]
             if result.error:
                 entry.error = result.error

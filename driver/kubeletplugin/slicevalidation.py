@@ -1,10 +1,10 @@
-"""Client-side checks of ResourceSlice content, and splitting a pool's devices into slices.
+"""Client-side checks of ResourceSlice content, before anything is sent.
 
 The API server rejects a slice that breaks its per-field rules, and it does not check rules
 that span slices (unique device names across a pool). The scheduler silently ignores a broken
 pool. So a publisher checks everything here first and reports every problem at once, naming
-the device and field. The rules and limits are those of ``k8s.io/api`` resource/v1 for
-Kubernetes 1.34 to 1.37 (see the resource-api reference, section 2).
+the device and field. The rules are those of ``k8s.io/api`` resource/v1 for Kubernetes 1.34
+to 1.37 (see the resource-api reference, section 2); the limits live in :mod:`.slicelimits`.
 
 Pure functions only: no I/O, no logging.
 """
@@ -13,27 +13,26 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
+from driver.kubeletplugin.slicelimits import (
+    MAX_ATTRIBUTE_ID_LENGTH,
+    MAX_DEVICE_NAME_LENGTH,
+    MAX_DRIVER_NAME_LENGTH,
+    MAX_POOL_NAME_LENGTH,
+    MAX_STRING_ATTRIBUTE_BYTES,
+    MAX_VERSION_ATTRIBUTE_LENGTH,
+    SliceLimits,
+)
 from driver.kubeletplugin.slicemodel import Device, DeviceAttribute
-
-OLDEST_SUPPORTED_MINOR = 34
-NEWEST_KNOWN_MINOR = 37
 
 # Every pattern is used with fullmatch (``$`` would also match before a trailing newline) and
 # spells digits [0-9] (``\d`` also matches non-ASCII digits such as "٣").
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_DNS_LABEL_MAX = 63
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 _DNS_SUBDOMAIN_MAX = 253
-_DRIVER_NAME_MAX = 63
-_POOL_NAME_MAX = 253
 _C_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_ATTRIBUTE_ID_MAX = 32
-_STRING_VALUE_MAX_BYTES = 64
-_VERSION_VALUE_MAX = 64
 # Semantic Versioning 2.0.0, the official grammar: no leading zeros, no "v" prefix.
 _SEMVER = re.compile(
     r"(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)"
@@ -55,46 +54,10 @@ _QUANTITY_SUFFIX_FACTORS: dict[str, Decimal] = {
 _LABEL_NAME_PART = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
 _LABEL_NAME_PART_MAX = 63
 _LABEL_VALUE_MAX = 63
-_TAINT_EFFECTS_1_34 = ("NoSchedule", "NoExecute")
-_TAINT_EFFECTS_1_35 = ("None", "NoSchedule", "NoExecute")
-_LIST_ATTRIBUTE_FIELDS = ("ints", "bools", "strings", "versions")
-
-
-@dataclass(frozen=True)
-class SliceLimits:
-    """Server-side limits of one Kubernetes minor release (resource-api reference, 2.3)."""
-
-    minor_version: int
-    max_devices_per_slice: int
-    # Lower cap that applies to a slice as soon as one of its devices uses a "heavy" feature.
-    max_devices_per_slice_restricted: int
-    taints_restrict_slice: bool
-    list_attributes_restrict_slice: bool
-    max_attributes_and_capacities: int
-    max_taints_per_device: int
-    taint_effects: tuple[str, ...]
-
-
-def limits_for(minor_version: int) -> SliceLimits:
-    """Limits for Kubernetes ``1.<minor_version>``; releases newer than 1.37 get the 1.37 limits."""
-    if minor_version < OLDEST_SUPPORTED_MINOR:
-        raise ValueError(
-            f"Kubernetes 1.{minor_version} is not supported: resource.k8s.io/v1 ResourceSlices "
-            f"need Kubernetes 1.{OLDEST_SUPPORTED_MINOR} or newer")
-    return SliceLimits(
-        minor_version=minor_version,
-        max_devices_per_slice=128,
-        max_devices_per_slice_restricted=64,
-        taints_restrict_slice=minor_version >= 35,
-        list_attributes_restrict_slice=minor_version >= 36,
-        max_attributes_and_capacities=32,
-        max_taints_per_device=4 if minor_version == 34 else 16,
-        taint_effects=_TAINT_EFFECTS_1_34 if minor_version == 34 else _TAINT_EFFECTS_1_35,
-    )
 
 
 def is_dns_label(value: str) -> bool:
-    return len(value) <= _DNS_LABEL_MAX and _DNS_LABEL.fullmatch(value) is not None
+    return len(value) <= MAX_DEVICE_NAME_LENGTH and _DNS_LABEL.fullmatch(value) is not None
 
 
 def is_dns_subdomain(value: str) -> bool:
@@ -121,15 +84,15 @@ def validate_driver_and_pool(driver_name: str, pool_name: str) -> list[str]:
     problems: list[str] = []
     if not driver_name:
         problems.append("driver name is required")
-    elif len(driver_name) > _DRIVER_NAME_MAX:
+    elif len(driver_name) > MAX_DRIVER_NAME_LENGTH:
         problems.append(
-            f'driver name "{driver_name}" is {len(driver_name)} characters, the limit is {_DRIVER_NAME_MAX}')
+            f'driver name "{driver_name}" is {len(driver_name)} characters, the limit is {MAX_DRIVER_NAME_LENGTH}')
     elif not is_dns_subdomain(driver_name.lower()):
         problems.append(f'driver name "{driver_name}" must be a DNS subdomain (e.g. "gpu.example.com")')
     if not pool_name:
         problems.append("pool name is required")
-    elif len(pool_name) > _POOL_NAME_MAX:
-        problems.append(f'pool name "{pool_name}" is {len(pool_name)} characters, the limit is {_POOL_NAME_MAX}')
+    elif len(pool_name) > MAX_POOL_NAME_LENGTH:
+        problems.append(f'pool name "{pool_name}" is {len(pool_name)} characters, the limit is {MAX_POOL_NAME_LENGTH}')
     else:
         for part in pool_name.split("/"):
             if not is_dns_subdomain(part):
@@ -206,16 +169,17 @@ def _qualified_name_problems(key: str) -> list[str]:
         domain, identifier = parts
         if not domain:
             problems.append("domain before '/' is empty")
-        elif len(domain) > _DRIVER_NAME_MAX:
-            problems.append(f"domain is {len(domain)} characters, the limit is {_DRIVER_NAME_MAX}")
+        elif len(domain) > MAX_DRIVER_NAME_LENGTH:
+            problems.append(f"domain is {len(domain)} characters, the limit is {MAX_DRIVER_NAME_LENGTH}")
         elif not is_dns_subdomain(domain.lower()):
             problems.append(f'domain "{domain}" must be a DNS subdomain')
     else:
         identifier = parts[0]
     if not identifier:
         problems.append("name is empty")
-    elif len(identifier) > _ATTRIBUTE_ID_MAX:
-        problems.append(f'identifier "{identifier}" is {len(identifier)} characters, the limit is {_ATTRIBUTE_ID_MAX}')
+    elif len(identifier) > MAX_ATTRIBUTE_ID_LENGTH:
+        problems.append(
+            f'identifier "{identifier}" is {len(identifier)} characters, the limit is {MAX_ATTRIBUTE_ID_LENGTH}')
     elif not _C_IDENTIFIER.fullmatch(identifier):
         problems.append(
             f'identifier "{identifier}" must be a C identifier (letters, digits and \'_\', not starting with a digit)')
@@ -236,11 +200,12 @@ def _duplicate_qualified_names(kind: str, keys: dict[str, Any], driver_name: str
 def _attribute_value_problems(attribute: DeviceAttribute) -> list[str]:
     if attribute.string is not None:
         size = len(attribute.string.encode("utf-8"))
-        if size > _STRING_VALUE_MAX_BYTES:
-            return [f"string value is {size} bytes, the limit is {_STRING_VALUE_MAX_BYTES}"]
+        if size > MAX_STRING_ATTRIBUTE_BYTES:
+            return [f"string value is {size} bytes, the limit is {MAX_STRING_ATTRIBUTE_BYTES}"]
     if attribute.version is not None:
-        if len(attribute.version) > _VERSION_VALUE_MAX:
-            return [f"version value is {len(attribute.version)} characters, the limit is {_VERSION_VALUE_MAX}"]
+        if len(attribute.version) > MAX_VERSION_ATTRIBUTE_LENGTH:
+            return [f"version value is {len(attribute.version)} characters, "
+                    f"the limit is {MAX_VERSION_ATTRIBUTE_LENGTH}"]
         if not _SEMVER.fullmatch(attribute.version):
             return [
                 f'version value "{attribute.version}" is not strict semantic versioning 2.0.0 '
@@ -264,36 +229,3 @@ def _label_name_problems(key: str) -> list[str]:
 
 def _is_label_value(value: str) -> bool:
     return value == "" or (len(value) <= _LABEL_VALUE_MAX and _LABEL_NAME_PART.fullmatch(value) is not None)
-
-
-def _restricts_slice(device: Device, limits: SliceLimits) -> bool:
-    """Whether this device lowers its slice's device cap (taints, counters, list attributes)."""
-    wire = device.to_wire()
-    if wire.get("consumesCounters"):
-        return limits.minor_version >= 35
-    if wire.get("taints") and limits.taints_restrict_slice:
-        return True
-    if limits.list_attributes_restrict_slice:
-        return any(
-            field in value for value in wire.get("attributes", {}).values() for field in _LIST_ATTRIBUTE_FIELDS)
-    return False
-
-
-def split_into_slices(devices: Sequence[Device], limits: SliceLimits) -> list[list[Device]]:
-    """Devices in order, each slice filled up to its cap; at least one (possibly empty) slice.
-
-    Slice order matters: the allocator tries slices in name order, so earlier devices stay in
-    earlier slices.
-    """
-    slices: list[list[Device]] = [[]]
-    restricted = False
-    for device in devices:
-        device_restricts = _restricts_slice(device, limits)
-        would_restrict = restricted or device_restricts
-        cap = limits.max_devices_per_slice_restricted if would_restrict else limits.max_devices_per_slice
-        if len(slices[-1]) + 1 > cap:
-            slices.append([])
-            would_restrict = device_restricts
-        slices[-1].append(device)
-        restricted = would_restrict
-    return slices

@@ -10,6 +10,7 @@ import errno
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -27,6 +28,10 @@ log = logging.getLogger(__name__)
 
 # A client that connects and then stalls holds a server thread until this passes.
 DEFAULT_CONNECTION_TIMEOUT_S = 10.0
+# How long a health route's answer is reused. Probes and scrapers may come often (or a flood of
+# requests from anything that can reach the port); each liveness check dials both gRPC sockets,
+# so at most one check runs per this interval whatever the request rate.
+DEFAULT_ROUTE_CACHE_S = 1.0
 # What binding an IPv6 socket fails with on a machine (or pod) without IPv6.
 _NO_IPV6_ERRNOS = frozenset({errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT})
 
@@ -38,7 +43,14 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 class Telemetry:
     """Tracer, meter instruments and the Prometheus registry of one plugin process."""
 
-    def __init__(self, service_name: str, metric_prefix: str, span_exporter: SpanExporter | None = None):
+    def __init__(self, service_name: str, metric_prefix: str, span_exporter: SpanExporter | None = None, *,
+                 scope: str | None = None):
+        """``service_name`` names the process in traces; metrics are ``<metric_prefix>_<name>``.
+
+        ``scope`` (default: ``metric_prefix``) names the tracer and meter and prefixes span names
+        and attributes (``<scope>.prepare_claim``), so the layer carries no driver's name.
+        """
+        self.scope = scope if scope is not None else metric_prefix
         resource = Resource.create({"service.name": service_name})
         self.registry = CollectorRegistry()
         self._reader = PrometheusMetricReader(prefix=metric_prefix, registry=self.registry)
@@ -50,8 +62,8 @@ class Telemetry:
         self._tracer_provider = TracerProvider(resource=resource)
         if span_exporter is not None:
             self.add_span_processor(SimpleSpanProcessor(span_exporter))
-        self.tracer: Tracer = self._tracer_provider.get_tracer("tessera")
-        meter = self._meter_provider.get_meter("tessera")
+        self.tracer: Tracer = self._tracer_provider.get_tracer(self.scope)
+        meter = self._meter_provider.get_meter(self.scope)
         self._meter = meter
         self.prepare_total = meter.create_counter(
             "prepare_claims", description="Claims prepared, by result (success or error)")
@@ -81,14 +93,18 @@ class Telemetry:
 
     def serve_metrics(self, host: str, port: int,
                       extra_routes: dict[str, Callable[[], tuple[int, str]]] | None = None, *,
-                      connection_timeout_s: float = DEFAULT_CONNECTION_TIMEOUT_S) -> int:
+                      connection_timeout_s: float = DEFAULT_CONNECTION_TIMEOUT_S,
+                      route_cache_s: float = DEFAULT_ROUTE_CACHE_S) -> int:
         """Serve ``/metrics`` (and any extra routes, e.g. ``/healthz``) in a daemon thread.
 
         ``host`` ``"::"`` listens on IPv6 and IPv4 alike, or on IPv4 only (``0.0.0.0``) where the
-        machine has no IPv6. A connection idle for ``connection_timeout_s`` is closed. Returns the
-        bound port (useful when ``port`` is 0).
+        machine has no IPv6. A connection idle for ``connection_timeout_s`` is closed. Each extra
+        route's answer is reused for ``route_cache_s`` (see :class:`CachedRoute`); their text is
+        sent as is, so it must not name host paths (the port is reachable from the pod network).
+        Returns the bound port
+        (useful when ``port`` is 0).
         """
-        routes = dict(extra_routes or {})
+        routes = {path: CachedRoute(route, route_cache_s) for path, route in (extra_routes or {}).items()}
         telemetry = self
 
         class _Handler(BaseHTTPRequestHandler):
@@ -129,6 +145,36 @@ class Telemetry:
             self._server = None
         self._meter_provider.shutdown()
         self._tracer_provider.shutdown()
+
+
+class CachedRoute:
+    """A route whose answer is computed at most once per ``ttl_s``, however many requests come.
+
+    Requests that arrive while the answer is being computed wait for it instead of starting
+    their own. A route that raises answers 500 without details (the exception is logged).
+    ``clock`` is injectable for tests.
+    """
+
+    def __init__(self, route: Callable[[], tuple[int, str]], ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self._route = route
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._answer: tuple[int, str] | None = None
+        self._at = 0.0
+
+    def __call__(self) -> tuple[int, str]:
+        with self._lock:
+            if self._answer is None or self._clock() - self._at >= self._ttl_s:
+                try:
+                    self._answer = self._route()
+                except Exception:
+                    # The exception may name host paths; the log is the place for them.
+                    log.exception("HTTP health route failed")
+                    self._answer = (500, "internal error; see the plugin log\n")
+                self._at = self._clock()
+            return self._answer
 
 
 class _DualStackHTTPServer(ThreadingHTTPServer):

@@ -2,8 +2,10 @@
 
 A real cluster's scheduler evaluates DeviceClass and request CEL selectors in full. This one
 understands only what the examples need (a DeviceClass of this driver, ``count``, and selectors
-that are conjunctions of ``device.attributes['<domain>'].<attr> == '<value>'``) and refuses
-anything else loudly rather than allocating something the real scheduler would not.
+that are conjunctions of ``device.attributes['<domain>'].<attr> == '<value>'``,
+``device.attributes['<domain>'].<attr>.startsWith('<prefix>')`` and
+``device.capacity['<domain>'].<name>.compareTo(quantity('<q>')) <op> 0``) and refuses anything else
+loudly rather than allocating something the real scheduler would not.
 """
 
 from __future__ import annotations
@@ -13,9 +15,17 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
+from driver.gpu.quantity import parse_quantity
+
 Obj = dict[str, Any]
 
 _EQUALITY = re.compile(r"""device\.attributes\['(?P<domain>[^']+)'\]\.(?P<attr>\w+)\s*==\s*['"](?P<value>[^'"]*)['"]""")
+_PREFIX = re.compile(r"""device\.attributes\['(?P<domain>[^']+)'\]\.(?P<attr>\w+)"""
+                     r"""\.startsWith\(['"](?P<value>[^'"]*)['"]\)""")
+_CAPACITY = re.compile(r"""device\.capacity\['(?P<domain>[^']+)'\]\.(?P<name>\w+)\.compareTo\(quantity\(['"]"""
+                       r"""(?P<value>[^'"]+)['"]\)\)\s*(?P<op>>=|<=|==|!=|>|<)\s*0""")
+_COMPARISONS = {">=": lambda c: c >= 0, "<=": lambda c: c <= 0, "==": lambda c: c == 0, "!=": lambda c: c != 0,
+                ">": lambda c: c > 0, "<": lambda c: c < 0}
 
 
 class AllocationError(Exception):
@@ -33,17 +43,30 @@ def _attribute(device: Obj, key: str) -> object:
     return next(iter(value.values()), None) if value else None
 
 
+def _term_holds(device: Obj, driver_name: str, term: str, expression: str) -> bool:
+    if (m := _EQUALITY.fullmatch(term) or _PREFIX.fullmatch(term)) is not None:
+        key = m["attr"] if m["domain"] == driver_name else f"{m['domain']}/{m['attr']}"
+        value = _attribute(device, key)
+        return str(value) == m["value"] if m.re is _EQUALITY else str(value).startswith(m["value"])
+    if (m := _CAPACITY.fullmatch(term)) is not None:
+        key = m["name"] if m["domain"] == driver_name else f"{m['domain']}/{m['name']}"
+        have = device.get("capacity", {}).get(key, {}).get("value")
+        if have is None:
+            return False
+        try:
+            wanted = parse_quantity(m["value"], f"selector {expression!r}")
+            have_value = parse_quantity(have, f"capacity {key} of {device.get('name')}")
+        except ValueError as exc:
+            raise AllocationError(str(exc)) from exc
+        return bool(_COMPARISONS[m["op"]]((have_value > wanted) - (have_value < wanted)))
+    raise AllocationError(f"the simulated allocator cannot evaluate the selector {expression!r}")
+
+
 def _matches(device: Obj, driver_name: str, selectors: Iterable[Obj]) -> bool:
     for selector in selectors:
         expression = selector.get("cel", {}).get("expression", "")
-        terms = [t.strip() for t in expression.split("&&")]
-        for term in terms:
-            m = _EQUALITY.fullmatch(term)
-            if m is None:
-                raise AllocationError(f"the simulated allocator cannot evaluate the selector {expression!r}")
-            key = m["attr"] if m["domain"] == driver_name else f"{m['domain']}/{m['attr']}"
-            if str(_attribute(device, key)) != m["value"]:
-                return False
+        if not all(_term_holds(device, driver_name, t.strip(), expression) for t in expression.split("&&")):
+            return False
     return True
 
 

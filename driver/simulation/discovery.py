@@ -13,7 +13,7 @@ import logging
 import uuid
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -46,9 +46,11 @@ class SimulatedGpu(BaseModel):
 
 
 class SimulatedNode(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     description: str = ""
+    # How the driver is installed, which decides where the host tree keeps it (hostroot.py).
+    driver_layout: Literal["host", "gpu-operator"] = Field(default="host", alias="driverLayout")
     gpus: tuple[SimulatedGpu, ...] = ()
 
 
@@ -201,6 +203,7 @@ class SimulatedDiscovery:
     def __init__(self, layout_name_or_path: str, node_name: str) -> None:
         label, node = load_layout(layout_name_or_path)
         self.description = node.description
+        self.driver_layout = node.driver_layout
         self._source = layout_name_or_path
         self._node_name = node_name
         self._rereads = layout_name_or_path not in _builtin_layouts()

@@ -4,6 +4,12 @@ The driver reads the host through a configurable host root (``driver.gpu.hostfs`
 simulated node that root is a directory built here from the simulated inventory. Device nodes
 are regular files standing in for character devices; ``/proc`` files follow the real formats.
 A ``SIMULATED`` note at the root says so, and guards against building over a real tree.
+
+Two driver layouts (``driverLayout`` of a simulated node, ``driver.simulation.layouts.yaml``):
+``host``, a driver installed from the distribution's packages, with everything at the usual
+places under ``/`` and the toolkit's ``/etc/cdi/nvidia.yaml``; and ``gpu-operator``, NVIDIA's
+GPU Operator, whose driver container's root is ``/run/nvidia/driver`` with the device nodes
+in its own ``dev/`` and whose toolkit writes ``/var/run/cdi/management.nvidia.com-gpu.yaml``.
 """
 
 from __future__ import annotations
@@ -11,10 +17,11 @@ from __future__ import annotations
 import shutil
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import resources
 from importlib.abc import Traversable
-from pathlib import Path
-from typing import Any
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
 
 import yaml
 
@@ -30,6 +37,39 @@ DRIVER_LIB_DIR = "/usr/lib/x86_64-linux-gnu"
 CTK_HOOK = "/usr/bin/nvidia-cdi-hook"
 CTK_MOUNT_OPTIONS = ["ro", "nosuid", "nodev", "rbind", "rprivate"]
 CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+
+DriverLayout = Literal["host", "gpu-operator"]
+# The GPU Operator's driver container root, shared with the host; the container creates the device
+# nodes in its own dev/ there, and the host's /dev never gets them (the operator's validator,
+# gpu-operator cmd/nvidia-validator/driver.go, only adds /dev/char links): nvidia-gpu.md 6.1.
+OPERATOR_DRIVER_ROOT = PurePosixPath("/run/nvidia/driver")
+# The operator's toolkit writes its spec here under this name, kind management.nvidia.com/gpu:
+# nvidia-container-toolkit cmd/nvidia-ctk-installer/toolkit/toolkit.go (generateCDISpec).
+OPERATOR_CDI_DIR = PurePosixPath("/var/run/cdi")
+OPERATOR_SPEC_NAME = "management.nvidia.com-gpu.yaml"
+# The operator installs the toolkit on the host under /usr/local/nvidia/toolkit, so its spec's hooks
+# name this binary (the operator's MIG manager defaults to the same path: NVIDIA mig-parted,
+# cmd/nvidia-mig-manager, DefaultNvidiaCDIHookPath).
+OPERATOR_CTK_HOOK = "/usr/local/nvidia/toolkit/nvidia-cdi-hook"
+
+
+@dataclass(frozen=True)
+class SimulatedHost:
+    """Where a built tree keeps what the driver is pointed at (all paths inside the tree)."""
+
+    root: Path  # --host-root
+    driver_root: Path  # --driver-root
+    toolkit_spec: Path
+    layout: DriverLayout
+
+    def driver_args(self) -> list[str]:
+        """``python -m driver run`` flags for this tree, except ``--cdi-root``.
+
+        On the ``gpu-operator`` layout the toolkit spec is not named: the driver must find it in its
+        CDI root, so run it with ``--cdi-root`` set to ``toolkit_spec.parent``.
+        """
+        args = ["--host-root", str(self.root), "--driver-root", str(self.driver_root)]
+        return args if self.layout == "gpu-operator" else [*args, "--nvidia-cdi-spec", str(self.toolkit_spec)]
 
 _MARKER_TEXT = """\
 SIMULATED HOST ROOT (simulated: true)
@@ -58,14 +98,12 @@ def _access_text(minor: int) -> str:
     return f"DeviceFileMinor: {minor}\nDeviceFileMode: {CAPABILITY_FILE_MODE}\nDeviceFileModify: 1\n"
 
 
-def write_mig_capability(root: Path, gpu_minor: int, gi_id: int, ci_id: int) -> None:
-    """The /proc access files and /dev/nvidia-caps nodes of one MIG device (GI and CI)."""
+def write_mig_capability_proc(root: Path, gpu_minor: int, gi_id: int, ci_id: int) -> None:
+    """The /proc access files of one MIG device (GI and CI)."""
     gi_minor, ci_minor = capability_minors(gpu_minor, gi_id, ci_id)
     gi_dir = root / CAPABILITIES_DIR / f"gpu{gpu_minor}" / "mig" / f"gi{gi_id}"
     _write(gi_dir / "access", _access_text(gi_minor))
     _write(gi_dir / f"ci{ci_id}" / "access", _access_text(ci_minor))
-    for minor in (gi_minor, ci_minor):
-        _write(root / "dev" / "nvidia-caps" / f"nvidia-cap{minor}", "simulated device node\n")
 
 
 def _proc_devices() -> str:
@@ -87,30 +125,43 @@ def _driver_files(driver_version: str) -> list[str]:
     return [f"{DRIVER_LIB_DIR}/libcuda.so.{driver_version}", f"{DRIVER_LIB_DIR}/libnvidia-ml.so.{driver_version}"]
 
 
+def _ctk_mount(path: str, driver_root_on_host: PurePosixPath) -> dict[str, Any]:
+    # The toolkit rewrites host paths to the driver root's real place on the host ("transformroot"): cdi.md 6.6.
+    return {"hostPath": str(driver_root_on_host / path.lstrip("/")), "containerPath": path,
+            "options": list(CTK_MOUNT_OPTIONS)}
+
+
+def _ctk_hook(hook_path: str, *args: str) -> dict[str, Any]:
+    return {"hookName": "createContainer", "path": hook_path, "args": ["nvidia-cdi-hook", *args],
+            "env": ["NVIDIA_CTK_DEBUG=false"]}
+
+
+def _common_edits(inventory: NodeInventory, binaries: Sequence[str], driver_root_on_host: PurePosixPath,
+                  hook_path: str) -> dict[str, Any]:
+    driver_version = inventory.driver_version or "0.0.0"
+    files = [*_driver_files(driver_version), *(f"/usr/bin/{name}" for name in binaries)]
+    return {
+        "env": ["NVIDIA_VISIBLE_DEVICES=void", f"NVIDIA_CTK_LIBCUDA_DIR={DRIVER_LIB_DIR}"],
+        "mounts": [_ctk_mount(path, driver_root_on_host) for path in files],
+        "hooks": [
+            _ctk_hook(hook_path, "create-symlinks", "--link", f"libcuda.so.1::{DRIVER_LIB_DIR}/libcuda.so"),
+            _ctk_hook(hook_path, "update-ldcache", "--folder", DRIVER_LIB_DIR),
+        ],
+    }
+
+
 def toolkit_spec(inventory: NodeInventory, binaries: Sequence[str] = ("nvidia-smi",)) -> dict[str, Any]:
     """A minimal NVIDIA Container Toolkit CDI spec (kind ``nvidia.com/gpu``) for the simulated node.
 
     ``binaries`` are the names under ``/usr/bin`` it mounts, as the toolkit mounts those present.
     """
-    driver_version = inventory.driver_version or "0.0.0"
-
-    def mount(path: str) -> dict[str, Any]:
-        return {"hostPath": path, "containerPath": path, "options": list(CTK_MOUNT_OPTIONS)}
-
-    def hook(*args: str) -> dict[str, Any]:
-        return {
-            "hookName": "createContainer",
-            "path": CTK_HOOK,
-            "args": ["nvidia-cdi-hook", *args],
-            "env": ["NVIDIA_CTK_DEBUG=false"],
-        }
-
     gpus = sorted(inventory.gpus, key=lambda g: g.index)
 
     def gpu_node(minor: int) -> dict[str, Any]:
         # A fresh dict each time: shared ones would be written as YAML anchors and aliases.
         return {"path": f"/dev/nvidia{minor}"}
 
+    common = _common_edits(inventory, binaries, PurePosixPath("/"), CTK_HOOK)
     return {
         # Device names are GPU indexes and start with a digit, which needs 0.5.0; nothing needs more.
         "cdiVersion": "0.5.0",
@@ -120,16 +171,35 @@ def toolkit_spec(inventory: NodeInventory, binaries: Sequence[str] = ("nvidia-sm
             *({"name": str(gpu.index), "containerEdits": {"deviceNodes": [gpu_node(gpu.minor)]}} for gpu in gpus),
         ],
         "containerEdits": {
-            "env": ["NVIDIA_VISIBLE_DEVICES=void", f"NVIDIA_CTK_LIBCUDA_DIR={DRIVER_LIB_DIR}"],
+            "env": common["env"],
             "deviceNodes": [{"path": f"/dev/{name}"} for name in CONTROL_DEVICES],
-            "mounts": [
-                mount(path) for path in [*_driver_files(driver_version), *(f"/usr/bin/{name}" for name in binaries)]
-            ],
-            "hooks": [
-                hook("create-symlinks", "--link", f"libcuda.so.1::{DRIVER_LIB_DIR}/libcuda.so"),
-                hook("update-ldcache", "--folder", DRIVER_LIB_DIR),
-            ],
+            "mounts": common["mounts"],
+            "hooks": common["hooks"],
         },
+    }
+
+
+def operator_toolkit_spec(inventory: NodeInventory, binaries: Sequence[str] = ("nvidia-smi",),
+                          driver_root_on_host: PurePosixPath = OPERATOR_DRIVER_ROOT) -> dict[str, Any]:
+    """The GPU Operator toolkit's management spec (kind ``management.nvidia.com/gpu``) for the simulated node.
+
+    As nvidia-container-toolkit ``pkg/nvcdi/management.go`` builds it: one device, ``all``, holding
+    every NVIDIA device node found under the device root (``GetAllDeviceSpecs``), and spec-level
+    edits holding the driver's libraries, binaries and hooks (``GetCommonEdits``). Every host path
+    lies under the driver root; device nodes carry ``hostPath`` because it differs from ``path``
+    (nvcdi writes it only then: cdi.md 6.3).
+    """
+    gpus = sorted(inventory.gpus, key=lambda g: g.minor)
+    caps = sorted({minor for gpu in gpus for mig in gpu.mig_instances
+                   for minor in capability_minors(gpu.minor, mig.gi_id, mig.ci_id)})
+    names = [*(f"nvidia{gpu.minor}" for gpu in gpus), *(f"nvidia-caps/nvidia-cap{m}" for m in caps),
+             *CONTROL_DEVICES]
+    nodes = [{"path": f"/dev/{name}", "hostPath": str(driver_root_on_host / "dev" / name)} for name in names]
+    return {
+        "cdiVersion": "0.5.0",  # hostPath on device nodes needs 0.5.0 (cdi.md)
+        "kind": "management.nvidia.com/gpu",
+        "devices": [{"name": "all", "containerEdits": {"deviceNodes": nodes}}],
+        "containerEdits": _common_edits(inventory, binaries, driver_root_on_host, OPERATOR_CTK_HOOK),
     }
 
 
@@ -149,36 +219,29 @@ def _guard(root: Path) -> None:
         )
 
 
-def build_host_root(root: Path, inventory: NodeInventory) -> None:
-    """Create (or rebuild) the simulated host tree at ``root`` for ``inventory``.
-
-    Rebuilding replaces the GPU device files and MIG capabilities, so a tree always matches the
-    inventory it was last built from; other content under ``root`` is left alone.
-    """
-    _guard(root)
-    root.mkdir(parents=True, exist_ok=True)
-    _write(root / MARKER_FILE, _MARKER_TEXT)
-
-    dev = root / "dev"
-    dev.mkdir(exist_ok=True)
-    for stale in dev.glob("nvidia[0-9]*"):
-        stale.unlink()
-    for stale_dir in (dev / "nvidia-caps", root / CAPABILITIES_DIR):
-        shutil.rmtree(stale_dir, ignore_errors=True)
+def _write_device_nodes(dev_root: Path, inventory: NodeInventory) -> None:
+    """Stand-ins for the driver's device nodes under ``dev_root`` (a root whose dev/ holds them)."""
+    dev = dev_root / "dev"
+    dev.mkdir(parents=True, exist_ok=True)
     for name in CONTROL_DEVICES:
         _write(dev / name, "simulated device node\n")
     for gpu in inventory.gpus:
         _write(dev / f"nvidia{gpu.minor}", "simulated device node\n")
         for mig in gpu.mig_instances:
-            write_mig_capability(root, gpu.minor, mig.gi_id, mig.ci_id)
+            for minor in capability_minors(gpu.minor, mig.gi_id, mig.ci_id):
+                _write(dev / "nvidia-caps" / f"nvidia-cap{minor}", "simulated device node\n")
 
-    # Placeholders for the libraries the toolkit spec mounts, so its host paths exist in the tree.
-    for library in _driver_files(inventory.driver_version or "0.0.0"):
-        _write(root / library.lstrip("/"), "simulated driver library (not a real shared object)\n")
 
-    _write(root / "proc" / "devices", _proc_devices())
+def _remove_device_nodes(dev_root: Path) -> None:
+    dev = dev_root / "dev"
+    for pattern in ("nvidia[0-9]*", *CONTROL_DEVICES):
+        for stale in dev.glob(pattern):
+            stale.unlink()
+    shutil.rmtree(dev / "nvidia-caps", ignore_errors=True)
 
-    bin_dir = root / "usr" / "bin"
+
+def _install_binaries(driver_root: Path) -> list[str]:
+    bin_dir = driver_root / "usr" / "bin"
     bin_dir.mkdir(parents=True, exist_ok=True)
     binaries = _simulation_binaries()
     for binary in binaries:
@@ -188,7 +251,44 @@ def build_host_root(root: Path, inventory: NodeInventory) -> None:
         _shebang, _, body = binary.read_text().partition("\n")
         target.write_text(f"#!{sys.executable}\n{body}")
         target.chmod(0o755)
+    return [b.name for b in binaries]
 
-    spec = toolkit_spec(inventory, [b.name for b in binaries])
-    header = "# SIMULATED NVIDIA Container Toolkit spec (simulated: true), written by Tessera's simulation\n"
-    _write(root / "etc" / "cdi" / "nvidia.yaml", header + yaml.safe_dump(spec, sort_keys=False))
+
+def build_host_root(root: Path, inventory: NodeInventory, layout: DriverLayout = "host") -> SimulatedHost:
+    """Create (or rebuild) the simulated host tree at ``root`` for ``inventory``, the driver laid out as ``layout``.
+
+    Rebuilding replaces the GPU device files and MIG capabilities, so a tree always matches the
+    inventory it was last built from; other content under ``root`` is left alone.
+    """
+    _guard(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _write(root / MARKER_FILE, _MARKER_TEXT)
+    operator = layout == "gpu-operator"
+    driver_root = root / OPERATOR_DRIVER_ROOT.relative_to("/") if operator else root
+
+    for dev_root in {root, driver_root}:
+        _remove_device_nodes(dev_root)
+    shutil.rmtree(root / CAPABILITIES_DIR, ignore_errors=True)
+    (root / "dev").mkdir(exist_ok=True)  # the host's /dev, without NVIDIA nodes on a GPU Operator node
+    _write_device_nodes(driver_root, inventory)
+    # /proc is the kernel's: the same for a containerised driver.
+    for gpu in inventory.gpus:
+        for mig in gpu.mig_instances:
+            write_mig_capability_proc(root, gpu.minor, mig.gi_id, mig.ci_id)
+    _write(root / "proc" / "devices", _proc_devices())
+
+    # Placeholders for the libraries the toolkit spec mounts, so its host paths exist in the tree.
+    for library in _driver_files(inventory.driver_version or "0.0.0"):
+        _write(driver_root / library.lstrip("/"), "simulated driver library (not a real shared object)\n")
+    binaries = _install_binaries(driver_root)
+
+    if operator:
+        spec = operator_toolkit_spec(inventory, binaries)
+        spec_path = root / OPERATOR_CDI_DIR.relative_to("/") / OPERATOR_SPEC_NAME
+        header = "# SIMULATED GPU Operator toolkit spec (simulated: true), written by Tessera's simulation\n"
+    else:
+        spec = toolkit_spec(inventory, binaries)
+        spec_path = root / "etc" / "cdi" / "nvidia.yaml"
+        header = "# SIMULATED NVIDIA Container Toolkit spec (simulated: true), written by Tessera's simulation\n"
+    _write(spec_path, header + yaml.safe_dump(spec, sort_keys=False))
+    return SimulatedHost(root, driver_root, spec_path, layout)

@@ -61,9 +61,11 @@ def test_mps_share_limits_applied_before_readiness_and_one_daemon_per_gpu(mps_no
     second = mps_node.claim("second", [("share", "gpu-2-mps-3")])
     mps_node.prepare_ok(first)
     [pid] = daemon_starts(mps_node)
-    assert commands(mps_node, pid)[:2] == ["set_default_active_thread_percentage 25",
-                                           "set_default_device_pinned_mem_limit 0 4096M"]
-    assert commands(mps_node, pid)[-1] == "get_default_active_thread_percentage", "readiness checked last"
+    # Readiness first (the daemon answers), then each limit set and read back, all before prepare returns.
+    assert commands(mps_node, pid) == [
+        "get_default_active_thread_percentage",
+        "set_default_active_thread_percentage 25", "get_default_active_thread_percentage",
+        "set_default_device_pinned_mem_limit 0 4096M", "get_default_device_pinned_mem_limit 0"]
 
     spec = json.loads(mps_node.cdi_spec(first.uid).read_text())
     edits = spec["devices"][0]["containerEdits"]
@@ -112,8 +114,8 @@ def test_restart_adopts_a_live_daemon_and_restarts_a_dead_one(mps_node: Simulate
     mps_node.start()
     starts = daemon_starts(mps_node)
     assert len(starts) == 2 and starts[0] == pid
-    assert commands(mps_node, starts[1])[:2] == ["set_default_active_thread_percentage 25",
-                                                 "set_default_device_pinned_mem_limit 0 4096M"], "same limits"
+    assert [c for c in commands(mps_node, starts[1]) if c.startswith("set_")] == [
+        "set_default_active_thread_percentage 25", "set_default_device_pinned_mem_limit 0 4096M"], "same limits"
     assert mps_node.prepare_ok(ref).devices[0].device_name == "gpu-2-mps-0"
     assert mps_node.unprepare(ref) == {ref.uid: None}
     wait_until(lambda: not pid_alive(starts[1]), what="the restarted daemon to stop")
@@ -125,8 +127,8 @@ def test_per_claim_mps_limits_on_a_whole_gpu(node: SimulatedNode) -> None:
         strategy="MPS", mpsConfig={"defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "10Gi"})])
     node.prepare_ok(ref)
     [pid] = daemon_starts(node)
-    assert commands(node, pid)[:2] == ["set_default_active_thread_percentage 50",
-                                       "set_default_device_pinned_mem_limit 0 10240M"]
+    assert [c for c in commands(node, pid) if c.startswith("set_")] == [
+        "set_default_active_thread_percentage 50", "set_default_device_pinned_mem_limit 0 10240M"]
     env = json.loads(node.cdi_spec(ref.uid).read_text())["devices"][0]["containerEdits"]["env"]
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M" in env
     assert node.unprepare(ref) == {ref.uid: None}

@@ -59,9 +59,10 @@ class SimulatedNode:
         # Short paths: Unix socket paths must stay under 108 bytes.
         self.work = Path(tempfile.mkdtemp(prefix="tsn-", dir="/tmp"))
         self.layout = layout
-        self.inventory = SimulatedDiscovery(layout, NODE).discover()
+        discovery = SimulatedDiscovery(layout, NODE)
+        self.inventory = discovery.discover()
         self.host = self.work / "host"
-        build_host_root(self.host, self.inventory)
+        self.sim_host = build_host_root(self.host, self.inventory, discovery.driver_layout)
         self.plans_file: Path | None = None
         if plans is not None:
             self.plans_file = self.work / "plans.yaml"
@@ -74,6 +75,7 @@ class SimulatedNode:
         self.proc: subprocess.Popen[bytes] | None = None
         self.env: dict[str, str] = {}
         self.log_path = self.work / "driver.log"
+        self.mps_host: subprocess.Popen[bytes] | None = None
 
     # ----------------------------------------------------------------------------- paths
 
@@ -83,7 +85,8 @@ class SimulatedNode:
 
     @property
     def cdi_dir(self) -> Path:
-        return self.work / "cdi"
+        # On a GPU Operator node the driver writes next to the operator's toolkit spec and finds it there.
+        return self.sim_host.toolkit_spec.parent if self.sim_host.layout == "gpu-operator" else self.work / "cdi"
 
     @property
     def mps_journal(self) -> Path:
@@ -123,21 +126,53 @@ class SimulatedNode:
         args = [sys.executable, "-m", "driver", "run", "--simulate", self.layout, "--node-name", NODE,
                 "--kubeconfig", str(self.kubeconfig), "--registrar-dir", str(self.work / "reg"),
                 "--plugins-dir", str(self.work / "plugins"), "--cdi-root", str(self.cdi_dir),
-                "--host-root", str(self.host), "--driver-root", str(self.host),
-                "--nvidia-cdi-spec", str(self.host / "etc" / "cdi" / "nvidia.yaml"),
+                *self.sim_host.driver_args(),
                 "--http-port", "0", "--log-format", "json", "--rescan-interval", "0.5"]
         if self.plans_file is not None:
             args += ["--sharing-plans", str(self.plans_file)]
         return [*args, *extra]
 
-    def start(self, *extra: str, env: dict[str, str] | None = None, register: bool = True) -> None:
-        assert self.proc is None or self.proc.poll() is not None, "driver already running"
+    def _environment(self, env: dict[str, str] | None) -> dict[str, str]:
         tmp = self.work / "tmp"  # the driver's private temporary files go away with the node
         tmp.mkdir(exist_ok=True)
-        self.env = dict(os.environ, TMPDIR=str(tmp), TESSERA_SIM_MPS_JOURNAL=str(self.mps_journal),
-                        TESSERA_SIM_NVIDIA_SMI_LOG=str(self.nvidia_smi_log),
-                        TESSERA_SIM_NVIDIA_SMI_STATE=str(self.work / "nvidia-smi-state.json"),
-                        **(env or {}))
+        return dict(os.environ, TMPDIR=str(tmp), TESSERA_SIM_MPS_JOURNAL=str(self.mps_journal),
+                    TESSERA_SIM_NVIDIA_SMI_LOG=str(self.nvidia_smi_log),
+                    TESSERA_SIM_NVIDIA_SMI_STATE=str(self.work / "nvidia-smi-state.json"),
+                    **(env or {}))
+
+    @property
+    def mps_host_socket(self) -> Path:
+        return self.work / "mps-host" / "host.sock"
+
+    def start_mps_host(self, *extra: str) -> int:
+        """Run ``python -m driver mps-host`` for this node, as its DaemonSet would; returns its PID.
+
+        Start the driver with ``"--mps-host-socket", str(node.mps_host_socket)`` to use it.
+        """
+        assert self.mps_host is None or self.mps_host.poll() is not None, "MPS host already running"
+        args = [sys.executable, "-m", "driver", "mps-host", "--socket", str(self.mps_host_socket),
+                "--mps-dir", str(self.state_dir / "mps"), "--driver-root", str(self.host), *extra]
+        log = open(self.work / "mps-host.log", "ab")  # noqa: SIM115 - handed to the child process
+        host = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self._environment(None))
+        log.close()
+        self.mps_host = host
+        wait_until(lambda: self.mps_host_socket.is_socket() or host.poll() is not None, what="the MPS host's socket")
+        assert host.poll() is None, (self.work / "mps-host.log").read_text()
+        return host.pid
+
+    def stop_mps_host(self) -> int | None:
+        if self.mps_host is None or self.mps_host.poll() is not None:
+            return self.mps_host.returncode if self.mps_host else None
+        self.mps_host.send_signal(signal.SIGTERM)
+        try:
+            return self.mps_host.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.mps_host.kill()
+            return self.mps_host.wait()
+
+    def start(self, *extra: str, env: dict[str, str] | None = None, register: bool = True) -> None:
+        assert self.proc is None or self.proc.poll() is not None, "driver already running"
+        self.env = self._environment(env)
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child process
         self.proc = subprocess.Popen(self.args(*extra), stdout=log, stderr=subprocess.STDOUT, env=self.env)
         log.close()
@@ -183,6 +218,7 @@ class SimulatedNode:
 
     def close(self) -> None:
         self.stop()
+        self.stop_mps_host()
         self.kubelet.close()
         self.api.stop()
         self._kill_leftover_daemons()

@@ -1,4 +1,4 @@
-"""The simulated allocator (SIMULATION): DeviceClass types, equality selectors, count, taken devices, config."""
+"""The simulated allocator (SIMULATION): DeviceClass types, selectors it understands, count, taken devices, config."""
 
 from __future__ import annotations
 
@@ -103,13 +103,41 @@ def test_several_selectors_must_all_match() -> None:
 
 
 @pytest.mark.parametrize("expression", [
-    "device.capacity['gpu.tessera.dev'].memory.compareTo(quantity('10Gi')) >= 0",
+    "device.capacity['gpu.tessera.dev'].memory.isGreaterThan(quantity('10Gi'))",
     f"device.attributes['{DRIVER}'].productName != 'NVIDIA L4'",
     f"device.attributes['{DRIVER}'].productName == 'A' || device.attributes['{DRIVER}'].productName == 'B'",
 ])
 def test_unsupported_selector_is_refused_loudly(expression: str) -> None:
     with pytest.raises(AllocationError, match="cannot evaluate the selector"):
         allocate(_claim(_request("r", DRIVER, None, expression)), _slices(), DRIVER, set())
+
+
+def _with_memory(slices: list[Obj], memory: dict[str, str]) -> list[Obj]:
+    for device in slices[0]["spec"]["devices"]:
+        if device["name"] in memory:
+            device["capacity"] = {"memory": {"value": memory[device["name"]]}}
+    return slices
+
+
+@pytest.mark.parametrize(("selector", "chosen"), [
+    # The example gpu-cel-product-memory.yaml: prefix of an attribute and a capacity compared as a quantity.
+    (f"device.attributes['{DRIVER}'].productName.startsWith('NVIDIA H100') && "
+     f"device.capacity['{DRIVER}'].memory.compareTo(quantity('40Gi')) >= 0", "gpu-0"),
+    (f"device.capacity['{DRIVER}'].memory.compareTo(quantity('40Gi')) < 0", "gpu-2"),
+    (f"device.capacity['{DRIVER}'].memory.compareTo(quantity('23034Mi')) == 0", "gpu-2"),
+    (f"device.attributes['{DRIVER}'].productName.startsWith('NVIDIA L')", "gpu-2"),
+])
+def test_prefix_and_capacity_selectors(selector: str, chosen: str) -> None:
+    slices = _with_memory(_slices(), {"gpu-0": "81559Mi", "gpu-2": "23034Mi"})
+    allocated = allocate(_claim(_request("r", DRIVER, None, selector)), slices, DRIVER, set())
+    assert [r["device"] for r in _results(allocated)] == [chosen]
+
+
+def test_capacity_selector_does_not_match_a_device_without_that_capacity() -> None:
+    slices = _with_memory(_slices(), {"gpu-2": "10Gi"})
+    with pytest.raises(AllocationError, match="no free gpu device matches"):
+        allocate(_claim(_request("r", DRIVER, None, f"device.capacity['{DRIVER}'].memory.compareTo("
+                                 "quantity('40Gi')) >= 0")), slices, DRIVER, set())
 
 
 def test_count_allocates_that_many_distinct_devices() -> None:

@@ -84,6 +84,12 @@ def test_written_file_is_0644_whatever_the_umask(tmp_path: Path, umask_077: None
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
 
 
+def test_a_created_spec_directory_is_0755_whatever_the_umask(tmp_path: Path, umask_077: None) -> None:
+    write_spec(tmp_path / "cdi", FILENAME, claim_spec())
+
+    assert stat.S_IMODE((tmp_path / "cdi").stat().st_mode) == 0o755
+
+
 def test_written_file_is_the_json_wire_form(tmp_path: Path) -> None:
     path = write_spec(tmp_path, FILENAME, claim_spec())
 

@@ -25,6 +25,9 @@ def _toolkit_edits() -> dict[str, Any]:
     }
 
 
+CONTROL = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+
+
 def _gpu0() -> DeviceEdits:
     return DeviceEdits("gpu-0", device_nodes=[{"path": "/dev/nvidia0"}],
                        annotations={"gpu.tessera.dev/device": "gpu-0"})
@@ -32,7 +35,7 @@ def _gpu0() -> DeviceEdits:
 
 def _build(**overrides: Any) -> cdi.Spec:
     args: dict[str, Any] = {"kind": KIND, "claim": CLAIM, "devices": [_gpu0()], "common_edits": _toolkit_edits(),
-                            "control_nodes": ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"],
+                            "control_nodes": [{"path": p} for p in CONTROL],
                             "annotation_prefix": "gpu.tessera.dev"}
     args.update(overrides)
     return build_claim_spec(**args)
@@ -46,6 +49,20 @@ def _spec_edits(spec: cdi.Spec) -> dict[str, Any]:
 def test_control_nodes_are_merged_with_the_toolkit_nodes_without_duplicates() -> None:
     paths = [n["path"] for n in _spec_edits(_build())["deviceNodes"]]
     assert paths == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+
+
+def test_control_nodes_keep_their_host_path_and_the_spec_version_follows() -> None:
+    under_driver_root = [{"path": p, "hostPath": f"/run/nvidia/driver{p}"} for p in CONTROL]
+    spec = _build(common_edits=None, control_nodes=under_driver_root)
+    assert _spec_edits(spec)["deviceNodes"] == under_driver_root
+    # A hostPath needs 0.5.0 (cdi.md); the claim annotations already need 0.6.0.
+    assert spec.to_wire()["cdiVersion"] in ("0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
+    # Nodes the toolkit already lists stay as the toolkit wrote them.
+    toolkit = _toolkit_edits()
+    toolkit["deviceNodes"] = [{"path": "/dev/nvidiactl", "hostPath": "/run/nvidia/driver/dev/nvidiactl"}]
+    nodes = _spec_edits(_build(common_edits=toolkit, control_nodes=[{"path": p} for p in CONTROL]))["deviceNodes"]
+    assert nodes[0] == {"path": "/dev/nvidiactl", "hostPath": "/run/nvidia/driver/dev/nvidiactl"}
+    assert [n["path"] for n in nodes] == CONTROL
 
 
 def test_toolkit_mounts_and_hooks_are_kept_at_spec_level() -> None:

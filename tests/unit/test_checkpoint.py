@@ -21,6 +21,7 @@ from driver.gpu.checkpoint import (
     ClaimRecord,
     PreparedDeviceRecord,
 )
+from driver.gpu.computemode import ComputeMode
 from driver.kubeletplugin.types import PreparedDevice
 
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
@@ -268,3 +269,24 @@ def test_peek_reads_without_side_effects(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         store.peek()
     assert store.path.read_text() == "{bad"
+
+
+def test_shared_reads_reuse_the_parsed_checkpoint_until_another_writer_changes_the_file(path: Path) -> None:
+    store = CheckpointStore(path)
+    store.save(_checkpoint("u1"))
+    first = store.load(shared=True)
+    assert store.load(shared=True) is first, "unchanged file: no re-read, no copy"
+    private = store.load()
+    private.claims.clear()
+    assert store.load(shared=True).claims.keys() == {"u1"}, "a private copy's changes stay private"
+    CheckpointStore(path).save(_checkpoint("u1", "u2"))  # the other plugin pod of a rolling update
+    assert store.load(shared=True).claims.keys() == {"u1", "u2"}
+
+
+def test_compute_modes_and_exclusive_gpus_round_trip(path: Path) -> None:
+    cp = _checkpoint("u1")
+    cp.claims["u1"].exclusive_gpus = [GPU]
+    cp.compute_modes[GPU] = ComputeMode.PROHIBITED
+    CheckpointStore(path).save(cp)
+    loaded = CheckpointStore(path).load()
+    assert loaded.compute_modes == {GPU: ComputeMode.PROHIBITED} and loaded.claims["u1"].exclusive_gpus == [GPU]

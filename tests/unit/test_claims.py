@@ -12,12 +12,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import kubernetes.client
 import pytest
 
-from driver.kubeletplugin.claim import ResourceClaim
-from driver.kubeletplugin.claims import ClaimError, ClaimFetcher
+from driver.kubeletplugin.claimfetch import ClaimError, ClaimFetcher, claim_uid_problem
+from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import ClaimRef
 
 CLAIM_PATH = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
-REF = ClaimRef(namespace="team-a", name="gpu-claim", uid="0c7d3a4e-uid")
+REF = ClaimRef(namespace="team-a", name="gpu-claim", uid="0c7d3a4e-5b1f-4c2a-9e8d-7f6a5b4c3d2e")
 
 
 def claim_json(uid: str = REF.uid, allocated: bool = True) -> dict[str, object]:
@@ -136,12 +136,12 @@ def test_missing_claim_says_it_was_deleted(apiserver: FakeApiServer) -> None:
 
 
 def test_replaced_claim_names_both_uids(apiserver: FakeApiServer) -> None:
-    apiserver.answer(200, claim_json(uid="99-new-uid"))
+    apiserver.answer(200, claim_json(uid="99e0c1d2-0000-4000-8000-000000000001"))
     with pytest.raises(ClaimError) as caught:
         fetch(apiserver)
     message = str(caught.value)
     assert "got replaced" in message
-    assert REF.uid in message and "99-new-uid" in message
+    assert REF.uid in message and "99e0c1d2-0000-4000-8000-000000000001" in message
 
 
 def test_unallocated_claim_is_refused(apiserver: FakeApiServer) -> None:
@@ -189,3 +189,36 @@ def test_unreachable_api_server() -> None:
     config.retries = 0
     with kubernetes.client.ApiClient(config) as api, pytest.raises(ClaimError, match="cannot reach the API server"):
         ClaimFetcher(api, read_timeout_s=5).fetch(REF)
+
+
+@pytest.mark.parametrize(
+    "uid",
+    [
+        "../../etc/cron.d/x",
+        "0c7d3a4e-5b1f-4c2a-9e8d-7f6a5b4c3d2e/../x",
+        "0C7D3A4E-5B1F-4C2A-9E8D-7F6A5B4C3D2E",  # the API server writes lower case
+        "0c7d3a4e5b1f4c2a9e8d7f6a5b4c3d2e",
+        "0c7d3a4e-5b1f-4c2a-9e8d-7f6a5b4c3d2e\n",
+        "0c7d3a4e-5b1f-4c2a-9e8d-7f6a5b4c3d2\u0661",  # isdigit() would take this
+        "",
+        pytest.param("a" * 100_000, id="huge"),
+    ],
+)
+def test_a_uid_that_is_not_a_kubernetes_uid_is_refused_before_the_api_is_read(
+    apiserver: FakeApiServer, uid: str
+) -> None:
+    ref = ClaimRef(namespace=REF.namespace, name=REF.name, uid=uid)
+    apiserver.answer(200, claim_json(uid=uid), ref)
+    with pytest.raises(ClaimError) as caught:
+        fetch(apiserver, ref)
+    message = str(caught.value)
+    assert message.startswith("ResourceClaim team-a/gpu-claim: claim uid ")
+    assert "is not a Kubernetes UID" in message
+    assert len(message) < 400  # a huge uid is not echoed whole
+    assert apiserver.requests == []
+
+
+def test_claim_uid_problem_accepts_the_api_servers_form() -> None:
+    assert claim_uid_problem(REF.uid) is None
+    assert claim_uid_problem("00000000-0000-0000-0000-000000000000") is None
+    assert claim_uid_problem("0c7d3a4e-uid") is not None

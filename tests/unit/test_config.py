@@ -100,7 +100,7 @@ def test_every_problem_is_reported_at_once() -> None:
 def test_state_dir_is_under_plugins_dir_named_after_the_driver() -> None:
     s = parse_settings(["--plugins-dir", "/var/lib/kubelet/plugins", "--driver-name", "gpu.example.com"], {})
     assert s.state_dir == Path("/var/lib/kubelet/plugins/gpu.example.com")
-    assert s.mps_shm_dir == Path("/var/lib/kubelet/plugins/gpu.example.com/mps/shm")
+    assert s.mps_shm_dir == Path("/var/lib/kubelet/plugins/gpu.example.com/mps-shm")
 
 
 def test_settings_are_frozen_and_strict_about_fields() -> None:

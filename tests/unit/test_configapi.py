@@ -72,6 +72,12 @@ def test_parse_quantity_accepts_kubernetes_syntax(value: str | int, expected: in
         (-5, "is negative"),
         ("1e99999", "is out of range"),
         ("9Ei", "is too large"),
+        pytest.param(10**5000, "is too large", id="huge-int"),  # repr() of this int would itself raise
+        pytest.param("1" * 10**6 + "Gi", "is too long for a quantity", id="huge-text"),
+        # int(), Decimal() and re's \\d read other scripts' digits: these would parse as 10Gi.
+        ("\u0661\u0660Gi", "contains '\u0661' (U+0661), which is not an ASCII digit"),
+        ("1\uff10Gi", "(U+FF10), which is not an ASCII digit"),
+        ("1\u00b2", "(U+00B2)"),
         (True, "expected"),
         (1.5, "expected"),
     ],
@@ -83,6 +89,12 @@ def test_parse_quantity_rejects_bad_input_naming_the_field(value: Any, problem: 
     assert message.startswith("spec.memory: ")
     assert problem in message
     assert '"10Gi"' in message  # an example of what is expected
+
+
+def test_quantity_errors_do_not_echo_huge_input() -> None:
+    with pytest.raises(ValueError) as info:
+        parse_quantity("9" * 10**6, "limit")
+    assert len(str(info.value)) < 300
 
 
 @pytest.mark.parametrize(
@@ -339,3 +351,33 @@ def test_bad_limits_name_the_key(cfg: dict[str, Any], expected: str) -> None:
     with pytest.raises(ConfigError) as info:
         resolve_mps_limits(mps(**cfg), UUIDS, MEMORY)
     assert str(info.value).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        ("-1", "mpsConfig.defaultPerDevicePinnedMemoryLimit.-1: index -1 is negative; the claim's devices"),
+        ("7", "mpsConfig.defaultPerDevicePinnedMemoryLimit.7: index 7 is out of range"),
+        ("9" * 60, f"mpsConfig.defaultPerDevicePinnedMemoryLimit.{'9' * 60}: index {'9' * 60} is out of range"),
+        # "\u0661" is an Arabic-Indic one: isdecimal() is true and int() reads it as 1.
+        ("\u0661", "mpsConfig.defaultPerDevicePinnedMemoryLimit.\u0661: an index is written in ASCII digits 0-9"),
+    ],
+)
+def test_odd_device_keys_are_claim_errors(key: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_mps_limits(mps(defaultPerDevicePinnedMemoryLimit={key: "1Gi"}), UUIDS, MEMORY)
+    assert str(info.value).startswith(expected)
+
+
+def test_a_huge_device_key_is_a_short_config_error() -> None:
+    # int() of a 10**6-digit string raises a plain ValueError (past 4300 digits), which would have
+    # surfaced as an internal error; the key is refused while decoding, without echoing it.
+    huge = "1" * 10**6
+    message = config_error(
+        gpu_config(sharing={"strategy": "MPS", "mpsConfig": {"defaultPerDevicePinnedMemoryLimit": {huge: "1Gi"}}})
+    )
+    assert message.startswith(
+        'GpuConfig.sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit: key "11111111111111111111..." is too long '
+        "(1000000 characters)"
+    )
+    assert len(message) < 300

@@ -39,7 +39,7 @@ CUSTOM_VALUES: dict[str, Any] = {
     "kubeletDir": "/var/lib/k0s/kubelet/",
     "cdiRoot": "/etc/cdi",
     "metrics": {"port": 9400},
-    "mps": {"shmSize": "512Mi", "hostPID": False},
+    "mps": {"shmSize": "512Mi", "hostPID": False, "host": {"enabled": False}},
     "logFormat": "text",
     "simulate": "demo",
 }
@@ -67,8 +67,16 @@ def only(objects: list[Obj], kind: str) -> Obj:
     return found[0]
 
 
+def daemonset(objects: list[Obj], component: str = "kubelet-plugin") -> Obj:
+    """The plugin's DaemonSet (or the MPS host's, component "mps-host")."""
+    found = [o for o in by_kind(objects, "DaemonSet")
+             if o["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+    assert len(found) == 1, f"expected one {component} DaemonSet, got {len(found)}"
+    return found[0]
+
+
 def pod_spec(objects: list[Obj]) -> Obj:
-    spec: Obj = only(objects, "DaemonSet")["spec"]["template"]["spec"]
+    spec: Obj = daemonset(objects)["spec"]["template"]["spec"]
     return spec
 
 
@@ -120,10 +128,10 @@ def test_every_rendered_object_is_schema_valid(values_name: str, version: str) -
 
 def test_schema_validation_rejects_unknown_fields(default_objects: list[Obj]) -> None:
     # Guards the test above against a validator that accepts anything.
-    daemonset = copy.deepcopy(only(default_objects, "DaemonSet"))
-    daemonset["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["paht"] = "/healthz"
+    plugin = copy.deepcopy(daemonset(default_objects))
+    plugin["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]["paht"] = "/healthz"
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(daemonset, "1.34", strict=True)
+        kubernetes_validate.validate(plugin, "1.34", strict=True)
 
 
 def test_helm_lint_is_clean_for_the_oldest_supported_kubernetes() -> None:
@@ -157,7 +165,7 @@ def test_plain_manifest_starts_with_a_privileged_namespace_and_says_it_is_genera
     assert objects[0]["metadata"]["name"] == DEFAULT_NAMESPACE
     assert objects[0]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
     namespaced = [o for o in objects[1:] if o["kind"] in ("ServiceAccount", "ConfigMap", "DaemonSet")]
-    assert len(namespaced) == 3
+    assert len(namespaced) == 4  # the plugin's DaemonSet and the MPS host's
     assert {o["metadata"]["namespace"] for o in namespaced} == {DEFAULT_NAMESPACE}
     for version in KUBE_VERSIONS:
         for obj in objects:
@@ -175,7 +183,7 @@ def test_plain_manifest_keeps_the_privilege_comments() -> None:
 
 
 def test_rolling_update_surges_a_new_pod_before_removing_the_old(default_objects: list[Obj]) -> None:
-    strategy = only(default_objects, "DaemonSet")["spec"]["updateStrategy"]
+    strategy = daemonset(default_objects)["spec"]["updateStrategy"]
     assert strategy == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
 
 
@@ -210,14 +218,14 @@ def test_probes_call_the_plugin_http_port(default_objects: list[Obj], custom_obj
         assert container["startupProbe"]["httpGet"]["path"] == "/healthz"
         for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
             assert ports[container[probe]["httpGet"]["port"]] == port
-        annotations = only(objects, "DaemonSet")["spec"]["template"]["metadata"]["annotations"]
+        annotations = daemonset(objects)["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/port"] == str(port)
 
 
 def test_an_explicit_prometheus_port_annotation_is_kept() -> None:
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": "9999"}
     objects = render_objects({"podAnnotations": annotations})
-    rendered = only(objects, "DaemonSet")["spec"]["template"]["metadata"]["annotations"]
+    rendered = daemonset(objects)["spec"]["template"]["metadata"]["annotations"]
     assert rendered["prometheus.io/port"] == "9999"
 
 
@@ -252,12 +260,50 @@ def test_plugin_is_privileged_and_host_pid_follows_the_mps_value(
     assert pod_spec(custom_objects)["hostPID"] is False
 
 
-def test_driver_root_is_mounted_read_only_at_driver_root(default_objects: list[Obj], custom_objects: list[Obj]) -> None:
-    for objects, host_root in ((default_objects, "/"), (custom_objects, "/run/nvidia/driver")):
-        container = plugin_container(objects)
-        assert env_value(container, "NVIDIA_DRIVER_ROOT") == "/driver-root"
-        assert host_path_of_mount(objects, container, "/driver-root") == host_root
-        assert mounts_by_name(container)["driver-root"]["readOnly"] is True
+def test_a_containerised_driver_root_is_mounted_whole_and_follows_the_driver_container(
+        custom_objects: list[Obj]) -> None:
+    container = plugin_container(custom_objects)
+    assert env_value(container, "NVIDIA_DRIVER_ROOT") == "/driver-root"
+    assert env_value(container, "NVIDIA_DRIVER_ROOT_ON_HOST") == "/run/nvidia/driver"
+    assert host_path_of_mount(custom_objects, container, "/driver-root") == "/run/nvidia/driver"
+    mount = mounts_by_name(container)["driver-root"]
+    assert mount["readOnly"] is True
+    # The driver container mounts itself (dev/ included) there after the plugin may have started.
+    assert mount["mountPropagation"] == "HostToContainer"
+
+
+def test_a_host_driver_root_mounts_only_what_the_driver_needs(default_objects: list[Obj]) -> None:
+    container = plugin_container(default_objects)
+    assert env_value(container, "NVIDIA_DRIVER_ROOT") == "/driver-root"
+    assert env_value(container, "NVIDIA_DRIVER_ROOT_ON_HOST") == "/"
+    volumes = volumes_by_name(default_objects)
+    host_paths = [volumes[m["name"]]["hostPath"]["path"] for m in container["volumeMounts"]
+                  if "hostPath" in volumes[m["name"]]]
+    assert "/" not in host_paths, "the whole host root must not be mounted"
+    under_driver_root = {m["mountPath"]: m for m in container["volumeMounts"]
+                         if m["mountPath"].startswith("/driver-root")}
+    assert set(under_driver_root) == {"/driver-root/usr", "/driver-root/etc/alternatives"}
+    for path, mount in under_driver_root.items():
+        assert mount["readOnly"] is True
+        assert volumes[mount["name"]]["hostPath"] == {"path": path.removeprefix("/driver-root"), "type": "Directory"}
+
+
+def test_host_driver_dirs_are_chosen_by_the_operator() -> None:
+    objects = render_objects({"hostDriverDirs": ["/usr", "/opt/nvidia"]})
+    container = plugin_container(objects)
+    assert host_path_of_mount(objects, container, "/driver-root/opt/nvidia") == "/opt/nvidia"
+    assert "/driver-root/etc/alternatives" not in {m["mountPath"] for m in container["volumeMounts"]}
+    for bad in (["/"], ["usr"], ["/usr", "/usr"], ["/usr/"]):
+        with pytest.raises(helm_python.HelmError):
+            render_objects({"hostDriverDirs": bad})
+
+
+def test_driver_libraries_required_is_passed_to_the_plugin(default_objects: list[Obj]) -> None:
+    assert env_value(plugin_container(default_objects), "DRIVER_LIBRARIES_REQUIRED") == "true"
+    objects = render_objects({"driverLibraries": {"required": False}})
+    assert env_value(plugin_container(objects), "DRIVER_LIBRARIES_REQUIRED") == "false"
+    with pytest.raises(helm_python.HelmError):
+        render_objects({"driverLibraries": {"required": "no"}})
 
 
 def test_host_dev_and_proc_are_visible_under_host_root(default_objects: list[Obj]) -> None:
@@ -283,14 +329,12 @@ def test_cdi_root_is_writable_and_the_toolkit_spec_directory_read_only(
     assert not etc_cdi[0].get("readOnly", False)
 
 
-def test_mps_shm_is_one_host_tmpfs_shared_with_the_plugin(
-    default_objects: list[Obj], custom_objects: list[Obj]
-) -> None:
+def test_without_the_mps_host_mps_shm_is_one_host_tmpfs_shared_with_the_plugin(custom_objects: list[Obj]) -> None:
+    # With the MPS host (the default) the host's pod mounts it: tests/unit/test_deploy_mpshost.py.
     for objects, kubelet_dir, driver, size in (
-        (default_objects, "/var/lib/kubelet", "gpu.tessera.dev", "1g"),
         (custom_objects, "/var/lib/k0s/kubelet", "gpu.example.org", "512m"),
     ):
-        shm_dir = f"{kubelet_dir}/plugins/{driver}/mps/shm"
+        shm_dir = f"{kubelet_dir}/plugins/{driver}/mps-shm"
         container = plugin_container(objects)
         assert host_path_of_mount(objects, container, "/dev/shm") == shm_dir
         (init,) = pod_spec(objects)["initContainers"]
@@ -355,7 +399,7 @@ def test_rendered_plans_load_in_the_plugin(tmp_path: Path, custom_objects: list[
 def test_changing_the_plans_does_not_roll_the_plugin_pods() -> None:
     # The plugin re-reads the mounted plans file; a rollout would restart the MPS daemons it runs.
     def pod_template(values: Mapping[str, Any] | None) -> Any:
-        return only(render_objects(values), "DaemonSet")["spec"]["template"]
+        return daemonset(render_objects(values))["spec"]["template"]
 
     assert pod_template(None) == pod_template({"sharing": SHARING_PLANS})
     mounts = {m["name"]: m for m in pod_template(None)["spec"]["containers"][0]["volumeMounts"]}
@@ -425,6 +469,44 @@ def test_device_classes_can_be_disabled() -> None:
     assert set(device_classes(objects)) == {"gpu.tessera.dev", "mps.gpu.tessera.dev"}
 
 
+# --- NetworkPolicy ---------------------------------------------------------------------------------
+
+
+def pod_templates(objects: list[Obj]) -> dict[str, dict[str, str]]:
+    """Labels of every pod template, by workload name."""
+    return {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"]
+            for o in objects if o["kind"] in ("DaemonSet", "Deployment")}
+
+
+def test_network_policy_admits_only_scrapers_to_the_http_port_of_the_plugin_pods(
+    default_objects: list[Obj], custom_objects: list[Obj]
+) -> None:
+    for objects in (default_objects, custom_objects):
+        policy = only(objects, "NetworkPolicy")["spec"]
+        selected = [name for name, labels in pod_templates(objects).items()
+                    if policy["podSelector"]["matchLabels"].items() <= labels.items()]
+        assert selected == [daemonset(objects)["metadata"]["name"]]
+        assert [c["name"] for c in pod_spec(objects)["containers"]] == ["plugin"]
+        # Ingress only: the plugin must still reach the API server.
+        assert policy["policyTypes"] == ["Ingress"]
+        [rule] = policy["ingress"]
+        http_port = plugin_container(objects)["ports"][0]["containerPort"]
+        assert rule["ports"] == [{"protocol": "TCP", "port": http_port}]
+        assert rule["from"] == [{"namespaceSelector": {},
+                                 "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+    assert plugin_container(custom_objects)["ports"][0]["containerPort"] == 9400
+
+
+def test_network_policy_peers_are_configurable_and_the_policy_optional() -> None:
+    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    objects = render_objects({"metrics": {"networkPolicy": {"from": monitoring}}})
+    assert only(objects, "NetworkPolicy")["spec"]["ingress"][0]["from"] == monitoring
+    # No peers: only the node (the kubelet's probes) reaches the pod.
+    closed = only(render_objects({"metrics": {"networkPolicy": {"from": []}}}), "NetworkPolicy")["spec"]
+    assert closed["ingress"] == [] and closed["policyTypes"] == ["Ingress"]
+    assert not by_kind(render_objects({"metrics": {"networkPolicy": {"enabled": False}}}), "NetworkPolicy")
+
+
 # --- ValidatingAdmissionPolicy ---------------------------------------------------------------------
 
 NODE_NAME_KEY = "authentication.kubernetes.io/node-name"
@@ -435,8 +517,9 @@ def plugin_user(objects: list[Obj]) -> str:
     return f"system:serviceaccount:{account['namespace']}:{account['name']}"
 
 
-def slice_on(node: str | None, driver: str = "gpu.tessera.dev") -> Obj:
-    spec: Obj = {"driver": driver, "pool": {"name": node or "shared", "generation": 1, "resourceSliceCount": 1}}
+def slice_on(node: str | None, driver: str = "gpu.tessera.dev", pool: str | None = None) -> Obj:
+    pool_name = pool if pool is not None else node or "shared"
+    spec: Obj = {"driver": driver, "pool": {"name": pool_name, "generation": 1, "resourceSliceCount": 1}}
     if node is None:
         spec["allNodes"] = True
     else:
@@ -513,7 +596,8 @@ def test_admission_denies_other_nodes_drivers_and_unbound_tokens(default_objects
     allowed, messages = admit(policy, "CREATE", user=user, token_node="node-a", new=other)
     assert not allowed
     assert messages == [
-        "the kubelet plugin on node 'node-a' may only write ResourceSlices with spec.nodeName 'node-a', not 'node-b'"
+        "the kubelet plugin on node 'node-a' may only write ResourceSlices with spec.nodeName 'node-a', not 'node-b'",
+        "the kubelet plugin on node 'node-a' may only write ResourceSlices with spec.pool.name 'node-a', not 'node-b'",
     ]
     # Taking over another node's slice, or deleting it, is judged on the old object.
     assert not admit(policy, "UPDATE", user=user, token_node="node-a", new=slice_on("node-a"), old=other)[0]
@@ -527,6 +611,27 @@ def test_admission_denies_other_nodes_drivers_and_unbound_tokens(default_objects
     allowed, messages = admit(policy, "CREATE", user=user, token_node=None, new=slice_on("node-a"))
     assert not allowed
     assert NODE_NAME_KEY in messages[0]
+
+
+def test_admission_denies_slices_in_another_nodes_pool(default_objects: list[Obj], policy: Obj) -> None:
+    user = plugin_user(default_objects)
+    # On its own node but in node-b's pool: the scheduler would count these devices as node-b's.
+    foreign_pool = slice_on("node-a", pool="node-b")
+    allowed, messages = admit(policy, "CREATE", user=user, token_node="node-a", new=foreign_pool)
+    assert not allowed
+    assert messages == [
+        "the kubelet plugin on node 'node-a' may only write ResourceSlices with spec.pool.name 'node-a', not 'node-b'"
+    ]
+    assert not admit(policy, "UPDATE", user=user, token_node="node-a", new=foreign_pool, old=foreign_pool)[0]
+    # Sharing the pool name's prefix is not enough.
+    assert not admit(policy, "CREATE", user=user, token_node="node-a", new=slice_on("node-a", pool="node-a/x"))[0]
+    # A slice without a pool is refused by the API server's own validation; the policy names it too.
+    no_pool = slice_on("node-a")
+    del no_pool["spec"]["pool"]
+    assert not admit(policy, "CREATE", user=user, token_node="node-a", new=no_pool)[0]
+    # Cleaning up a slice on its own node left in a pool of another name stays allowed.
+    assert admit(policy, "DELETE", user=user, token_node="node-a", old=slice_on("node-a", pool="old-name")) == (
+        True, [])
 
 
 def test_admission_ignores_other_users(policy: Obj) -> None:
@@ -553,6 +658,8 @@ def test_admission_policy_names_the_custom_driver() -> None:
         ({"driverName": "tessera"}, helm_python.HelmValuesError, "/driverName"),
         ({"mps": {"shmSize": "1G"}}, helm_python.HelmValuesError, "/mps/shmSize"),
         ({"logFormat": "xml"}, helm_python.HelmValuesError, "/logFormat"),
+        ({"metrics": {"networkPolicy": {"from": [{}]}}}, helm_python.HelmValuesError, "/metrics/networkPolicy/from/0"),
+        ({"metrics": {"networkPolicy": {"enable": True}}}, helm_python.HelmValuesError, "enable"),
         ({"extendedResourceName": "gpu"}, helm_python.HelmValuesError, "/extendedResourceName"),
         (
             {"sharing": {"plans": {"p": {"gpus": [{"match": {"all": True}, "mps": {"shares": 1}}]}}}},

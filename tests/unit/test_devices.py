@@ -21,8 +21,9 @@ from driver.gpu.devices import (
 )
 from driver.gpu.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.sharing import GpuShares
+from driver.kubeletplugin.slicelimits import limits_for
 from driver.kubeletplugin.slicemodel import Device
-from driver.kubeletplugin.slicevalidation import limits_for, validate_devices
+from driver.kubeletplugin.slicevalidation import validate_devices
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -324,7 +325,9 @@ def test_mps_share_devices() -> None:
         "activeThreadPercentage",
         "memoryLimitEnforcement",
         "computeLimitEnforcement",
+        "mpsMultiUser",
     }
+    assert wire["attributes"]["mpsMultiUser"] == {"bool": False}
     assert wire["attributes"]["type"] == {"string": "mps"}
     assert wire["attributes"]["parentUUID"] == {"string": gpu.uuid}
     assert wire["attributes"]["sharingStrategy"] == {"string": "MPS"}
@@ -334,6 +337,21 @@ def test_mps_share_devices() -> None:
     assert wire["attributes"]["memoryLimitEnforcement"] == {"string": "mps-per-process"}
     assert wire["attributes"]["computeLimitEnforcement"] == {"string": "mps-per-process"}
     assert wire["capacity"] == {"memory": {"value": "26Gi"}}
+
+
+@pytest.mark.parametrize(("node_multi_user", "capability", "published"),
+                         [(True, "9.0", True), (True, "7.0", True), (True, "6.0", False), (True, None, False),
+                          (False, "9.0", False)])
+def test_mps_shares_say_whether_several_uids_can_run_at_once(
+    node_multi_user: bool, capability: str | None, published: bool
+) -> None:
+    gpu = h100(0, cuda_compute_capability=capability)
+    shares = GpuShares(strategy="MPS", count=2, memory_bytes_per_share=GIB)
+    devices = build_devices(node(gpu), {gpu.uuid: shares}, mps_multi_user=node_multi_user)
+    assert [d.to_wire()["attributes"]["mpsMultiUser"] for d in devices] == [{"bool": published}] * 2
+    timesliced = build_devices(node(gpu), {gpu.uuid: GpuShares(strategy="TimeSlicing", count=2,
+                                                               memory_bytes_per_share=GIB)}, mps_multi_user=True)
+    assert all("mpsMultiUser" not in d.attributes for d in timesliced)
 
 
 def test_timeslice_share_devices() -> None:

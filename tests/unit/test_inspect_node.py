@@ -18,12 +18,13 @@ from driver.gpu.checkpoint import (
     PreparedDeviceRecord,
     TimeSliceRecord,
 )
+from driver.gpu.computemode import ComputeModes
 from driver.gpu.mps import MpsDaemonRecord, MpsDaemonSpec
 from driver.gpu.state import DeviceState, StatePaths
 from driver.gpu.targets import make_view
 from driver.gpu.toolkit import load_toolkit_edits
 from driver.inspect_node import collect, inspect, render_text
-from driver.kubeletplugin.claim import ResourceClaim
+from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import PreparedDevice
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import build_host_root
@@ -163,7 +164,7 @@ def test_state_prepared_by_the_driver_reads_back(settings: Settings, tmp_path: P
         paths=StatePaths(state_dir=settings.state_dir, cdi_root=settings.cdi_root, host_root=host, mps_shm_dir=None),
         toolkit=load_toolkit_edits(host / "etc" / "cdi" / "nvidia.yaml"),
         mps=None, timeslicer=None,  # type: ignore[arg-type]  # a whole GPU without sharing needs neither
-        view=make_view(inventory, {}))
+        view=make_view(inventory, {}), compute_modes=ComputeModes(tmp_path))
     state.prepare(ResourceClaim.model_validate({
         "metadata": {"name": "train", "namespace": "team-a", "uid": "u1"},
         "status": {"allocation": {"devices": {"results": [

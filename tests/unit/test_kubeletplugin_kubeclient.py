@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from driver.kubeletplugin.claims import ClaimError, ClaimFetcher
+from driver.kubeletplugin.claimfetch import ClaimError, ClaimFetcher
 from driver.kubeletplugin.kubeclient import KubeApiError, load_api_client, open_json_lines, request_json
 from driver.kubeletplugin.types import ClaimRef
 
@@ -70,7 +70,7 @@ def test_claim_read_from_a_hung_server_is_sent_once(silent: SilentServer, tmp_pa
     fetcher = ClaimFetcher(api, connect_timeout_s=5, read_timeout_s=READ_TIMEOUT_S)
 
     with pytest.raises(ClaimError, match="cannot reach the API server"):
-        fetcher.fetch(ClaimRef(namespace="ns", name="claim", uid="uid-1"))
+        fetcher.fetch(ClaimRef(namespace="ns", name="claim", uid="5d4c3b2a-1f0e-4d9c-8b7a-6f5e4d3c2b1a"))
     assert silent.connections() == 1
 
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
 import stat
-import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,12 +15,13 @@ import pytest
 
 from driver.kubeletplugin.activity import DraActivity
 from driver.kubeletplugin.api import dra_v1_pb2, dra_v1_pb2_grpc
-from driver.kubeletplugin.claim import ResourceClaim
+from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.liveness import check_plugin, check_sockets
 from driver.kubeletplugin.plugin import KubeletPlugin
 from driver.kubeletplugin.telemetry import Telemetry
-from driver.kubeletplugin.types import ClaimRef, DRADriver, PreparedDevice, PrepareResult
+from driver.kubeletplugin.types import ClaimRef, Deadline, DRADriver, PreparedDevice, PrepareResult
 from driver.simulation.kubelet import KubeletDevice, KubeletEmulator, KubeletProtocolError, PrepareAnswer
+from tests.support.kubeletplugin import Dirs
 
 DRIVER = "gpu.tessera.dev"
 POD_UID = "7f3c2a1e-pod"
@@ -32,7 +31,7 @@ CLAIM = ClaimRef(namespace="ns", name="claim", uid="claim-uid-1")
 class EchoDriver:
     """Prepares every claim as one shared device of its allocation."""
 
-    def prepare_claim(self, claim: ResourceClaim) -> PrepareResult:
+    def prepare_claim(self, claim: ResourceClaim, deadline: Deadline) -> PrepareResult:
         return PrepareResult(
             devices=[
                 PreparedDevice(
@@ -57,10 +56,10 @@ class BlockingDriver(EchoDriver):
         self.entered = threading.Semaphore(0)
         self.release = threading.Event()
 
-    def prepare_claim(self, claim: ResourceClaim) -> PrepareResult:
+    def prepare_claim(self, claim: ResourceClaim, deadline: Deadline) -> PrepareResult:
         self.entered.release()
         self.release.wait(timeout=30)
-        return super().prepare_claim(claim)
+        return super().prepare_claim(claim, deadline)
 
 
 class StaticClaims:
@@ -95,29 +94,6 @@ class Rejections:
     def __call__(self, error: str) -> None:
         self.errors.append(error)
         self.called.set()
-
-
-@dataclass
-class Dirs:
-    registrar: Path
-    plugin: Path
-
-
-@pytest.fixture
-def dirs() -> Iterator[Dirs]:
-    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
-    root = Path(tempfile.mkdtemp(dir="/tmp", prefix="kp-"))
-    try:
-        yield Dirs(registrar=root / "registry", plugin=root / "plugins" / DRIVER)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def telemetry() -> Iterator[Telemetry]:
-    t = Telemetry("test", "tessera")
-    yield t
-    t.shutdown()
 
 
 def make_plugin(
@@ -167,6 +143,20 @@ def test_socket_names_with_pod_uid(dirs: Dirs, telemetry: Telemetry) -> None:
     assert plugin.dra_socket == dirs.plugin / f"dra-{POD_UID}.sock"
     with plugin:
         assert is_socket(plugin.registration_socket) and is_socket(plugin.dra_socket)
+
+
+def test_sockets_and_the_plugin_dir_are_private_and_the_registrar_dir_keeps_its_mode(
+    dirs: Dirs, telemetry: Telemetry
+) -> None:
+    dirs.registrar.mkdir(mode=0o755)
+    dirs.registrar.chmod(0o755)
+    dirs.plugin.mkdir(parents=True)
+    dirs.plugin.chmod(0o755)  # as an older release or a hostPath DirectoryOrCreate leaves it
+    with make_plugin(dirs, telemetry) as plugin:
+        assert stat.S_IMODE(plugin.dra_socket.stat().st_mode) == 0o600
+        assert stat.S_IMODE(plugin.registration_socket.stat().st_mode) == 0o600
+        assert stat.S_IMODE(dirs.plugin.stat().st_mode) == 0o700
+        assert stat.S_IMODE(dirs.registrar.stat().st_mode) == 0o755
 
 
 def test_default_plugin_dir_is_the_drivers_own(telemetry: Telemetry) -> None:
@@ -430,6 +420,25 @@ def test_liveness_of_a_stopped_plugin_reports_the_missing_socket(dirs: Dirs, tel
     ok, detail = check_plugin(plugin, timeout=10)
     assert not ok
     assert "registration socket" in detail and "missing" in detail
+
+
+def test_liveness_detail_names_no_host_path(dirs: Dirs, telemetry: Telemetry,
+                                            caplog: pytest.LogCaptureFixture) -> None:
+    # It is served on the HTTP port, which the pod network can reach; the paths go to the log.
+    root = str(dirs.plugin.parent.parent)
+    with make_plugin(dirs, telemetry) as plugin:
+        ok, detail = check_plugin(plugin, timeout=10)
+        assert ok and root not in detail, detail
+        plugin.dra_socket.unlink()
+        leave_stale_socket(plugin.dra_socket)  # nobody listens: gRPC's error quotes the address
+        ok, detail = check_plugin(plugin, timeout=10)
+        assert not ok
+        assert detail.startswith("DRA socket: empty NodePrepareResources failed: UNAVAILABLE"), detail
+        assert root not in detail and "/" not in detail, detail
+        # check_sockets is for people at the node: it keeps the paths.
+        assert str(plugin.dra_socket) in check_sockets(plugin.registration_socket, plugin.dra_socket, DRIVER,
+                                                       timeout=10)[1]
+    assert any(getattr(r, "dra_socket", None) == str(plugin.dra_socket) for r in caplog.records)
 
 
 @dataclass

@@ -18,11 +18,11 @@ from opentelemetry.trace import StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
 from driver.kubeletplugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
-from driver.kubeletplugin.claim import ResourceClaim
-from driver.kubeletplugin.claims import ClaimError
+from driver.kubeletplugin.claimfetch import ClaimError
+from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.service import KUBELET_GAVE_UP, ClaimBatch, add_dra_services
 from driver.kubeletplugin.telemetry import Telemetry
-from driver.kubeletplugin.types import ClaimRef, PreparedDevice, PrepareResult
+from driver.kubeletplugin.types import ClaimRef, Deadline, PreparedDevice, PrepareResult
 
 DRIVER = "gpu.tessera.dev"
 
@@ -72,11 +72,13 @@ class FakeDriver:
     unprepare_outcomes: dict[str, str | Exception] = field(default_factory=dict)
     prepared: list[str] = field(default_factory=list)
     unprepared: list[str] = field(default_factory=list)
+    deadlines: list[Deadline] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def prepare_claim(self, claim: ResourceClaim) -> PrepareResult:
+    def prepare_claim(self, claim: ResourceClaim, deadline: Deadline) -> PrepareResult:
         with self.lock:
             self.prepared.append(claim.metadata.uid)
+            self.deadlines.append(deadline)
         outcome = self.outcomes.get(claim.metadata.uid, PrepareResult(devices=[device("gpu-0")]))
         return outcome() if callable(outcome) else outcome
 
@@ -334,3 +336,27 @@ def test_claims_are_not_started_once_the_kubelet_gave_up() -> None:
     assert unprepared == {"late-3": KUBELET_GAVE_UP}
     assert "kubelet" in KUBELET_GAVE_UP
     assert driver.prepared == [] and driver.unprepared == [] and claims.fetched == []
+
+
+def test_the_driver_gets_the_kubelets_deadline_less_a_margin_to_answer(served: Served) -> None:
+    response = served.v1().NodePrepareResources(v1_request("a", "b"), timeout=5)
+    assert {uid: c.error for uid, c in response.claims.items()} == {"a": "", "b": ""}
+    first, second = served.driver.deadlines
+    assert first is second, "the claims of one request share its deadline"
+    assert 0 < first.remaining() <= 4.5 and first.is_active() is False, "the call is over by now"
+
+
+def test_without_a_kubelet_deadline_the_drivers_own_limit_applies() -> None:
+    driver, claims = FakeDriver(), FakeClaims()
+    telemetry = Telemetry("test", "tessera")
+    try:
+        ClaimBatch(driver, claims, telemetry, prepare_deadline=7).prepare(refs("a"), is_active=lambda: True)
+        late = ClaimBatch(driver, claims, telemetry).prepare(refs("late"), lambda: True, time_remaining=0.5)
+    finally:
+        telemetry.shutdown()
+    [deadline] = driver.deadlines
+    assert 0 < deadline.remaining() <= 7
+    assert late["late"].error == KUBELET_GAVE_UP, "no time left to answer: the claim is not started"
+    assert driver.prepared == ["a"]
+    with pytest.raises(ValueError, match="prepare_deadline"):
+        ClaimBatch(driver, claims, telemetry, prepare_deadline=0)

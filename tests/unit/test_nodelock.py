@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 import threading
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from driver.kubeletplugin.nodelock import LockTimeout, NodeLock
+from driver.kubeletplugin.nodelock import LockFileError, LockTimeout, NodeLock
 
 _HOLD_FLOCK = """
 import fcntl, os, sys
@@ -168,3 +170,42 @@ def test_two_lock_objects_on_one_path_exclude_each_other(tmp_path: Path) -> None
     first, second = NodeLock(path, timeout=5), NodeLock(path, timeout=0.1)
     with first.held(), pytest.raises(LockTimeout), second.held():
         pytest.fail("flock did not exclude a second descriptor")
+
+
+def test_lock_file_and_its_directory_are_private(tmp_path: Path) -> None:
+    lock = NodeLock(tmp_path / "state" / "state.lock", timeout=1)
+    with lock.held():
+        pass
+    assert stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o700
+    assert stat.S_IMODE(lock.path.stat().st_mode) == 0o600
+
+
+def test_a_lock_file_left_with_a_wider_mode_is_narrowed(tmp_path: Path) -> None:
+    path = tmp_path / "state.lock"
+    path.touch()
+    path.chmod(0o666)
+    with NodeLock(path, timeout=1).held():
+        pass
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_symlink_in_place_of_the_lock_file_is_refused_and_its_target_untouched(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_text("keep")
+    target.chmod(0o644)
+    (tmp_path / "state.lock").symlink_to(target)
+    with pytest.raises(LockFileError, match=r"state\.lock is a symlink"), NodeLock(tmp_path / "state.lock").held():
+        raise AssertionError("the lock must not be taken")
+    assert target.read_text() == "keep"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644
+    # A dangling link must not make the driver create the file it points to either.
+    (tmp_path / "dangling.lock").symlink_to(tmp_path / "created-by-us")
+    with pytest.raises(LockFileError), NodeLock(tmp_path / "dangling.lock").held():
+        pass
+    assert not (tmp_path / "created-by-us").exists()
+
+
+def test_a_fifo_in_place_of_the_lock_file_is_refused_without_blocking(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "state.lock")
+    with pytest.raises(LockFileError, match="not a regular file"), NodeLock(tmp_path / "state.lock").held():
+        pass

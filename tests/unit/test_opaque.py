@@ -8,7 +8,7 @@ import pytest
 
 from driver.gpu.configapi import API_VERSION, ConfigError, GpuConfig, MigDeviceConfig
 from driver.gpu.opaque import group_by_config, resolve_configs
-from driver.kubeletplugin.claim import DeviceAllocationConfiguration, DeviceRequestAllocationResult
+from driver.kubeletplugin.claimmodel import DeviceAllocationConfiguration, DeviceRequestAllocationResult
 
 DRIVER = "gpu.tessera.dev"
 

@@ -1,4 +1,5 @@
-"""Client-side ResourceSlice validation and splitting (driver.kubeletplugin.slicevalidation)."""
+"""Client-side ResourceSlice validation (driver.kubeletplugin.slicevalidation) and the limits it checks
+(driver.kubeletplugin.slicelimits). Splitting into slices is tested with the planner."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from decimal import Decimal
 
 import pytest
 
+from driver.kubeletplugin.slicelimits import limits_for
 from driver.kubeletplugin.slicemodel import (
     Device,
     DeviceCapacity,
@@ -15,9 +17,7 @@ from driver.kubeletplugin.slicemodel import (
     version_attr,
 )
 from driver.kubeletplugin.slicevalidation import (
-    limits_for,
     quantity_value,
-    split_into_slices,
     validate_devices,
     validate_driver_and_pool,
 )
@@ -280,46 +280,3 @@ def test_every_problem_is_reported_at_once() -> None:
     assert len(problems) == 5
     assert [p.split(":")[0] for p in problems] == [
         'device "gpu-0"', 'device "gpu-0"', 'device "Bad"', 'device "gpu-0"', 'device "gpu-0"']
-
-
-# ----- splitting ----------------------------------------------------------------------------
-
-
-def plain(count: int, start: int = 0) -> list[Device]:
-    return [Device(name=f"gpu-{i}") for i in range(start, start + count)]
-
-
-def sizes(slices: list[list[Device]]) -> list[int]:
-    return [len(s) for s in slices]
-
-
-def test_no_devices_still_gives_one_empty_slice() -> None:
-    assert split_into_slices([], L36) == [[]]
-
-
-def test_plain_devices_split_at_128() -> None:
-    assert sizes(split_into_slices(plain(128), L36)) == [128]
-    assert sizes(split_into_slices(plain(129), L36)) == [128, 1]
-    assert sizes(split_into_slices(plain(300), L34)) == [128, 128, 44]
-
-
-def test_tainted_devices_split_at_64_from_1_35_only() -> None:
-    devices = [tainted(f"gpu-{i}") for i in range(130)]
-    assert sizes(split_into_slices(devices, L35)) == [64, 64, 2]
-    assert sizes(split_into_slices(devices, L34)) == [128, 2]
-
-
-def test_one_tainted_device_lowers_the_cap_of_its_slice_only() -> None:
-    devices = [*plain(100), tainted("gpu-t"), *plain(100, start=200)]
-    slices = split_into_slices(devices, L36)
-    # The tainted device cannot join the 100 plain ones (cap 64), so it starts a slice; that
-    # slice then holds 63 more devices; the rest fill a plain slice.
-    assert sizes(slices) == [100, 64, 37]
-    assert slices[1][0].name == "gpu-t"
-
-
-def test_split_keeps_device_order() -> None:
-    devices = [*plain(70), *[tainted(f"t-{i}") for i in range(70)], *plain(70, start=500)]
-    slices = split_into_slices(devices, L36)
-    assert [d.name for s in slices for d in s] == [d.name for d in devices]
-    assert all(len(s) <= 64 for s in slices if any(d.taints for d in s))

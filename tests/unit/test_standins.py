@@ -35,6 +35,7 @@ from driver.gpu.binaries import (
     resolve_in_root,
     run_binary,
 )
+from tests.support.mpsdaemons import MpsDaemonKind, daemon_params
 from tests.support.processes import SIM_BIN, poll_until, processes_mentioning, standin_sandbox
 
 STANDINS = ("nvidia-cuda-mps-control", "nvidia-smi")
@@ -99,40 +100,133 @@ def test_standin_is_executable_and_labelled_simulation(name: str) -> None:
 # -- nvidia-cuda-mps-control ----------------------------------------------------------------
 
 
-def test_mps_daemon_answers_commands_logs_them_and_quits(sim: SimRoot) -> None:
-    env = _mps_env(sim)
+@pytest.fixture(params=daemon_params())
+def mpsd(request: pytest.FixtureRequest) -> Iterator[tuple[SimRoot, MpsDaemonKind]]:
+    """A driver root holding the stand-in, then NVIDIA's own control daemons where fetched."""
+    kind: MpsDaemonKind = request.param
+    with standin_sandbox("tss", []) as top:
+        kind.install(top / "root" / "usr" / "bin")
+        yield SimRoot(top=top, root=top / "root"), kind
+
+
+# What NVIDIA's 550.163 and 535.261 answer (docs/sharing.md, "NVIDIA's daemon, as measured"); the
+# stand-in must answer the same. Commands answered with nothing print no line.
+MEASURED_DIALOGUE = [
+    ("get_default_active_thread_percentage", "100.0"),
+    ("set_default_active_thread_percentage 25", "25.0"),
+    ("set_default_active_thread_percentage 0", "25.0"),  # refused: the log says "Invalid percentage"
+    ("get_default_active_thread_percentage", "25.0"),
+    ("set_default_device_pinned_mem_limit 0 20389M", None),
+    ("get_default_device_pinned_mem_limit 0", "19G"),
+    ("set_default_device_pinned_mem_limit 0 3840M", None),
+    ("get_default_device_pinned_mem_limit 0", "3G"),
+    ("set_default_device_pinned_mem_limit 0 1025M", None),
+    ("get_default_device_pinned_mem_limit 0", "1G"),
+    ("set_default_device_pinned_mem_limit 0 1023M", None),
+    ("get_default_device_pinned_mem_limit 0", "1023M"),
+    ("set_default_device_pinned_mem_limit 0 16G", None),
+    ("get_default_device_pinned_mem_limit 0", "16G"),
+    ("get_default_device_pinned_mem_limit 1", None),  # no limit set: nothing
+    ("set_default_device_pinned_mem_limit 1 512M", None),
+    ("get_default_device_pinned_mem_limit 1", "512M"),
+    (f"get_default_device_pinned_mem_limit {GPU_A}", "16G"),  # a UUID reads device 0 (atoi)...
+    (f"set_default_device_pinned_mem_limit {GPU_A} 3840M", None),  # ...and a set with one clears it
+    ("get_default_device_pinned_mem_limit 0", None),
+    ("set_default_device_pinned_mem_limit 1 abc", None),  # invalid: accepted silently, no limit left
+    ("get_default_device_pinned_mem_limit 1", None),
+    ("bogus", 'Unknown command "bogus"'),
+    ("get_server_list", None),
+]
+
+
+def test_mps_daemon_answers_as_nvidias_daemon_does(mpsd: tuple[SimRoot, MpsDaemonKind]) -> None:
+    sim, kind = mpsd
+    env = _mps_env(sim, CUDA_VISIBLE_DEVICES=GPU_A)
     started = _mps(sim, env, "-d")
     assert started.returncode == 0, started.stderr
-    pid = int((sim.top / "p" / "nvidia-cuda-mps-control.pid").read_text())
-    assert pid in processes_mentioning(str(sim.top))
+    pipe = sim.top / "p"
+    expected_files = ["control", "control_lock", "control_privileged", "log"]
+    if kind.writes_pid_file:
+        expected_files.append("nvidia-cuda-mps-control.pid")
+    assert sorted(p.name for p in pipe.iterdir()) == expected_files
+    assert stat.S_IMODE((pipe / "control").lstat().st_mode) == 0o666
+    assert stat.S_ISFIFO((pipe / "log").lstat().st_mode)
 
-    answers = _mps(
-        sim,
-        env,
-        stdin="get_default_active_thread_percentage\n"
-        "set_default_active_thread_percentage 25\n"
-        "get_default_active_thread_percentage\n"
-        "set_default_device_pinned_mem_limit 0 4G\n"
-        "get_default_device_pinned_mem_limit 0\n"
-        "get_server_list\n",
-    )
+    answers = _mps(sim, env, stdin="".join(f"{command}\n" for command, _ in MEASURED_DIALOGUE))
     assert answers.returncode == 0, answers.stderr
-    assert answers.stdout.split() == ["100.0", "25.0", "4096M"]
-    assert _commands(sim.top / "l") == [
-        {"cmd": "get_default_active_thread_percentage", "args": []},
-        {"cmd": "set_default_active_thread_percentage", "args": ["25"]},
-        {"cmd": "get_default_active_thread_percentage", "args": []},
-        {"cmd": "set_default_device_pinned_mem_limit", "args": ["0", "4G"]},
-        {"cmd": "get_default_device_pinned_mem_limit", "args": ["0"]},
-        {"cmd": "get_server_list", "args": []},
-    ]
-    log_lines = (sim.top / "l" / "control.log").read_text().splitlines()
-    assert all(re.match(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} Control \d+\] ", line) for line in log_lines)
-    assert any(line.endswith("Cmd:set_default_active_thread_percentage 25") for line in log_lines)
+    assert answers.stdout.splitlines() == [answer for _, answer in MEASURED_DIALOGUE if answer is not None]
+    logged = ("Cmd:set_default_active_thread_percentage 25", "Invalid percentage, expected between (0.0, 100.0]",
+              "No default pinned memory limit set for the device!", "Cmd:get_server_list")
 
+    def log_lines() -> list[str]:  # complete lines only: the daemon may be writing the last one
+        return (sim.top / "l" / "control.log").read_text().rpartition("\n")[0].splitlines()
+
+    # The daemon may write its log line after the answer has gone out.
+    poll_until(lambda: all(any(line.endswith(text) for line in log_lines()) for text in logged),
+               "the daemon to log the dialogue")
+    stamp = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} Control [ \d]{4}\d+\] ")
+    assert [line for line in log_lines() if not stamp.match(line)] == []
+
+    daemons = processes_mentioning(str(sim.top))
     assert _mps(sim, env, stdin="quit\n").returncode == 0
-    poll_until(lambda: pid not in processes_mentioning(str(sim.top)), "the daemon to exit after quit")
-    assert sorted(p.name for p in (sim.top / "p").iterdir()) == []
+    poll_until(lambda: processes_mentioning(str(sim.top)) == [], "the daemon to exit after quit")
+    assert daemons
+    assert sorted(p.name for p in pipe.iterdir()) == ["control", "control_lock", "control_privileged"]
+
+
+def test_mps_foreground_daemon_logs_to_stdout_and_refuses_a_second(mpsd: tuple[SimRoot, MpsDaemonKind]) -> None:
+    sim, _ = mpsd
+    env = _mps_env(sim)
+    (sim.top / "p").mkdir()
+    (sim.top / "l").mkdir()
+    out = (sim.top / "out").open("w")
+    first = subprocess.Popen([str(sim.exe("nvidia-cuda-mps-control")), "-f"], env=env, stdout=out,
+                             stderr=subprocess.STDOUT)
+    try:
+        poll_until(lambda: (sim.top / "p" / "control").exists(), "the foreground daemon to listen")
+        poll_until(lambda: _mps(sim, env, stdin="get_server_list\n").returncode == 0, "the daemon to answer")
+        second = _mps(sim, env, "-f")
+        assert second.returncode == 1
+        assert second.stdout.strip() == "An instance of this daemon is already running"
+        assert not (sim.top / "l" / "control.log").exists()
+        assert "Starting control daemon using socket" in (sim.top / "out").read_text()
+        assert _mps(sim, env, stdin="quit\n").returncode == 0
+        assert first.wait(timeout=10) == 0
+    finally:
+        first.kill()
+        first.wait()
+        out.close()
+
+
+@pytest.mark.parametrize("args", [["-x"], ["-M"], ["-d", "-x"]])
+def test_mps_unknown_arguments_make_the_front_end_client(mpsd: tuple[SimRoot, MpsDaemonKind], args: list[str]) -> None:
+    sim, _ = mpsd
+    result = _mps(sim, _mps_env(sim), *args)
+    assert result.returncode == 1
+    assert "Cannot find MPS control daemon process" in result.stderr
+    assert processes_mentioning(str(sim.top)) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another UID needs root")
+def test_mps_settings_and_quit_from_another_uid_are_refused(mpsd: tuple[SimRoot, MpsDaemonKind]) -> None:
+    sim, kind = mpsd
+    sim.top.chmod(0o755)  # the other UID must reach the binary and the pipe dir
+    env = _mps_env(sim)
+    assert _mps(sim, env, "-d").returncode == 0
+    nobody = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(sim.exe("nvidia-cuda-mps-control"))],
+        input="set_default_active_thread_percentage 50\nquit\nget_default_active_thread_percentage\n",
+        env=env, capture_output=True, text=True, timeout=10, check=False)
+    assert nobody.returncode == 0
+    # Measured: 550 refuses another UID's settings; 535 takes them. Neither lets it quit the daemon.
+    refused = ("Insufficient privileges for UID 65534. Control deamon settings can only be modified by the user "
+               "started it or by the root user.")
+    assert nobody.stdout.splitlines() == [
+        refused if kind.guards_settings else "50.0",
+        "Not enough privilege to execute quit command",
+        "100.0" if kind.guards_settings else "50.0",
+    ]
+    assert _mps(sim, env, stdin="quit\n").returncode == 0
 
 
 def test_mps_client_without_daemon_fails_with_message(sim: SimRoot) -> None:
@@ -145,9 +239,76 @@ def test_mps_daemon_refuses_second_instance_in_same_pipe_dir(sim: SimRoot) -> No
     env = _mps_env(sim)
     assert _mps(sim, env, "-d").returncode == 0
     second = _mps(sim, env, "-d")
-    assert second.returncode != 0
-    assert "already running" in (sim.top / "l" / "control.log").read_text()
+    assert second.returncode == 1
+    assert second.stdout.strip() == "An instance of this daemon is already running"
     assert len(processes_mentioning(str(sim.top))) == 1
+
+
+def test_mps_535_model_writes_no_pid_file(sim: SimRoot) -> None:
+    env = _mps_env(sim, TESSERA_SIM_MPS_DRIVER="535")
+    assert _mps(sim, env, "-d").returncode == 0
+    assert sorted(p.name for p in (sim.top / "p").iterdir()) == ["control", "control_lock", "control_privileged", "log"]
+
+
+class SimClient:
+    """A SIMULATION MPS client of the stand-in: connected until closed."""
+
+    def __init__(self, sim: SimRoot, env: dict[str, str], uid: int) -> None:
+        self.process = subprocess.Popen(
+            [str(sim.exe("nvidia-cuda-mps-control")), "--simulation-client", str(uid)],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def says(self) -> str:
+        assert self.process.stdout is not None
+        return self.process.stdout.readline().strip()
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=10)
+
+
+def test_mps_one_server_per_uid_queues_other_uids_until_the_first_is_done(sim: SimRoot) -> None:
+    # nvidia-cuda-mps-control(1): a client of another UID waits until the running server's clients are done.
+    env = _mps_env(sim)
+    assert _mps(sim, env, "-d").returncode == 0
+    clients: list[SimClient] = []
+    try:
+        # One at a time: each is answered before the next connects.
+        alice = SimClient(sim, env, 1000)
+        clients.append(alice)
+        first = alice.says()
+        assert re.fullmatch(r"SERVER \d+ uid 1000", first)
+        bob = SimClient(sim, env, 2000)
+        clients.append(bob)
+        assert bob.says() == "QUEUED uid 2000 behind uid 1000"
+        alice2 = SimClient(sim, env, 1000)
+        clients.append(alice2)
+        assert alice2.says() == first  # the same UID shares the running server
+        assert _mps(sim, env, stdin="get_server_list\n").stdout.split() == [first.split()[1]]
+        alice.close()
+        assert _mps(sim, env, stdin="get_server_list\n").stdout.split() == [first.split()[1]], "alice2 still runs"
+        alice2.close()
+        served = bob.says()
+        assert re.fullmatch(r"SERVER \d+ uid 2000", served) and served.split()[1] != first.split()[1]
+    finally:
+        for client in clients:
+            client.process.kill()
+            client.process.wait()
+
+
+def test_mps_multi_user_daemon_serves_every_uid_at_once(sim: SimRoot) -> None:
+    env = _mps_env(sim)
+    assert _mps(sim, env, "-d", "-M").returncode == 0
+    alice, bob = SimClient(sim, env, 1000), SimClient(sim, env, 2000)
+    try:
+        served = alice.says()
+        assert re.fullmatch(r"SERVER \d+ uid 1000", served)
+        assert bob.says() == f"SERVER {served.split()[1]} uid 2000"
+    finally:
+        for client in (alice, bob):
+            client.process.kill()
+            client.process.wait()
 
 
 def test_mps_injected_start_failure_leaves_nothing_running(sim: SimRoot) -> None:

@@ -20,6 +20,7 @@ import pytest
 
 import cdi
 from driver.gpu.checkpoint import CheckpointStore, ClaimPhase
+from driver.gpu.computemode import ComputeMode, ComputeModeError, ComputeModes
 from driver.gpu.inventory import NodeInventory
 from driver.gpu.mps import MpsClientEdits, MpsDaemonRecord, MpsDaemonSpec, MpsError, MpsManager, MpsMount
 from driver.gpu.sharing import GpuShares, TimeSliceInterval
@@ -27,7 +28,7 @@ from driver.gpu.state import DeviceState, PrepareError, StatePaths
 from driver.gpu.targets import make_view
 from driver.gpu.timeslice import TimeSliceError, TimeSlicer
 from driver.gpu.toolkit import load_toolkit_edits
-from driver.kubeletplugin.claim import ResourceClaim
+from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import ClaimRef
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import build_host_root
@@ -111,7 +112,7 @@ class FakeTimeSlicer:
     calls: list[tuple[str, tuple[str, ...], str | None]] = field(default_factory=list)
     fail_apply: bool = False
 
-    def apply(self, gpu_uuids: list[str], interval: TimeSliceInterval) -> None:
+    def apply(self, gpu_uuids: list[str], interval: TimeSliceInterval, deadline: object = None) -> None:
         self.calls.append(("apply", tuple(gpu_uuids), interval))
         if self.fail_apply:
             raise TimeSliceError(f"setting time slice {interval} failed: simulated nvidia-smi exit 3")
@@ -122,6 +123,24 @@ class FakeTimeSlicer:
         self.calls.append(("reset", tuple(gpu_uuids), None))
         for uuid in gpu_uuids:
             self.intervals.pop(uuid, None)
+
+
+@dataclass
+class FakeComputeModes:
+    """Stands in for ComputeModes: each GPU's mode (DEFAULT until set); ``fail_set`` names a GPU that refuses."""
+
+    modes: dict[str, ComputeMode] = field(default_factory=dict)
+    sets: list[tuple[str, ComputeMode]] = field(default_factory=list)
+    fail_set: str | None = None
+
+    def get(self, uuid: str, deadline: object = None) -> ComputeMode:
+        return self.modes.get(uuid, ComputeMode.DEFAULT)
+
+    def set(self, uuid: str, mode: ComputeMode, deadline: object = None) -> None:
+        self.sets.append((uuid, mode))
+        if uuid == self.fail_set:
+            raise ComputeModeError(f"compute mode of {uuid}: `nvidia-smi -i {uuid} -c {mode}` exited 3 (simulated)")
+        self.modes[uuid] = mode
 
 
 # ----------------------------------------------------------------------------- node
@@ -140,6 +159,7 @@ class Node:
         self.toolkit = load_toolkit_edits(self.host / "etc" / "cdi" / "nvidia.yaml")
         self.mps = FakeMps(root / "state" / "mps")
         self.timeslicer = FakeTimeSlicer()
+        self.modes = FakeComputeModes()
 
     def uuid(self, minor: int) -> str:
         gpu = self.inventory.gpu_by_minor(minor)
@@ -150,7 +170,8 @@ class Node:
         """A fresh DeviceState on the same directories and fakes, as after a driver restart."""
         return DeviceState(driver_name=DRIVER, pool_name=POOL, paths=self.paths, toolkit=self.toolkit,
                            mps=cast(MpsManager, self.mps), timeslicer=cast(TimeSlicer, self.timeslicer),
-                           view=make_view(self.inventory, {}), lock_timeout=5)
+                           view=make_view(self.inventory, {}), lock_timeout=5,
+                           compute_modes=cast(ComputeModes, self.modes))
 
     @property
     def store(self) -> CheckpointStore:
@@ -608,7 +629,7 @@ def test_prepared_count_does_not_wait_for_the_node_lock(node: Node) -> None:
 def test_devices_are_resolved_under_the_lock_so_a_concurrent_plan_change_cannot_hand_out_a_gpu_twice(
         node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     state = node.state()
-    real_held = state._lock.held
+    real_held = state.node_lock.held
 
     @contextlib.contextmanager
     def held_after_a_rescan() -> Iterator[None]:
@@ -617,7 +638,7 @@ def test_devices_are_resolved_under_the_lock_so_a_concurrent_plan_change_cannot_
             state._view = make_view(node.inventory, {node.uuid(0): mps_shares(2)})
             yield
 
-    monkeypatch.setattr(state._lock, "held", held_after_a_rescan)
+    monkeypatch.setattr(state.node_lock, "held", held_after_a_rescan)
     with pytest.raises(PrepareError, match="'gpu-0' is not published"):
         state.prepare(claim("whole", "gpu-0"))
     assert node.cdi_files() == []
@@ -628,7 +649,7 @@ def test_a_claim_needing_two_mps_daemons_is_refused(node: Node) -> None:
     state.apply_layout(make_view(node.inventory, {}), {node.uuid(0): mps_shares(2), node.uuid(2): mps_shares(2)})
     with pytest.raises(PrepareError, match="2 MPS daemons"):
         state.prepare(claim("two-gpus", "gpu-0-mps-0", "gpu-2-mps-0"))
-    with pytest.raises(PrepareError, match="2 MPS daemons"):
+    with pytest.raises(PrepareError, match="single CUDA process"):
         mig_mps = {"source": "FromClaim", "requests": ["r1"], "opaque": {"driver": DRIVER, "parameters": {
             "apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "MigDeviceConfig", "sharing": {"strategy": "MPS"}}}}
         state.prepare(claim("share-and-mig", "gpu-0-mps-1", "gpu-1-mig-1g10gb-6", configs=[mig_mps]))
@@ -706,7 +727,8 @@ def test_installations_under_different_driver_names_leave_each_other_alone(node:
     node.state().prepare(claim("u1", "gpu-0"))
     other = DeviceState(driver_name="gpu.other.example", pool_name=POOL, paths=node.paths, toolkit=node.toolkit,
                         mps=cast(MpsManager, node.mps), timeslicer=cast(TimeSlicer, node.timeslicer),
-                        view=make_view(node.inventory, {}), lock_timeout=5)
+                        view=make_view(node.inventory, {}), lock_timeout=5,
+                        compute_modes=cast(ComputeModes, node.modes))
     other.recover()
     assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u1.json"]
 
@@ -736,19 +758,25 @@ class _Crash(BaseException):
     """Stands for the process dying: not an Exception, so no rollback runs."""
 
 
-def test_a_crash_before_a_plain_claim_is_recorded_leaves_only_an_orphan_spec(node: Node,
-                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_crash_after_the_spec_is_written_is_rolled_back_at_start(node: Node,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     state = node.state()
+    real_save = state.ledger.store.save
+    saves: list[str] = []
 
-    def crash(_cp: object) -> None:
-        raise _Crash()
+    def crash_on_completion(cp: Any) -> None:
+        saves.append(cp.claims["u1"].phase.value)
+        if cp.claims["u1"].phase == ClaimPhase.PREPARE_COMPLETED:
+            raise _Crash()
+        real_save(cp)
 
-    monkeypatch.setattr(state._store, "save", crash)
+    monkeypatch.setattr(state.ledger.store, "save", crash_on_completion)
     with pytest.raises(_Crash):
         state.prepare(claim("u1", "gpu-0"))
-    assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u1.json"], "written, never recorded"
+    assert saves == ["PrepareStarted", "PrepareCompleted"], "the reservation is durable before the spec is written"
+    assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u1.json"], "written, never completed"
     restarted = node.state()
-    restarted.recover()
+    assert restarted.recover().rolled_back == ["u1"]
     assert node.cdi_files() == [] and restarted.prepared_claims() == []
     restarted.prepare(claim("u1", "gpu-0"))  # the kubelet's retry succeeds
     assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u1.json"]

@@ -7,13 +7,14 @@ import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from driver.kubeletplugin.telemetry import Telemetry
+from driver.kubeletplugin.telemetry import CachedRoute, Telemetry
 
 
 @pytest.fixture
@@ -124,12 +125,60 @@ def test_http_server_serves_metrics_routes_and_404(telemetry: Telemetry) -> None
     assert _get(port, "/nope")[0] == 404
 
 
-def test_routes_are_evaluated_per_request(telemetry: Telemetry) -> None:
+def test_routes_are_evaluated_per_request_without_a_cache(telemetry: Telemetry) -> None:
     ready = [False]
-    port = telemetry.serve_metrics("127.0.0.1", 0, {"/readyz": lambda: (200, "ok") if ready[0] else (503, "no")})
+    port = telemetry.serve_metrics("127.0.0.1", 0, {"/readyz": lambda: (200, "ok") if ready[0] else (503, "no")},
+                                   route_cache_s=0)
     assert _get(port, "/readyz")[0] == 503
     ready[0] = True
     assert _get(port, "/readyz")[0] == 200
+
+
+def test_a_flood_of_probes_runs_the_health_check_once_per_interval(telemetry: Telemetry) -> None:
+    calls: list[int] = []
+
+    def healthz() -> tuple[int, str]:
+        calls.append(1)
+        return 200, f"check {len(calls)}\n"
+
+    # A long interval: every request below falls inside it however slow the machine.
+    port = telemetry.serve_metrics("127.0.0.1", 0, {"/healthz": healthz}, route_cache_s=3600)
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda _: _get(port, "/healthz")[::2], range(40)))
+    assert answers == [(200, "check 1\n")] * 40
+    assert len(calls) == 1
+
+
+def test_cached_route_recomputes_once_the_interval_passed() -> None:
+    now = [100.0]
+    calls: list[float] = []
+
+    def route() -> tuple[int, str]:
+        calls.append(now[0])
+        return 200, "ok"
+
+    cached = CachedRoute(route, 1.0, clock=lambda: now[0])
+    cached()
+    now[0] = 100.9
+    cached()
+    assert calls == [100.0]
+    now[0] = 101.0
+    cached()
+    assert calls == [100.0, 101.0]
+
+
+def test_a_failing_route_answers_500_without_details_and_is_cached(caplog: pytest.LogCaptureFixture) -> None:
+    calls: list[int] = []
+
+    def route() -> tuple[int, str]:
+        calls.append(1)
+        raise OSError("cannot stat /var/lib/kubelet/plugins/gpu.tessera.dev/dra.sock")
+
+    cached = CachedRoute(route, 60.0)
+    assert cached() == (500, "internal error; see the plugin log\n")
+    assert cached() == (500, "internal error; see the plugin log\n")
+    assert len(calls) == 1
+    assert "/var/lib/kubelet" in caplog.text  # the detail is in the log
 
 
 def test_shutdown_stops_the_server() -> None:

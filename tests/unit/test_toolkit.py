@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 import yaml
 
-from driver.gpu.toolkit import DEFAULT_TOOLKIT_SPEC_PATHS, load_toolkit_edits, toolkit_spec_changed
+from driver.gpu.toolkit import (
+    DEFAULT_TOOLKIT_SPEC_PATHS,
+    has_libcuda,
+    load_toolkit_edits,
+    toolkit_spec_candidates,
+    toolkit_spec_changed,
+)
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import toolkit_spec
 
@@ -80,7 +86,18 @@ def test_nothing_found_tells_how_to_fix_it(tmp_path: Path, caplog: pytest.LogCap
     assert "nvidia-ctk cdi generate" in result.problem
     assert str(a) in result.problem and str(b) in result.problem
     assert result.status == f"not injected: {result.problem}"
-    assert any(r.levelno == logging.WARNING for r in caplog.records)
+    # Required by default: the node is not ready, and the log says so at error level.
+    assert result.readiness_problem is not None and "nvidia-ctk cdi generate" in result.readiness_problem
+    assert any(r.levelno == logging.ERROR and "not ready" in r.getMessage() for r in caplog.records)
+
+
+def test_operator_can_accept_a_node_without_driver_libraries(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="driver.gpu.toolkit"):
+        result = load_toolkit_edits(None, candidates=(tmp_path / "a.yaml",), required=False)
+    assert result.problem is not None and result.status == f"not injected: {result.problem}"
+    assert result.readiness_problem is None
+    assert all(r.levelno == logging.WARNING and "not ready" not in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("content", ["cdiVersion: [unclosed", "cdiVersion: 0.5.0\nkind: nvidia.com/gpu\n",
@@ -95,20 +112,60 @@ def test_invalid_spec_problem_names_the_file(tmp_path: Path, content: str) -> No
     assert result.status.startswith("not injected: ")
 
 
-def test_spec_without_spec_level_edits_gives_empty_edits(tmp_path: Path) -> None:
+def test_spec_without_spec_level_edits_is_as_bad_as_none(tmp_path: Path) -> None:
     spec = _spec()
     del spec["containerEdits"]
     path = _write_spec(tmp_path / "nvidia.yaml", spec)
     result = load_toolkit_edits(path)
     assert result.edits == {}
-    assert result.problem is None
-    assert result.status == f"from {path}"
+    assert result.problem is not None and "libcuda" in result.problem and str(path) in result.problem
+    assert result.readiness_problem is not None
 
 
-def test_default_candidates_are_the_usual_places() -> None:
-    assert DEFAULT_TOOLKIT_SPEC_PATHS[0] == Path("/etc/cdi/nvidia.yaml")
-    assert set(DEFAULT_TOOLKIT_SPEC_PATHS) == {Path("/etc/cdi/nvidia.yaml"), Path("/etc/cdi/nvidia.json"),
-                                               Path("/var/run/cdi/nvidia.yaml"), Path("/var/run/cdi/nvidia.json")}
+def test_spec_without_libcuda_is_named_as_such(tmp_path: Path) -> None:
+    spec = _spec()
+    spec["containerEdits"]["mounts"] = [m for m in spec["containerEdits"]["mounts"]
+                                        if "libcuda" not in m["containerPath"]]
+    path = _write_spec(tmp_path / "nvidia.yaml", spec)
+    required = load_toolkit_edits(path)
+    assert required.problem is not None and "mounts no libcuda.so*" in required.problem
+    assert required.readiness_problem is not None
+    # Accepted by the operator: the other edits are still injected, and the gap is in the status.
+    accepted = load_toolkit_edits(path, required=False)
+    assert accepted.edits is not None and accepted.edits["mounts"] == spec["containerEdits"]["mounts"]
+    assert accepted.readiness_problem is None
+    assert accepted.status.startswith(f"from {path}, but ") and "libcuda" in accepted.status
+
+
+def test_a_usable_spec_is_ready() -> None:
+    assert has_libcuda(_spec()["containerEdits"])
+    assert not has_libcuda({"mounts": [{"hostPath": "/usr/lib/libnvidia-ml.so.1",
+                                        "containerPath": "/usr/lib/libnvidia-ml.so.1"}]})
+
+
+def test_candidates_put_the_operators_spec_first_and_the_cdi_root_before_etc(tmp_path: Path) -> None:
+    root, etc = tmp_path / "run" / "cdi", tmp_path / "etc" / "cdi"
+    assert toolkit_spec_candidates(root, etc) == (
+        root / "management.nvidia.com-gpu.yaml", root / "management.nvidia.com-gpu.json",
+        etc / "management.nvidia.com-gpu.yaml", etc / "management.nvidia.com-gpu.json",
+        root / "nvidia.yaml", root / "nvidia.json", etc / "nvidia.yaml", etc / "nvidia.json")
+    # A CDI root that is /etc/cdi itself lists each file once.
+    assert len(toolkit_spec_candidates(etc, etc)) == 4
+    assert toolkit_spec_candidates(Path("/var/run/cdi"), Path("/etc/cdi")) == DEFAULT_TOOLKIT_SPEC_PATHS
+
+
+def test_the_operators_spec_wins_over_a_stale_hand_made_one(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root, etc = tmp_path / "run" / "cdi", tmp_path / "etc" / "cdi"
+    stale = _spec()
+    stale["containerEdits"]["env"] = ["STALE=1"]
+    _write_spec(etc / "nvidia.yaml", stale)
+    _write_spec(root / "nvidia.yaml", stale)
+    operator = _write_spec(root / "management.nvidia.com-gpu.yaml")
+    with caplog.at_level(logging.INFO, logger="driver.gpu.toolkit"):
+        result = load_toolkit_edits(None, toolkit_spec_candidates(root, etc))
+    assert result.source == operator and result.edits is not None and "STALE=1" not in result.edits["env"]
+    assert result.also_found == (root / "nvidia.yaml", etc / "nvidia.yaml")
+    assert any("several" in r.getMessage() for r in caplog.records)
 
 
 def test_a_regenerated_spec_is_noticed(tmp_path: Path) -> None:

@@ -66,8 +66,23 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s/%s" (include "tessera.pluginsDir" .) .Values.driverName }}
 {{- end }}
 
+{{/* MPS daemons' pipe, log and per-daemon shm directories (the plugin's <state dir>/mps). */}}
+{{- define "tessera.mpsDir" -}}
+{{- printf "%s/mps" (include "tessera.pluginDataDir" .) }}
+{{- end }}
+
+{{/* The /dev/shm all MPS daemons and clients share when daemons get no private one (Settings.mps_shm_dir). */}}
 {{- define "tessera.mpsShmDir" -}}
-{{- printf "%s/mps/shm" (include "tessera.pluginDataDir" .) }}
+{{- printf "%s/mps-shm" (include "tessera.pluginDataDir" .) }}
+{{- end }}
+
+{{/* The MPS host's socket, in a directory of its own (mode 0700). */}}
+{{- define "tessera.mpsHostSocketDir" -}}
+{{- printf "%s/mps-host" (include "tessera.pluginDataDir" .) }}
+{{- end }}
+
+{{- define "tessera.mpsHostSocket" -}}
+{{- printf "%s/mps-host.sock" (include "tessera.mpsHostSocketDir" .) }}
 {{- end }}
 
 {{/* mount(8) tmpfs size= takes k/m/g suffixes meaning KiB/MiB/GiB, so only binary quantities convert exactly. */}}
@@ -106,7 +121,49 @@ instead of as a crash-looping pod.
 {{- fail (printf "sharing.defaultPlan: %q is not a plan in sharing.plans (%s)" . $known) }}
 {{- end }}
 {{- end }}
+{{- if and .Values.mps.host.enabled (not .Values.mps.hostPID) }}
+{{- fail "mps.hostPID: must be true while mps.host.enabled is (the plugin finds the MPS host's daemons in /proc)" }}
+{{- end }}
 {{- if and .Values.extendedResourceName (not .Values.deviceClasses.gpu.enabled) }}
 {{- fail "extendedResourceName is set on the whole-GPU DeviceClass, but deviceClasses.gpu.enabled is false" }}
+{{- end }}
+{{- end }}
+
+{{/*
+The NVIDIA driver root as the plugin sees it, at /driver-root (volumeMounts, then volumes). For a
+host-installed driver ("/") only hostDriverDirs, each at its own path under /driver-root: the
+whole host root would put every host file (keys, kubelet credentials) into a privileged pod that
+needs none of them. For a containerised driver (the GPU Operator's /run/nvidia/driver) the whole
+root, HostToContainer: the driver container mounts itself there, dev/ included, possibly after the
+plugin started, and again after each restart.
+*/}}
+{{- define "tessera.driverRootVolumeMounts" -}}
+{{- if eq (trimSuffix "/" .Values.nvidiaDriverRoot) "" }}
+{{- range $i, $dir := .Values.hostDriverDirs }}
+- name: driver-dir-{{ $i }}
+  mountPath: /driver-root{{ $dir }}
+  readOnly: true
+{{- end }}
+{{- else }}
+- name: driver-root
+  mountPath: /driver-root
+  readOnly: true
+  mountPropagation: HostToContainer
+{{- end }}
+{{- end }}
+
+{{- define "tessera.driverRootVolumes" -}}
+{{- if eq (trimSuffix "/" .Values.nvidiaDriverRoot) "" }}
+{{- range $i, $dir := .Values.hostDriverDirs }}
+- name: driver-dir-{{ $i }}
+  hostPath:
+    path: {{ $dir }}
+    type: Directory
+{{- end }}
+{{- else }}
+- name: driver-root
+  hostPath:
+    path: {{ .Values.nvidiaDriverRoot }}
+    type: DirectoryOrCreate
 {{- end }}
 {{- end }}

@@ -1,231 +1,31 @@
-"""ResourceSlice publishing (driver.kubeletplugin.resourceslices): the pure planning rules, and the
-publisher end to end against the API server double over real HTTP."""
+"""The ResourceSlice publisher (driver.kubeletplugin.slicepublisher) end to end against the API server
+double over real HTTP: writes, watch, repair, backoff."""
 
 from __future__ import annotations
 
 import logging
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from driver.kubeletplugin.kubeclient import request_json
-from driver.kubeletplugin.resourceslices import (
-    SLICES_PATH,
-    ResourceSlicePublisher,
-    canonical_spec,
-    missing_fields,
-    plan_sync,
-    slice_index,
-    slice_name_prefix,
-)
-from driver.kubeletplugin.slicemodel import Device, DeviceCapacity, DeviceTaint, string_attr
+from driver.kubeletplugin.slicemodel import Device, DeviceTaint
+from driver.kubeletplugin.sliceplanner import slice_name_prefix
+from driver.kubeletplugin.slicepublisher import SLICES_PATH, ResourceSlicePublisher
 from driver.kubeletplugin.telemetry import Telemetry
 from driver.simulation.apiserver import FakeApiServer
+from tests.support.kubeletplugin import DRIVER, NODE, eventually, gpu, gpus
 
-DRIVER = "gpu.tessera.dev"
-NODE = "node-1"
-OWNER = {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": "node-uid", "controller": True}
-
-
-def gpu(index: int, product: str = "NVIDIA H100 80GB HBM3", taints: list[DeviceTaint] | None = None) -> Device:
-    return Device(name=f"gpu-{index}", attributes={"type": string_attr("gpu"), "productName": string_attr(product)},
-                  capacity={"memory": DeviceCapacity(value="80Gi")}, taints=taints or [])
-
-
-def gpus(count: int, product: str = "NVIDIA H100 80GB HBM3") -> list[Device]:
-    return [gpu(i, product) for i in range(count)]
-
-
-def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
-
-
-# ----- naming -------------------------------------------------------------------------------
-
-
-def test_slice_names_carry_the_index() -> None:
-    assert slice_name_prefix(0, DRIVER, NODE) == "00000-gpu.tessera.dev-node-1-"
-    assert slice_name_prefix(0x1A, DRIVER, NODE) == "0001a-gpu.tessera.dev-node-1-"
-    assert slice_name_prefix(0x123456, DRIVER, NODE).startswith("123456-")
-    assert slice_index("0001a-gpu.tessera.dev-node-1-x7k2p", DRIVER, NODE) == 26
-    assert slice_index("123456-gpu.tessera.dev-node-1-x7k2p", DRIVER, NODE) == 0x123456
-
-
-@pytest.mark.parametrize("name", [
-    "node-1-gpu.tessera.dev-x7k2p",               # the 1.34/1.35 naming
-    "00000-other.dev-node-1-x7k2p",               # another driver
-    "00000-gpu.tessera.dev-node-10-x7k2p",        # another node
-    "00000-gpu.tessera.dev-node-1-",              # no generated suffix
-    "0000g-gpu.tessera.dev-node-1-x7k2p",
-])
-def test_names_not_ours_have_no_index(name: str) -> None:
-    assert slice_index(name, DRIVER, NODE) is None
-
-
-def test_index_of_a_name_the_apiserver_cut_to_58_characters() -> None:
-    node = "ip-10-0-12-34.us-west-2.compute.internal"
-    generated = slice_name_prefix(3, DRIVER, node)[:58] + "abcde"
-    assert slice_index(generated, DRIVER, node) == 3
-
-
-# ----- comparison ---------------------------------------------------------------------------
-
-
-def test_quantities_compare_by_value_and_missing_devices_is_empty() -> None:
-    def memory(value: str) -> dict[str, Any]:
-        return {"devices": [{"name": "gpu-0", "capacity": {"memory": {"value": value}}}]}
-
-    assert canonical_spec(memory("1024Mi")) == canonical_spec(memory("1Gi"))
-    assert canonical_spec(memory("1024Mi")) != canonical_spec(memory("1G"))
-    assert canonical_spec({"driver": "d"}) == canonical_spec({"driver": "d", "devices": []})
-
-
-def test_missing_fields_names_each_dropped_field_once() -> None:
-    sent = {"devices": [{"name": "a", "taints": [{"key": "k"}]}, {"name": "b", "taints": [{"key": "k"}]}],
-            "pool": {"generation": 2}}
-    stored = {"devices": [{"name": "a"}, {"name": "b"}], "pool": {"generation": 2}, "added": True}
-    assert missing_fields(sent, stored) == ["spec.devices[*].taints"]
-    assert missing_fields({"pool": {"generation": 2}}, {"pool": {"generation": 3}}) == ["spec.pool.generation"]
-
-
-# ----- planning -----------------------------------------------------------------------------
-
-
-def server_slice(index: int, devices: list[Device], generation: int = 1, count: int = 1,
-                 owner: dict[str, Any] | None = OWNER, suffix: str = "abcde") -> dict[str, Any]:
-    metadata: dict[str, Any] = {"name": slice_name_prefix(index, DRIVER, NODE) + suffix, "uid": f"uid-{index}-{suffix}",
-                                "resourceVersion": "7"}
-    if owner:
-        metadata["ownerReferences"] = [owner]
-    pool = {"name": NODE, "generation": generation, "resourceSliceCount": count}
-    return {"metadata": metadata, "spec": {
-        "driver": DRIVER, "nodeName": NODE, "pool": pool, "devices": [d.to_wire() for d in devices]}}
-
-
-def plan(existing: list[dict[str, Any]], desired: list[list[Device]], adopted: dict[str, str] | None = None,
-         owner: dict[str, Any] | None = OWNER) -> Any:
-    return plan_sync(existing, desired, driver_name=DRIVER, node_name=NODE, owner=owner, adopted=adopted or {})
-
-
-def test_plan_from_nothing_creates_every_slice_at_generation_1() -> None:
-    result = plan([], [gpus(2), [gpu(5)]])
-    assert result.generation == 1 and not result.deletes and not result.updates
-    assert [c["metadata"]["generateName"] for c in result.creates] == [
-        "00000-gpu.tessera.dev-node-1-", "00001-gpu.tessera.dev-node-1-"]
-    first = result.creates[0]
-    assert first["metadata"]["ownerReferences"] == [OWNER]
-    assert first["spec"]["pool"] == {"name": NODE, "generation": 1, "resourceSliceCount": 2}
-    assert first["spec"]["nodeName"] == NODE and first["spec"]["driver"] == DRIVER
-    assert [d["name"] for d in first["spec"]["devices"]] == ["gpu-0", "gpu-1"]
-
-
-def test_plan_for_matching_state_is_empty() -> None:
-    assert plan([server_slice(0, gpus(2), generation=4)], [gpus(2)]).empty
-
-
-def test_one_changed_slice_keeps_the_generation() -> None:
-    existing = [server_slice(0, gpus(2), generation=3, count=2), server_slice(1, [gpu(2)], generation=3, count=2)]
-    result = plan(existing, [gpus(2), [gpu(2, product="changed")]])
-    assert result.generation == 3 and not result.creates and not result.deletes
-    assert [u["metadata"]["name"] for u in result.updates] == [existing[1]["metadata"]["name"]]
-    assert result.updates[0]["metadata"]["resourceVersion"] == "7"  # the update is conditional
-
-
-def test_two_changed_slices_bump_the_generation_and_rewrite_all() -> None:
-    existing = [server_slice(i, [gpu(i)], generation=3, count=3) for i in range(3)]
-    result = plan(existing, [[gpu(0, "x")], [gpu(1, "x")], [gpu(2)]])
-    assert result.generation == 4
-    assert len(result.updates) == 3
-    assert {u["spec"]["pool"]["generation"] for u in result.updates} == {4}
-
-
-def test_a_missing_slice_bumps_the_generation() -> None:
-    result = plan([server_slice(0, [gpu(0)], generation=2)], [[gpu(0)], [gpu(1)]])
-    assert result.generation == 3
-    assert len(result.updates) == 1 and len(result.creates) == 1
-    assert result.updates[0]["spec"]["pool"]["resourceSliceCount"] == 2
-
-
-def test_obsolete_slices_are_deleted() -> None:
-    current = server_slice(0, [gpu(0)], generation=5, count=2)
-    beyond = server_slice(1, [gpu(1)], generation=5)
-    older = server_slice(0, [gpu(0)], generation=4, suffix="old00")
-    old_naming = {**server_slice(0, [gpu(0)], generation=5), "metadata": {
-        "name": f"{NODE}-{DRIVER}-x7k2p", "uid": "u", "resourceVersion": "1"}}
-    other_pool = server_slice(0, [gpu(0)], generation=5, suffix="pool0")
-    other_pool["spec"]["pool"]["name"] = "elsewhere"
-    result = plan([current, beyond, older, old_naming, other_pool], [[gpu(0)]])
-    deleted = {d["metadata"]["name"] for d in result.deletes}
-    assert deleted == {beyond["metadata"]["name"], older["metadata"]["name"], old_naming["metadata"]["name"],
-                       other_pool["metadata"]["name"]}
-    assert not result.creates
-    assert [u["metadata"]["name"] for u in result.updates] == [current["metadata"]["name"]]  # count 2 -> 1
-
-
-def test_duplicate_index_keeps_one_slice() -> None:
-    first, second = server_slice(0, [gpu(0)], suffix="aaaaa"), server_slice(0, [gpu(0)], suffix="bbbbb")
-    result = plan([first, second], [[gpu(0)]])
-    assert [d["metadata"]["name"] for d in result.deletes] == [second["metadata"]["name"]]
-    assert not result.updates and not result.creates
-
-
-def test_taint_time_added_by_the_server_is_kept() -> None:
-    taint = DeviceTaint(key="example.com/xid", effect="NoSchedule")
-    existing = server_slice(0, [gpu(0, taints=[taint])])
-    existing["spec"]["devices"][0]["taints"][0]["timeAdded"] = "2026-01-01T00:00:00Z"
-    assert plan([existing], [[gpu(0, taints=[taint])]]).empty
-
-
-def test_adopted_server_version_is_not_rewritten() -> None:
-    tainted = [gpu(0, taints=[DeviceTaint(key="k", effect="NoSchedule")])]
-    stored = server_slice(0, [gpu(0)])
-    sent_spec = {**stored["spec"], "devices": [d.to_wire() for d in tainted]}
-    assert len(plan([stored], [tainted]).updates) == 1
-    adopted = {canonical_spec(sent_spec): canonical_spec(stored["spec"])}
-    assert plan([stored], [tainted], adopted=adopted).empty
-
-
-def test_missing_owner_reference_is_added() -> None:
-    existing = server_slice(0, [gpu(0)], owner=None)
-    result = plan([existing], [[gpu(0)]])
-    assert result.updates[0]["metadata"]["ownerReferences"] == [OWNER]
-    assert plan([existing], [[gpu(0)]], owner=None).empty
-
-
-# ----- the publisher against the API server double ------------------------------------------
+LOGGER = "driver.kubeletplugin.slicepublisher"
 
 
 @pytest.fixture
-def server() -> Iterator[FakeApiServer]:
-    fake = FakeApiServer(minor_version=36)
-    fake.start()
-    fake.add_node(NODE)
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture
-def spans() -> InMemorySpanExporter:
-    return InMemorySpanExporter()
-
-
-@pytest.fixture
-def telemetry(spans: InMemorySpanExporter) -> Iterator[Telemetry]:
-    telemetry = Telemetry("tessera-test", "tessera")
-    telemetry.add_span_processor(SimpleSpanProcessor(spans))
-    yield telemetry
-    telemetry.shutdown()
+def server(node_apiserver: FakeApiServer) -> FakeApiServer:
+    return node_apiserver
 
 
 @pytest.fixture
@@ -398,8 +198,8 @@ def test_invalid_devices_are_not_sent_and_previous_state_stays(
     assert publisher.wait_synced(10)
     before, sent = server.slices(node=NODE), len(writes(server))
     with caplog.at_level(logging.ERROR):
-        publisher.update([gpu(0, product="x" * 80), Device(name="gpu-0")])
-    assert publisher.validation_problems == [
+        refused = publisher.update([gpu(0, product="x" * 80), Device(name="gpu-0")])
+    assert refused == publisher.validation_problems == [
         'device "gpu-0": attribute "productName": string value is 80 bytes, the limit is 64',
         'device "gpu-0": name is used more than once in the pool (indexes 0 and 1)']
     assert all(p in caplog.text for p in publisher.validation_problems)
@@ -412,7 +212,7 @@ def test_rejected_writes_are_retried_with_backoff(server: FakeApiServer,
                                                   start_publisher: Callable[..., ResourceSlicePublisher],
                                                   caplog: pytest.LogCaptureFixture) -> None:
     server.reject_next_slice_writes(1000, "etcdserver: leader changed", status=503, reason="ServiceUnavailable")
-    with caplog.at_level(logging.ERROR, logger="driver.kubeletplugin.resourceslices"):
+    with caplog.at_level(logging.ERROR, logger=LOGGER):
         publisher = start_publisher(initial_backoff=0.05, max_backoff=0.2)
         publisher.update(gpus(2))
         assert not publisher.wait_synced(1.0)
@@ -452,7 +252,7 @@ def test_server_validation_error_is_logged_with_its_message(
     # The publisher believes it talks to 1.34 (no 64-device cap for tainted devices); the 1.36
     # server rejects the 100-device slice, with its reason and message in our log.
     taint = [DeviceTaint(key="example.com/maintenance", effect="NoSchedule")]
-    with caplog.at_level(logging.ERROR, logger="driver.kubeletplugin.resourceslices"):
+    with caplog.at_level(logging.ERROR, logger=LOGGER):
         publisher = start_publisher(minor_version=34, initial_backoff=0.05)
         publisher.update([gpu(i, taints=taint) for i in range(100)])
         assert eventually(lambda: "Too many: 100: must have at most 64 items" in caplog.text)
@@ -469,7 +269,7 @@ def test_dropped_fields_are_reported_once_and_adopted(start_publisher: Callable[
         gate_off.add_node(NODE)
         taint = [DeviceTaint(key="example.com/maintenance", effect="NoSchedule")]
         devices = [gpu(0, taints=taint), gpu(1)]
-        with caplog.at_level(logging.ERROR, logger="driver.kubeletplugin.resourceslices"):
+        with caplog.at_level(logging.ERROR, logger=LOGGER):
             publisher = start_publisher(fake=gate_off)
             publisher.update(devices)
             assert publisher.wait_synced(10)
@@ -486,7 +286,7 @@ def test_dropped_fields_are_reported_once_and_adopted(start_publisher: Callable[
 def test_unreadable_node_means_no_owner_reference(server: FakeApiServer,
                                                   start_publisher: Callable[..., ResourceSlicePublisher],
                                                   caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="driver.kubeletplugin.resourceslices"):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
         publisher = start_publisher(node="ghost")
         publisher.update(gpus(1))
         assert publisher.wait_synced(10)

@@ -1,37 +1,25 @@
-"""Publishing one node-local pool of devices as ResourceSlices, like the upstream Go controller.
+"""Publishing one node-local pool of devices as ResourceSlices: the worker that writes and watches.
 
 The driver hands over its devices (:meth:`ResourceSlicePublisher.update`); one worker thread
-makes the API server match them and keeps it that way. The behaviour follows
-``k8s.io/dynamic-resource-allocation/resourceslice`` (resource-api reference, section 5):
+makes the API server match them and keeps it that way. What to write is decided by the pure
+:mod:`.sliceplanner`; this module only does the requests, like the Go
+``k8s.io/dynamic-resource-allocation/resourceslice`` controller.
 
-* pool name = node name, ``spec.nodeName`` = node, slices owned by the Node;
-* slice names from ``generateName`` ``<index as 5+ hex digits>-<driver>-<node>-`` (1.36 form);
-  existing slices are matched to desired ones by that index;
-* pool generation kept when nothing is created and at most one slice changes (one update is
-  atomic), otherwise bumped with every slice rewritten;
-* obsolete slices deleted first, then changed ones updated with a full PUT, then missing ones
-  created;
-* fields the server dropped (a feature gate is off) reported loudly, and the stored object
-  adopted so the publisher does not loop on updates.
-
-Every request sends and reads raw JSON, so no field is lost in the client's models. Changes
-made by others (the kubelet deletes a node's slices when it starts and when it loses the
-driver) are seen through a watch and repaired after ``resync_delay``. Failures are retried
-with exponential backoff.
+Every request sends and reads raw JSON, so no field is lost in the client's models. Fields the
+server dropped (a feature gate is off) are reported loudly, and the stored object adopted so the
+publisher does not loop on updates. Changes made by others (the kubelet deletes a node's slices
+when it starts and when it loses the driver) are seen through a watch and repaired after
+``resync_delay``. Failures are retried with exponential backoff.
 """
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import math
-import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kubernetes import client
 from opentelemetry.trace import Status, StatusCode
@@ -43,19 +31,21 @@ from driver.kubeletplugin.kubeclient import (
     request_json,
     server_minor_version,
 )
+from driver.kubeletplugin.slicelimits import limits_for
 from driver.kubeletplugin.slicemodel import Device
-from driver.kubeletplugin.slicevalidation import (
-    limits_for,
-    quantity_value,
-    split_into_slices,
-    validate_devices,
-    validate_driver_and_pool,
+from driver.kubeletplugin.sliceplanner import (
+    InvalidDevices,
+    Obj,
+    SyncPlan,
+    canonical_spec,
+    dropped_fields,
+    plan_slices,
+    plan_sync,
 )
+from driver.kubeletplugin.slicevalidation import validate_driver_and_pool
 from driver.kubeletplugin.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
-
-Obj = dict[str, Any]
 
 SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
 _INITIAL_BACKOFF_S = 1.0
@@ -70,189 +60,6 @@ _REQUEST_TIMEOUT_S = 15.0
 # so a server that keeps changing what it stores cannot make a hot loop.
 _MAX_CONFIRMING_ROUNDS = 3
 _MAX_ADOPTED = 256
-# The apiserver keeps the first 58 characters of generateName, then adds 5 random ones.
-_GENERATE_NAME_KEPT = 58
-_GENERATED_SUFFIX_LENGTH = 5
-_INDEX_PREFIX = re.compile(r"^([0-9a-f]{5,})-")
-# When a field is missing from what the server stored, the feature gate that is likely off.
-_FEATURE_GATE_OF_FIELD = {
-    "taints": "DRADeviceTaints",
-    "consumesCounters": "DRAPartitionableDevices",
-    "sharedCounters": "DRAPartitionableDevices",
-    "perDeviceNodeSelection": "DRAPartitionableDevices",
-    "bindsToNode": "DRADeviceBindingConditions",
-    "bindingConditions": "DRADeviceBindingConditions",
-    "bindingFailureConditions": "DRADeviceBindingConditions",
-    "allowMultipleAllocations": "DRAConsumableCapacity",
-    "ints": "DRAListTypeAttributes",
-    "bools": "DRAListTypeAttributes",
-    "strings": "DRAListTypeAttributes",
-    "versions": "DRAListTypeAttributes",
-}
-
-
-# ----- pure planning -------------------------------------------------------------------------
-
-
-def slice_name_prefix(index: int, driver_name: str, node_name: str) -> str:
-    """``generateName`` of the slice at ``index`` (the Go helper's 1.36+ naming)."""
-    return f"{index:05x}-{driver_name}-{node_name}-"
-
-
-def slice_index(name: str, driver_name: str, node_name: str) -> int | None:
-    """The index encoded in a slice name made from :func:`slice_name_prefix`, else None."""
-    match = _INDEX_PREFIX.match(name)
-    if match is None:
-        return None
-    index = int(match.group(1), 16)
-    expected = slice_name_prefix(index, driver_name, node_name)[:_GENERATE_NAME_KEPT]
-    generated = name[:-_GENERATED_SUFFIX_LENGTH]
-    return index if generated == expected and len(name) == len(expected) + _GENERATED_SUFFIX_LENGTH else None
-
-
-def canonical_spec(spec: Obj) -> str:
-    """A comparable form of a slice spec: absent ``devices`` = empty, quantities by value."""
-    normal = copy.deepcopy(spec)
-    normal["devices"] = normal.get("devices") or []
-    for device in normal["devices"]:
-        for capacity in (device.get("capacity") or {}).values():
-            value = quantity_value(str(capacity.get("value", "")))
-            if value is not None:
-                capacity["value"] = str(value.normalize())
-    return json.dumps(normal, sort_keys=True)
-
-
-def missing_fields(sent: Any, stored: Any, path: str = "spec") -> list[str]:
-    """Paths of what was sent but is absent or different in what the server stored.
-
-    List positions are written ``[*]`` so one dropped field of many devices is named once.
-    """
-    if isinstance(sent, dict) and isinstance(stored, dict):
-        found: list[str] = []
-        for key, value in sent.items():
-            if key not in stored:
-                found.append(f"{path}.{key}")
-            else:
-                found.extend(missing_fields(value, stored[key], f"{path}.{key}"))
-        return list(dict.fromkeys(found))
-    if isinstance(sent, list) and isinstance(stored, list) and len(sent) == len(stored):
-        nested = [p for s, t in zip(sent, stored, strict=True) for p in missing_fields(s, t, f"{path}[*]")]
-        return list(dict.fromkeys(nested))
-    return [] if sent == stored else [path]
-
-
-@dataclass(frozen=True)
-class SyncPlan:
-    """The writes that make the server match the desired slices, in the order to apply them."""
-
-    generation: int
-    deletes: list[Obj] = field(default_factory=list)
-    updates: list[Obj] = field(default_factory=list)
-    creates: list[Obj] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not (self.deletes or self.updates or self.creates)
-
-
-def plan_sync(existing: Sequence[Obj], desired: Sequence[Sequence[Device]], *, driver_name: str, node_name: str,
-              owner: Obj | None, adopted: Mapping[str, str]) -> SyncPlan:
-    """Compare the slices on the server with the desired ones (generation rules of section 5.3).
-
-    ``adopted`` maps the canonical spec we sent to the canonical spec the server stored
-    instead, so a difference the server insists on is not written again.
-    """
-    def in_pool(slice_: Obj) -> bool:
-        return bool(slice_.get("spec", {}).get("pool", {}).get("name") == node_name)
-
-    ours = [s for s in existing if in_pool(s)]
-    top = max((int(s["spec"]["pool"].get("generation", 0)) for s in ours), default=0)
-    matched: dict[int, Obj] = {}
-    obsolete = [s for s in existing if not in_pool(s)]
-    by_preference = sorted(ours, key=lambda s: (-int(s["spec"]["pool"].get("generation", 0)), s["metadata"]["name"]))
-    for candidate in by_preference:
-        index = slice_index(candidate["metadata"]["name"], driver_name, node_name)
-        generation = int(candidate["spec"]["pool"].get("generation", 0))
-        if index is None or index >= len(desired) or index in matched or generation < top:
-            obsolete.append(candidate)
-        else:
-            matched[index] = candidate
-
-    def spec_at(index: int, generation: int) -> Obj:
-        current = matched.get(index)
-        return _desired_spec(desired[index], generation=generation, count=len(desired), driver_name=driver_name,
-                             node_name=node_name, existing_spec=current["spec"] if current else None)
-
-    def differs(index: int) -> bool:
-        current = matched[index]
-        wanted = canonical_spec(spec_at(index, top))
-        have = canonical_spec(current["spec"])
-        return (have != wanted and adopted.get(wanted) != have) or not _owned_by(current, owner)
-
-    missing = [i for i in range(len(desired)) if i not in matched]
-    changed = [i for i in sorted(matched) if differs(i)]
-    generation = top if not missing and len(changed) <= 1 else top + 1
-    rewrite = changed if generation == top else sorted(matched)
-    return SyncPlan(
-        generation=generation,
-        deletes=obsolete,
-        updates=[_update_body(matched[i], spec_at(i, generation), owner) for i in rewrite],
-        creates=[_create_body(slice_name_prefix(i, driver_name, node_name), spec_at(i, generation), owner)
-                 for i in missing],
-    )
-
-
-def _desired_spec(devices: Sequence[Device], *, generation: int, count: int, driver_name: str, node_name: str,
-                  existing_spec: Obj | None) -> Obj:
-    wire = [d.to_wire() for d in devices]
-    if existing_spec is not None:
-        _keep_taint_times(wire, existing_spec)
-    return {
-        "driver": driver_name,
-        "nodeName": node_name,
-        "pool": {"name": node_name, "generation": generation, "resourceSliceCount": count},
-        "devices": wire,
-    }
-
-
-def _keep_taint_times(devices: list[Obj], existing_spec: Obj) -> None:
-    # The server stamps timeAdded on taints that lack it; sending it back keeps the taint the same.
-    stamped = {
-        (d.get("name"), t.get("key"), t.get("value"), t.get("effect")): t["timeAdded"]
-        for d in existing_spec.get("devices") or [] for t in d.get("taints") or [] if t.get("timeAdded")
-    }
-    for device in devices:
-        for taint in device.get("taints", []):
-            key = (device["name"], taint.get("key"), taint.get("value"), taint.get("effect"))
-            if "timeAdded" not in taint and key in stamped:
-                taint["timeAdded"] = stamped[key]
-
-
-def _owned_by(slice_: Obj, owner: Obj | None) -> bool:
-    if owner is None:
-        return True
-    return any(ref.get("uid") == owner["uid"] for ref in slice_["metadata"].get("ownerReferences") or [])
-
-
-def _create_body(generate_name: str, spec: Obj, owner: Obj | None) -> Obj:
-    metadata: Obj = {"generateName": generate_name}
-    if owner is not None:
-        metadata["ownerReferences"] = [owner]
-    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": metadata, "spec": spec}
-
-
-def _update_body(current: Obj, spec: Obj, owner: Obj | None) -> Obj:
-    # Like the Go controller: the existing object's metadata (labels, resourceVersion for the
-    # conflict check) with our spec. managedFields left out means "unchanged" to the server.
-    metadata = copy.deepcopy(current["metadata"])
-    metadata.pop("managedFields", None)
-    if owner is not None:
-        others = [r for r in metadata.get("ownerReferences") or [] if r.get("kind") != "Node"]
-        metadata["ownerReferences"] = [*others, owner]
-    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": metadata, "spec": spec}
-
-
-# ----- the controller ------------------------------------------------------------------------
 
 
 class SliceWriteError(Exception):
@@ -273,7 +80,7 @@ class _RoundResult:
 class ResourceSlicePublisher:
     """Keeps the ResourceSlices of one node-local pool equal to the devices it was given.
 
-    Each sync round is a span ``tessera.publish_resourceslices`` and counts in
+    Each sync round is a span ``<scope>.publish_resourceslices`` (the telemetry's scope) and counts in
     ``slice_sync_total`` with ``result`` = ``changed``, ``unchanged`` or ``error``; an update
     refused by validation counts as ``invalid``.
     """
@@ -329,18 +136,21 @@ class ResourceSlicePublisher:
         with self._cond:
             return list(self._validation_problems)
 
-    def update(self, devices: Sequence[Device]) -> None:
-        """Set the devices to publish. Invalid devices are logged and not sent; the previous state stays."""
-        devices = list(devices)
-        problems = validate_devices(devices, self._driver, self._limits)
-        if problems:
+    def update(self, devices: Sequence[Device]) -> list[str]:
+        """Set the devices to publish; the problems that stopped it, empty when accepted.
+
+        Invalid devices are logged and not sent; the previous state stays.
+        """
+        try:
+            slices = plan_slices(list(devices), self._driver, self._limits)
+        except InvalidDevices as invalid:
+            problems = invalid.problems
             log.error("not publishing ResourceSlices: %d problem(s) with the devices, keeping the previous state: %s",
                       len(problems), "; ".join(problems), extra={**self._log_extra, "problems": problems})
             self._telemetry.slice_sync_total.add(1, {"result": "invalid"})
             with self._cond:
                 self._validation_problems = problems
-            return
-        slices = split_into_slices(devices, self._limits)
+            return list(problems)
         with self._cond:
             self._desired = slices
             self._desired_version += 1
@@ -348,6 +158,7 @@ class ResourceSlicePublisher:
             self._wake = True
             self._cond.notify_all()
             self._interrupt_watch()
+        return []
 
     def start(self) -> None:
         if self._thread is not None:
@@ -435,16 +246,17 @@ class ResourceSlicePublisher:
             desired = self._desired or [[]]
             version = self._desired_version
         device_count = sum(len(s) for s in desired)
-        with self._telemetry.tracer.start_as_current_span("tessera.publish_resourceslices") as span:
-            span.set_attribute("tessera.resourceslice.device_count", device_count)
-            span.set_attribute("tessera.resourceslice.slice_count", len(desired))
+        scope = self._telemetry.scope
+        with self._telemetry.tracer.start_as_current_span(f"{scope}.publish_resourceslices") as span:
+            span.set_attribute(f"{scope}.resourceslice.device_count", device_count)
+            span.set_attribute(f"{scope}.resourceslice.slice_count", len(desired))
             try:
                 owner = self._node_owner()
                 listed = request_json(self._api, "GET", SLICES_PATH, query=[("fieldSelector", self._selector)],
                                       timeout=_REQUEST_TIMEOUT_S)
                 plan = plan_sync(listed.get("items") or [], desired, driver_name=self._driver,
                                  node_name=self._node, owner=owner, adopted=self._adopted)
-                span.set_attribute("tessera.resourceslice.generation", plan.generation)
+                span.set_attribute(f"{scope}.resourceslice.generation", plan.generation)
                 self._apply(plan)
             except (KubeApiError, SliceWriteError) as err:
                 self._log_failure(err)
@@ -505,10 +317,8 @@ class ResourceSlicePublisher:
         if sent_key == stored_key:
             return
         name = stored.get("metadata", {}).get("name", "?")
-        dropped = missing_fields(json.loads(sent_key), json.loads(stored_key))
+        dropped, gates = dropped_fields(sent, stored_spec)
         if dropped:
-            gates = sorted({_FEATURE_GATE_OF_FIELD[p.rsplit(".", 1)[-1]] for p in dropped
-                            if p.rsplit(".", 1)[-1] in _FEATURE_GATE_OF_FIELD})
             log.error("the API server dropped or changed fields of ResourceSlice %s: %s; a feature gate is probably "
                       "off on the API server%s. Keeping what the server stored; not retrying.",
                       name, ", ".join(dropped), f" ({', '.join(gates)})" if gates else "",

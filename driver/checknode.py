@@ -1,0 +1,237 @@
+"""``python -m driver check-node``: prove, one line per check, that this node can serve GPU claims.
+
+Run it first on a new node, in the plugin pod (``docs/operations.md``, "Checking a new node").
+It takes the same settings as ``run`` and checks, in order: NVML and every GPU and MIG device;
+the device root and the device nodes; the NVIDIA Container Toolkit's CDI spec and ``libcuda`` in
+it; ``libcuda`` under the driver root; ``nvidia-smi``; each GPU's compute mode (read only: the
+check changes nothing on any GPU); and MPS end to end (``driver/checkmps.py``). The exit status
+is 1 if any check failed. A check that cannot run here is SKIPPED with the reason.
+
+With ``--simulate`` and no host root of its own, it builds a throwaway simulated host tree
+(stand-in ``nvidia-smi`` and ``nvidia-cuda-mps-control``, toolkit spec, device files) and runs
+every check it can against it; the CUDA client checks need a real GPU and say so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from types import FrameType
+
+from driver.checkmps import mps_checks
+from driver.checkresult import CheckResult, NodeReport, exit_status, fail, ok, render_json, render_table, skipped
+from driver.config import Settings
+from driver.gpu.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
+from driver.gpu.computemode import ComputeMode, ComputeModeError, ComputeModes
+from driver.gpu.cudarun import LIBCUDA, find_libcuda
+from driver.gpu.discovery import open_discovery
+from driver.gpu.hostfs import HostFsError, driver_root_host_path, find_device_root, mig_capability_nodes, missing_paths
+from driver.gpu.inventory import NodeInventory
+from driver.gpu.toolkit import load_toolkit_edits, toolkit_spec_candidates
+
+log = logging.getLogger(__name__)
+
+SIMULATED_NODE_NAME = "check-node"
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class NodeRoots:
+    """Where this run reads the node: the configured roots, or a simulated tree built for it."""
+
+    host_root: Path
+    driver_root: Path
+    cdi_root: Path  # where the toolkit spec is looked for first
+    toolkit_spec: Path | None  # explicit spec path, None = search the usual places
+    simulated: bool
+    notes: tuple[str, ...] = ()
+
+
+@contextlib.contextmanager
+def node_roots(settings: Settings, inventory: NodeInventory | None) -> Iterator[NodeRoots]:
+    """The configured roots; with ``--simulate`` and no host root given, a simulated tree removed afterwards."""
+    simulated = settings.simulate is not None
+    if settings.simulate is None or settings.host_root != Path("/") or inventory is None:
+        yield NodeRoots(settings.host_root, settings.driver_root, settings.cdi_root, settings.nvidia_cdi_spec,
+                        simulated)
+        return
+    from driver.simulation.discovery import load_layout
+    from driver.simulation.hostroot import build_host_root
+
+    layout = load_layout(settings.simulate)[1].driver_layout
+    with tempfile.TemporaryDirectory(prefix="tessera-check-host-") as tree:
+        host = build_host_root(Path(tree), inventory, layout)
+        # The operator's spec is found in the CDI root, as the driver finds it; the host layout's is named.
+        explicit = settings.nvidia_cdi_spec or (None if layout == "gpu-operator" else host.toolkit_spec)
+        yield NodeRoots(host.root, host.driver_root, host.toolkit_spec.parent, explicit, True,
+                        (f"SIMULATION: layout {settings.simulate!r} ({layout} driver), simulated GPUs and a simulated "
+                         f"host tree at {host.root} (stand-in nvidia-smi and nvidia-cuda-mps-control; removed when "
+                         "the check ends)",))
+
+
+def _guarded(check: str, run: Callable[[], list[CheckResult]]) -> list[CheckResult]:
+    """A check that raises is a FAIL line with the error, never a traceback instead of the table."""
+    try:
+        return run()
+    except Exception as exc:  # the table must still come out; the error is its detail
+        log.debug("check raised", exc_info=True)
+        return [fail(check, f"unexpected error: {type(exc).__name__}: {exc}")]
+
+
+def discover(settings: Settings) -> tuple[NodeInventory | None, list[CheckResult]]:
+    """NVML (or the simulated node) and one line per GPU and MIG device."""
+    name = "NVML" if settings.simulate is None else "NVML (SIMULATED)"
+    try:
+        discovery = open_discovery(settings.simulate, settings.node_name or SIMULATED_NODE_NAME, settings.driver_root)
+        try:
+            inventory = discovery.discover()
+        finally:
+            discovery.close()
+    except (RuntimeError, ValueError, ImportError, OSError) as exc:
+        return None, [fail(name, str(exc))]
+    where = f"simulated layout {settings.simulate!r}" if settings.simulate else "NVML"
+    versions = f"driver {inventory.driver_version}, CUDA {inventory.cuda_driver_version}"
+    lines = [ok(name, f"{where}: {versions}, {len(inventory.gpus)} GPU(s)") if inventory.gpus
+             else fail(name, f"{where}: no GPUs (is the driver loaded, are the GPUs bound to it?)")]
+    for gpu in inventory.gpus:
+        memory = f"{gpu.memory_bytes / _GIB:.0f} GiB" if gpu.memory_bytes else "memory unknown"
+        if gpu.mig_enabled:
+            sms = f"MIG enabled, {len(gpu.mig_instances)} MIG device(s)"
+        elif gpu.multiprocessors is not None:
+            sms = f"{gpu.multiprocessors} SMs"
+        else:
+            sms = f"SM count not published: {gpu.multiprocessors_missing or 'unknown'}"
+        lines.append(ok(f"GPU {gpu.minor}", f"{gpu.uuid} {gpu.product_name}, {memory}, {sms}"))
+        for mig in gpu.mig_instances:
+            lines.append(ok(f"MIG {gpu.minor}/gi{mig.gi_id}",
+                            f"{mig.uuid} {mig.profile}, {mig.multiprocessors or '?'} SMs"))
+    return inventory, lines
+
+
+def device_checks(settings: Settings, roots: NodeRoots, inventory: NodeInventory | None) -> list[CheckResult]:
+    explicit = PurePosixPath(settings.driver_root_on_host) if settings.driver_root_on_host else None
+    on_host = driver_root_host_path(roots.host_root, roots.driver_root, explicit)
+    device_root = find_device_root(roots.host_root, roots.driver_root, on_host)
+    lines = [ok("device root", f"{device_root.describe()}, read here at {device_root.seen_at / 'dev'}")]
+    control = ["/dev/nvidiactl", "/dev/nvidia-uvm"]
+    gpus = inventory.gpus if inventory else ()
+    gpu_nodes = [f"/dev/nvidia{gpu.minor}" for gpu in gpus]
+    caps: list[str] = []
+    problems: list[str] = []
+    for gpu in gpus:
+        for mig in gpu.mig_instances:
+            try:
+                caps += [n.path for n in mig_capability_nodes(roots.host_root, gpu.minor, mig.gi_id, mig.ci_id)]
+            except HostFsError as exc:
+                problems.append(f"MIG {mig.uuid}: {exc}")
+    missing = missing_paths(device_root.seen_at, [*control, *gpu_nodes, *caps])
+    if missing:
+        problems.append(f"missing under {device_root.seen_at}: {', '.join(missing)}")
+    if problems:
+        lines.append(fail("device nodes", "; ".join(problems)))
+    else:
+        lines.append(ok("device nodes", f"all present: {', '.join(control)}, {len(gpu_nodes)} GPU node(s) "
+                                        f"({', '.join(gpu_nodes) or 'none'}), {len(caps)} MIG capability node(s)"))
+    return lines
+
+
+def toolkit_checks(settings: Settings, roots: NodeRoots) -> list[CheckResult]:
+    edits = load_toolkit_edits(roots.toolkit_spec, toolkit_spec_candidates(roots.cdi_root),
+                               settings.driver_libraries_required)
+    also = f" (also found, not used: {', '.join(map(str, edits.also_found))})" if edits.also_found else ""
+    if edits.source is None or edits.edits is None:
+        return [fail("toolkit CDI spec", edits.problem or "not found"),
+                skipped("libcuda in toolkit spec", "no toolkit CDI spec to look in")]
+    spec = ok("toolkit CDI spec", f"{edits.source}{also}")
+    if edits.problem is not None and not edits.required:
+        return [spec, ok("libcuda in toolkit spec", f"{edits.problem}; accepted: driver libraries are not required "
+                                                    "on this node (driverLibraries.required=false)")]
+    if edits.problem is not None:
+        return [spec, fail("libcuda in toolkit spec", edits.problem)]
+    return [spec, ok("libcuda in toolkit spec", f"{edits.source} mounts libcuda.so*: containers get the driver")]
+
+
+def libcuda_check(roots: NodeRoots) -> list[CheckResult]:
+    found = find_libcuda(roots.driver_root)
+    if found is not None:
+        return [ok("libcuda", f"{found} (driver root {roots.driver_root})")]
+    if roots.simulated:
+        return [skipped("libcuda", "SIMULATION: the simulated driver root has no real libcuda")]
+    return [fail("libcuda", f"no {LIBCUDA} under driver root {roots.driver_root}; is --driver-root "
+                            "(nvidiaDriverRoot) where the NVIDIA driver is installed?")]
+
+
+def nvidia_smi_check(roots: NodeRoots) -> list[CheckResult]:
+    try:
+        binary = find_binary(roots.driver_root, "nvidia-smi")
+        listed = run_binary([str(binary), "-L"], env=driver_env(roots.driver_root), timeout=15.0)
+    except (BinaryNotFound, BinaryFailed) as exc:
+        return [fail("nvidia-smi", str(exc))]
+    count = sum(1 for line in listed.splitlines() if line.strip())
+    return [ok("nvidia-smi", f"{binary}: `nvidia-smi -L` ran and listed {count} line(s)")]
+
+
+def classify_compute_mode(uuid: str, mode: ComputeMode) -> tuple[bool, str]:
+    """(acceptable, what it means) for a whole GPU's compute mode."""
+    if mode is ComputeMode.DEFAULT:
+        return True, "DEFAULT (the driver sets EXCLUSIVE_PROCESS while one of its MPS daemons serves the GPU)"
+    if mode is ComputeMode.EXCLUSIVE_PROCESS:
+        return True, ("EXCLUSIVE_PROCESS: one process (or one MPS server) at a time; set while an MPS daemon "
+                      "serves the GPU, or left over from one")
+    return False, (f"PROHIBITED: no CUDA context can be created, so no claim on this GPU can run; "
+                   f"undo with `nvidia-smi -i {uuid} -c DEFAULT` (as root) if nothing on the node set it on purpose")
+
+
+def compute_mode_checks(roots: NodeRoots, inventory: NodeInventory | None) -> tuple[dict[str, str], list[CheckResult]]:
+    """Read only. MIG-enabled GPUs are skipped: MIG allows no mode but DEFAULT."""
+    modes: dict[str, str] = {}
+    lines: list[CheckResult] = []
+    reader = ComputeModes(roots.driver_root)
+    for gpu in inventory.gpus if inventory else ():
+        check = f"compute mode GPU {gpu.minor}"
+        if gpu.mig_enabled:
+            lines.append(ok(check, "MIG enabled: compute mode is DEFAULT and cannot be changed"))
+            continue
+        try:
+            mode = reader.get(gpu.uuid)
+        except ComputeModeError as exc:
+            lines.append(fail(check, str(exc)))
+            continue
+        modes[gpu.uuid] = mode.value
+        good, meaning = classify_compute_mode(gpu.uuid, mode)
+        lines.append(ok(check, meaning) if good else fail(check, meaning))
+    return modes, lines
+
+
+def check_node(settings: Settings, mps_device: str | None = None) -> NodeReport:
+    inventory, results = discover(settings)
+    with node_roots(settings, inventory) as roots:
+        results += _guarded("device nodes", lambda: device_checks(settings, roots, inventory))
+        results += _guarded("toolkit CDI spec", lambda: toolkit_checks(settings, roots))
+        results += _guarded("libcuda", lambda: libcuda_check(roots))
+        results += _guarded("nvidia-smi", lambda: nvidia_smi_check(roots))
+        modes, lines = compute_mode_checks(roots, inventory)
+        results += lines
+        if inventory is None:
+            results.append(skipped("MPS", "no GPU inventory (see the NVML line)"))
+        else:
+            results += _guarded("MPS", lambda: mps_checks(roots.driver_root, inventory, modes, mps_device,
+                                                          roots.simulated))
+    return NodeReport(simulated=roots.simulated, notes=list(roots.notes), checks=results)
+
+
+def _terminate(signum: int, _frame: FrameType | None) -> None:
+    # An exception, so the MPS check's finally stops its daemon before the process ends.
+    raise SystemExit(128 + signum)
+
+
+def run_check_node(settings: Settings, as_json: bool, mps_device: str | None) -> tuple[int, str]:
+    """(exit status, output) for the CLI."""
+    signal.signal(signal.SIGTERM, _terminate)
+    report = check_node(settings, mps_device)
+    return exit_status(report), render_json(report) if as_json else render_table(report)

@@ -1,0 +1,144 @@
+"""``python -m driver demo``'s command line, and the sharing plan its simulated node gets (SIMULATION).
+
+Pure functions over the arguments, the example files and the simulated inventory, so that every
+choice the demo makes can be checked without starting it. Errors are :class:`DemoArgsError`, whose
+message is one line naming the flag and what it accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from driver.gpu.inventory import NodeInventory
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "resourceclaims"
+DEFAULT_EXAMPLES = ("gpu-mps-per-claim.yaml", "mig-by-profile.yaml", "mps-share-from-plan.yaml")
+PLAN_NAME = "demo"
+SHARES = 4
+ShareMode = Literal["mps", "timeSlicing"]
+
+
+class DemoArgsError(ValueError):
+    """A demo argument that cannot be used; the message is one line."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    layout: str
+    workdir: Path | None
+    keep_prepared: bool
+    examples: tuple[Path, ...]
+
+
+def build_parser(layouts: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m driver demo",
+        description="SIMULATION: one simulated GPU node end to end (the real driver process, simulated GPUs, "
+                    "stand-in NVIDIA tools, an API server double, a kubelet stand-in). No cluster, GPU or root needed.")
+    parser.add_argument("--layout", default="demo", metavar="LAYOUT",
+                        help=f"simulated node: one of {', '.join(layouts)}, or a YAML file holding one layout "
+                             "(default: demo)")
+    parser.add_argument("--workdir", default=None, metavar="DIR",
+                        help="keep the demo's files (driver.log, CDI specs, checkpoint) in DIR instead of a "
+                             "temporary directory that is removed at the end")
+    parser.add_argument("--keep-prepared", action="store_true",
+                        help="leave the claims prepared (needs --workdir) so that `python -m driver inspect` and the "
+                             "CDI specs can be read afterwards; the closing message prints the commands")
+    parser.add_argument("--example", action="append", default=None, metavar="PATH",
+                        help="a YAML file with ResourceClaims or ResourceClaimTemplates to prepare; repeatable. A "
+                             "bare name is looked up in examples/resourceclaims/ "
+                             f"(default: {', '.join(DEFAULT_EXAMPLES)})")
+    return parser
+
+
+def parse_options(argv: Sequence[str], layouts: Sequence[str]) -> DemoOptions:
+    """Parse and check ``argv``; argparse exits for --help and unknown flags, anything else is DemoArgsError."""
+    args = build_parser(layouts).parse_args(argv)
+    layout: str = args.layout
+    if layout not in layouts:
+        if not Path(layout).is_file():
+            raise DemoArgsError(f"unknown --layout {layout!r}: choose one of {', '.join(layouts)} "
+                                "(or give a YAML file holding one layout)")
+        layout = str(Path(layout).resolve())  # the driver process reads it too
+    if args.keep_prepared and args.workdir is None:
+        raise DemoArgsError("--keep-prepared needs --workdir DIR: the prepared claims' files are left there")
+    examples = tuple(resolve_example(text) for text in args.example or default_examples())
+    workdir = Path(args.workdir).resolve() if args.workdir is not None else None
+    return DemoOptions(layout=layout, workdir=workdir, keep_prepared=args.keep_prepared, examples=examples)
+
+
+def default_examples() -> tuple[str, ...]:
+    if not EXAMPLES_DIR.is_dir():
+        raise DemoArgsError(f"the default examples are in examples/resourceclaims/ of a source checkout "
+                            f"({EXAMPLES_DIR} does not exist): pass --example PATH, or run from a clone: "
+                            "bash scripts/demo.sh")
+    return DEFAULT_EXAMPLES
+
+
+def resolve_example(text: str) -> Path:
+    """The example file ``text`` names: a path, else a file of that name in examples/resourceclaims/."""
+    path = Path(text)
+    if not path.is_file() and path.name == text and (EXAMPLES_DIR / text).is_file():
+        path = EXAMPLES_DIR / text
+    if not path.is_file():
+        known = ", ".join(sorted(p.name for p in EXAMPLES_DIR.glob("*.yaml"))) if EXAMPLES_DIR.is_dir() else "none"
+        raise DemoArgsError(f"--example {text!r}: no such file (files in examples/resourceclaims/: {known})")
+    if not claim_documents(path):
+        raise DemoArgsError(f"--example {text!r}: holds no ResourceClaim or ResourceClaimTemplate")
+    return path.resolve()
+
+
+def claim_documents(path: Path) -> list[dict[str, Any]]:
+    """The ResourceClaim(Template) documents of a YAML file (other kinds, such as Pods, are skipped)."""
+    try:
+        docs = list(yaml.safe_load_all(path.read_text()))
+    except (OSError, yaml.YAMLError) as exc:
+        raise DemoArgsError(f"--example {str(path)!r}: cannot read it as YAML ({' '.join(str(exc).split())})") from exc
+    return [d for d in docs if isinstance(d, dict) and d.get("kind") in ("ResourceClaimTemplate", "ResourceClaim")]
+
+
+def requested_classes(documents: Iterable[dict[str, Any]]) -> set[str]:
+    """DeviceClass names the claims request (``exactly`` and each ``firstAvailable`` alternative)."""
+    classes: set[str] = set()
+    for doc in documents:
+        spec = doc.get("spec", {})
+        spec = spec.get("spec", spec) if doc.get("kind") == "ResourceClaimTemplate" else spec
+        for request in spec.get("devices", {}).get("requests", []):
+            for choice in [request.get("exactly") or {}, *(request.get("firstAvailable") or [])]:
+                if "deviceClassName" in choice:
+                    classes.add(choice["deviceClassName"])
+    return classes
+
+
+def share_mode(examples: Iterable[Path], driver_name: str) -> ShareMode:
+    """How the demo node's shared GPU is split: time slicing only when the examples ask for it and not for MPS."""
+    classes = requested_classes(doc for path in examples for doc in claim_documents(path))
+    wants_mps, wants_ts = f"mps.{driver_name}" in classes, f"timeslice.{driver_name}" in classes
+    if wants_mps and wants_ts:
+        raise DemoArgsError("--example: the MPS share and time-slice share examples need the demo's shared GPU split "
+                            "two ways; demo them in separate runs")
+    return "timeSlicing" if wants_ts else "mps"
+
+
+def demo_plan(inventory: NodeInventory, mode: ShareMode) -> tuple[dict[str, Any], str]:
+    """(sharing plans file content, one-line description): the last GPU without MIG split into shares."""
+    candidates = [g for g in inventory.gpus if not g.mig_enabled]
+    if not candidates:
+        return {"defaultPlan": PLAN_NAME, "plans": {PLAN_NAME: {}}}, "none (no GPU without MIG to share)"
+    gpu = max(candidates, key=lambda g: g.minor)
+    how: dict[str, Any] = {"shares": SHARES}
+    if mode == "mps":
+        how["activeThreadPercentage"] = 100 // SHARES
+        what = f"{SHARES} MPS shares, {100 // SHARES}% of the SMs each"
+    else:
+        how["interval"] = "Short"
+        what = f"{SHARES} time-sliced shares"
+    plan = {"gpus": [{"match": {"minor": gpu.minor}, mode: how}]}
+    return ({"defaultPlan": PLAN_NAME, "plans": {PLAN_NAME: plan}},
+            f"gpu-{gpu.minor} ({gpu.product_name}) as {what}")

@@ -1,0 +1,226 @@
+"""What preparing one claim will do, worked out once and before any side effect.
+
+:func:`plan_claim` resolves every allocation result to the device this node publishes under
+that name, picks the winning opaque config per device, and derives the MPS daemons (with their
+full specs), the time slice and the GPUs whose compute mode changes. Every refusal a user can
+fix (a stale allocation, an invalid config, a combination MPS cannot serve) is raised here, as
+a :class:`PrepareError` naming the claim's devices, so a refused claim never starts anything.
+Pure functions over the node view; no I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from driver.gpu.cdiedits import MPS_CONTAINER_PIPE_DIR
+from driver.gpu.computemode import exclusive_gpus
+from driver.gpu.configapi import ConfigError, DeviceConfig, Sharing, resolve_mps_limits
+from driver.gpu.errors import PrepareError
+from driver.gpu.mps import MpsDaemonSpec, multi_user_capable
+from driver.gpu.opaque import group_by_config, resolve_configs
+from driver.gpu.sharing import TimeSliceInterval
+from driver.gpu.targets import DeviceTarget, NodeView
+from driver.kubeletplugin.claimmodel import DeviceRequestAllocationResult, ResourceClaim
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def plan_daemon_id(gpu_uuid: str) -> str:
+    # Short ids keep MPS socket paths under the 108-byte Unix socket limit.
+    return f"plan-{_short_hash(gpu_uuid)}"
+
+
+def claim_daemon_id(claim_uid: str, group: int) -> str:
+    return f"claim-{_short_hash(claim_uid)}-{group}"
+
+
+def is_plan_daemon(daemon_id: str) -> bool:
+    return daemon_id.startswith("plan-")
+
+
+@dataclass(frozen=True)
+class PlannedDaemon:
+    spec: MpsDaemonSpec
+    shared: bool  # a plan daemon (one per GPU, shared by its share claims) rather than the claim's own
+    device_names: tuple[str, ...]  # the claim's devices it serves
+
+    @property
+    def daemon_id(self) -> str:
+        return self.spec.daemon_id
+
+    @property
+    def exclusive_gpus(self) -> list[str]:
+        """GPUs set to EXCLUSIVE_PROCESS while this daemon runs (whole GPUs only)."""
+        return exclusive_gpus(self.spec.gpu_uuids)
+
+
+@dataclass(frozen=True)
+class PlannedTimeSlice:
+    gpu_uuids: tuple[str, ...]
+    interval: TimeSliceInterval
+
+
+@dataclass(frozen=True)
+class ClaimPlan:
+    uid: str
+    namespace: str
+    name: str
+    results: tuple[DeviceRequestAllocationResult, ...]
+    targets: tuple[DeviceTarget, ...]  # one per result, same order
+    daemons: tuple[PlannedDaemon, ...]
+    timeslice: PlannedTimeSlice | None
+
+    @property
+    def gpu_uuids(self) -> list[str]:
+        """Every physical GPU the claim touches, sorted: the per-GPU locks its side effects take."""
+        return sorted({t.gpu.uuid for t in self.targets})
+
+    @property
+    def has_runtime(self) -> bool:
+        """Whether the claim starts or changes anything besides its CDI spec."""
+        return bool(self.daemons) or self.timeslice is not None
+
+
+def plan_claim(claim: ResourceClaim, *, driver_name: str, pool_name: str, view: NodeView,
+               multi_user: bool = False) -> ClaimPlan | None:
+    """The plan for ``claim`` on this node, None if none of its devices is this driver's.
+
+    ``multi_user``: plan daemons (whose shares go to pods of any namespace, so any UID) run in
+    MPS multi-user mode on GPUs that support it; the caller knows whether the node's MPS does.
+    """
+    results = claim.results_for(driver_name)
+    if not results:
+        return None
+    targets = [_target_for(r, view, pool_name) for r in results]
+    kinds = {id(r): t.kind for r, t in zip(results, targets, strict=True)}
+    try:
+        groups = group_by_config(resolve_configs(claim.configs_for(driver_name), results, lambda r: kinds[id(r)]))
+    except ConfigError as exc:
+        raise PrepareError(f"invalid opaque configuration: {exc}") from exc
+    _check_share_multiplicity(targets)
+    uid = claim.metadata.uid
+    daemons = _plan_daemons(targets, multi_user) + _claim_daemons(uid, targets, groups)
+    by_name = {t.name: t for t in targets}
+    _check_one_cuda_process_can_see([by_name[n] for d in daemons for n in d.device_names])
+    _check_one_mps_daemon(daemons)
+    return ClaimPlan(uid=uid, namespace=claim.metadata.namespace, name=claim.metadata.name, results=tuple(results),
+                     targets=tuple(targets), daemons=tuple(daemons), timeslice=_timeslice(targets, groups))
+
+
+def _target_for(result: DeviceRequestAllocationResult, view: NodeView, pool_name: str) -> DeviceTarget:
+    if result.pool != pool_name:
+        raise PrepareError(f"device {result.device!r} was allocated from pool {result.pool!r}, but this node's "
+                           f"pool is {pool_name!r}; the claim belongs to another node")
+    target = view.targets.get(result.device)
+    if target is None:
+        known = ", ".join(sorted(view.targets)) or "none"
+        raise PrepareError(
+            f"device {result.device!r} is not published by this node (published: {known}). The allocation is "
+            "stale (the GPU or the sharing plan changed); delete the pod so its claim is allocated again")
+    return target
+
+
+def _check_share_multiplicity(targets: Sequence[DeviceTarget]) -> None:
+    by_gpu: dict[str, list[DeviceTarget]] = {}
+    for t in targets:
+        if t.shares is not None and not t.shares.allow_multiple_shares_per_claim:
+            by_gpu.setdefault(t.gpu.uuid, []).append(t)
+    for group in by_gpu.values():
+        if len(group) > 1:
+            names = ", ".join(t.name for t in group)
+            raise PrepareError(
+                f"the claim holds {len(group)} shares of one GPU ({names}); shares of the same GPU in one claim "
+                "add no capacity (every process still gets one share's limits). Ask for one share, or for a whole "
+                "GPU (DeviceClass gpu.tessera.dev) with GpuConfig.sharing to choose your own limits; the node "
+                "operator can allow this with allowMultipleSharesPerClaim in the sharing plan")
+
+
+ConfigGroups = Sequence[tuple[DeviceConfig, Sequence[DeviceRequestAllocationResult]]]
+
+
+def _plan_daemons(targets: Sequence[DeviceTarget], multi_user: bool) -> list[PlannedDaemon]:
+    """One shared daemon per GPU whose plan MPS shares the claim holds."""
+    by_gpu: dict[str, list[DeviceTarget]] = {}
+    for t in targets:
+        if t.kind == "mps" and t.shares is not None:
+            by_gpu.setdefault(t.gpu.uuid, []).append(t)
+    daemons: list[PlannedDaemon] = []
+    for gpu_uuid, shares in sorted(by_gpu.items()):
+        s, gpu = shares[0].shares, shares[0].gpu
+        assert s is not None
+        spec = MpsDaemonSpec(daemon_id=plan_daemon_id(gpu_uuid), gpu_uuids=[gpu_uuid],
+                             active_thread_percentage=s.active_thread_percentage,
+                             pinned_memory_limits={gpu_uuid: s.memory_bytes_per_share},
+                             multi_user=multi_user and multi_user_capable(gpu.cuda_compute_capability))
+        daemons.append(PlannedDaemon(spec, shared=True, device_names=tuple(t.name for t in shares)))
+    return daemons
+
+
+def _claim_daemons(uid: str, targets: Sequence[DeviceTarget], groups: ConfigGroups) -> list[PlannedDaemon]:
+    """One daemon per config group with ``sharing.strategy: MPS`` over whole GPUs or MIG devices."""
+    by_name = {t.name: t for t in targets}
+    daemons: list[PlannedDaemon] = []
+    for index, (config, results) in enumerate(groups):
+        sharing = config.sharing
+        group = [by_name[r.device] for r in results if by_name[r.device].kind in ("gpu", "mig")]
+        if sharing is None or sharing.strategy != "MPS" or not group:
+            continue
+        uuids = sorted(t.cuda_uuid for t in group)
+        memory = {t.cuda_uuid: t.memory_bytes or 0 for t in group}
+        try:
+            limits = resolve_mps_limits(sharing.mpsConfig, uuids, memory) if sharing.mpsConfig else None
+        except ConfigError as exc:
+            raise PrepareError(f"invalid opaque configuration: {exc}") from exc
+        spec = MpsDaemonSpec(daemon_id=claim_daemon_id(uid, index), gpu_uuids=uuids,
+                             active_thread_percentage=limits.active_thread_percentage if limits else None,
+                             pinned_memory_limits=dict(limits.pinned_memory_bytes) if limits else {})
+        daemons.append(PlannedDaemon(spec, shared=False, device_names=tuple(t.name for t in group)))
+    return daemons
+
+
+def _check_one_cuda_process_can_see(served: Sequence[DeviceTarget]) -> None:
+    """``served``: every device of the claim an MPS daemon would serve. A container reaches one daemon,
+    an MPS server is one CUDA process, and "a single CUDA process can only enumerate a single MIG
+    device", never a MIG device next to a whole GPU (NVIDIA MIG user guide, "CUDA Device Enumeration")."""
+    migs = sorted(t.name for t in served if t.kind == "mig")
+    others = sorted(t.name for t in served if t.kind != "mig")
+    if len(migs) > 1 or (migs and others):
+        raise PrepareError(
+            f"MPS would have to serve {', '.join(migs + others)} together, but an MPS server is a single CUDA "
+            "process, and a CUDA process sees only one MIG device and no MIG device next to a whole GPU or GPU share "
+            "(NVIDIA MIG user guide). Give each MIG device with sharing.strategy MPS its own claim, or leave MPS out "
+            "of this claim's config")
+
+
+def _check_one_mps_daemon(daemons: Sequence[PlannedDaemon]) -> None:
+    if len(daemons) > 1:
+        raise PrepareError(
+            f"the claim's devices would be served by {len(daemons)} MPS daemons, but a container reaches only "
+            f"one (its {MPS_CONTAINER_PIPE_DIR}). Ask for MPS shares of one GPU only, or put all whole GPUs of "
+            "the claim under one GpuConfig with sharing.strategy MPS (one daemon serves them all)")
+
+
+def _timeslice(targets: Sequence[DeviceTarget], groups: ConfigGroups) -> PlannedTimeSlice | None:
+    """The claim's time slice on its whole GPUs (TimeSlicing on a MIG device is accepted and does nothing)."""
+    by_name = {t.name: t for t in targets}
+    gpus: set[str] = set()
+    intervals: set[TimeSliceInterval] = set()
+    for config, results in groups:
+        sharing = config.sharing
+        if not isinstance(sharing, Sharing) or sharing.strategy != "TimeSlicing":
+            continue
+        group = [by_name[r.device] for r in results if by_name[r.device].kind == "gpu"]
+        if not group:
+            continue
+        intervals.add(sharing.timeSlicingConfig.interval if sharing.timeSlicingConfig else "Default")
+        gpus.update(t.gpu.uuid for t in group)
+    if not gpus:
+        return None
+    if len(intervals) > 1:
+        raise PrepareError(f"the claim asks for different time-slice intervals ({', '.join(sorted(intervals))}) "
+                           "on its GPUs; one claim can use one interval")
+    return PlannedTimeSlice(tuple(sorted(gpus)), intervals.pop())

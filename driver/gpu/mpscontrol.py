@@ -1,0 +1,94 @@
+"""Control commands to an MPS control daemon: ``echo '<cmd>' | nvidia-cuda-mps-control``, bounded in time.
+
+Whatever listens on a pipe directory's sockets (with an older read-write client mount, a tenant
+could plant its own), a command never holds the caller longer than its timeout, and is never sent
+through a symlink, which could lead to another daemon's socket.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from driver.gpu.binaries import BinaryFailed, BinaryNotFound, BinaryTimedOut, driver_env, find_binary, run_binary
+from driver.gpu.mpsmodel import MpsError
+from driver.gpu.mpsproc import CONTROL_BINARY
+
+CONTROL_SOCKET_NAME = "control"
+# The socket NVIDIA's front-end client uses when run as root (measured: 0755, beside the 0666 control).
+PRIVILEGED_SOCKET_NAME = "control_privileged"
+# What the real daemon answers to a command it does not carry out (measured on 535.261 and 550.163:
+# `Unknown command "x"`, "Insufficient privileges for UID ...", "Not enough privilege ..."), plus the
+# simulation's injected errors. Many refusals print nothing at all, hence the manager's read-backs.
+_REFUSAL = re.compile(r"error|invalid|unknown command|privilege|unrecogni[sz]ed|fail|not supported|usage", re.I)
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """A point on the monotonic clock that several steps share, and how to name it in errors."""
+
+    at: float
+    what: str  # e.g. "the 10s start deadline"
+
+    @classmethod
+    def after(cls, seconds: float, purpose: str) -> Deadline:
+        return cls(time.monotonic() + seconds, f"the {seconds:g}s {purpose} deadline")
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+
+class MpsControl:
+    """Sends control commands with the driver root's ``nvidia-cuda-mps-control``."""
+
+    def __init__(self, driver_root: Path, command_timeout: float) -> None:
+        self.driver_root = driver_root
+        self.command_timeout = command_timeout
+
+    def send(self, pipe_dir: Path, log_dir: Path, command: str, deadline: Deadline | None = None) -> str:
+        """Send one command and return the answer, stripped.
+
+        It gets ``command_timeout``, or what is left before ``deadline`` if that is less.
+        """
+        label = f"control command {command!r}"
+        for name, required in ((CONTROL_SOCKET_NAME, True), (PRIVILEGED_SOCKET_NAME, False)):
+            if not _socket_or_absent(pipe_dir / name, required):
+                what = "missing or not a socket" if required else "not a socket"
+                raise MpsError(f"{label} not sent: {pipe_dir / name} is {what}")
+        timeout, limit = self.command_timeout, f"within {self.command_timeout:g}s"
+        if deadline is not None and deadline.remaining() < timeout:
+            timeout, limit = deadline.remaining(), f"before {deadline.what}"
+            if timeout <= 0:
+                raise MpsError(f"{label} not sent: {deadline.what} has passed")
+        try:
+            binary = find_binary(self.driver_root, CONTROL_BINARY)
+            env = driver_env(self.driver_root)
+        except (BinaryNotFound, BinaryFailed) as exc:
+            raise MpsError(str(exc)) from exc
+        env["CUDA_MPS_PIPE_DIRECTORY"] = str(pipe_dir)
+        env["CUDA_MPS_LOG_DIRECTORY"] = str(log_dir)
+        try:
+            return run_binary([str(binary)], env=env, timeout=timeout, stdin_text=command + "\n", label=label).strip()
+        except BinaryTimedOut as exc:
+            raise MpsError(f"{label} got no answer {limit}") from exc
+        except (BinaryFailed, OSError) as exc:
+            raise MpsError(str(exc)) from exc
+
+    def set(self, pipe_dir: Path, log_dir: Path, command: str, deadline: Deadline) -> None:
+        """Send a ``set_*`` command; an answer that reads as a refusal is an MpsError."""
+        answer = self.send(pipe_dir, log_dir, command, deadline)
+        if _REFUSAL.search(answer):
+            raise MpsError(f"the daemon refused {command!r}: {answer}")
+
+
+def _socket_or_absent(path: Path, required: bool) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return not required
+    except OSError:
+        return False

@@ -1,0 +1,135 @@
+"""How an MPS control daemon process comes into being: the launch request and the launcher contract.
+
+The driver decides *what* a daemon serves (pipe and log directories, visible devices, limits);
+a launcher decides *where* the process lives. Two launchers exist:
+
+* ``LocalLauncher`` (this module): the daemon is a child of the calling process. Used by the demo,
+  the tests and single-container installs; the daemons then share the plugin container's fate.
+* ``MpsHostLauncher`` (``driver/gpu/mpshost.py``): the request goes over a local Unix socket to
+  ``python -m driver mps-host``, a long-lived process in its own pod, so restarting or upgrading the
+  plugin leaves running daemons (and their clients' CUDA contexts) untouched.
+
+Both run ``nvidia-cuda-mps-control -f`` (foreground) and supervise it, so the PID is known without
+the pid file that some driver versions do not write (535.x writes none; nvidia-gpu.md 6.2).
+Limits are not part of the launch: the manager sets them over the control socket afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from pathlib import Path
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from driver.gpu.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary
+from driver.gpu.mpsproc import CONTROL_BINARY
+
+# With -f the daemon writes its log to standard output, not to <log dir>/control.log as -d does
+# (measured, docs/sharing.md); the launcher sends that output to the file -d would have written.
+CONTROL_LOG_NAME = "control.log"
+# The multi-user flag of NVIDIA's DRA driver (dra-driver-nvidia-gpu PR #1153:
+# `nvidia-cuda-mps-control -d -M`, Volta or newer). 535.x and 550.x do not know it: with it they act
+# as the front-end client, print "Cannot find MPS control daemon process" and exit 1.
+MULTI_USER_FLAG = "-M"
+
+
+class MpsLaunchError(Exception):
+    """The daemon process could not be started; the message says why."""
+
+
+class DaemonLaunch(BaseModel):
+    """What one control daemon needs to start; sent as JSON to the MPS host, so plain data only."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    daemon_id: str
+    pipe_dir: Path  # CUDA_MPS_PIPE_DIRECTORY
+    log_dir: Path  # CUDA_MPS_LOG_DIRECTORY
+    visible_devices: list[str] = Field(min_length=1)  # CUDA_VISIBLE_DEVICES, GPU-/MIG- UUIDs in order
+    multi_user: bool = False
+    shm_dir: Path | None = None  # a per-daemon /dev/shm the launcher may give the daemon
+
+
+class LaunchedDaemon(BaseModel):
+    """What the launcher started."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pid: int = Field(gt=0)
+    # The host directory the daemon sees as /dev/shm, which clients must mount too; None means the
+    # launcher's own /dev/shm (the configured shared MPS shm directory).
+    shm_dir: Path | None = None
+
+
+class DaemonLauncher(Protocol):
+    def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
+        """Start ``nvidia-cuda-mps-control -f`` for ``request`` and return its PID; raise MpsLaunchError."""
+        ...
+
+    def describe(self) -> str:
+        """One line for logs and ``inspect``: where daemons run."""
+        ...
+
+
+def control_args(request: DaemonLaunch) -> list[str]:
+    """The arguments after the binary: foreground, so the launcher knows the PID without a pid file."""
+    return ["-f", MULTI_USER_FLAG] if request.multi_user else ["-f"]
+
+
+def control_env(request: DaemonLaunch) -> dict[str, str]:
+    """The daemon's own variables (nvidia-gpu.md 1.3); PATH and the library path come from the launcher."""
+    return {
+        "CUDA_MPS_PIPE_DIRECTORY": str(request.pipe_dir),
+        "CUDA_MPS_LOG_DIRECTORY": str(request.log_dir),
+        "CUDA_VISIBLE_DEVICES": ",".join(request.visible_devices),
+    }
+
+
+class LocalLauncher:
+    """Runs the daemon as a child of this process, in its own session, and reaps it when it exits."""
+
+    def __init__(self, driver_root: Path) -> None:
+        self.driver_root = driver_root
+
+    def describe(self) -> str:
+        return f"child processes of the plugin (pid {os.getpid()}), binaries from driver root {self.driver_root}"
+
+    def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
+        try:
+            binary = find_binary(self.driver_root, CONTROL_BINARY)
+            env = driver_env(self.driver_root)
+        except (BinaryNotFound, BinaryFailed) as exc:
+            raise MpsLaunchError(str(exc)) from exc
+        env.update(control_env(request))
+        output_path = request.log_dir / CONTROL_LOG_NAME
+        try:
+            # O_NOFOLLOW: the log dir is the driver's, but a link there must still not redirect the output.
+            output = os.open(output_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        except OSError as exc:
+            raise MpsLaunchError(f"cannot open {output_path} for the daemon's output: {exc}") from exc
+        try:
+            # A new session keeps the daemon out of signals aimed at the plugin's process group, and
+            # makes it a group leader so stopping it can signal its MPS servers too.
+            child = subprocess.Popen(
+                [str(binary), *control_args(request)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                cwd="/",
+                start_new_session=True,
+                # The driver runs with umask 077 (driver/cli.py); the daemon's sockets in the pipe
+                # dir must be reachable by client containers of other UIDs.
+                umask=0o022,
+            )
+        except OSError as exc:
+            raise MpsLaunchError(f"could not run {binary}: {exc}") from exc
+        finally:
+            os.close(output)
+        # Whoever stops the daemon only signals it and watches /proc; this thread collects its exit
+        # status so no zombie is left, however the daemon ends.
+        threading.Thread(target=child.wait, name=f"mps-daemon-reaper-{child.pid}", daemon=True).start()
+        return LaunchedDaemon(pid=child.pid, shm_dir=None)

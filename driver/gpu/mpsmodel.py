@@ -1,0 +1,147 @@
+"""What an MPS daemon is, as the driver records it: the spec, the checkpointed record, client edits,
+and the pure rules about limits and modes (no processes, no files).
+
+Facts: ``reference/nvidia-gpu.md`` sections 1 and 6.2; docs/sharing.md, "NVIDIA's daemon, as measured".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MIB = 1024 * 1024
+# MPS multi-user mode needs Volta or newer (dra-driver-nvidia-gpu PR #1153, ensureCapability "7.0").
+MULTI_USER_MIN_COMPUTE_CAPABILITY = (7, 0)
+
+_DAEMON_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+# GPU-<uuid>, MIG-<uuid>, and the older MIG-GPU-<uuid>/<gi>/<ci>; commas would split CUDA_VISIBLE_DEVICES.
+_DEVICE_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")
+# get_default_device_pinned_mem_limit prints "<n>M" below 1 GiB and "<n>G", rounded down, from 1 GiB
+# up (measured: 1023M -> "1023M", 1025M -> "1G", 3840M -> "3G", 20389M -> "19G"; nvidia-gpu.md 6.2).
+_DISPLAYED_LIMIT = re.compile(r"^(\d+)([MG])$")
+
+
+class MpsError(Exception):
+    """An MPS daemon could not be started, checked or stopped; the message says what and why."""
+
+
+def check_daemon_id(value: str) -> str:
+    """``value`` if it is safe as a directory name, else ValueError."""
+    if not _DAEMON_ID.fullmatch(value):
+        raise ValueError(
+            f"daemon_id {value!r} must be 1-63 characters of letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def multi_user_capable(cuda_compute_capability: str | None) -> bool:
+    """Whether a GPU of this compute capability ("9.0") can run an MPS daemon in multi-user mode."""
+    if cuda_compute_capability is None:
+        return False
+    major, _, minor = cuda_compute_capability.partition(".")
+    try:
+        return (int(major), int(minor or 0)) >= MULTI_USER_MIN_COMPUTE_CAPABILITY
+    except ValueError:
+        return False
+
+
+def pinned_limit_taken(answer: str, mib: int) -> bool:
+    """Whether ``get_default_device_pinned_mem_limit`` printing ``answer`` shows a limit of ``mib`` MiB.
+
+    Only the daemon's own display rounding is forgiven: an empty answer (limit not set, or set from
+    an invalid value), another number or another format means the limit was not taken.
+    """
+    match = _DISPLAYED_LIMIT.fullmatch(answer.strip())
+    if match is None:
+        return False
+    value, unit = int(match.group(1)), match.group(2)
+    if unit == "M":
+        return value == mib
+    return mib >= 1024 and value == mib // 1024
+
+
+class MpsDaemonSpec(BaseModel):
+    """What one daemon serves and the limits its servers get."""
+
+    # extra="ignore": specs are stored inside checkpointed records, which must survive a downgrade.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    daemon_id: str  # names the daemon's directory, so it must be a safe file name
+    gpu_uuids: list[str] = Field(min_length=1)  # becomes the daemon's CUDA_VISIBLE_DEVICES, in this order
+    active_thread_percentage: int | None = Field(default=None, ge=1, le=100)
+    pinned_memory_limits: dict[str, int] = Field(default_factory=dict)  # GPU UUID -> bytes
+    # One MPS server for clients of every UID (NVIDIA's -M) instead of one UID at a time.
+    multi_user: bool = False
+
+    @field_validator("daemon_id")
+    @classmethod
+    def _safe_daemon_id(cls, value: str) -> str:
+        return check_daemon_id(value)
+
+    @field_validator("gpu_uuids")
+    @classmethod
+    def _device_uuids(cls, value: list[str]) -> list[str]:
+        for uuid in value:
+            if not _DEVICE_UUID.fullmatch(uuid):
+                raise ValueError(f"gpu_uuids entry {uuid!r} is not a GPU-... or MIG-... UUID")
+        if len(set(value)) != len(value):
+            raise ValueError(f"gpu_uuids {value} lists a device more than once")
+        return value
+
+    @model_validator(mode="after")
+    def _limits_name_served_gpus(self) -> MpsDaemonSpec:
+        for uuid, limit in self.pinned_memory_limits.items():
+            if uuid not in self.gpu_uuids:
+                raise ValueError(f"pinned_memory_limits names {uuid}, which is not in gpu_uuids {self.gpu_uuids}")
+            if limit < MIB:
+                raise ValueError(
+                    f"pinned_memory_limits[{uuid}] is {limit} bytes; MPS takes whole MiB, so it must be at least "
+                    f"{MIB} bytes (1 MiB)"
+                )
+        return self
+
+    def pinned_limits_mib(self) -> list[tuple[int, int]]:
+        """``(ordinal, MiB)`` per limited GPU, ordinal = index in ``gpu_uuids`` as the daemon numbers them."""
+        return [
+            (ordinal, self.pinned_memory_limits[uuid] // MIB)
+            for ordinal, uuid in enumerate(self.gpu_uuids)
+            if uuid in self.pinned_memory_limits
+        ]
+
+
+class MpsDaemonRecord(BaseModel):
+    """A started daemon, as the checkpoint stores it."""
+
+    # extra="ignore": a checkpoint written by a newer driver must still load after a rollback.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    version: int = 1
+    spec: MpsDaemonSpec
+    pid: int = Field(gt=0)
+    pipe_dir: Path
+    log_dir: Path
+    started_at: str  # ISO 8601, UTC
+    # /proc/<pid>/stat field 22 (clock ticks after boot): tells our daemon from a process that got its PID later.
+    process_start_time: int = Field(ge=0)
+    # The host directory the daemon sees as /dev/shm (clients mount the same); None in records
+    # written before it was recorded: the shared MPS shm directory then.
+    shm_dir: Path | None = None
+
+
+class MpsMount(NamedTuple):
+    host_path: str
+    container_path: str
+    options: list[str]
+
+
+@dataclass(frozen=True)
+class MpsClientEdits:
+    """What a client container needs to reach a daemon; the caller turns it into CDI edits."""
+
+    env: list[str]
+    mounts: list[MpsMount]

@@ -1,0 +1,127 @@
+"""Start-up recovery: finish or roll back what a crash or a reboot interrupted.
+
+Runs once, before this process serves the kubelet. It holds the locks of every GPU of the node
+while it works, so it never rolls back a prepare that the other plugin pod of a rolling update
+is still doing (that pod holds its claim's GPU locks from ``PrepareStarted`` to
+``PrepareCompleted``); the node lock is taken only for checkpoint reads and writes. Best effort
+per item: one stuck daemon or one failing GPU is logged and retried later, it never keeps the
+driver from serving the node.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from functools import partial
+from typing import TYPE_CHECKING
+
+import cdi
+from driver.gpu.checkpoint import Checkpoint, CheckpointCorrupt, ClaimPhase, current_boot_id
+from driver.gpu.rebuild import rebuild_checkpoint
+from driver.gpu.targets import make_view
+
+if TYPE_CHECKING:
+    from driver.gpu.state import DeviceState
+
+log = logging.getLogger(__name__)
+
+# Longer than any prepare of the other plugin pod can hold a GPU (its deadline plus one step).
+RECOVERY_GPU_WAIT = 60.0
+
+
+@dataclass
+class RecoveryReport:
+    rolled_back: list[str] = field(default_factory=list)
+    cdi_recreated: list[str] = field(default_factory=list)
+    daemons_restarted: list[str] = field(default_factory=list)
+    orphans_removed: list[str] = field(default_factory=list)
+    rebuilt_from_cdi: bool = False
+
+
+def recover(state: DeviceState) -> RecoveryReport:
+    report = RecoveryReport()
+    ledger = state.ledger
+    with state.node_lock.held():
+        try:
+            cp = ledger.store.load()
+        except CheckpointCorrupt:
+            cp = rebuild_checkpoint(state.paths.cdi_root, state.names, state.pool_name, _now())
+            ledger.store.save(cp)
+            report.rebuilt_from_cdi = True
+        # Publish what the previous process published until apply_layout decides otherwise.
+        inventory = state.view.inventory
+        present = {g.uuid for g in inventory.gpus}
+        state.set_view(make_view(inventory, {u: s for u, s in cp.layout.items() if u in present}))
+    gpus = present | {g for r in cp.claims.values() for g in r.gpu_uuids} | set(cp.compute_modes) \
+        | set(cp.plan_timeslices)
+    with state.gpu_locks.held(gpus, RECOVERY_GPU_WAIT, "recovering the node's state at start"):
+        _recover_holding(state, report)
+    log.info("state recovered", extra={"rolled_back": report.rolled_back, "cdi_recreated": report.cdi_recreated,
+                                       "daemons_restarted": report.daemons_restarted,
+                                       "orphans_removed": report.orphans_removed,
+                                       "rebuilt_from_cdi": report.rebuilt_from_cdi})
+    return report
+
+
+def _recover_holding(state: DeviceState, report: RecoveryReport) -> None:
+    ledger = state.ledger
+    cp = ledger.read()
+    boot_id = current_boot_id()
+    if cp.boot_id is not None and boot_id is not None and boot_id != cp.boot_id:
+        log.info("the node rebooted since the last run; re-applying GPU settings")
+        state.sharing.after_reboot()
+    for record in [r for r in cp.claims.values() if r.phase == ClaimPhase.PREPARE_STARTED]:
+        try:
+            state.undo(record)
+        except Exception:
+            log.exception("rolling back an interrupted prepare failed; retried at the next start",
+                          extra={"claim_uid": record.uid})
+            continue
+        ledger.commit(partial(_forget_claim, uid=record.uid))
+        report.rolled_back.append(record.uid)
+    for record in ledger.read().claims.values():
+        if record.phase != ClaimPhase.PREPARE_COMPLETED:
+            continue
+        try:
+            recreated, restarted = state.ensure_claim_runtime(record)
+        except Exception:
+            log.exception("could not restore a prepared claim; its containers may fail to start",
+                          extra={"claim_uid": record.uid})
+            continue
+        if recreated:
+            report.cdi_recreated.append(record.uid)
+        report.daemons_restarted.extend(restarted)
+    report.orphans_removed.extend(state.sharing.sweep_orphans())
+    state.sharing.reconcile_compute_modes(rebuilt=report.rebuilt_from_cdi)
+    report.orphans_removed.extend(_remove_orphan_files(state))
+
+    def stamp(c: Checkpoint) -> None:
+        c.boot_id = boot_id
+
+    ledger.commit(stamp)
+
+
+def _forget_claim(cp: Checkpoint, uid: str) -> None:
+    cp.claims.pop(uid, None)
+
+
+def _remove_orphan_files(state: DeviceState) -> list[str]:
+    removed: list[str] = []
+    known_files = {r.cdi_spec_file for r in state.ledger.read().claims.values()}
+    for path in cdi.list_specs(state.paths.cdi_root, state.names.spec_prefix):
+        if path.name not in known_files:
+            cdi.remove_spec(state.paths.cdi_root, path.name)
+            removed.append(f"cdi spec {path.name}")
+    # Temporary files of writes a crash interrupted (runtimes ignore them, nothing else removes them).
+    for tmp in state.paths.cdi_root.glob(f".{state.names.spec_prefix}*.tmp"):
+        tmp.unlink(missing_ok=True)
+        removed.append(f"temporary file {tmp.name}")
+    for tmp in state.paths.state_dir.glob(".checkpoint.json.*.tmp"):
+        tmp.unlink(missing_ok=True)
+        removed.append(f"temporary file {tmp.name}")
+    return removed
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")

@@ -1,0 +1,44 @@
+"""Flags of ``python -m driver mps-host`` (see driver/gpu/mpshostserver.py for what the host does)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from driver.kubeletplugin.logfmt import configure_logging
+
+
+def add_host_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", required=True, type=Path,
+                        help="Unix socket to serve; the plugin's --mps-host-socket (its directory is made mode 0700)")
+    parser.add_argument("--mps-dir", required=True, type=Path,
+                        help="the plugin's MPS directory (<plugins-dir>/<driver-name>/mps): daemons' pipe, log and "
+                             "shm directories must be inside it")
+    parser.add_argument("--driver-root", default=Path("/"), type=Path,
+                        help="where nvidia-cuda-mps-control and the driver's libraries are (default /)")
+    parser.add_argument("--chroot", action="store_true",
+                        help="run daemons chrooted into the driver root, so they see its /dev and libraries "
+                             "(GPU Operator nodes); the MPS directory is bound in at the same path (the host "
+                             "makes the mount point, so the root must be writable)")
+    parser.add_argument("--private-shm", action="store_true",
+                        help="give each daemon the per-daemon shm directory the plugin asks for as its /dev/shm, "
+                             "in a private mount namespace (needs CAP_SYS_ADMIN)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-format", default="json", choices=["json", "text"])
+
+
+def main_host(args: argparse.Namespace) -> int:
+    from driver.gpu.mpshostcheck import HostConfig, HostError, default_tools
+    from driver.gpu.mpshostcmd import HostMode
+    from driver.gpu.mpshostserver import run_host
+
+    configure_logging(args.log_level, args.log_format)
+    config = HostConfig(socket_path=args.socket.absolute(), mps_dir=args.mps_dir,
+                        mode=HostMode(driver_root=args.driver_root, chroot=args.chroot, private_shm=args.private_shm),
+                        tools=default_tools())
+    try:
+        return run_host(config)
+    except HostError as exc:
+        print(f"tessera mps-host: {exc}", file=sys.stderr)
+        return 1

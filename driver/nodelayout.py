@@ -1,0 +1,48 @@
+"""Where this node keeps the NVIDIA driver, as the settings describe it: device root and toolkit spec.
+
+Shared by ``run`` (state paths, toolkit edits, readiness), ``inspect`` and the node self-check, so
+all three see the node the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from driver.config import Settings
+from driver.gpu.hostfs import DeviceRoot, driver_root_host_path, find_device_root
+from driver.gpu.toolkit import ToolkitEdits, load_toolkit_edits, toolkit_spec_candidates
+
+
+def toolkit_candidates(settings: Settings) -> tuple[Path, ...]:
+    return toolkit_spec_candidates(settings.cdi_root)
+
+
+def load_toolkit(settings: Settings) -> ToolkitEdits:
+    return load_toolkit_edits(settings.nvidia_cdi_spec, toolkit_candidates(settings),
+                              settings.driver_libraries_required)
+
+
+def driver_root_on_host(settings: Settings) -> PurePosixPath:
+    explicit = PurePosixPath(settings.driver_root_on_host) if settings.driver_root_on_host else None
+    return driver_root_host_path(settings.host_root, settings.driver_root, explicit)
+
+
+def device_root(settings: Settings) -> DeviceRoot:
+    return find_device_root(settings.host_root, settings.driver_root, driver_root_on_host(settings))
+
+
+def describe(settings: Settings) -> tuple[dict[str, Any], list[str]]:
+    """(report section, problems) for ``inspect``: where device nodes and driver libraries come from."""
+    toolkit = load_toolkit(settings)
+    root = device_root(settings)
+    section = {"driver_root": str(settings.driver_root), "driver_root_on_host": str(driver_root_on_host(settings)),
+               "device_root": root.describe(), "device_root_has_nvidiactl": root.local("/dev/nvidiactl").exists(),
+               "toolkit_spec": str(toolkit.source) if toolkit.source else None,
+               "toolkit_specs_not_used": [str(p) for p in toolkit.also_found],
+               "driver_libraries": toolkit.status, "driver_libraries_required": toolkit.required}
+    problems = [] if toolkit.readiness_problem is None else [f"node not ready: {toolkit.readiness_problem}"]
+    if not section["device_root_has_nvidiactl"]:
+        problems.append(f"no /dev/nvidiactl in {root.describe()}: the NVIDIA driver is not loaded (or the GPU "
+                        "Operator's driver container is not running); claims fail until it is")
+    return section, problems

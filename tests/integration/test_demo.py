@@ -1,0 +1,80 @@
+"""``python -m driver demo`` run as a user runs it: kept claims readable afterwards, and SIGTERM mid-run.
+
+Kept lean: one full run and one run stopped early; the demo's choices are unit-tested in
+tests/unit/test_demo.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.processes import kill_processes_mentioning, processes_mentioning
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    # /tmp, not tmp_path: the driver's Unix socket paths under it must stay short.
+    top = Path(tempfile.mkdtemp(prefix="tdemo-", dir="/tmp"))
+    try:
+        yield top / "work"
+    finally:
+        kill_processes_mentioning(str(top), in_environment=True)
+        subprocess.run(["rm", "-rf", str(top)], check=False)
+
+
+def _demo(*args: str) -> list[str]:
+    return [sys.executable, "-m", "driver", "demo", *args]
+
+
+def test_kept_claims_can_be_inspected_with_the_commands_the_demo_prints(workdir: Path) -> None:
+    done = subprocess.run(_demo("--workdir", str(workdir), "--keep-prepared"), capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    # Nothing the demo started outlives it: not the driver, not the MPS daemon stand-ins.
+    assert processes_mentioning(str(workdir), in_environment=True) == []
+    inspect_line = next(line.strip() for line in done.stdout.splitlines()
+                        if line.strip().startswith(f"{sys.executable} -m driver inspect"))
+    # Runnable as printed, from another directory (one holding a cdi/ folder, like /var/run).
+    elsewhere = workdir.parent / "elsewhere"
+    (elsewhere / "cdi").mkdir(parents=True)
+    inspected = subprocess.run([*shlex.split(inspect_line), "--json"], cwd=elsewhere, capture_output=True,
+                               text=True, timeout=60, check=False)
+    report = json.loads(inspected.stdout)
+    claims = {c["claim"]: c for c in report["claims"]}
+    assert sorted(claims) == ["default/demo-gpu-mps-per-claim", "default/demo-mig-by-profile",
+                              "default/demo-mps-share-from-plan"]
+    assert all(c["phase"] == "PrepareCompleted" and Path(c["cdi_spec"]).is_file() for c in claims.values())
+    assert f"rm -rf {workdir}" in done.stdout
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM])
+def test_sigterm_mid_run_stops_the_driver_and_every_stand_in(workdir: Path, signum: int) -> None:
+    proc = subprocess.Popen(_demo("--workdir", str(workdir)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    assert proc.stdout is not None
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if "MPS control daemon" in line:  # a daemon stand-in, detached from the driver, is running now
+                break
+        assert processes_mentioning(str(workdir), in_environment=True), "the demo's processes should be running"
+        proc.send_signal(signum)
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    output = "".join(seen) + rest
+    assert proc.returncode == 128 + signum, output
+    assert "Traceback" not in output
+    assert f"demo stopped by {signal.Signals(signum).name}" in output
+    assert processes_mentioning(str(workdir), in_environment=True) == []

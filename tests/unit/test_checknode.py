@@ -1,0 +1,164 @@
+"""``check-node``: result classification and rendering, and the command end to end on a simulated node."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from driver.checkmps import (
+    CHECK_MEMORY,
+    CHECK_SMS,
+    PINNED_LIMIT_MIB,
+    choose_target,
+    classify_client,
+)
+from driver.checknode import classify_compute_mode
+from driver.checkresult import NodeReport, exit_status, fail, ok, render_json, render_table, skipped
+from driver.gpu.computemode import ComputeMode
+from driver.gpu.cudaprobe import ClientReport
+from driver.gpu.inventory import NodeInventory
+from driver.simulation.discovery import SimulatedDiscovery
+from tests.support.processes import processes_mentioning
+
+MIB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
+TARGET = "GPU-a338e955-d4a5-5fe1-a1d9-69aa948b59b7"
+
+
+@pytest.fixture(scope="module")
+def demo() -> NodeInventory:
+    # minor 0: whole H100, minor 1: H100 with three MIG devices, minor 2: whole L4
+    return SimulatedDiscovery("demo", "node-a").discover()
+
+
+# --- rendering and exit status ----------------------------------------------------------------------
+
+
+def test_any_failure_makes_the_exit_status_one_and_skips_do_not() -> None:
+    assert exit_status(NodeReport(checks=[ok("a", "x"), skipped("b", "no GPU")])) == 0
+    assert exit_status(NodeReport(checks=[ok("a", "x"), fail("b", "broken"), skipped("c", "no GPU")])) == 1
+
+
+def test_table_aligns_wraps_and_summarises() -> None:
+    long = "word " * 40
+    report = NodeReport(simulated=True, notes=["SIMULATION: layout 'demo'"],
+                        checks=[ok("NVML", "3 GPU(s)"), fail("toolkit CDI spec", long.strip()),
+                                skipped("MPS SM limit", "no real GPU")])
+    lines = render_table(report).splitlines()
+    assert lines[0] == "SIMULATION: layout 'demo'"
+    assert lines[2].split() == ["CHECK", "STATUS", "DETAIL"]
+    column = lines[2].index("DETAIL")
+    assert lines[3].index("3 GPU(s)") == column
+    failing = lines.index(next(line for line in lines if line.startswith("toolkit CDI spec")))
+    assert lines[failing + 1].startswith(" " * column + "word"), "a long detail wraps under its column"
+    assert "1 OK, 1 FAILED, 1 SKIPPED: this node is NOT ready" in render_table(report)
+    assert lines[-2].startswith("Not run here (SIMULATION") and lines[-1] == "  - MPS SM limit: no real GPU"
+
+
+def test_json_carries_every_check_and_the_exit_status() -> None:
+    data = json.loads(render_json(NodeReport(checks=[ok("a", "x"), fail("b", "y")])))
+    assert [(c["check"], c["status"]) for c in data["checks"]] == [("a", "OK"), ("b", "FAIL")]
+    assert data["exit_status"] == 1 and data["counts"] == {"OK": 1, "FAIL": 1, "SKIPPED": 0}
+
+
+# --- classification -----------------------------------------------------------------------------
+
+
+def _client(**fields: object) -> ClientReport:
+    base: dict[str, object] = {"device_uuid": TARGET.removeprefix("GPU-"), "multiprocessors": 132,
+                               "affinity_sm_count": 34, "allocated_bytes": 1920 * MIB,
+                               "allocation_error": "CUDA_ERROR_OUT_OF_MEMORY"}
+    return ClientReport.model_validate({**base, **fields})
+
+
+def _statuses(report: ClientReport, full_sms: int | None = 132) -> dict[str, str]:
+    return {r.check: r.status for r in classify_client(report, TARGET, full_sms)}
+
+
+def test_limits_enforced_are_ok() -> None:
+    assert _statuses(_client()) == {CHECK_MEMORY: "OK", CHECK_SMS: "OK"}
+
+
+@pytest.mark.parametrize("fields", [
+    {"allocated_bytes": 2 * PINNED_LIMIT_MIB * MIB, "allocation_error": None},  # hit the cap: no limit at all
+    {"allocated_bytes": PINNED_LIMIT_MIB * MIB + 128 * MIB},  # stopped, but above the limit
+    {"allocation_error": "CUDA_ERROR_INVALID_VALUE"},  # stopped for another reason
+    {"allocated_bytes": 0},  # nothing at all could be allocated
+])
+def test_memory_limit_not_shown_is_a_failure(fields: dict[str, object]) -> None:
+    assert _statuses(_client(**fields))[CHECK_MEMORY] == "FAIL"
+
+
+def test_sm_limit_not_enforced_is_a_failure() -> None:
+    assert _statuses(_client(affinity_sm_count=132))[CHECK_SMS] == "FAIL"
+    assert _statuses(_client(affinity_sm_count=34, multiprocessors=34), full_sms=None)[CHECK_SMS] == "FAIL"
+
+
+def test_a_client_that_ran_without_mps_fails_both_and_says_why() -> None:
+    results = classify_client(_client(device_uuid="bbbbbbbb-0000-0000-0000-000000000000"), TARGET, 132)
+    assert [r.status for r in results] == ["FAIL", "FAIL"]
+    assert "did not run under the daemon" in results[0].detail and "DEFAULT" in results[0].detail
+
+
+def test_a_client_error_fails_both() -> None:
+    report = _client(error="cuDevicePrimaryCtxRetain returned CUDA_ERROR_MPS_CONNECTION_FAILED (805)")
+    assert {r.status for r in classify_client(report, TARGET, 132)} == {"FAIL"}
+
+
+def test_mps_target_prefers_a_whole_gpu_in_default_mode(demo: NodeInventory) -> None:
+    gpu0, gpu1, gpu2 = demo.gpus
+    assert choose_target(demo, {gpu0.uuid: "DEFAULT", gpu2.uuid: "DEFAULT"}, None) == gpu0.uuid
+    assert choose_target(demo, {gpu0.uuid: "EXCLUSIVE_PROCESS", gpu2.uuid: "DEFAULT"}, None) == gpu2.uuid
+    assert choose_target(demo, {}, None) == gpu1.mig_instances[0].uuid
+    assert choose_target(demo, {}, gpu2.uuid) == gpu2.uuid
+    with pytest.raises(ValueError, match="--mps-device GPU-nope is not a GPU or MIG device"):
+        choose_target(demo, {}, "GPU-nope")
+
+
+def test_prohibited_compute_mode_fails_and_says_how_to_undo() -> None:
+    assert classify_compute_mode(TARGET, ComputeMode.DEFAULT)[0]
+    assert classify_compute_mode(TARGET, ComputeMode.EXCLUSIVE_PROCESS)[0]
+    good, meaning = classify_compute_mode(TARGET, ComputeMode.PROHIBITED)
+    assert not good and f"nvidia-smi -i {TARGET} -c DEFAULT" in meaning
+
+
+# --- the command on a simulated node ---------------------------------------------------------------------
+
+
+def _check_node(layout: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "driver", "check-node", "--simulate", layout, *args],
+                          capture_output=True, text=True, timeout=60, cwd=REPO, check=False)
+
+
+def test_simulated_node_runs_what_it_can_and_says_what_needs_a_gpu() -> None:
+    done = _check_node("demo", "--json")
+    report = json.loads(done.stdout)
+    status = {c["check"]: c["status"] for c in report["checks"]}
+    assert report["simulated"] is True
+    skipped_checks = sorted(c for c, s in status.items() if s == "SKIPPED")
+    assert skipped_checks == ["MPS SM limit", "MPS pinned memory limit", "libcuda"]
+    assert all("SIMULATION" in c["detail"] for c in report["checks"] if c["status"] == "SKIPPED")
+    for check in ("NVML (SIMULATED)", "device nodes", "toolkit CDI spec", "libcuda in toolkit spec", "nvidia-smi",
+                  "MPS control daemon", "MPS daemon stopped"):
+        assert status[check] == "OK", report
+    daemon = next(c["detail"] for c in report["checks"] if c["check"] == "MPS control daemon")
+    assert "pinned limit 2048M reads back" in daemon and "25% reads back 25" in daemon
+    assert [c for c in report["checks"] if c["status"] == "FAIL"] == []
+    assert done.returncode == 0 == report["exit_status"]
+    assert status["compute mode GPU 0"] == status["compute mode GPU 2"] == "OK", "read, never set"
+    assert processes_mentioning("tessera-check-", in_environment=True) == [], "the throwaway daemon is gone"
+
+
+def test_a_failing_check_makes_the_table_say_not_ready_and_exit_one(tmp_path: Path) -> None:
+    done = _check_node("gpu-operator", "--nvidia-cdi-spec", str(tmp_path / "missing.yaml"))
+    assert done.returncode == 1
+    assert "/run/nvidia/driver/dev (the driver root's /dev)" in done.stdout
+    line = next(line for line in done.stdout.splitlines() if line.startswith("toolkit CDI spec"))
+    assert line.split()[3] == "FAIL" and "missing.yaml" in done.stdout
+    assert "this node is NOT ready" in done.stdout
+    assert "Not run here (SIMULATION: there is no real GPU on a simulated node):" in done.stdout
+    assert "  - MPS pinned memory limit: SIMULATION: no real GPU" in done.stdout
