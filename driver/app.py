@@ -20,19 +20,19 @@ from urllib3.exceptions import HTTPError
 
 from driver import nodelayout
 from driver.config import Settings
+from driver.gpu.claimcdi.toolkit import toolkit_spec_changed
 from driver.gpu.devices import build_devices
-from driver.gpu.discovery import open_discovery
+from driver.gpu.discovery.inventory import Discovery, NodeInventory
+from driver.gpu.discovery.source import open_discovery
 from driver.gpu.driver import GpuDriver
-from driver.gpu.inventory import Discovery, NodeInventory
-from driver.gpu.mps import MpsManager
-from driver.gpu.mpshost import MpsHostLauncher
-from driver.gpu.mpslaunch import DaemonLauncher, LocalLauncher
+from driver.gpu.mps.hostclient import MpsHostLauncher
+from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
+from driver.gpu.mps.manager import MpsManager
+from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.sharing import SharingLayout
 from driver.gpu.sharingplan import PlanError, load_plans, resolve_layout, select_plan
 from driver.gpu.state import DeviceState, StatePaths
 from driver.gpu.targets import make_view
-from driver.gpu.timeslice import TimeSlicer
-from driver.gpu.toolkit import toolkit_spec_changed
 from driver.kubeletplugin.helper import Helper, HttpEndpoint, TelemetryNames
 from driver.kubeletplugin.helper import start as start_plugin
 from driver.kubeletplugin.kubeclient import KubeConfigError, load_api_client

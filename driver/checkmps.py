@@ -1,11 +1,11 @@
 """``check-node``'s MPS checks: a throwaway control daemon with small limits, and a CUDA client under it.
 
 The daemon lives in a private temporary directory, is started by the driver's own
-:class:`~driver.gpu.mps.MpsManager` (so the check exercises the code that serves claims) and is
+:class:`~driver.gpu.mps.manager.MpsManager` (so the check exercises the code that serves claims) and is
 always stopped before the command returns. Nothing on the GPU is changed: the compute mode is
 only read (by ``checknode``), and MPS ``set_default_*`` limits belong to this daemon alone.
 
-The client is ``python -m driver.gpu.cudaprobe mps-client`` in its own process group with a
+The client is ``python -m driver.gpu.discovery.cudaprobe mps-client`` in its own process group with a
 timeout, given only ``CUDA_MPS_PIPE_DIRECTORY``: no client-side limit variables, so what it
 sees is what the daemon enforces. It shows whether the limits hold: allocations must stop with
 CUDA_ERROR_OUT_OF_MEMORY at or below the pinned limit, and ``cuCtxGetExecAffinity`` must report
@@ -20,12 +20,12 @@ import tempfile
 from pathlib import Path
 
 from driver.checkresult import CheckResult, fail, ok, skipped
-from driver.gpu.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
-from driver.gpu.cudaprobe import CUDA_ERROR_NAMES, CUDA_ERROR_OUT_OF_MEMORY, ClientReport, bare_uuid
-from driver.gpu.cudarun import LIBCUDA, ProbeFailed, find_libcuda, probe_env, run_probe
-from driver.gpu.inventory import NodeInventory
-from driver.gpu.mps import CONTROL_BINARY, MIB, MpsDaemonRecord, MpsDaemonSpec, MpsError, MpsManager
-from driver.gpu.mpslaunch import LocalLauncher
+from driver.gpu.discovery.cudaprobe import CUDA_ERROR_NAMES, CUDA_ERROR_OUT_OF_MEMORY, ClientReport, bare_uuid
+from driver.gpu.discovery.cudarun import LIBCUDA, ProbeFailed, find_libcuda, probe_env, run_probe
+from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.mps.launch import LocalLauncher
+from driver.gpu.mps.manager import CONTROL_BINARY, MIB, MpsDaemonRecord, MpsDaemonSpec, MpsError, MpsManager
+from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
 
 PINNED_LIMIT_MIB = 2048
 THREAD_PERCENTAGE = 25

@@ -26,13 +26,19 @@ from types import FrameType
 from driver.checkmps import mps_checks
 from driver.checkresult import CheckResult, NodeReport, exit_status, fail, ok, render_json, render_table, skipped
 from driver.config import Settings
-from driver.gpu.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
-from driver.gpu.computemode import ComputeMode, ComputeModeError, ComputeModes
-from driver.gpu.cudarun import LIBCUDA, find_libcuda
-from driver.gpu.discovery import open_discovery
-from driver.gpu.hostfs import HostFsError, driver_root_host_path, find_device_root, mig_capability_nodes, missing_paths
-from driver.gpu.inventory import NodeInventory
-from driver.gpu.toolkit import load_toolkit_edits, toolkit_spec_candidates
+from driver.gpu.claimcdi.hostfs import (
+    HostFsError,
+    driver_root_host_path,
+    find_device_root,
+    mig_capability_nodes,
+    missing_paths,
+)
+from driver.gpu.claimcdi.toolkit import load_toolkit_edits, toolkit_spec_candidates
+from driver.gpu.discovery.cudarun import LIBCUDA, find_libcuda
+from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.discovery.source import open_discovery
+from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
+from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError, ComputeModes
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ class Settings(BaseModel):
     cdi_root: Path = Path("/var/run/cdi")
     driver_root: Path = Path("/")
     host_root: Path = Path("/")
-    driver_root_on_host: Path | None = None  # None: derived (driver.gpu.hostfs.driver_root_host_path)
+    driver_root_on_host: Path | None = None  # None: derived (driver.gpu.claimcdi.hostfs.driver_root_host_path)
     driver_libraries_required: bool = True
     nvidia_cdi_spec: Path | None = None
     sharing_plans: Path | None = None

@@ -39,7 +39,7 @@ from driver.demoargs import (
     parse_options,
     share_mode,
 )
-from driver.gpu.inventory import NodeInventory
+from driver.gpu.discovery.inventory import NodeInventory
 from driver.kubeletplugin.types import ClaimRef
 from driver.simulation.allocator import AllocationError, allocate, claim_from_template
 from driver.simulation.apiserver import FakeApiServer

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import yaml
 
-from driver.gpu.inventory import NodeInventory
+from driver.gpu.discovery.inventory import NodeInventory
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "resourceclaims"
 DEFAULT_EXAMPLES = ("gpu-mps-per-claim.yaml", "mig-by-profile.yaml", "mps-share-from-plan.yaml")

@@ -11,10 +11,10 @@ from typing import Any
 import cdi
 from driver import nodelayout
 from driver.config import Settings
-from driver.gpu.cdiedits import CdiNames
 from driver.gpu.checkpoint import CheckpointStore
-from driver.gpu.discovery import open_discovery
-from driver.gpu.mps import is_same_process
+from driver.gpu.claimcdi.edits import CdiNames
+from driver.gpu.discovery.source import open_discovery
+from driver.gpu.mps.manager import is_same_process
 
 
 def collect(settings: Settings) -> dict[str, Any]:

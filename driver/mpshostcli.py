@@ -1,4 +1,4 @@
-"""Flags of ``python -m driver mps-host`` (see driver/gpu/mpshostserver.py for what the host does)."""
+"""Flags of ``python -m driver mps-host`` (see driver/gpu/mps/hostserver.py for what the host does)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main_host(args: argparse.Namespace) -> int:
-    from driver.gpu.mpshostcheck import HostConfig, HostError, default_tools
-    from driver.gpu.mpshostcmd import HostMode
-    from driver.gpu.mpshostserver import run_host
+    from driver.gpu.mps.hostcheck import HostConfig, HostError, default_tools
+    from driver.gpu.mps.hostcmd import HostMode
+    from driver.gpu.mps.hostserver import run_host
 
     configure_logging(args.log_level, args.log_format)
     config = HostConfig(socket_path=args.socket.absolute(), mps_dir=args.mps_dir,

@@ -10,8 +10,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from driver.config import Settings
-from driver.gpu.hostfs import DeviceRoot, driver_root_host_path, find_device_root
-from driver.gpu.toolkit import ToolkitEdits, load_toolkit_edits, toolkit_spec_candidates
+from driver.gpu.claimcdi.hostfs import DeviceRoot, driver_root_host_path, find_device_root
+from driver.gpu.claimcdi.toolkit import ToolkitEdits, load_toolkit_edits, toolkit_spec_candidates
 
 
 def toolkit_candidates(settings: Settings) -> tuple[Path, ...]:

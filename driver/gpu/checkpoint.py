@@ -23,8 +23,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from driver.gpu.computemode import ComputeMode
-from driver.gpu.mps import MpsDaemonRecord
+from driver.gpu.mps.manager import MpsDaemonRecord
+from driver.gpu.runtime.computemode import ComputeMode
 from driver.gpu.sharing import GpuShares, TimeSliceInterval
 from driver.kubeletplugin.types import PreparedDevice
 

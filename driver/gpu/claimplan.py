@@ -14,12 +14,12 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from driver.gpu.cdiedits import MPS_CONTAINER_PIPE_DIR
-from driver.gpu.computemode import exclusive_gpus
-from driver.gpu.configapi import ConfigError, DeviceConfig, Sharing, resolve_mps_limits
+from driver.gpu.claimcdi.edits import MPS_CONTAINER_PIPE_DIR
+from driver.gpu.claimconfig.api import ConfigError, DeviceConfig, Sharing, resolve_mps_limits
+from driver.gpu.claimconfig.precedence import group_by_config, resolve_configs
 from driver.gpu.errors import PrepareError
-from driver.gpu.mps import MpsDaemonSpec, multi_user_capable
-from driver.gpu.opaque import group_by_config, resolve_configs
+from driver.gpu.mps.manager import MpsDaemonSpec, multi_user_capable
+from driver.gpu.runtime.computemode import exclusive_gpus
 from driver.gpu.sharing import TimeSliceInterval
 from driver.gpu.targets import DeviceTarget, NodeView
 from driver.kubeletplugin.claimmodel import DeviceRequestAllocationResult, ResourceClaim

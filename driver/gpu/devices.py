@@ -17,9 +17,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from driver.gpu.inventory import GpuInfo, MigInstance, NodeInventory
-from driver.gpu.migprofiles import device_name_fragment
-from driver.gpu.mpsmodel import multi_user_capable
+from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
+from driver.gpu.discovery.migprofiles import device_name_fragment
+from driver.gpu.mps.model import multi_user_capable
 from driver.gpu.sharing import GpuShares, SharingLayout
 from driver.kubeletplugin.slicelimits import (
     MAX_ATTRIBUTES_AND_CAPACITIES,

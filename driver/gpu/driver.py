@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from driver.gpu.computemode import ComputeModeError
 from driver.gpu.errors import PrepareError
-from driver.gpu.gpulocks import GpuBusy
-from driver.gpu.mps import MpsError
+from driver.gpu.mps.manager import MpsError
+from driver.gpu.runtime.computemode import ComputeModeError
+from driver.gpu.runtime.gpulocks import GpuBusy
+from driver.gpu.runtime.timeslice import TimeSliceError
 from driver.gpu.state import DeviceState
-from driver.gpu.timeslice import TimeSliceError
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.nodelock import LockTimeout
 from driver.kubeletplugin.types import ClaimRef, Deadline, PrepareResult

@@ -14,8 +14,8 @@ import logging
 from pathlib import Path
 
 import cdi
-from driver.gpu.cdiedits import CdiNames
 from driver.gpu.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord, TimeSliceRecord
+from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.claimplan import is_plan_daemon
 from driver.gpu.sharing import GpuShares
 from driver.kubeletplugin.types import PreparedDevice

@@ -19,9 +19,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from driver.gpu.configapi import ByteQuantity, describe_validation_error
-from driver.gpu.inventory import GpuInfo, NodeInventory
-from driver.gpu.quantity import MIB
+from driver.gpu.claimconfig.api import ByteQuantity, describe_validation_error
+from driver.gpu.claimconfig.quantity import MIB
+from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
 from driver.gpu.sharing import GpuShares, SharingLayout, TimeSliceInterval
 
 DEFAULT_PLANS_PATH = Path("/etc/tessera/sharing-plans.yaml")

@@ -28,7 +28,6 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 
 import cdi
-from driver.gpu.cdiedits import CdiNames, CdiSources, claim_spec
 from driver.gpu.checkpoint import (
     Checkpoint,
     CheckpointCorrupt,
@@ -38,20 +37,21 @@ from driver.gpu.checkpoint import (
     PreparedDeviceRecord,
     TimeSliceRecord,
 )
+from driver.gpu.claimcdi.edits import CdiNames, CdiSources, claim_spec
+from driver.gpu.claimcdi.hostfs import HostFsError
+from driver.gpu.claimcdi.toolkit import ToolkitEdits
+from driver.gpu.claimconfig.api import ConfigError
 from driver.gpu.claimplan import ClaimPlan, plan_claim
-from driver.gpu.computemode import ComputeModeError, ComputeModes
-from driver.gpu.configapi import ConfigError
 from driver.gpu.errors import PrepareError
-from driver.gpu.gpulocks import GpuBusy, GpuLocks
-from driver.gpu.hostfs import HostFsError
-from driver.gpu.mps import MpsError, MpsManager
+from driver.gpu.mps.manager import MpsError, MpsManager
 from driver.gpu.rebuild import rebuild_checkpoint
 from driver.gpu.recovery import RecoveryReport, recover
+from driver.gpu.runtime.computemode import ComputeModeError, ComputeModes
+from driver.gpu.runtime.gpulocks import GpuBusy, GpuLocks
+from driver.gpu.runtime.sharing import SharingRuntime
+from driver.gpu.runtime.timeslice import TimeSliceError, TimeSlicer
 from driver.gpu.sharing import SharingLayout
-from driver.gpu.sharingruntime import SharingRuntime
 from driver.gpu.targets import NodeView, make_view, merge_layout
-from driver.gpu.timeslice import TimeSliceError, TimeSlicer
-from driver.gpu.toolkit import ToolkitEdits
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.nodelock import LockTimeout, NodeLock
 from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, ClaimRef, Deadline, DeadlineExceeded, PreparedDevice

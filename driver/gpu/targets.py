@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from driver.gpu.devices import gpu_device_name, mig_device_name, share_device_name
-from driver.gpu.inventory import GpuInfo, MigInstance, NodeInventory
+from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.sharing import GpuShares, SharingLayout
 
 

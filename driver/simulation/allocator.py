@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-from driver.gpu.quantity import parse_quantity
+from driver.gpu.claimconfig.quantity import parse_quantity
 
 Obj = dict[str, Any]
 

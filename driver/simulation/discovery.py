@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from driver.gpu.inventory import GpuInfo, MigInstance, NodeInventory
+from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.simulation.gpus import GpuModel, MigProfileSpec, SimulationError, gpu_models
 
 log = logging.getLogger(__name__)
@@ -190,7 +190,7 @@ def build_inventory(label: str, node: SimulatedNode, node_name: str) -> NodeInve
 
 
 class SimulatedDiscovery:
-    """SIMULATION: :class:`~driver.gpu.inventory.Discovery` reporting a simulated node.
+    """SIMULATION: :class:`~driver.gpu.discovery.inventory.Discovery` reporting a simulated node.
 
     ``layout_name_or_path`` is a built-in layout name (see :func:`available_layouts`) or a YAML
     file with one layout; the layout is read and validated here, so a bad one fails at startup.

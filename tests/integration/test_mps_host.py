@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from driver.gpu.mpsproc import read_proc_stat
+from driver.gpu.mps.proc import read_proc_stat
 from tests.support.node import SimulatedNode, pid_alive, wait_until
 
 PLANS: dict[str, Any] = {"plans": {"mps": {"gpus": [{"match": {"product": "NVIDIA L4"},

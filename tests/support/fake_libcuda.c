@@ -1,5 +1,5 @@
 /* A stand-in for libcuda.so.1 with the CUDA driver API's C signatures (cuda.h), for testing the
- * ctypes client in driver/gpu/cudaprobe.py: argument and struct layouts, versioned symbol names,
+ * ctypes client in driver/gpu/discovery/cudaprobe.py: argument and struct layouts, versioned symbol names,
  * error names. Not NVIDIA software; touches no GPU. Two devices with 132 SMs each; contexts are
  * limited to 34 SMs; allocations beyond 2048 MiB in total fail with CUDA_ERROR_OUT_OF_MEMORY.
  * With FAKE_CUDA_HANG set, cuInit never returns (a driver stuck on a broken GPU). */

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from driver.gpu.mpshost import MpsHostLauncher
-from driver.gpu.mpshostcheck import HostConfig, check_config, default_tools
-from driver.gpu.mpshostcmd import HostMode
-from driver.gpu.mpshostserver import MpsHost, open_listener
-from driver.gpu.mpslaunch import DaemonLaunch
+from driver.gpu.mps.hostcheck import HostConfig, check_config, default_tools
+from driver.gpu.mps.hostclient import MpsHostLauncher
+from driver.gpu.mps.hostcmd import HostMode
+from driver.gpu.mps.hostserver import MpsHost, open_listener
+from driver.gpu.mps.launch import DaemonLaunch
 
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import cdi
-from driver.gpu.cdispec import ClaimIdentity, DeviceEdits, build_claim_spec, cdi_device_name
+from driver.gpu.claimcdi.assemble import ClaimIdentity, DeviceEdits, build_claim_spec, cdi_device_name
 
 KIND = "k8s.gpu.tessera.dev/claim"
 UID = "0b7c2f4e-1111-2222-3333-444455556666"

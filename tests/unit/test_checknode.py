@@ -18,9 +18,9 @@ from driver.checkmps import (
 )
 from driver.checknode import classify_compute_mode
 from driver.checkresult import NodeReport, exit_status, fail, ok, render_json, render_table, skipped
-from driver.gpu.computemode import ComputeMode
-from driver.gpu.cudaprobe import ClientReport
-from driver.gpu.inventory import NodeInventory
+from driver.gpu.discovery.cudaprobe import ClientReport
+from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.runtime.computemode import ComputeMode
 from driver.simulation.discovery import SimulatedDiscovery
 from tests.support.processes import processes_mentioning
 

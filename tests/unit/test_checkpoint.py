@@ -21,7 +21,7 @@ from driver.gpu.checkpoint import (
     ClaimRecord,
     PreparedDeviceRecord,
 )
-from driver.gpu.computemode import ComputeMode
+from driver.gpu.runtime.computemode import ComputeMode
 from driver.kubeletplugin.types import PreparedDevice
 
 GPU = "GPU-11111111-2222-3333-4444-555555555555"

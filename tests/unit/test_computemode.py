@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from driver.gpu.computemode import ComputeMode, ComputeModeError, ComputeModes, exclusive_gpus, parse_query
-from driver.gpu.gpulocks import GpuBusy, GpuLocks
+from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError, ComputeModes, exclusive_gpus, parse_query
+from driver.gpu.runtime.gpulocks import GpuBusy, GpuLocks
 from driver.kubeletplugin.types import Deadline, DeadlineExceeded
 from tests.support.processes import install_standin
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from driver.gpu.configapi import (
+from driver.gpu.claimconfig.api import (
     API_VERSION,
     ConfigError,
     GpuConfig,
@@ -16,7 +16,7 @@ from driver.gpu.configapi import (
     parse_config,
     resolve_mps_limits,
 )
-from driver.gpu.quantity import format_mib, parse_quantity
+from driver.gpu.claimconfig.quantity import format_mib, parse_quantity
 
 GIB = 1024**3
 MIB = 1024**2

@@ -1,6 +1,6 @@
 """The CUDA probes against a fake driver API, the SM-count source, and NVML discovery filling SM counts from it.
 
-``FakeCuda`` has :class:`~driver.gpu.cudaprobe.CudaApi`'s methods and fails the way the driver
+``FakeCuda`` has :class:`~driver.gpu.discovery.cudaprobe.CudaApi`'s methods and fails the way the driver
 does (a CudaError with the CUresult name), the way ``test_nvml_discovery`` fakes pynvml.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from driver.gpu.cudaprobe import (
+from driver.gpu.discovery.cudaprobe import (
     CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
     CUDA_ERROR_NAMES,
     ClientReport,
@@ -27,8 +27,8 @@ from driver.gpu.cudaprobe import (
     mps_client,
     sm_counts,
 )
-from driver.gpu.cudarun import CudaSmCounts, ProbeFailed, SmLookup, probe_env, run_probe
-from driver.gpu.nvml import NvmlDiscovery
+from driver.gpu.discovery.cudarun import CudaSmCounts, ProbeFailed, SmLookup, probe_env, run_probe
+from driver.gpu.discovery.nvml import NvmlDiscovery
 from tests.support.processes import processes_mentioning
 from tests.unit.test_nvml_discovery import FakeNvml, h100_mig, l4
 

@@ -19,7 +19,7 @@ from driver.gpu.devices import (
     semver_from_nvidia,
     share_device_name,
 )
-from driver.gpu.inventory import GpuInfo, MigInstance, NodeInventory
+from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.sharing import GpuShares
 from driver.kubeletplugin.slicelimits import limits_for
 from driver.kubeletplugin.slicemodel import Device

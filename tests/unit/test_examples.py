@@ -364,7 +364,7 @@ def test_examples_select_what_the_driver_publishes(default_classes: dict[str, li
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_SHARING))
 def test_opaque_configs_are_accepted_by_the_driver(name: str) -> None:
-    from driver.gpu.configapi import GpuConfig, parse_config
+    from driver.gpu.claimconfig.api import GpuConfig, parse_config
 
     spec = claim_spec(the_claim(load(name)))
     (config,) = spec["devices"]["config"]

@@ -17,14 +17,14 @@ import pytest
 
 import cdi
 from driver.config import Settings
-from driver.gpu.binaries import find_binary
-from driver.gpu.cdiedits import CdiNames, CdiSources, claim_spec
 from driver.gpu.checkpoint import ClaimPhase, ClaimRecord, PreparedDeviceRecord
+from driver.gpu.claimcdi.edits import CdiNames, CdiSources, claim_spec
+from driver.gpu.claimcdi.hostfs import driver_root_host_path, find_device_root
+from driver.gpu.claimcdi.toolkit import ToolkitEdits, load_toolkit_edits, toolkit_spec_candidates, toolkit_spec_changed
+from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.errors import PrepareError
-from driver.gpu.hostfs import driver_root_host_path, find_device_root
-from driver.gpu.inventory import NodeInventory
-from driver.gpu.mps import MpsManager
-from driver.gpu.toolkit import ToolkitEdits, load_toolkit_edits, toolkit_spec_candidates, toolkit_spec_changed
+from driver.gpu.mps.manager import MpsManager
+from driver.gpu.runtime.binaries import find_binary
 from driver.inspect_node import inspect
 from driver.kubeletplugin.types import PreparedDevice
 from driver.simulation.discovery import SimulatedDiscovery
@@ -194,7 +194,7 @@ def test_no_toolkit_spec_fails_the_claim_unless_the_operator_accepts_it(
         operator_node: tuple[SimulatedHost, NodeInventory], caplog: pytest.LogCaptureFixture) -> None:
     host, inventory = operator_node
     host.toolkit_spec.unlink()
-    with caplog.at_level(logging.ERROR, logger="driver.gpu.toolkit"):
+    with caplog.at_level(logging.ERROR, logger="driver.gpu.claimcdi.toolkit"):
         required = _toolkit(host)
     assert required.readiness_problem is not None and "management.nvidia.com-gpu.yaml" in required.readiness_problem
     assert any("not ready" in r.getMessage() for r in caplog.records)

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 import cdi
-from driver.gpu.hostfs import (
+from driver.gpu.claimcdi.hostfs import (
     CapabilityNode,
     HostFsError,
     control_device_paths,
@@ -19,7 +19,7 @@ from driver.gpu.hostfs import (
     missing_paths,
     nvidia_caps_major,
 )
-from driver.gpu.inventory import NodeInventory
+from driver.gpu.discovery.inventory import NodeInventory
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import (
     MARKER_FILE,

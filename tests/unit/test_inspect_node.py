@@ -18,11 +18,11 @@ from driver.gpu.checkpoint import (
     PreparedDeviceRecord,
     TimeSliceRecord,
 )
-from driver.gpu.computemode import ComputeModes
-from driver.gpu.mps import MpsDaemonRecord, MpsDaemonSpec
+from driver.gpu.claimcdi.toolkit import load_toolkit_edits
+from driver.gpu.mps.manager import MpsDaemonRecord, MpsDaemonSpec
+from driver.gpu.runtime.computemode import ComputeModes
 from driver.gpu.state import DeviceState, StatePaths
 from driver.gpu.targets import make_view
-from driver.gpu.toolkit import load_toolkit_edits
 from driver.inspect_node import collect, inspect, render_text
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import PreparedDevice

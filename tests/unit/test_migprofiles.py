@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from driver.gpu.migprofiles import (
+from driver.gpu.discovery.migprofiles import (
     GI_PROFILE_1_SLICE_ALL_ME,
     GI_PROFILE_1_SLICE_GFX,
     GI_PROFILE_1_SLICE_NO_ME,

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from driver.gpu.mps import (
+from driver.gpu.mps.launch import LocalLauncher
+from driver.gpu.mps.manager import (
     _KILL_WAIT_S,
     _TERM_GRACE_S,
     MIB,
@@ -38,7 +39,6 @@ from driver.gpu.mps import (
     multi_user_capable,
     pinned_limit_taken,
 )
-from driver.gpu.mpslaunch import LocalLauncher
 from tests.support.mpsdaemons import STANDIN, MpsDaemonKind, daemon_params
 from tests.support.processes import poll_until, processes_mentioning, standin_sandbox
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from driver.gpu.mpshost import HostReply, MpsHostLauncher
-from driver.gpu.mpshostcheck import HostConfig, HostError, LaunchRefused, check_config, check_launch, default_tools
-from driver.gpu.mpshostcmd import ROOT_PATH, WRAP_SCRIPT, HostMode, Tools, daemon_argv, daemon_env, shm_source
-from driver.gpu.mpshostserver import open_listener
-from driver.gpu.mpslaunch import DaemonLaunch, MpsLaunchError
+from driver.gpu.mps.hostcheck import HostConfig, HostError, LaunchRefused, check_config, check_launch, default_tools
+from driver.gpu.mps.hostclient import HostReply, MpsHostLauncher
+from driver.gpu.mps.hostcmd import ROOT_PATH, WRAP_SCRIPT, HostMode, Tools, daemon_argv, daemon_env, shm_source
+from driver.gpu.mps.hostserver import open_listener
+from driver.gpu.mps.launch import DaemonLaunch, MpsLaunchError
 from tests.support.mpshost import GPU, host_for, launch_request, make_dirs
 
 TOOLS = Tools(unshare="/u/unshare", sh="/u/sh", mount="/u/mount", chroot="/u/chroot")
@@ -222,7 +222,7 @@ def test_a_reply_the_client_cannot_read_is_a_clear_error(tmp_path: Path) -> None
 def test_the_plugin_uses_the_host_only_when_its_socket_is_configured() -> None:
     from driver.app import choose_launcher
     from driver.config import parse_settings
-    from driver.gpu.mpslaunch import LocalLauncher
+    from driver.gpu.mps.launch import LocalLauncher
 
     chosen = choose_launcher(parse_settings([], {"MPS_HOST_SOCKET": "/run/h.sock"}))
     assert isinstance(chosen, MpsHostLauncher) and chosen.socket_path == Path("/run/h.sock")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from driver.gpu.mpshost import HostRequest, MpsHostLauncher
-from driver.gpu.mpslaunch import MpsLaunchError
-from driver.gpu.mpsproc import read_proc_stat
+from driver.gpu.mps.hostclient import HostRequest, MpsHostLauncher
+from driver.gpu.mps.launch import MpsLaunchError
+from driver.gpu.mps.proc import read_proc_stat
 from tests.support.mpsdaemons import MpsDaemonKind, daemon_params
 from tests.support.mpshost import host_for, launch_request, make_dirs, serving
 from tests.support.processes import poll_until, standin_sandbox

@@ -17,11 +17,9 @@ from typing import Any
 
 import pytest
 
-from driver.gpu.binaries import LIB_DIRS
 from driver.gpu.devices import build_devices
-from driver.gpu.discovery import open_discovery
-from driver.gpu.inventory import MigInstance
-from driver.gpu.nvml import (
+from driver.gpu.discovery.inventory import MigInstance
+from driver.gpu.discovery.nvml import (
     NvmlDiscovery,
     NvmlDiscoveryError,
     addressing_mode_name,
@@ -31,6 +29,8 @@ from driver.gpu.nvml import (
     normalise_pci_bus_id,
     pcie_root_from_link,
 )
+from driver.gpu.discovery.source import open_discovery
+from driver.gpu.runtime.binaries import LIB_DIRS
 
 MIB = 1 << 20
 
@@ -411,7 +411,7 @@ def test_h100_fields(sysfs: Path) -> None:
 
 
 def test_l4_unsupported_queries_become_missing_fields(sysfs: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="driver.gpu.nvml"):
+    with caplog.at_level(logging.DEBUG, logger="driver.gpu.discovery.nvml"):
         inventory = discover(FakeNvml([l4()]), sysfs)
     [gpu] = inventory.gpus
     assert (gpu.mig_capable, gpu.mig_enabled, gpu.mig_instances) == (False, False, ())
@@ -624,7 +624,7 @@ def test_driver_at_root_leaves_loading_to_pynvml(sysfs: Path) -> None:
 _SONAME_PROBE = """
 import ctypes, sys
 from pathlib import Path
-from driver.gpu.nvml import NvmlDiscovery
+from driver.gpu.discovery.nvml import NvmlDiscovery
 
 class ProbeNvml:
     # pynvml does CDLL("libnvidia-ml.so.1") on init; do the same and call the probe library's function.

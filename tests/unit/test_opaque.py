@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from driver.gpu.configapi import API_VERSION, ConfigError, GpuConfig, MigDeviceConfig
-from driver.gpu.opaque import group_by_config, resolve_configs
+from driver.gpu.claimconfig.api import API_VERSION, ConfigError, GpuConfig, MigDeviceConfig
+from driver.gpu.claimconfig.precedence import group_by_config, resolve_configs
 from driver.kubeletplugin.claimmodel import DeviceAllocationConfiguration, DeviceRequestAllocationResult
 
 DRIVER = "gpu.tessera.dev"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from driver.gpu.devices import build_devices
-from driver.gpu.migprofiles import profile_name
+from driver.gpu.discovery.migprofiles import profile_name
 from driver.simulation.discovery import (
     SIMULATED_CUDA_DRIVER_VERSION,
     SIMULATED_DRIVER_VERSION,

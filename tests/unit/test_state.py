@@ -20,14 +20,14 @@ import pytest
 
 import cdi
 from driver.gpu.checkpoint import CheckpointStore, ClaimPhase
-from driver.gpu.computemode import ComputeMode, ComputeModeError, ComputeModes
-from driver.gpu.inventory import NodeInventory
-from driver.gpu.mps import MpsClientEdits, MpsDaemonRecord, MpsDaemonSpec, MpsError, MpsManager, MpsMount
+from driver.gpu.claimcdi.toolkit import load_toolkit_edits
+from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.mps.manager import MpsClientEdits, MpsDaemonRecord, MpsDaemonSpec, MpsError, MpsManager, MpsMount
+from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError, ComputeModes
+from driver.gpu.runtime.timeslice import TimeSliceError, TimeSlicer
 from driver.gpu.sharing import GpuShares, TimeSliceInterval
 from driver.gpu.state import DeviceState, PrepareError, StatePaths
 from driver.gpu.targets import make_view
-from driver.gpu.timeslice import TimeSliceError, TimeSlicer
-from driver.gpu.toolkit import load_toolkit_edits
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import ClaimRef
 from driver.simulation.discovery import SimulatedDiscovery

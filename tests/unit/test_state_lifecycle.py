@@ -15,12 +15,12 @@ from typing import Any, cast
 
 import pytest
 
-from driver.gpu.computemode import ComputeMode, ComputeModes
-from driver.gpu.mps import MpsDaemonRecord, MpsDaemonSpec, MpsManager
-from driver.gpu.mpslaunch import LocalLauncher
+from driver.gpu.mps.launch import LocalLauncher
+from driver.gpu.mps.manager import MpsDaemonRecord, MpsDaemonSpec, MpsManager
+from driver.gpu.runtime.computemode import ComputeMode, ComputeModes
+from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.state import DeviceState, PrepareError
 from driver.gpu.targets import make_view
-from driver.gpu.timeslice import TimeSlicer
 from driver.kubeletplugin.types import Deadline
 from tests.support.processes import install_standin
 from tests.unit.test_state import DRIVER, POOL, Node, claim, gpu_config, mps_shares, ref

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from driver.gpu.inventory import GpuInfo, MigInstance, NodeInventory
+from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.sharing import GpuShares
 from driver.gpu.targets import index_devices, make_view, merge_layout
 from driver.simulation.discovery import SimulatedDiscovery

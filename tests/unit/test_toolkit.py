@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from driver.gpu.toolkit import (
+from driver.gpu.claimcdi.toolkit import (
     DEFAULT_TOOLKIT_SPEC_PATHS,
     has_libcuda,
     load_toolkit_edits,
@@ -79,7 +79,7 @@ def test_explicit_path_is_not_replaced_by_a_candidate(tmp_path: Path) -> None:
 
 def test_nothing_found_tells_how_to_fix_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     a, b = tmp_path / "a.yaml", tmp_path / "b.json"
-    with caplog.at_level(logging.WARNING, logger="driver.gpu.toolkit"):
+    with caplog.at_level(logging.WARNING, logger="driver.gpu.claimcdi.toolkit"):
         result = load_toolkit_edits(None, candidates=(a, b))
     assert result.source is None and result.edits is None
     assert result.problem is not None
@@ -93,7 +93,7 @@ def test_nothing_found_tells_how_to_fix_it(tmp_path: Path, caplog: pytest.LogCap
 
 def test_operator_can_accept_a_node_without_driver_libraries(tmp_path: Path,
                                                              caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="driver.gpu.toolkit"):
+    with caplog.at_level(logging.WARNING, logger="driver.gpu.claimcdi.toolkit"):
         result = load_toolkit_edits(None, candidates=(tmp_path / "a.yaml",), required=False)
     assert result.problem is not None and result.status == f"not injected: {result.problem}"
     assert result.readiness_problem is None
@@ -161,7 +161,7 @@ def test_the_operators_spec_wins_over_a_stale_hand_made_one(tmp_path: Path, capl
     _write_spec(etc / "nvidia.yaml", stale)
     _write_spec(root / "nvidia.yaml", stale)
     operator = _write_spec(root / "management.nvidia.com-gpu.yaml")
-    with caplog.at_level(logging.INFO, logger="driver.gpu.toolkit"):
+    with caplog.at_level(logging.INFO, logger="driver.gpu.claimcdi.toolkit"):
         result = load_toolkit_edits(None, toolkit_spec_candidates(root, etc))
     assert result.source == operator and result.edits is not None and "STALE=1" not in result.edits["env"]
     assert result.also_found == (root / "nvidia.yaml", etc / "nvidia.yaml")

@@ -5,7 +5,7 @@ a launcher decides *where* the process lives. Two launchers exist:
 
 * ``LocalLauncher`` (this module): the daemon is a child of the calling process. Used by the demo,
   the tests and single-container installs; the daemons then share the plugin container's fate.
-* ``MpsHostLauncher`` (``driver/gpu/mpshost.py``): the request goes over a local Unix socket to
+* ``MpsHostLauncher`` (``driver/gpu/mps/hostclient.py``): the request goes over a local Unix socket to
   ``python -m driver mps-host``, a long-lived process in its own pod, so restarting or upgrading the
   plugin leaves running daemons (and their clients' CUDA contexts) untouched.
 
@@ -24,8 +24,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from driver.gpu.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary
-from driver.gpu.mpsproc import CONTROL_BINARY
+from driver.gpu.mps.proc import CONTROL_BINARY
+from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary
 
 # With -f the daemon writes its log to standard output, not to <log dir>/control.log as -d does
 # (measured, docs/sharing.md); the launcher sends that output to the file -d would have written.

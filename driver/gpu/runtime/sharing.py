@@ -23,10 +23,10 @@ from typing import Protocol
 
 from driver.gpu.checkpoint import Checkpoint, ClaimRecord
 from driver.gpu.claimplan import ClaimPlan
-from driver.gpu.computemode import ComputeMode, ComputeModeError, ComputeModes
-from driver.gpu.mps import MpsDaemonRecord, MpsDaemonSpec, MpsManager
+from driver.gpu.mps.manager import MpsDaemonRecord, MpsDaemonSpec, MpsManager
+from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError, ComputeModes
+from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.sharing import TimeSliceInterval
-from driver.gpu.timeslice import TimeSlicer
 from driver.kubeletplugin.types import Deadline
 
 log = logging.getLogger(__name__)

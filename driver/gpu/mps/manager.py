@@ -25,8 +25,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from driver.gpu.mpscontrol import CONTROL_SOCKET_NAME, Deadline, MpsControl
-from driver.gpu.mpsdirs import (
+from driver.gpu.mps.control import CONTROL_SOCKET_NAME, Deadline, MpsControl
+from driver.gpu.mps.dirs import (
     DaemonDirError,
     clear_dir,
     driver_daemon_ids,
@@ -37,8 +37,8 @@ from driver.gpu.mpsdirs import (
     restart_delay,
     write_restart_state,
 )
-from driver.gpu.mpslaunch import CONTROL_LOG_NAME, DaemonLaunch, DaemonLauncher, MpsLaunchError
-from driver.gpu.mpsmodel import (
+from driver.gpu.mps.launch import CONTROL_LOG_NAME, DaemonLaunch, DaemonLauncher, MpsLaunchError
+from driver.gpu.mps.model import (
     MIB,
     MpsClientEdits,
     MpsDaemonRecord,
@@ -49,7 +49,7 @@ from driver.gpu.mpsmodel import (
     multi_user_capable,
     pinned_limit_taken,
 )
-from driver.gpu.mpsproc import (
+from driver.gpu.mps.proc import (
     CONTROL_BINARY,
     daemon_start_time,
     find_daemons,

@@ -15,9 +15,9 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from driver.gpu.mps import check_daemon_id
-from driver.gpu.mpshostcmd import HostMode, Tools, inside_root
-from driver.gpu.mpslaunch import DaemonLaunch
+from driver.gpu.mps.hostcmd import HostMode, Tools, inside_root
+from driver.gpu.mps.launch import DaemonLaunch
+from driver.gpu.mps.manager import check_daemon_id
 
 # sun_path is 108 bytes with the NUL; the daemon binds <pipe dir>/control.
 MAX_SOCKET_PATH_BYTES = 107

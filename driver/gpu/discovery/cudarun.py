@@ -1,4 +1,4 @@
-"""Running the CUDA probes of ``driver/gpu/cudaprobe.py`` as child processes, bounded in time.
+"""Running the CUDA probes of ``driver/gpu/discovery/cudaprobe.py`` as child processes, bounded in time.
 
 A probe gets the driver root's libraries (``driver_env``), its own process group (killed whole
 on timeout, so an MPS client stuck in the driver cannot outlive the check) and prints one JSON
@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Protocol
 
 import driver
-from driver.gpu.binaries import BinaryFailed, driver_env, find_driver_library
-from driver.gpu.cudaprobe import SmCounts, bare_uuid
-from driver.gpu.inventory import GpuInfo
+from driver.gpu.discovery.cudaprobe import SmCounts, bare_uuid
+from driver.gpu.discovery.inventory import GpuInfo
+from driver.gpu.runtime.binaries import BinaryFailed, driver_env, find_driver_library
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ def probe_env(driver_root: Path, extra: Mapping[str, str]) -> dict[str, str]:
 
 
 def run_probe(args: Sequence[str], env: Mapping[str, str], timeout: float) -> str:
-    """Run ``python -m driver.gpu.cudaprobe <args>`` and return its last stdout line."""
-    command = [sys.executable, "-m", "driver.gpu.cudaprobe", *args]
+    """Run ``python -m driver.gpu.discovery.cudaprobe <args>`` and return its last stdout line."""
+    command = [sys.executable, "-m", "driver.gpu.discovery.cudaprobe", *args]
     label = f"the CUDA probe `{' '.join(args[:1])}`"
     try:
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -17,7 +17,7 @@ already loaded library.
 
 A whole GPU's SM count does not come from NVML: ``nvmlDeviceGetAttributes`` "currently only
 supports MIG device handles" (nvml.h). It comes from CUDA through ``sm_counts`` (by default
-:class:`~driver.gpu.cudarun.CudaSmCounts`, a child process against the driver root's libcuda);
+:class:`~driver.gpu.discovery.cudarun.CudaSmCounts`, a child process against the driver root's libcuda);
 a GPU still without one carries the reason in ``GpuInfo.multiprocessors_missing``, logged once.
 """
 
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from driver.gpu.binaries import LIB_DIRS, find_driver_library
-from driver.gpu.cudarun import CudaSmCounts, SmCountSource, fill_sm_counts
-from driver.gpu.inventory import GpuInfo, MigInstance, NodeInventory
-from driver.gpu.migprofiles import profile_name
+from driver.gpu.discovery.cudarun import CudaSmCounts, SmCountSource, fill_sm_counts
+from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
+from driver.gpu.discovery.migprofiles import profile_name
+from driver.gpu.runtime.binaries import LIB_DIRS, find_driver_library
 
 log = logging.getLogger(__name__)
 
@@ -323,7 +323,7 @@ def load_library_globally(path: Path) -> None:
 
 
 class NvmlDiscovery:
-    """:class:`~driver.gpu.inventory.Discovery` backed by NVML.
+    """:class:`~driver.gpu.discovery.inventory.Discovery` backed by NVML.
 
     ``nvml`` is the pynvml module (tests pass a fake with the same names); ``sysfs_root`` is where
     ``/sys`` is mounted, for the PCIe root lookup; ``driver_root`` is where the NVIDIA driver is

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# The names the driver gives its daemons (driver/gpu/sharingruntime.py: plan_daemon_id,
+# The names the driver gives its daemons (driver/gpu/runtime/sharing.py: plan_daemon_id,
 # claim_daemon_id). Anything else under the base directory is not the driver's to stop or remove.
 DRIVER_DAEMON_DIR_NAME = re.compile(r"^(plan-[0-9a-f]{12}|claim-[0-9a-f]{12}-[0-9]{1,4})$")
 RESTART_STATE_NAME = "restarts.json"

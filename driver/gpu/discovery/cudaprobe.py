@@ -1,6 +1,6 @@
 """A tiny CUDA client through ctypes: SM counts of whole GPUs, and what an MPS client is allowed.
 
-Run as a child process (``python -m driver.gpu.cudaprobe ...``, see ``driver/gpu/cudarun.py``),
+Run as a child process (``python -m driver.gpu.discovery.cudaprobe ...``, see ``driver/gpu/discovery/cudarun.py``),
 never inside the plugin: loading ``libcuda`` starts driver threads and opens device nodes, a
 broken GPU can make ``cuInit`` hang, and an MPS client that crashes must take only itself down.
 It prints one JSON object on stdout.
@@ -278,7 +278,7 @@ class LibCuda:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m driver.gpu.cudaprobe",
+    parser = argparse.ArgumentParser(prog="python -m driver.gpu.discovery.cudaprobe",
                                      description="CUDA probes run as a child process by the driver")
     sub = parser.add_subparsers(dest="probe", required=True)
     counts = sub.add_parser("sm-counts", help="SM count of every device CUDA enumerates, by UUID")

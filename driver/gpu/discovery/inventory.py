@@ -71,7 +71,7 @@ class NodeInventory(BaseModel):
 class Discovery(Protocol):
     """A source of GPU inventory.
 
-    Implementations: ``driver.gpu.nvml.NvmlDiscovery`` and ``driver.simulation.discovery.SimulatedDiscovery``.
+    Implementations: ``driver.gpu.discovery.nvml.NvmlDiscovery`` and ``driver.simulation.discovery.SimulatedDiscovery``.
     """
 
     def discover(self) -> NodeInventory: ...

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from driver.gpu.inventory import Discovery
+from driver.gpu.discovery.inventory import Discovery
 
 log = logging.getLogger(__name__)
 
@@ -17,6 +17,6 @@ def open_discovery(simulate: str | None, node_name: str, driver_root: Path = Pat
 
         log.warning("SIMULATION: publishing simulated GPUs, not this node's hardware", extra={"layout": simulate})
         return SimulatedDiscovery(simulate, node_name)
-    from driver.gpu.nvml import NvmlDiscovery
+    from driver.gpu.discovery.nvml import NvmlDiscovery
 
     return NvmlDiscovery(driver_root=driver_root)

@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from driver.gpu.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
+from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
 from driver.gpu.sharing import TIMESLICE_VALUES, TimeSliceInterval
 from driver.kubeletplugin.types import Deadline
 

@@ -4,7 +4,7 @@ Why a separate process (docs/sharing.md, "Where MPS daemons live"): daemons star
 live in the plugin container's cgroup, so a plugin restart, rolling update or OOM kill would end
 every MPS server on the node and every client's CUDA context. The host runs in its own DaemonSet,
 updated ``OnDelete``, with its own memory limit; the plugin, restarted or upgraded freely, asks it
-over a Unix socket to start daemons (:mod:`driver.gpu.mpshost`) and adopts running ones after a
+over a Unix socket to start daemons (:mod:`driver.gpu.mps.hostclient`) and adopts running ones after a
 restart through its checkpoint and /proc, as before. Stopping a daemon stays the plugin's job
 (``quit``, then signals by PID after /proc confirms it): with ``hostPID`` both pods see one PID space.
 
@@ -36,9 +36,7 @@ from types import FrameType
 
 from pydantic import ValidationError
 
-from driver.gpu.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary
-from driver.gpu.mpshost import HostReply, HostRequest, encode, read_line
-from driver.gpu.mpshostcheck import (
+from driver.gpu.mps.hostcheck import (
     HostConfig,
     HostError,
     LaunchRefused,
@@ -47,9 +45,11 @@ from driver.gpu.mpshostcheck import (
     lstat_mode,
     make_mount_point_in_root,
 )
-from driver.gpu.mpshostcmd import daemon_argv, daemon_env, replied_shm_dir
-from driver.gpu.mpslaunch import CONTROL_LOG_NAME, DaemonLaunch, LaunchedDaemon, MpsLaunchError
-from driver.gpu.mpsproc import CONTROL_BINARY
+from driver.gpu.mps.hostclient import HostReply, HostRequest, encode, read_line
+from driver.gpu.mps.hostcmd import daemon_argv, daemon_env, replied_shm_dir
+from driver.gpu.mps.launch import CONTROL_LOG_NAME, DaemonLaunch, LaunchedDaemon, MpsLaunchError
+from driver.gpu.mps.proc import CONTROL_BINARY
+from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary
 
 log = logging.getLogger(__name__)
 

@@ -18,13 +18,19 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import cdi
-from driver.gpu import cdispec
 from driver.gpu.checkpoint import ClaimRecord, PreparedDeviceRecord
+from driver.gpu.claimcdi import assemble as cdispec
+from driver.gpu.claimcdi.hostfs import (
+    NODE_ROOT,
+    DeviceRoot,
+    control_device_paths,
+    find_device_root,
+    mig_capability_nodes,
+)
+from driver.gpu.claimcdi.toolkit import ToolkitEdits
 from driver.gpu.errors import PrepareError
-from driver.gpu.hostfs import NODE_ROOT, DeviceRoot, control_device_paths, find_device_root, mig_capability_nodes
-from driver.gpu.mps import MpsDaemonRecord, MpsManager
+from driver.gpu.mps.manager import MpsDaemonRecord, MpsManager
 from driver.gpu.sharing import GpuShares
-from driver.gpu.toolkit import ToolkitEdits
 
 CDI_CLASS = "claim"
 MPS_CONTAINER_PIPE_DIR = "/tmp/nvidia-mps"

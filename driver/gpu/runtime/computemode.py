@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from enum import StrEnum
 from pathlib import Path
 
-from driver.gpu.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
+from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
 from driver.kubeletplugin.types import Deadline
 
 NVIDIA_SMI = "nvidia-smi"

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from driver.gpu.configapi import ConfigError, DeviceConfig, GpuConfig, MigDeviceConfig, parse_config
+from driver.gpu.claimconfig.api import ConfigError, DeviceConfig, GpuConfig, MigDeviceConfig, parse_config
 from driver.kubeletplugin.claimmodel import DeviceAllocationConfiguration, DeviceRequestAllocationResult
 
 DEVICE_KINDS = ("gpu", "mig", "mps", "timeslice")

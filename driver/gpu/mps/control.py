@@ -14,9 +14,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from driver.gpu.binaries import BinaryFailed, BinaryNotFound, BinaryTimedOut, driver_env, find_binary, run_binary
-from driver.gpu.mpsmodel import MpsError
-from driver.gpu.mpsproc import CONTROL_BINARY
+from driver.gpu.mps.model import MpsError
+from driver.gpu.mps.proc import CONTROL_BINARY
+from driver.gpu.runtime.binaries import (
+    BinaryFailed,
+    BinaryNotFound,
+    BinaryTimedOut,
+    driver_env,
+    find_binary,
+    run_binary,
+)
 
 CONTROL_SOCKET_NAME = "control"
 # The socket NVIDIA's front-end client uses when run as root (measured: 0755, beside the 0666 control).

@@ -1,6 +1,6 @@
 """Talking to the MPS host: the wire format, and the launcher the kubelet plugin uses.
 
-The MPS host (``python -m driver mps-host``, :mod:`driver.gpu.mpshostserver`) runs in its own
+The MPS host (``python -m driver mps-host``, :mod:`driver.gpu.mps.hostserver`) runs in its own
 DaemonSet and owns the MPS control daemon processes, so restarting, upgrading or OOM-killing the
 plugin leaves them and their clients' CUDA contexts alone (issue 6, point 8). The plugin asks it to
 start a daemon over a local Unix socket; everything else (limits, health checks, adoption after a
@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from driver.gpu.mpslaunch import DaemonLaunch, LaunchedDaemon, MpsLaunchError
+from driver.gpu.mps.launch import DaemonLaunch, LaunchedDaemon, MpsLaunchError
 
 PROTOCOL_VERSION = 1
 # A request or reply is a few hundred bytes; anything near this is not one.
@@ -77,7 +77,7 @@ def read_line(conn: socket.socket) -> bytes:
 
 
 class MpsHostLauncher:
-    """A :class:`~driver.gpu.mpslaunch.DaemonLauncher` that asks the MPS host to start the daemon."""
+    """A :class:`~driver.gpu.mps.launch.DaemonLauncher` that asks the MPS host to start the daemon."""
 
     def __init__(self, socket_path: Path, connect_timeout: float = 2.0, reply_timeout: float = 15.0) -> None:
         """``reply_timeout`` covers the host's whole launch (it waits until the daemon binary runs)."""

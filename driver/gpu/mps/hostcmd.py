@@ -3,7 +3,7 @@
 Three shapes, depending on how the host is configured:
 
 * plain: ``<driver root>/usr/bin/nvidia-cuda-mps-control -f`` with the driver root's binaries and
-  NVIDIA libraries on PATH/LD_LIBRARY_PATH (as the plugin runs its tools; driver/gpu/binaries.py).
+  NVIDIA libraries on PATH/LD_LIBRARY_PATH (as the plugin runs its tools; driver/gpu/runtime/binaries.py).
 * ``--chroot``: ``chroot <driver root> /usr/bin/nvidia-cuda-mps-control -f``, so the daemon and the
   ``nvidia-cuda-mps-server`` it spawns see that root's ``/dev`` (the GPU Operator puts the device
   nodes under ``/run/nvidia/driver/dev``), its libraries and its libc, as NVIDIA's MPS daemon pods
@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from driver.gpu.mpslaunch import DaemonLaunch, control_args, control_env
+from driver.gpu.mps.launch import DaemonLaunch, control_args, control_env
 
 # PATH inside the driver root, where the container's PATH means nothing.
 ROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

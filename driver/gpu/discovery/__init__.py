@@ -1,0 +1,1 @@
+"""What the node has: GPUs and MIG devices through NVML (or the simulation), SM counts through CUDA."""

@@ -1,0 +1,1 @@
+"""Side effects on the GPUs and daemons behind prepared claims, and the locks and binaries they need."""
