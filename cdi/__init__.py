@@ -6,9 +6,14 @@ and checks those files so that the runtimes accept them: :class:`Spec` and its p
 the loader rejects, :func:`with_minimum_version` declares exactly the version the content needs,
 and :func:`write_spec` replaces a file atomically so a runtime never reads half of one.
 
+Modules: ``spec`` (the models), ``names`` (kind, device name and qualified ID rules), ``version``
+(the minimum-version rule), ``store`` (spec files on disk), ``atomicfile`` (the one atomic file
+write, also used by the driver's checkpoint), ``yamlload`` (the one strict YAML loader).
+
 It has no GPU knowledge and can serve any CDI producer.
 """
 
+from cdi.names import check_device_name, parse_qualified_name, qualified_device_name, split_kind
 from cdi.spec import (
     DEVICE_NODE_TYPES,
     HOOK_NAMES,
@@ -21,13 +26,18 @@ from cdi.spec import (
     Mount,
     Spec,
     SpecError,
-    check_device_name,
-    parse_qualified_name,
-    qualified_device_name,
-    split_kind,
     validation_problems,
 )
-from cdi.store import SPEC_EXTENSIONS, list_specs, read_spec, remove_spec, transient_spec_name, write_spec
+from cdi.store import (
+    SPEC_EXTENSIONS,
+    list_specs,
+    read_spec,
+    remove_spec,
+    spec_file_intact,
+    transient_spec_name,
+    write_spec,
+    write_spec_text,
+)
 from cdi.version import (
     FLOOR_VERSION,
     LATEST_VERSION,
@@ -66,10 +76,12 @@ __all__ = [
     "qualified_device_name",
     "read_spec",
     "remove_spec",
+    "spec_file_intact",
     "split_kind",
     "transient_spec_name",
     "validation_problems",
     "version_at_least",
     "with_minimum_version",
     "write_spec",
+    "write_spec_text",
 ]

@@ -12,8 +12,6 @@ Python attributes are snake_case; the wire keys are the aliases, and files are p
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Hashable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from cdi.names import check_device_name, quoted, split_kind
 from cdi.version import (
     LATEST_VERSION,
     VALID_VERSIONS,
@@ -39,6 +38,7 @@ from cdi.version import (
     version_at_least,
     with_minimum_version,
 )
+from cdi.yamlload import load_yaml
 
 HOOK_NAMES: tuple[str, ...] = (
     "prestart",
@@ -51,10 +51,6 @@ HOOK_NAMES: tuple[str, ...] = (
 # "" lets the runtime stat the host node; b block, c char, u unbuffered char, p fifo.
 DEVICE_NODE_TYPES: tuple[str, ...] = ("", "b", "c", "u", "p")
 
-_VENDOR_OR_CLASS = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*[A-Za-z0-9]")
-_VENDOR_OR_CLASS_CHARS = re.compile(r"[A-Za-z0-9_.-]*")
-_DEVICE_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?")
-_DEVICE_NAME_CHARS = re.compile(r"[A-Za-z0-9_.:-]*")
 _UINT32_MAX = 0xFFFF_FFFF
 _INT64_MAX = 0x7FFF_FFFF_FFFF_FFFF
 
@@ -68,73 +64,9 @@ class SpecError(ValueError):
         super().__init__(f"invalid CDI spec {source}: " + "; ".join(problems))
 
 
-def _q(value: object) -> str:
-    return json.dumps(value)
-
-
-def _vendor_or_class_problem(what: str, name: str) -> str | None:
-    if _VENDOR_OR_CLASS.fullmatch(name):
-        return None
-    if not name:
-        return f"{what} is empty"
-    if not ("A" <= name[0] <= "Z" or "a" <= name[0] <= "z"):
-        return f"{what} {_q(name)} must start with a letter"
-    if not _VENDOR_OR_CLASS_CHARS.fullmatch(name):
-        return f"{what} {_q(name)} may contain only letters, digits, '_', '.' and '-'"
-    if len(name) == 1:
-        # Loader releases before the fix slice name[1:len-1] and panic on a one-character name.
-        return f"{what} {_q(name)} is too short: older runtimes' CDI loaders crash on 1-character names"
-    return f"{what} {_q(name)} must end with a letter or digit"
-
-
-def split_kind(kind: str) -> tuple[str, str]:
-    """``vendor/class`` split at the first '/', both parts checked against the loader's name rules."""
-    vendor, slash, device_class = kind.partition("/")
-    if not slash:
-        raise ValueError(f"{_q(kind)} is not <vendor>/<class>")
-    for what, name in (("vendor", vendor), ("class", device_class)):
-        problem = _vendor_or_class_problem(what, name)
-        if problem is not None:
-            raise ValueError(f"{_q(kind)}: {problem}")
-    return vendor, device_class
-
-
-def check_device_name(name: str) -> str:
-    """Return ``name`` if the loader accepts it as a device name, else raise ValueError saying why."""
-    if _DEVICE_NAME.fullmatch(name):
-        return name
-    if not name:
-        raise ValueError("device name is empty")
-    if not _DEVICE_NAME_CHARS.fullmatch(name):
-        raise ValueError(f"{_q(name)} may contain only letters, digits, '_', '.', ':' and '-'")
-    raise ValueError(f"{_q(name)} must start and end with a letter or digit")
-
-
-def qualified_device_name(kind: str, name: str) -> str:
-    """The fully qualified CDI device ID ``vendor/class=name`` a runtime resolves."""
-    split_kind(kind)
-    check_device_name(name)
-    return f"{kind}={name}"
-
-
-def parse_qualified_name(device_id: str) -> tuple[str, str, str]:
-    """Split ``vendor/class=name`` into its parts: first at '=', then at '/'; a leading '/' is a path."""
-    if device_id.startswith("/"):
-        raise ValueError(f"{_q(device_id)} is a path, not a CDI device ID")
-    kind, equals, name = device_id.partition("=")
-    if not equals or not kind or not name:
-        raise ValueError(f"{_q(device_id)} is not <vendor>/<class>=<name>")
-    try:
-        vendor, device_class = split_kind(kind)
-        check_device_name(name)
-    except ValueError as exc:
-        raise ValueError(f"invalid CDI device ID {_q(device_id)}: {exc}") from exc
-    return vendor, device_class, name
-
-
 def _check_env_entry(entry: str) -> str:
     if entry.find("=") < 1:
-        raise ValueError(f"{_q(entry)} is not KEY=VALUE")
+        raise ValueError(f"{quoted(entry)} is not KEY=VALUE")
     return entry
 
 
@@ -146,13 +78,13 @@ def _check_not_empty(value: str) -> str:
 
 def _check_device_node_type(value: str) -> str:
     if value not in DEVICE_NODE_TYPES:
-        raise ValueError(f'{_q(value)} is not a device node type (expected "", "b", "c", "u" or "p")')
+        raise ValueError(f'{quoted(value)} is not a device node type (expected "", "b", "c", "u" or "p")')
     return value
 
 
 def _check_hook_name(value: str) -> str:
     if value not in HOOK_NAMES:
-        raise ValueError(f"{_q(value)} is not a hook name (expected one of {', '.join(HOOK_NAMES)})")
+        raise ValueError(f"{quoted(value)} is not a hook name (expected one of {', '.join(HOOK_NAMES)})")
     return value
 
 
@@ -201,7 +133,7 @@ class DeviceNode(_WireModel):
     @classmethod
     def _cgroup_permissions(cls, value: str) -> str:
         if value != "none" and value.strip("rwm"):
-            raise ValueError(f'{_q(value)} is not cgroup permissions (expected letters of "rwm", or "none")')
+            raise ValueError(f'{quoted(value)} is not cgroup permissions (expected letters of "rwm", or "none")')
         return value
 
 
@@ -235,7 +167,7 @@ class IntelRdt(_WireModel):
         if value == "/":
             return value
         if value in (".", "..") or "/" in value or "\n" in value or len(value.encode()) >= 4096:
-            raise ValueError(f'{_q(value)} is not a CLOS ID (a file name, or "/" for the root CLOS)')
+            raise ValueError(f'{quoted(value)} is not a CLOS ID (a file name, or "/" for the root CLOS)')
         return value
 
 
@@ -265,7 +197,7 @@ class ContainerEdits(_WireModel):
             first_index: dict[str, int] = {}
             for i, value in enumerate(values):
                 if value in first_index:
-                    raise ValueError(f"duplicate {key} {_q(value)} in [{first_index[value]}] and [{i}]")
+                    raise ValueError(f"duplicate {key} {quoted(value)} in [{first_index[value]}] and [{i}]")
                 first_index[value] = i
         return devices
 
@@ -306,7 +238,7 @@ class Spec(_WireModel):
     @classmethod
     def _known_version(cls, value: str) -> str:
         if not is_valid_version(value):
-            raise ValueError(f"{_q(value)} is not a CDI spec version (expected one of {', '.join(VALID_VERSIONS)})")
+            raise ValueError(f"{quoted(value)} is not a CDI spec version (expected one of {', '.join(VALID_VERSIONS)})")
         return value
 
     @field_validator("kind")
@@ -323,7 +255,7 @@ class Spec(_WireModel):
         first_index: dict[str, int] = {}
         for i, device in enumerate(devices):
             if device.name in first_index:
-                raise ValueError(f"device name {_q(device.name)} is used by [{first_index[device.name]}] and [{i}]")
+                raise ValueError(f"device name {quoted(device.name)} is used by [{first_index[device.name]}] and [{i}]")
             first_index[device.name] = i
         return devices
 
@@ -331,7 +263,8 @@ class Spec(_WireModel):
     def _version_covers_content(self) -> Spec:
         required, reason = minimum_version_reason(self)
         if not version_at_least(self.cdi_version, required):
-            raise ValueError(f"cdiVersion: {_q(self.cdi_version)} is older than {required}, required because {reason}")
+            raise ValueError(
+                f"cdiVersion: {quoted(self.cdi_version)} is older than {required}, required because {reason}")
         return self
 
     @property
@@ -397,7 +330,7 @@ class Spec(_WireModel):
             else:
                 return cls.from_wire(data, source)
         try:
-            data = yaml.load(text, Loader=_StrictYamlLoader)
+            data = load_yaml(text)
         except yaml.YAMLError as exc:
             problem = (f"not valid YAML or JSON: {exc}" if json_error is None
                        else f"not valid JSON ({json_error}) nor YAML ({exc})")
@@ -445,21 +378,3 @@ def _reason(error: Any) -> str:
     if len(shown) > 80:
         shown = shown[:77] + "..."
     return f"{error['msg']} (got {shown})"
-
-
-class _StrictYamlLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a repeated mapping key, as the Go loader's strict YAML parse does."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
-        seen: set[Hashable] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=True)
-            if isinstance(key, Hashable):
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {_q(key) if isinstance(key, str) else key}", key_node.start_mark
-                    )
-                seen.add(key)
-        return super().construct_mapping(node, deep=deep)

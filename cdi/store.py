@@ -8,11 +8,13 @@ Only specs that pass the loader's checks reach the disk.
 
 from __future__ import annotations
 
+import json
 import os
-import tempfile
 from pathlib import Path
 
-from cdi.spec import Spec, split_kind
+from cdi.atomicfile import write_atomic
+from cdi.names import split_kind
+from cdi.spec import Spec
 
 # The only extensions the runtimes read (not '.yml').
 SPEC_EXTENSIONS: tuple[str, ...] = (".json", ".yaml")
@@ -30,17 +32,29 @@ def transient_spec_name(vendor: str, cls: str, transient_id: str, ext: str = ".j
     return f"{vendor}-{cls}_{transient_id.replace('/', '_')}{ext}"
 
 
-def write_spec(directory: Path, filename: str, spec: Spec) -> Path:
+def write_spec(directory: Path, filename: str, spec: Spec, *, durable: bool = True) -> Path:
     """Atomically create or replace ``directory/filename`` with ``spec`` as JSON; returns the path.
 
     Raises SpecError, before touching the disk, if the spec would not load (a model built with
     ``model_construct`` or mutated in place). On any failure while writing, the previous file, if
-    any, is left as it was and no temporary file remains.
+    any, is left as it was and no temporary file remains. ``durable=False`` skips the directory
+    fsync: the file is whole whenever it is there, but a power failure may undo the rename (for
+    a caller that recreates missing specs from its own durable record).
     """
     _check_filename(filename)
     text = spec.to_json()
     # Validate exactly the text about to be written, not the in-memory model.
     Spec.from_text(text, source=filename)
+    return write_spec_text(directory, filename, text, durable=durable)
+
+
+def write_spec_text(directory: Path, filename: str, text: str, *, durable: bool = True,
+                    sync_data: bool = True) -> Path:
+    """:func:`write_spec` for JSON text the caller has already checked loads (see ``Spec.from_text``).
+
+    ``sync_data``: see :func:`cdi.atomicfile.write_atomic` (False only for a caller that checks its
+    specs after a restart, e.g. with :func:`spec_file_intact`, and writes them again)."""
+    _check_filename(filename)
     try:
         directory.mkdir(mode=_SPEC_DIR_MODE, parents=True)
     except FileExistsError:
@@ -49,20 +63,8 @@ def write_spec(directory: Path, filename: str, spec: Spec) -> Path:
         # Runtimes may read specs as another user; mkdir's mode is cut by the driver's umask (0o077).
         directory.chmod(_SPEC_DIR_MODE)
     target = directory / filename
-    fd, temp_name = tempfile.mkstemp(dir=directory, prefix=f".{filename}.", suffix=".tmp")
-    temp_path = Path(temp_name)
-    try:
-        with os.fdopen(fd, "wb") as temp_file:
-            temp_file.write(text.encode("utf-8"))
-            temp_file.flush()
-            os.fsync(temp_file.fileno())
-            # mkstemp creates 0600; runtimes may read as another user, and nvcdi writes 0644.
-            os.fchmod(temp_file.fileno(), _SPEC_FILE_MODE)
-        os.replace(temp_path, target)
-    except BaseException:
-        temp_path.unlink(missing_ok=True)
-        raise
-    _fsync_directory(directory)
+    # Runtimes may read specs as another user, and nvcdi writes 0644.
+    write_atomic(target, text.encode("utf-8"), mode=_SPEC_FILE_MODE, durable=durable, sync_data=sync_data)
     return target
 
 
@@ -74,6 +76,16 @@ def remove_spec(directory: Path, filename: str) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def spec_file_intact(path: Path) -> bool:
+    """Whether ``path`` holds a whole JSON object: what a write that a power failure tore never does.
+
+    A cheap check (no model validation) for specs this process wrote from checked text."""
+    try:
+        return isinstance(json.loads(path.read_bytes()), dict)
+    except (OSError, ValueError):
+        return False
 
 
 def read_spec(path: Path) -> Spec:
@@ -105,11 +117,3 @@ def _check_filename(filename: str) -> None:
     if not filename.endswith(SPEC_EXTENSIONS):
         raise ValueError(f"spec file name {filename!r} must end in .json or .yaml, the only files runtimes read")
 
-
-def _fsync_directory(directory: Path) -> None:
-    # Makes the rename itself durable, so a crash cannot bring back the old file.
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

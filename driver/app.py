@@ -8,34 +8,49 @@ A bad sharing plan stops the process before anything is served, with a message n
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
 from dataclasses import dataclass
 from types import FrameType
+from urllib.parse import quote
 
 import kubernetes.client
-from kubernetes.client.exceptions import ApiException
-from urllib3.exceptions import HTTPError
 
 from driver import nodelayout
 from driver.config import Settings
 from driver.gpu.claimcdi.toolkit import toolkit_spec_changed
-from driver.gpu.devices import build_devices
+from driver.gpu.consumable import consumable_supported
+from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import Discovery, NodeInventory
-from driver.gpu.discovery.source import open_discovery
 from driver.gpu.driver import GpuDriver
+from driver.gpu.health.monitor import HealthMonitor
+from driver.gpu.health.node import NodeHealth
+from driver.gpu.health.published import taints_decision
+from driver.gpu.health.report import HEALTH_FILE
+from driver.gpu.health.xids import parse_ignored_xids
 from driver.gpu.mps.hostclient import MpsHostLauncher
 from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
 from driver.gpu.mps.manager import MpsManager
+from driver.gpu.mps.multiuser import MultiUserProbe, probe_gpu, single_user_gpus
+from driver.gpu.runtime.computemode import ComputeModes
 from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.sharing import SharingLayout
 from driver.gpu.sharingplan import PlanError, load_plans, resolve_layout, select_plan
 from driver.gpu.state import DeviceState, StatePaths
-from driver.gpu.targets import make_view
+from driver.gpu.targets import NodeView
+from driver.healthsource import open_health_source
+from driver.kubeletplugin.healthservice import HealthBoard
 from driver.kubeletplugin.helper import Helper, HttpEndpoint, TelemetryNames
 from driver.kubeletplugin.helper import start as start_plugin
-from driver.kubeletplugin.kubeclient import KubeConfigError, load_api_client
+from driver.kubeletplugin.kubeclient import (
+    KubeApiError,
+    KubeConfigError,
+    load_api_client,
+    request_json,
+    server_minor_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +65,22 @@ class PlanSource:
 
     settings: Settings
     api: kubernetes.client.ApiClient
+    minor_version: int | None = None  # the API server's, read once when a plan first needs it
 
     def desired_layout(self, inventory: NodeInventory) -> SharingLayout:
         path = self.settings.sharing_plans
         if path is None:
             return {}
         plans = load_plans(path)
-        node = kubernetes.client.CoreV1Api(self.api).read_node(self.settings.node_name, _request_timeout=20)
-        labels = dict(node.metadata.labels or {}) if node.metadata else {}
+        # A raw GET: the generated CoreV1Api costs a few hundred ms of imports at its first use.
+        node = request_json(self.api, "GET", f"/api/v1/nodes/{quote(self.settings.node_name, safe='')}",
+                            timeout=20)
+        labels = {str(k): str(v) for k, v in ((node.get("metadata") or {}).get("labels") or {}).items()}
         name, plan = select_plan(plans, labels, self.settings.sharing_plan_label)
-        return resolve_layout(plan, inventory, name)
+        if self.minor_version is None and any(entry.consumable is not None for entry in plan.gpus):
+            self.minor_version = server_minor_version(self.api)
+        supported = consumable_supported(self.minor_version or 0, plans.consumableCapacityGate)
+        return resolve_layout(plan, inventory, name, consumable_supported=supported)
 
 
 def state_paths(settings: Settings) -> StatePaths:
@@ -87,7 +108,7 @@ class DriverApp:
         except KubeConfigError as exc:
             raise StartupError(str(exc)) from exc
         try:
-            self.discovery: Discovery = open_discovery(settings.simulate, settings.node_name, settings.driver_root)
+            self.discovery: Discovery = nodelayout.open_discovery(settings, settings.node_name)
             inventory = self.discovery.discover()
         except (RuntimeError, ValueError, ImportError, OSError) as exc:  # no NVML/driver, or a bad simulated layout
             raise StartupError(f"GPU discovery failed: {exc}") from exc
@@ -96,7 +117,7 @@ class DriverApp:
             desired = self.plans.desired_layout(inventory)
         except PlanError as exc:
             raise StartupError(f"invalid sharing plan: {exc}") from exc
-        except (ApiException, HTTPError) as exc:
+        except KubeApiError as exc:
             raise StartupError(f"cannot read Node {settings.node_name!r} to choose its sharing plan "
                                f"(label {settings.sharing_plan_label}): {exc}") from exc
         self._helper: Helper | None = None
@@ -104,16 +125,28 @@ class DriverApp:
         self._exit_code = 0
         paths = state_paths(settings)
         self.mps_launcher = choose_launcher(settings)
+        self.mps = MpsManager(settings.driver_root, settings.state_dir / "mps", self.mps_launcher,
+                              shm_dir=settings.mps_shm_dir)
+        # Multi-user MPS is probed after registration (a daemon start); until then plan daemons and
+        # the published mpsMultiUser attribute say single-user, the answer that hides nothing.
+        self.multi_user = MultiUserProbe(self.mps.supports_multi_user)
+        self._single_user_gpus: tuple[str, ...] = ()
         self.state = DeviceState(
             driver_name=settings.driver_name, pool_name=settings.node_name, paths=paths,
-            toolkit=nodelayout.load_toolkit(settings),
-            mps=MpsManager(settings.driver_root, settings.state_dir / "mps", self.mps_launcher,
-                           shm_dir=settings.mps_shm_dir),
-            timeslicer=TimeSlicer(settings.driver_root), view=make_view(inventory, {}))
+            toolkit=nodelayout.load_toolkit(settings), mps=self.mps,
+            timeslicer=TimeSlicer(settings.driver_root), compute_modes=ComputeModes(settings.driver_root),
+            view=make_view(inventory, {}), mps_multi_user=False)
         self.state.recover()
         view, _deferred = self.state.apply_layout(make_view(inventory, {}), desired)
 
-        self.devices = build_devices(view.inventory, view.layout)
+        self.devices = view.devices
+        self.health = NodeHealth(HealthMonitor(parse_ignored_xids(settings.ignored_xids)), HealthBoard(),
+                                 driver_name=settings.driver_name, pool_name=settings.node_name,
+                                 taint_effect=settings.health_taint_effect,
+                                 report_path=settings.state_dir / HEALTH_FILE)
+        self.health_source = open_health_source(settings, lambda: self.state.view.inventory, os.environ)
+        self.state.device_problems = lambda: self.health.problems(self.state.view)
+        self._publish_lock = threading.Lock()
 
     def _registration_failed(self, error: str) -> None:
         log.error("the kubelet refused the plugin registration; exiting", extra={"kubelet_error": error})
@@ -149,10 +182,64 @@ class DriverApp:
             log.error("the sharing plan became invalid; keeping the one in force", extra={"reason": str(exc)})
             desired = self.state.view.layout
         view, _deferred = self.state.apply_layout(make_view(inventory, {}), desired)
-        self.helper.publish(build_devices(view.inventory, view.layout))
+        self.publish(view)
         # A daemon that died (with the MPS host, or with this container when daemons are our own
         # children) is restarted here with the same limits; live ones are only looked up in /proc.
         self.state.check_daemons()
+
+    def follow_multi_user(self) -> None:
+        """Start the multi-user probe once plan MPS shares could use it; once it answers yes, plan
+        daemons started from then on use it and the devices are republished with mpsMultiUser.
+        Logs the GPUs whose plan MPS shares serve one Linux UID at a time whenever that set changes."""
+        view = self.state.view
+        available = self.multi_user.result
+        if available is None:
+            gpu = probe_gpu(view.inventory, view.layout)
+            if gpu is not None:
+                self.multi_user.start(gpu)  # once; its answer is picked up at a later call
+                return
+            available = False  # nothing to probe: no plan MPS shares on a GPU that could be multi-user
+        if available and not self.state.mps_multi_user:
+            self.state.mps_multi_user = True
+            view, _deferred = self.state.apply_layout(view, view.layout)
+            self.publish(view)
+            log.info("MPS multi-user mode is available: plan MPS daemons serve clients of any Linux UID at once")
+        single = tuple(single_user_gpus(view.inventory, view.layout, available))
+        if single != self._single_user_gpus:
+            self._single_user_gpus = single
+            if single:
+                log.warning(
+                    "plan MPS shares on these GPUs serve one Linux UID at a time (no MPS multi-user mode: the "
+                    "driver's nvidia-cuda-mps-control lacks it, or compute capability < 7.0); a client running as "
+                    "another UID waits until the first UID's clients finish. Published as mpsMultiUser=false; "
+                    "see docs/sharing.md", extra={"gpu_uuids": list(single)})
+
+    def _follow_multi_user_safely(self) -> None:
+        try:
+            self.follow_multi_user()
+        except Exception:
+            log.exception("applying the MPS multi-user probe failed; will retry")
+
+    def publish(self, view: NodeView) -> None:
+        """Publish ``view``'s devices (tainted where unhealthy) and tell the kubelet their health."""
+        with self._publish_lock:
+            self.helper.publish(self.health.devices(view))
+            self.health.update_board(view)
+
+    def _publish_on_health_change(self) -> None:
+        try:
+            self.publish(self.state.view)
+        except Exception:
+            log.exception("publishing a device health change failed; the next rescan retries")
+
+    def _start_health(self) -> None:
+        taints, why = taints_decision(self.settings.device_taints, self.helper.kubernetes_minor_version)
+        self.health.taints_enabled = taints
+        (log.info if taints else log.warning)(why)
+        self.health.register_metrics(self.helper.telemetry, lambda: self.state.view, self.health_source)
+        self.health.monitor.add_listener(lambda _health: self._publish_on_health_change())
+        self.publish(self.state.view)
+        self.health.monitor.start(self.health_source)
 
     def run(self) -> int:
         settings = self.settings
@@ -161,18 +248,20 @@ class DriverApp:
             GpuDriver(self.state), driver_name=settings.driver_name, node_name=settings.node_name, api=self.api,
             names=TelemetryNames(service="tessera-kubelet-plugin", metric_prefix="tessera"),
             registrar_dir=settings.registrar_dir, plugin_dir=settings.state_dir, pod_uid=settings.pod_uid,
-            on_registration_failed=self._registration_failed,
-            http=HttpEndpoint(port=settings.http_port, routes={"/readyz": self.readyz}))
+            on_registration_failed=self._registration_failed, prepare_deadline=settings.prepare_deadline,
+            http=HttpEndpoint(port=settings.http_port, routes={"/readyz": self.readyz}), health=self.health.board)
         self.helper.telemetry.observe_gauge("prepared_claims", "Claims prepared on this node",
                                             lambda: float(self.state.prepared_count()))
-        self.helper.publish(self.devices)
+        self._start_health()
         log.info("driver started", extra={"driver": self.settings.driver_name, "node": self.settings.node_name,
                                           "http_port": self.helper.http_port,
                                           "dra_socket": str(self.helper.dra_socket),
                                           "simulated": self.settings.simulate is not None,
                                           "mps_daemons": self.mps_launcher.describe()})
+        self._follow_multi_user_safely()
         next_scan = time.monotonic() + self.settings.rescan_interval
         while not self._stop.wait(timeout=1.0):
+            self._follow_multi_user_safely()
             if time.monotonic() >= next_scan:
                 next_scan = time.monotonic() + self.settings.rescan_interval
                 try:
@@ -188,8 +277,11 @@ class DriverApp:
     def shutdown(self) -> None:
         # Slices stay published: during a rolling update the other pod keeps serving them, and
         # after a real removal the kubelet wipes them 30 s after the sockets are gone.
+        self.health.monitor.stop()
         if self._helper is not None:
             self._helper.stop()
+        # A probe still running has a throwaway daemon to stop; it is bounded by the manager's timeouts.
+        self.multi_user.join(self.mps.ready_timeout + self.mps.stop_timeout)
         self.discovery.close()
         log.info("driver stopped")
 

@@ -24,8 +24,11 @@ from driver.gpu.discovery.cudaprobe import CUDA_ERROR_NAMES, CUDA_ERROR_OUT_OF_M
 from driver.gpu.discovery.cudarun import LIBCUDA, ProbeFailed, find_libcuda, probe_env, run_probe
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.mps.launch import LocalLauncher
-from driver.gpu.mps.manager import CONTROL_BINARY, MIB, MpsDaemonRecord, MpsDaemonSpec, MpsError, MpsManager
+from driver.gpu.mps.manager import MpsManager
+from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsError
+from driver.gpu.mps.proc import CONTROL_BINARY
 from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
+from driver.units import MIB
 
 PINNED_LIMIT_MIB = 2048
 THREAD_PERCENTAGE = 25
@@ -164,7 +167,9 @@ def mps_checks(driver_root: Path, inventory: NodeInventory, compute_modes: dict[
     try:
         target = choose_target(inventory, compute_modes, requested)
     except ValueError as exc:
-        return [skipped(name, str(exc)) for name in (CHECK_DAEMON, CHECK_MEMORY, CHECK_SMS)]
+        # A device asked for by --mps-device that is not here is a mistake the exit status must show.
+        verdict = skipped if requested is None else fail
+        return [verdict(name, str(exc)) for name in (CHECK_DAEMON, CHECK_MEMORY, CHECK_SMS)]
     skip = client_skip_reason(driver_root, simulated)
     results: list[CheckResult] = []
     # Short and private: sockets inside the pipe dir must fit in 107 bytes.

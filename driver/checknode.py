@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from types import FrameType
 
+from driver import nodelayout
 from driver.checkmps import mps_checks
 from driver.checkresult import CheckResult, NodeReport, exit_status, fail, ok, render_json, render_table, skipped
 from driver.config import Settings
@@ -36,14 +37,13 @@ from driver.gpu.claimcdi.hostfs import (
 from driver.gpu.claimcdi.toolkit import load_toolkit_edits, toolkit_spec_candidates
 from driver.gpu.discovery.cudarun import LIBCUDA, find_libcuda
 from driver.gpu.discovery.inventory import NodeInventory
-from driver.gpu.discovery.source import open_discovery
 from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
 from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError, ComputeModes
+from driver.units import GIB
 
 log = logging.getLogger(__name__)
 
 SIMULATED_NODE_NAME = "check-node"
-_GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def discover(settings: Settings) -> tuple[NodeInventory | None, list[CheckResult
     """NVML (or the simulated node) and one line per GPU and MIG device."""
     name = "NVML" if settings.simulate is None else "NVML (SIMULATED)"
     try:
-        discovery = open_discovery(settings.simulate, settings.node_name or SIMULATED_NODE_NAME, settings.driver_root)
+        discovery = nodelayout.open_discovery(settings, settings.node_name or SIMULATED_NODE_NAME)
         try:
             inventory = discovery.discover()
         finally:
@@ -105,7 +105,7 @@ def discover(settings: Settings) -> tuple[NodeInventory | None, list[CheckResult
     lines = [ok(name, f"{where}: {versions}, {len(inventory.gpus)} GPU(s)") if inventory.gpus
              else fail(name, f"{where}: no GPUs (is the driver loaded, are the GPUs bound to it?)")]
     for gpu in inventory.gpus:
-        memory = f"{gpu.memory_bytes / _GIB:.0f} GiB" if gpu.memory_bytes else "memory unknown"
+        memory = f"{gpu.memory_bytes / GIB:.0f} GiB" if gpu.memory_bytes else "memory unknown"
         if gpu.mig_enabled:
             sms = f"MIG enabled, {len(gpu.mig_instances)} MIG device(s)"
         elif gpu.multiprocessors is not None:

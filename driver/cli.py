@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import os
 import sys
 from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from driver.config import add_settings_arguments, settings_from_args
+from driver.cliparser import USAGE_ERROR, CliParser
+from driver.config import add_settings_arguments, settings_from_args, settings_problems
 from driver.kubeletplugin.logfmt import configure_logging
 from driver.mpshostcli import add_host_arguments, main_host
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m driver",
-                                     description="Tessera: a Kubernetes DRA kubelet driver for NVIDIA GPUs")
+    parser = CliParser(prog="python -m driver", description="Tessera: a Kubernetes DRA kubelet driver for NVIDIA GPUs")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the kubelet plugin on this node")
     add_settings_arguments(run)
@@ -44,22 +45,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.umask(0o077)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
+        if not _standins_installed():
+            print("python -m driver demo: the stand-in NVIDIA tools (driver/simulation/bin/) are not installed here; "
+                  "the production image leaves them out. Run the demo from a source checkout: bash scripts/demo.sh",
+                  file=sys.stderr)
+            return USAGE_ERROR
         from driver.demo import main as demo_main
 
         return demo_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "mps-host":
         return main_host(args)
+    prog = f"python -m driver {args.command}"
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
-        print(f"invalid configuration:\n{exc}", file=sys.stderr)
-        return 2
+        for line in settings_problems(exc, args):
+            print(f"{prog}: {line}", file=sys.stderr)
+        return USAGE_ERROR
     if args.command == "inspect":
-        from driver.inspect_node import inspect
+        from driver.inspect_node import inspect_status
 
-        print(inspect(settings, args.json))
-        return 0
+        status, output = inspect_status(settings, args.json)
+        print(output)
+        return status
     if args.command == "check-node":
         from driver.checknode import run_check_node
 
@@ -75,3 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StartupError as exc:
         print(f"tessera: {exc}", file=sys.stderr)
         return 1
+
+
+def _standins_installed() -> bool:
+    # The production image leaves the stand-ins out (deploy/build-venv.sh): nothing there may run a fake nvidia-smi.
+    return importlib.resources.files("driver.simulation").joinpath("bin", "nvidia-smi").is_file()

@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from driver.gpu.health.xids import parse_ignored_xids
+from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, KUBELET_PREPARE_TIMEOUT
 
 DEFAULT_DRIVER_NAME = "gpu.tessera.dev"
+DEFAULT_PLAN_LABEL = f"{DEFAULT_DRIVER_NAME}/sharing-plan"
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
@@ -33,19 +37,40 @@ class Settings(BaseModel):
     driver_libraries_required: bool = True
     nvidia_cdi_spec: Path | None = None
     sharing_plans: Path | None = None
-    sharing_plan_label: str = "gpu.tessera.dev/sharing-plan"
+    sharing_plan_label: str = DEFAULT_PLAN_LABEL
     mps_host_socket: Path | None = None
     simulate: str | None = None
     http_port: int = Field(default=8080, ge=0, le=65535)
     rescan_interval: float = Field(default=30.0, gt=0)
+    prepare_deadline: float = DEFAULT_PREPARE_DEADLINE
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
+    # Device health (docs/operations.md "Device health").
+    ignored_xids: str = ""
+    device_taints: Literal["auto", "always", "never"] = "auto"
+    health_taint_effect: Literal["NoSchedule", "NoExecute"] = "NoSchedule"
+
+    @field_validator("ignored_xids")
+    @classmethod
+    def _xid_list(cls, value: str) -> str:
+        parse_ignored_xids(value)  # raises ValueError naming the bad entry
+        return value
 
     @field_validator("driver_name")
     @classmethod
     def _driver_name_is_dns_subdomain(cls, value: str) -> str:
         if len(value) > 63 or "." not in value or not _DNS_SUBDOMAIN.fullmatch(value):
             raise ValueError(f"{value!r} is not a DNS subdomain of at most 63 characters (e.g. gpu.tessera.dev)")
+        return value
+
+    @field_validator("prepare_deadline")
+    @classmethod
+    def _deadline_inside_the_kubelets(cls, value: float) -> float:
+        # The kubelet cuts a prepare call off at 45 s; the driver must answer (and roll back) before that.
+        if not 0 < value < KUBELET_PREPARE_TIMEOUT:
+            limit = f"{KUBELET_PREPARE_TIMEOUT:g}"
+            raise ValueError(f"{value:g} is not between 0 and {limit} seconds exclusive (the kubelet gives up on a "
+                             f"prepare after {limit} s); default {DEFAULT_PREPARE_DEADLINE:g}")
         return value
 
     @field_validator("driver_root_on_host")
@@ -91,6 +116,16 @@ _FLAGS: list[tuple[str, str, str, str]] = [
     ("--simulate", "simulate", "TESSERA_SIMULATE", "SIMULATION: use a simulated GPU node layout (name or file)"),
     ("--http-port", "http_port", "HTTP_PORT", "port for /metrics, /healthz and /readyz (0 = any)"),
     ("--rescan-interval", "rescan_interval", "RESCAN_INTERVAL", "seconds between GPU and sharing-plan rescans"),
+    ("--prepare-deadline", "prepare_deadline", "PREPARE_DEADLINE",
+     "seconds one prepare call may take before its work is rolled back and the claim fails "
+     "(< 45, the kubelet's limit)"),
+    ("--ignored-xids", "ignored_xids", "IGNORED_XIDS",
+     "comma-separated XIDs that never make a device unhealthy (e.g. 74 on nodes with flaky NVLink)"),
+    ("--device-taints", "device_taints", "DEVICE_TAINTS",
+     "taint unhealthy devices in ResourceSlices: auto (Kubernetes 1.36+), always (1.34/1.35 with DRADeviceTaints on) "
+     "or never"),
+    ("--health-taint-effect", "health_taint_effect", "HEALTH_TAINT_EFFECT",
+     "effect of the unhealthy-device taint: NoSchedule, or NoExecute to also evict pods using the device"),
     ("--log-level", "log_level", "LOG_LEVEL", "debug, info, warning or error"),
     ("--log-format", "log_format", "LOG_FORMAT", "json or text"),
 ]
@@ -118,3 +153,41 @@ def parse_settings(argv: Sequence[str], environ: dict[str, str] | None = None) -
     parser = argparse.ArgumentParser()
     add_settings_arguments(parser)
     return settings_from_args(parser.parse_args(list(argv)), environ)
+
+
+def settings_problems(exc: ValidationError, args: argparse.Namespace,
+                      environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line per invalid setting, naming the flag (or the environment variable it came from) and what it takes.
+
+    pydantic's own text spans lines, names fields rather than flags and ends in a documentation URL;
+    the person at the command line needs the flag, the value given, and what would be accepted.
+    """
+    env = os.environ if environ is None else environ
+    sources = {field: (flag, var) for flag, field, var, _help in _FLAGS}
+    lines = []
+    for error in exc.errors(include_url=False):
+        field = str(error["loc"][0]) if error["loc"] else ""
+        flag, var = sources.get(field, (f"--{field.replace('_', '-')}" if field else "the flags", ""))
+        given = getattr(args, field, None) if field else None
+        if given is not None or not var:
+            where = f"{flag} {str(given)!r}" if given is not None else flag
+        else:
+            where = f"{var}={env.get(var, '')!r} (environment variable for {flag})"
+        lines.append(f"{where}: {_expected(error)}")
+    return lines
+
+
+def _expected(error: Mapping[str, Any]) -> str:
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if kind == "value_error":  # raised by our validators, whose messages are written for people
+        return str(ctx.get("error", error["msg"]))
+    bounds = {"greater_than": "greater than", "greater_than_equal": "at least", "less_than": "less than",
+              "less_than_equal": "at most"}
+    if kind in bounds:
+        limit = next(iter(ctx.values()), "?")
+        return f"expected a number {bounds[kind]} {format(limit, 'g') if isinstance(limit, float) else limit}"
+    wanted = {"int_parsing": "a whole number", "int_from_float": "a whole number", "float_parsing": "a number",
+              "bool_parsing": "true or false", "literal_error": f"one of {ctx.get('expected', '')}"}
+    if kind in wanted:
+        return f"expected {wanted[kind]}"
+    return " ".join(str(error["msg"]).replace("Input should be", "expected").split())

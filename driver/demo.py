@@ -29,7 +29,7 @@ from typing import Any
 
 import yaml
 
-from driver.config import DEFAULT_DRIVER_NAME
+from driver.config import DEFAULT_DRIVER_NAME, DEFAULT_PLAN_LABEL
 from driver.demoargs import (
     DemoArgsError,
     DemoOptions,
@@ -39,6 +39,7 @@ from driver.demoargs import (
     parse_options,
     share_mode,
 )
+from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.kubeletplugin.types import ClaimRef
 from driver.simulation.allocator import AllocationError, allocate, claim_from_template
@@ -49,7 +50,7 @@ from driver.simulation.kubelet import KubeletEmulator
 from driver.simulation.leftovers import processes_with_env, stop_processes
 
 NODE = "demo-node"
-PLAN_LABEL = "gpu.tessera.dev/sharing-plan"
+CDI_NAMES = CdiNames(DEFAULT_DRIVER_NAME)
 # Inherited by every process the demo's driver starts, daemons included: how the demo finds them to stop them.
 RUN_TOKEN_ENV = "TESSERA_DEMO_RUN"
 
@@ -179,7 +180,7 @@ def _show_mps_commands(work: Path, spec_json: dict[str, Any]) -> None:
 
 
 def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, work: Path, cdi_dir: Path,
-                     taken: set[str]) -> list[ClaimRef]:
+                     taken: set[str], consumed: dict[str, dict[str, int]]) -> list[ClaimRef]:
     refs: list[ClaimRef] = []
     for doc in claim_documents(path):
         name = f"demo-{doc['metadata']['name']}"
@@ -187,7 +188,7 @@ def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, w
             **doc, "metadata": {**doc["metadata"], "name": name, "namespace": "default",
                                 "uid": claim_from_template({"spec": {"spec": doc["spec"]}}, name)["metadata"]["uid"]}}
         try:
-            allocated = allocate(claim, api.slices(DEFAULT_DRIVER_NAME, NODE), DEFAULT_DRIVER_NAME, taken)
+            allocated = allocate(claim, api.slices(DEFAULT_DRIVER_NAME, NODE), DEFAULT_DRIVER_NAME, taken, consumed)
         except AllocationError as exc:
             _say(f"  (skipped: {exc})")
             continue
@@ -207,7 +208,7 @@ def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, w
         for dev in answer.devices:
             ids = ", ".join(dev.cdi_device_ids)
             _say(f"    device {dev.device_name} for request(s) {list(dev.request_names)}: CDI {ids}")
-        spec_path = cdi_dir / f"k8s.gpu.tessera.dev-claim_{ref.uid}.json"
+        spec_path = cdi_dir / CDI_NAMES.spec_file_name(ref.uid)
         spec_json = json.loads(spec_path.read_text())
         _say(f"  CDI spec written: {spec_path} (cdiVersion {spec_json['cdiVersion']})")
         for dev in spec_json["devices"]:
@@ -253,7 +254,7 @@ def run_demo(options: DemoOptions, mode: ShareMode = "mps") -> int:
         plans.write_text("# SIMULATION: the sharing plan of the demo's node, chosen for its layout and examples.\n"
                          + yaml.safe_dump(plan, sort_keys=False))
         api.start()
-        api.add_node(NODE, labels={PLAN_LABEL: "demo"})
+        api.add_node(NODE, labels={DEFAULT_PLAN_LABEL: "demo"})
         kubeconfig = api.kube_config(work / "kubeconfig")
         layout_name = Path(options.layout).name if "/" in options.layout else options.layout
         node_args = _node_args(work, options.layout, host, cdi_dir, plans)
@@ -272,10 +273,11 @@ def run_demo(options: DemoOptions, mode: ShareMode = "mps") -> int:
             _say("(the simulated allocator picks the first free device that the request's DeviceClass and its")
             _say(" equality, prefix and capacity selectors allow; a real scheduler evaluates the full CEL)")
             taken: set[str] = set()
+            consumed: dict[str, dict[str, int]] = {}  # what consumable shares took, per device
             prepared: list[ClaimRef] = []
             for path in options.examples:
                 _say()
-                prepared += _prepare_example(path, api, kubelet, work, cdi_dir, taken)
+                prepared += _prepare_example(path, api, kubelet, work, cdi_dir, taken, consumed)
 
             _heading("4. `python -m driver inspect` on the node")
             _say(_run_inspect(node_args))
@@ -289,7 +291,7 @@ def run_demo(options: DemoOptions, mode: ShareMode = "mps") -> int:
                 answers = kubelet.unprepare(prepared)
                 for ref in prepared:
                     _say(f"NodeUnprepareResources {ref.namespace}/{ref.name}: {answers[ref.uid] or 'ok'}")
-                left = sorted(p.name for p in cdi_dir.glob("k8s.gpu.tessera.dev-claim_*"))
+                left = sorted(p.name for p in cdi_dir.glob(CDI_NAMES.spec_prefix + "*"))
                 mps_dirs = sorted(p.name for p in (work / "plugins" / DEFAULT_DRIVER_NAME / "mps").glob("*-*"))
                 _say(f"CDI specs left: {left or 'none'}; MPS daemons left: {mps_dirs or 'none'}")
         _heading("Done")
@@ -337,7 +339,7 @@ def _closing(work: Path, cdi_dir: Path, node_args: list[str], keep: bool, kept_p
                   "the MPS daemons as not running). Read them with:",
                   f"  {shlex.join(inspect_command(node_args))}",
                   f"  ls {shlex.quote(str(cdi_dir))}",
-                  f"  cat {shlex.quote(str(cdi_dir))}/k8s.{DEFAULT_DRIVER_NAME}-claim_*.json"]
+                  f"  cat {shlex.quote(str(cdi_dir))}/{CDI_NAMES.spec_prefix}*.json"]
     else:
         lines += ["Pass --keep-prepared too to leave the claims prepared for `python -m driver inspect`."]
     lines.append(f"Remove them with: rm -rf {shlex.quote(str(work))}")
@@ -345,8 +347,8 @@ def _closing(work: Path, cdi_dir: Path, node_args: list[str], keep: bool, kept_p
 
 
 def _expected_devices(plans_file: Path, inventory: NodeInventory) -> int:
-    from driver.gpu.devices import build_devices
+    from driver.gpu.devices import make_view
     from driver.gpu.sharingplan import load_plans, resolve_layout
 
     plan = load_plans(plans_file).plans["demo"]
-    return len(build_devices(inventory, resolve_layout(plan, inventory, "demo")))
+    return len(make_view(inventory, resolve_layout(plan, inventory, "demo")).devices)

@@ -15,13 +15,15 @@ from typing import Any, Literal
 
 import yaml
 
+from cdi.yamlload import load_yaml_documents
+from driver.cliparser import CliParser
 from driver.gpu.discovery.inventory import NodeInventory
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "resourceclaims"
 DEFAULT_EXAMPLES = ("gpu-mps-per-claim.yaml", "mig-by-profile.yaml", "mps-share-from-plan.yaml")
 PLAN_NAME = "demo"
 SHARES = 4
-ShareMode = Literal["mps", "timeSlicing"]
+ShareMode = Literal["mps", "timeSlicing", "consumable"]
 
 
 class DemoArgsError(ValueError):
@@ -37,7 +39,7 @@ class DemoOptions:
 
 
 def build_parser(layouts: Sequence[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         prog="python -m driver demo",
         description="SIMULATION: one simulated GPU node end to end (the real driver process, simulated GPUs, "
                     "stand-in NVIDIA tools, an API server double, a kubelet stand-in). No cluster, GPU or root needed.")
@@ -97,7 +99,7 @@ def resolve_example(text: str) -> Path:
 def claim_documents(path: Path) -> list[dict[str, Any]]:
     """The ResourceClaim(Template) documents of a YAML file (other kinds, such as Pods, are skipped)."""
     try:
-        docs = list(yaml.safe_load_all(path.read_text()))
+        docs = load_yaml_documents(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise DemoArgsError(f"--example {str(path)!r}: cannot read it as YAML ({' '.join(str(exc).split())})") from exc
     return [d for d in docs if isinstance(d, dict) and d.get("kind") in ("ResourceClaimTemplate", "ResourceClaim")]
@@ -120,10 +122,11 @@ def share_mode(examples: Iterable[Path], driver_name: str) -> ShareMode:
     """How the demo node's shared GPU is split: time slicing only when the examples ask for it and not for MPS."""
     classes = requested_classes(doc for path in examples for doc in claim_documents(path))
     wants_mps, wants_ts = f"mps.{driver_name}" in classes, f"timeslice.{driver_name}" in classes
-    if wants_mps and wants_ts:
-        raise DemoArgsError("--example: the MPS share and time-slice share examples need the demo's shared GPU split "
-                            "two ways; demo them in separate runs")
-    return "timeSlicing" if wants_ts else "mps"
+    wants_consumable = f"consumable.{driver_name}" in classes
+    if wants_mps + wants_ts + wants_consumable > 1:
+        raise DemoArgsError("--example: the MPS share, time-slice share and consumable share examples each need the "
+                            "demo's shared GPU published their way; demo them in separate runs")
+    return "consumable" if wants_consumable else "timeSlicing" if wants_ts else "mps"
 
 
 def demo_plan(inventory: NodeInventory, mode: ShareMode) -> tuple[dict[str, Any], str]:
@@ -131,6 +134,12 @@ def demo_plan(inventory: NodeInventory, mode: ShareMode) -> tuple[dict[str, Any]
     candidates = [g for g in inventory.gpus if not g.mig_enabled]
     if not candidates:
         return {"defaultPlan": PLAN_NAME, "plans": {PLAN_NAME: {}}}, "none (no GPU without MIG to share)"
+    if mode == "consumable":
+        # The largest GPU, so the examples' differently sized claims fit on it together.
+        gpu = max(candidates, key=lambda g: (g.memory_bytes or 0, g.minor))
+        plan = {"gpus": [{"match": {"minor": gpu.minor}, "consumable": {}}]}
+        return ({"defaultPlan": PLAN_NAME, "plans": {PLAN_NAME: plan}},
+                f"gpu-{gpu.minor} ({gpu.product_name}) as one consumable device (claims take memory and SMs)")
     gpu = max(candidates, key=lambda g: g.minor)
     how: dict[str, Any] = {"shares": SHARES}
     if mode == "mps":

@@ -11,17 +11,21 @@ from typing import Any
 import cdi
 from driver import nodelayout
 from driver.config import Settings
-from driver.gpu.checkpoint import CheckpointStore
+from driver.gpu.checkpoint import Checkpoint, CheckpointStore
 from driver.gpu.claimcdi.edits import CdiNames
-from driver.gpu.discovery.source import open_discovery
-from driver.gpu.mps.manager import is_same_process
+from driver.gpu.health.report import HEALTH_FILE, render_health
+from driver.gpu.health.report import add_to_inspect as add_health_to_inspect
+from driver.gpu.mps.hostclient import MpsHostLauncher
+from driver.gpu.mps.proc import is_same_process
+from driver.gpu.runtime.computemode import ComputeMode
 
 
 def collect(settings: Settings) -> dict[str, Any]:
     checkpoint_path = settings.state_dir / "checkpoint.json"
     report: dict[str, Any] = {"driver": settings.driver_name, "checkpoint": str(checkpoint_path),
                               "cdi_root": str(settings.cdi_root), "claims": [], "mps_daemons": [],
-                              "orphan_cdi_specs": [], "problems": []}
+                              "mps_daemons_run_by": mps_daemons_run_by(settings), "compute_modes": [],
+                              "orphan_cdi_specs": [], "notes": [], "problems": []}
     try:
         cp = CheckpointStore(checkpoint_path).peek()
     except (ValueError, OSError) as exc:
@@ -29,7 +33,7 @@ def collect(settings: Settings) -> dict[str, Any]:
                                   "and rebuilds its state from the CDI specs at its next start")
         return report
     if cp is None:
-        report["problems"].append("no checkpoint: nothing has been prepared on this node yet")
+        report["notes"].append("no checkpoint: nothing has been prepared on this node yet")
         return report
     report["boot_id"] = cp.boot_id
     for record in sorted(cp.claims.values(), key=lambda r: (r.namespace, r.name)):
@@ -42,6 +46,7 @@ def collect(settings: Settings) -> dict[str, Any]:
                          "share_id": d.device.share_id, "mps_daemon": d.mps_daemon_id} for d in record.devices],
             "cdi_spec": str(spec_path), "cdi_spec_present": spec_path.exists(),
             "timeslice": record.timeslice.model_dump() if record.timeslice else None,
+            "exclusive_gpus": list(record.exclusive_gpus),
         })
         if not spec_path.exists() and record.phase.value == "PrepareCompleted":
             report["problems"].append(f"claim {record.uid}: CDI spec {spec_path} is missing (the driver re-creates "
@@ -55,6 +60,11 @@ def collect(settings: Settings) -> dict[str, Any]:
                                       "pinned_memory_limits": daemon.spec.pinned_memory_limits,
                                       "pipe_dir": str(daemon.pipe_dir), "log_dir": str(daemon.log_dir),
                                       "claims": users})
+        if users and not alive:
+            report["problems"].append(f"MPS daemon {daemon_id} (pid {daemon.pid}) is not running and {len(users)} "
+                                      "claim(s) use it: their MPS clients fail until the driver restarts it (at its "
+                                      "next rescan, if the plugin is running)")
+    report["compute_modes"] = recorded_compute_modes(cp)
     known = {r.cdi_spec_file for r in cp.claims.values()}
     for path in cdi.list_specs(settings.cdi_root, CdiNames(settings.driver_name).spec_prefix):
         if path.name not in known:
@@ -62,6 +72,35 @@ def collect(settings: Settings) -> dict[str, Any]:
     if cp.plan_timeslices:
         report["plan_timeslices"] = dict(cp.plan_timeslices)
     return report
+
+
+def mps_daemons_run_by(settings: Settings) -> str:
+    """Where this node's MPS daemons run, as the plugin with these settings starts them."""
+    if settings.mps_host_socket is not None:
+        return MpsHostLauncher(settings.mps_host_socket).describe()
+    return (f"child processes of the plugin (they stop with the plugin container), binaries from driver root "
+            f"{settings.driver_root}")
+
+
+def recorded_compute_modes(cp: Checkpoint) -> list[dict[str, Any]]:
+    """Each GPU whose compute mode the driver changed or holds: EXCLUSIVE_PROCESS while claims' MPS
+    daemons serve it, and the mode it goes back to when the last of them stops."""
+    holders: dict[str, list[str]] = {}
+    for record in cp.claims.values():
+        for uuid in record.exclusive_gpus:
+            holders.setdefault(uuid, []).append(record.uid)
+    return [{"gpu": uuid, "mode": ComputeMode.EXCLUSIVE_PROCESS.value if uuid in holders else None,
+             "restore_to": previous.value if (previous := cp.compute_modes.get(uuid)) else None,
+             "claims": sorted(holders.get(uuid, []))}
+            for uuid in sorted(set(holders) | set(cp.compute_modes))]
+
+
+def _render_compute_mode(entry: dict[str, Any]) -> str:
+    restore = entry["restore_to"] or "unknown (not recorded)"
+    if entry["mode"] is None:
+        return f"{entry['gpu']}: compute mode to be restored to {restore} (no MPS daemon serves it any more)"
+    return (f"{entry['gpu']}: compute mode {entry['mode']} for MPS, held by {len(entry['claims'])} claim(s); "
+            f"restored to {restore} when the last one is unprepared")
 
 
 def render_text(report: dict[str, Any]) -> str:
@@ -85,6 +124,9 @@ def render_text(report: dict[str, Any]) -> str:
         if claim["timeslice"]:
             ts = claim["timeslice"]
             lines.append(f"    time slice {ts['interval']} on {', '.join(ts['gpu_uuids'])}")
+    lines.extend(_render_compute_mode(entry) for entry in report.get("compute_modes", []))
+    if "mps_daemons_run_by" in report:
+        lines.append(f"MPS daemons run as: {report['mps_daemons_run_by']}")
     if report["mps_daemons"]:
         lines.append(f"{len(report['mps_daemons'])} MPS control daemon(s)")
         for d in report["mps_daemons"]:
@@ -99,8 +141,11 @@ def render_text(report: dict[str, Any]) -> str:
                f"{gpu['multiprocessors']} SMs" if gpu["multiprocessors"] is not None else
                f"SM count not published: {gpu['multiprocessors_missing'] or 'unknown'}")
         lines.append(f"GPU {gpu['minor']} {gpu['uuid']} {gpu['product']}: {sms}")
+    lines.extend(render_health(report))
     for orphan in report["orphan_cdi_specs"]:
         lines.append(f"orphan CDI spec (no checkpoint entry; removed at next driver start): {orphan}")
+    for note in report.get("notes", []):
+        lines.append(f"note: {note}")
     for problem in report["problems"]:
         lines.append(f"PROBLEM: {problem}")
     return "\n".join(lines)
@@ -109,7 +154,7 @@ def render_text(report: dict[str, Any]) -> str:
 def discovered_gpus(settings: Settings) -> tuple[list[dict[str, Any]], str | None]:
     """The GPUs discovery sees now, each with its SM count or why it has none (never silently missing)."""
     try:
-        discovery = open_discovery(settings.simulate, settings.node_name or "inspect", settings.driver_root)
+        discovery = nodelayout.open_discovery(settings, settings.node_name or "inspect")
         try:
             inventory = discovery.discover()
         finally:
@@ -121,11 +166,23 @@ def discovered_gpus(settings: Settings) -> tuple[list[dict[str, Any]], str | Non
             for g in inventory.gpus], None
 
 
+def inspect_status(settings: Settings, as_json: bool) -> tuple[int, str]:
+    """(exit status, output) of ``python -m driver inspect``: 1 when the report names any problem, else 0."""
+    report = build_report(settings)
+    output = json.dumps(report, indent=2, default=str) if as_json else render_text(report)
+    return (1 if report["problems"] else 0), output
+
+
 def inspect(settings: Settings, as_json: bool) -> str:
+    return inspect_status(settings, as_json)[1]
+
+
+def build_report(settings: Settings) -> dict[str, Any]:
     report = collect(settings)
     report["node_driver"], problems = nodelayout.describe(settings)
     report["problems"].extend(problems)
     report["gpus"], problem = discovered_gpus(settings)
     if problem is not None:
         report["problems"].append(problem)
-    return json.dumps(report, indent=2, default=str) if as_json else render_text(report)
+    add_health_to_inspect(report, settings.state_dir / HEALTH_FILE)
+    return report

@@ -1,17 +1,39 @@
-"""Where this node keeps the NVIDIA driver, as the settings describe it: device root and toolkit spec.
+"""The node as the settings describe it: where its GPUs are discovered (NVML, or the simulated node
+of ``--simulate``), where it keeps the NVIDIA driver (device root, toolkit spec).
 
-Shared by ``run`` (state paths, toolkit edits, readiness), ``inspect`` and the node self-check, so
-all three see the node the same way.
+Shared by ``run`` (discovery, state paths, toolkit edits, readiness), ``inspect`` and the node
+self-check, so all three see the node the same way. This is the one place that picks the
+simulation: nothing under ``driver/gpu`` imports it.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from driver.config import Settings
 from driver.gpu.claimcdi.hostfs import DeviceRoot, driver_root_host_path, find_device_root
 from driver.gpu.claimcdi.toolkit import ToolkitEdits, load_toolkit_edits, toolkit_spec_candidates
+from driver.gpu.discovery.inventory import Discovery
+
+log = logging.getLogger(__name__)
+
+
+def open_discovery(settings: Settings, node_name: str) -> Discovery:
+    """NVML, its library loaded from the driver root; the simulated node only when ``--simulate`` names one.
+
+    ``node_name`` seeds the simulated GPUs' UUIDs (each node of a simulated cluster has its own).
+    """
+    if settings.simulate:
+        from driver.simulation.discovery import SimulatedDiscovery
+
+        log.warning("SIMULATION: publishing simulated GPUs, not this node's hardware",
+                    extra={"layout": settings.simulate})
+        return SimulatedDiscovery(settings.simulate, node_name)
+    from driver.gpu.discovery.nvml import NvmlDiscovery
+
+    return NvmlDiscovery(driver_root=settings.driver_root)
 
 
 def toolkit_candidates(settings: Settings) -> tuple[Path, ...]:

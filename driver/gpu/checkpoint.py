@@ -1,8 +1,8 @@
 """The driver's durable record of what it did on this node: prepared claims and MPS daemons.
 
 Written atomically (temporary file, fsync, rename, directory fsync) after every state change,
-read under the node lock before every change (parsed only when the file changed since this
-process last read or wrote it). The on-disk form is
+read under the node lock before every change: kept in memory and parsed only when the file
+changed since this process last wrote it (another plugin pod of a rolling update wrote it). The on-disk form is
 ``{"version": N, "checksum": "sha256:...", "data": {...}}``; the checksum covers the parsed
 ``data`` object rather than the model, so a newer driver that adds fields does not invalidate
 it for an older one (the failure behind NVIDIA's checkpoint upgrade bug). A file that cannot be
@@ -15,7 +15,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import time
 from enum import StrEnum
 from pathlib import Path
@@ -23,7 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from driver.gpu.mps.manager import MpsDaemonRecord
+from cdi.atomicfile import write_atomic
+from driver.gpu.mps.model import MpsDaemonRecord
 from driver.gpu.runtime.computemode import ComputeMode
 from driver.gpu.sharing import GpuShares, TimeSliceInterval
 from driver.kubeletplugin.types import PreparedDevice
@@ -47,13 +47,17 @@ class PreparedDeviceRecord(_Record):
     """One allocated device and everything needed to rebuild its CDI edits after a reboot."""
 
     device: PreparedDevice
-    kind: str  # gpu | mig | mps | timeslice
+    kind: str  # gpu | mig | mps | timeslice | consumable
     gpu_uuid: str  # the physical GPU
     gpu_minor: int
     mig_uuid: str | None = None
     mig_gi_id: int | None = None
     mig_ci_id: int | None = None
     mps_daemon_id: str | None = None
+    # A consumable share (kind "consumable"): what the claim consumed of the GPU, so unprepare releases
+    # exactly that and the prepare of the GPU's next claim re-checks its capacity.
+    consumed_memory_bytes: int | None = None
+    consumed_multiprocessors: int | None = None
 
 
 class TimeSliceRecord(_Record):
@@ -96,9 +100,19 @@ class Checkpoint(_Record):
     compute_modes: dict[str, ComputeMode] = Field(default_factory=dict)
 
 
+def _working_copy(checkpoint: Checkpoint) -> Checkpoint:
+    """A copy to change: dumped and validated again, what re-reading the file would give. Several
+    times faster than ``model_copy(deep=True)``, whose generic deepcopy dominated a prepare's
+    checkpoint work."""
+    return Checkpoint.model_validate(checkpoint.model_dump())
+
+
+def _canonical(data: Any) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+
+
 def _checksum(data: Any) -> str:
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
-    return "sha256:" + hashlib.sha256(canonical).hexdigest()
+    return "sha256:" + hashlib.sha256(_canonical(data)).hexdigest()
 
 
 class CheckpointCorrupt(Exception):
@@ -138,7 +152,7 @@ class CheckpointStore:
         if stamp is None:
             return Checkpoint()
         if self._cached is not None and self._cached[0] == stamp:
-            return self._cached[1] if shared else self._cached[1].model_copy(deep=True)
+            return self._cached[1] if shared else _working_copy(self._cached[1])
         try:
             checkpoint = self._parse(self.path.read_bytes())
         except (ValueError, ValidationError, OSError) as exc:
@@ -151,7 +165,7 @@ class CheckpointStore:
             )
             raise CheckpointCorrupt(str(exc), aside) from exc
         self._cached = (stamp, checkpoint)
-        return checkpoint if shared else checkpoint.model_copy(deep=True)
+        return checkpoint if shared else _working_copy(checkpoint)
 
     def peek(self) -> Checkpoint | None:
         """Read without side effects (for ``inspect``): None if there is no file; ValueError if it is bad."""
@@ -191,30 +205,28 @@ class CheckpointStore:
                         extra={"checkpoint_version": version, "supported_version": CHECKPOINT_VERSION})
         return Checkpoint.model_validate(envelope["data"])
 
-    def save(self, checkpoint: Checkpoint) -> None:
-        data = checkpoint.model_dump(mode="json")
-        envelope = {"version": CHECKPOINT_VERSION, "checksum": _checksum(data), "data": data}
-        payload = json.dumps(envelope, indent=1, sort_keys=True).encode()
-        directory = self.path.parent
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as tmp:
-                tmp.write(payload)
-                tmp.flush()
-                os.fsync(tmp.fileno())
-            os.chmod(tmp_name, 0o600)
-            os.replace(tmp_name, self.path)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    def save(self, checkpoint: Checkpoint, *, durable: bool = True, adopt: bool = False) -> None:
+        """Replace the file atomically with ``checkpoint``.
+
+        ``durable=False`` skips the directory fsync: the new file is complete (its data is
+        synced before the rename) and visible to every reader at once, but a power failure may
+        bring back the previous file. Only for a change that is safe to lose that way (a claim's
+        reservation: see ``driver/gpu/state.py``); a later durable save makes it durable too.
+        ``adopt=True``: the caller never changes ``checkpoint`` again, so it becomes the cached
+        copy as it is (no deep copy).
+        """
+        # The checksum's canonical encoding is also the file's "data": one encode per save, and a
+        # compact one (json's C encoder is used only without indent; with it, the pure-Python one
+        # cost more CPU than the rest of the save).
+        canonical = _canonical(checkpoint.model_dump(mode="json"))
+        checksum = "sha256:" + hashlib.sha256(canonical).hexdigest()
+        payload = (b'{"version": ' + str(CHECKPOINT_VERSION).encode() + b', "checksum": "' + checksum.encode()
+                   + b'", "data": ' + canonical + b"}\n")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.path, payload, mode=0o600, durable=durable)
         stamp = self._stamp()
-        self._cached = (stamp, checkpoint.model_copy(deep=True)) if stamp is not None else None
+        cached = checkpoint if adopt else _working_copy(checkpoint)
+        self._cached = (stamp, cached) if stamp is not None else None
 
 
 def current_boot_id() -> str | None:

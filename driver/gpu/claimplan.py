@@ -11,14 +11,15 @@ Pure functions over the node view; no I/O.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from driver.gpu.claimcdi.edits import MPS_CONTAINER_PIPE_DIR
 from driver.gpu.claimconfig.api import ConfigError, DeviceConfig, Sharing, resolve_mps_limits
 from driver.gpu.claimconfig.precedence import group_by_config, resolve_configs
+from driver.gpu.consumable import ConsumedShare, consumed_share
 from driver.gpu.errors import PrepareError
-from driver.gpu.mps.manager import MpsDaemonSpec, multi_user_capable
+from driver.gpu.mps.model import MpsDaemonSpec, multi_user_capable
 from driver.gpu.runtime.computemode import exclusive_gpus
 from driver.gpu.sharing import TimeSliceInterval
 from driver.gpu.targets import DeviceTarget, NodeView
@@ -38,6 +39,11 @@ def claim_daemon_id(claim_uid: str, group: int) -> str:
     return f"claim-{_short_hash(claim_uid)}-{group}"
 
 
+def share_daemon_id(claim_uid: str) -> str:
+    """The daemon of a claim's consumable share: its own, so its limits are the claim's."""
+    return f"share-{_short_hash(claim_uid)}"
+
+
 def is_plan_daemon(daemon_id: str) -> bool:
     return daemon_id.startswith("plan-")
 
@@ -47,6 +53,9 @@ class PlannedDaemon:
     spec: MpsDaemonSpec
     shared: bool  # a plan daemon (one per GPU, shared by its share claims) rather than the claim's own
     device_names: tuple[str, ...]  # the claim's devices it serves
+    # False for a consumable share's daemon: several claims' MPS servers share its GPU, and
+    # EXCLUSIVE_PROCESS would let only the first server create a context.
+    exclusive: bool = True
 
     @property
     def daemon_id(self) -> str:
@@ -55,7 +64,7 @@ class PlannedDaemon:
     @property
     def exclusive_gpus(self) -> list[str]:
         """GPUs set to EXCLUSIVE_PROCESS while this daemon runs (whole GPUs only)."""
-        return exclusive_gpus(self.spec.gpu_uuids)
+        return exclusive_gpus(self.spec.gpu_uuids) if self.exclusive else []
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,8 @@ class ClaimPlan:
     targets: tuple[DeviceTarget, ...]  # one per result, same order
     daemons: tuple[PlannedDaemon, ...]
     timeslice: PlannedTimeSlice | None
+    # Device name -> what the claim consumed of it, for each consumable device it holds.
+    consumed: tuple[tuple[str, ConsumedShare], ...] = ()
 
     @property
     def gpu_uuids(self) -> list[str]:
@@ -96,19 +107,63 @@ def plan_claim(claim: ResourceClaim, *, driver_name: str, pool_name: str, view: 
     if not results:
         return None
     targets = [_target_for(r, view, pool_name) for r in results]
-    kinds = {id(r): t.kind for r, t in zip(results, targets, strict=True)}
+    kind_by_device = {t.name: t.kind for t in targets}
     try:
-        groups = group_by_config(resolve_configs(claim.configs_for(driver_name), results, lambda r: kinds[id(r)]))
+        groups = group_by_config(resolve_configs(claim.configs_for(driver_name), results,
+                                                 lambda r: kind_by_device[r.device], whole_gpu_class=driver_name))
     except ConfigError as exc:
         raise PrepareError(f"invalid opaque configuration: {exc}") from exc
-    _check_share_multiplicity(targets)
+    _check_share_multiplicity(targets, whole_gpu_class=driver_name)
     uid = claim.metadata.uid
-    daemons = _plan_daemons(targets, multi_user) + _claim_daemons(uid, targets, groups)
+    consumed = _consumed(results, targets, driver_name)
+    daemons = (_plan_daemons(targets, multi_user) + _claim_daemons(uid, targets, groups)
+               + _share_daemons(uid, targets, consumed))
     by_name = {t.name: t for t in targets}
     _check_one_cuda_process_can_see([by_name[n] for d in daemons for n in d.device_names])
     _check_one_mps_daemon(daemons)
     return ClaimPlan(uid=uid, namespace=claim.metadata.namespace, name=claim.metadata.name, results=tuple(results),
-                     targets=tuple(targets), daemons=tuple(daemons), timeslice=_timeslice(targets, groups))
+                     targets=tuple(targets), daemons=tuple(daemons), timeslice=_timeslice(targets, groups),
+                     consumed=tuple(consumed.items()))
+
+
+def _consumed(results: Sequence[DeviceRequestAllocationResult], targets: Sequence[DeviceTarget],
+              driver_name: str) -> dict[str, ConsumedShare]:
+    consumed: dict[str, ConsumedShare] = {}
+    for result, target in zip(results, targets, strict=True):
+        policy = target.shares.consumable if target.shares is not None else None
+        if policy is None:
+            continue
+        if target.name in consumed:
+            raise PrepareError(f"the claim holds {target.name!r} twice (two requests); ask for one request with "
+                               "the memory and multiprocessors of both")
+        consumed[target.name] = consumed_share(target.name, result.consumed_capacity, policy, driver_name)
+    return consumed
+
+
+def _share_daemons(uid: str, targets: Sequence[DeviceTarget],
+                   consumed: dict[str, ConsumedShare]) -> list[PlannedDaemon]:
+    """One daemon of the claim's own per consumable share, with the claim's limits as the daemon's
+    defaults: MPS lets a client only lower them (docs/sharing.md), so the tenant cannot exceed its claim."""
+    daemons: list[PlannedDaemon] = []
+    for t in targets:
+        share = consumed.get(t.name)
+        if share is None:
+            continue
+        spec = MpsDaemonSpec(daemon_id=share_daemon_id(uid), gpu_uuids=[t.gpu.uuid],
+                             active_thread_percentage=share.active_thread_percentage,
+                             pinned_memory_limits={t.gpu.uuid: share.memory_bytes})
+        daemons.append(PlannedDaemon(spec, shared=False, device_names=(t.name,), exclusive=False))
+    return daemons
+
+
+def check_device_health(plan: ClaimPlan, problems: Mapping[str, str]) -> None:
+    """Refuse a new claim on an unhealthy device (``problems``: device name -> why); prepared claims are not checked."""
+    bad = [f"{t.name} ({problems[t.name]})" for t in plan.targets if t.name in problems]
+    if bad:
+        raise PrepareError(
+            f"device {', '.join(bad)} is unhealthy, so the claim is not prepared on it; the device is tainted where "
+            "the cluster supports device taints: delete the pod so its claim is allocated again, or wait until "
+            "the device recovers (the kubelet retries)")
 
 
 def _target_for(result: DeviceRequestAllocationResult, view: NodeView, pool_name: str) -> DeviceTarget:
@@ -124,10 +179,11 @@ def _target_for(result: DeviceRequestAllocationResult, view: NodeView, pool_name
     return target
 
 
-def _check_share_multiplicity(targets: Sequence[DeviceTarget]) -> None:
+def _check_share_multiplicity(targets: Sequence[DeviceTarget], *, whole_gpu_class: str) -> None:
     by_gpu: dict[str, list[DeviceTarget]] = {}
     for t in targets:
-        if t.shares is not None and not t.shares.allow_multiple_shares_per_claim:
+        # A consumable device held twice is refused by _consumed, with its own advice.
+        if t.shares is not None and t.shares.consumable is None and not t.shares.allow_multiple_shares_per_claim:
             by_gpu.setdefault(t.gpu.uuid, []).append(t)
     for group in by_gpu.values():
         if len(group) > 1:
@@ -135,7 +191,7 @@ def _check_share_multiplicity(targets: Sequence[DeviceTarget]) -> None:
             raise PrepareError(
                 f"the claim holds {len(group)} shares of one GPU ({names}); shares of the same GPU in one claim "
                 "add no capacity (every process still gets one share's limits). Ask for one share, or for a whole "
-                "GPU (DeviceClass gpu.tessera.dev) with GpuConfig.sharing to choose your own limits; the node "
+                f"GPU (DeviceClass {whole_gpu_class}) with GpuConfig.sharing to choose your own limits; the node "
                 "operator can allow this with allowMultipleSharesPerClaim in the sharing plan")
 
 

@@ -1,32 +1,31 @@
-"""Inventory → ResourceSlice devices, and the device naming scheme users depend on.
+"""Inventory + sharing layout → the node's published devices and its device index, in one walk.
 
-Pure logic, no I/O. Names:
-
-* whole GPU: ``gpu-<minor>``;
-* MIG device: ``gpu-<minor>-mig-<profile fragment>-<placement start>`` (``gpu-0-mig-1g10gb-3``);
-* shares: ``gpu-<minor>-mps-<k>`` / ``gpu-<minor>-ts-<k>``, k = 0 .. count-1.
-
-The minor (``/dev/nvidia<minor>``) is used rather than the NVML index because the index changes
-when a GPU drops off the bus.
+Pure logic, no I/O. :func:`make_view` is the only way to get either, so what prepare resolves a
+device name to is always the device this node publishes under that name. Names come from
+``devicenames.py``; every attribute and capacity of a published device comes from here (one
+function per device kind).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from collections.abc import Mapping
 
-from pydantic import BaseModel, ConfigDict
-
-from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
-from driver.gpu.discovery.migprofiles import device_name_fragment
-from driver.gpu.mps.model import multi_user_capable
-from driver.gpu.sharing import GpuShares, SharingLayout
-from driver.kubeletplugin.slicelimits import (
-    MAX_ATTRIBUTES_AND_CAPACITIES,
-    MAX_DEVICE_NAME_LENGTH,
-    MAX_STRING_ATTRIBUTE_BYTES,
+from driver.gpu.devicenames import (
+    ShareStrategy,
+    consumable_device_name,
+    gpu_device_name,
+    mig_device_name,
+    share_device_name,
 )
+from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
+from driver.gpu.mps.model import multi_user_capable
+from driver.gpu.sharing import ConsumablePolicy, GpuShares, SharingLayout
+from driver.gpu.targets import DeviceTarget, NodeView
+from driver.kubeletplugin.slicelimits import MAX_ATTRIBUTES_AND_CAPACITIES, MAX_STRING_ATTRIBUTE_BYTES
 from driver.kubeletplugin.slicemodel import (
+    CapacityRequestPolicy,
+    CapacityRequestRange,
     Device,
     DeviceAttribute,
     DeviceCapacity,
@@ -35,82 +34,13 @@ from driver.kubeletplugin.slicemodel import (
     string_attr,
     version_attr,
 )
-
-DeviceKind = Literal["gpu", "mig", "mps", "timeslice"]
-ShareStrategy = Literal["MPS", "TimeSlicing"]
+from driver.units import GIB, KIB, MIB, TIB
 
 PCI_BUS_ID_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 PCIE_ROOT_ATTRIBUTE = "resource.kubernetes.io/pcieRoot"
 
-
-_SHARE_INFIX: dict[ShareStrategy, str] = {"MPS": "mps", "TimeSlicing": "ts"}
-_KIND_BY_SHARE_INFIX: dict[str, DeviceKind] = {"mps": "mps", "ts": "timeslice"}
-
-
-# --- names -------------------------------------------------------------------------------------
-
-
-def _checked_name(name: str) -> str:
-    if len(name) > MAX_DEVICE_NAME_LENGTH:
-        raise ValueError(f"device name {name!r} is longer than {MAX_DEVICE_NAME_LENGTH} characters (a DNS label)")
-    return name
-
-
-def gpu_device_name(minor: int) -> str:
-    if minor < 0:
-        raise ValueError(f"GPU minor must be >= 0, got {minor}")
-    return f"gpu-{minor}"
-
-
-def mig_device_name(minor: int, profile: str, placement_start: int) -> str:
-    if placement_start < 0:
-        raise ValueError(f"MIG placement start must be >= 0, got {placement_start}")
-    return _checked_name(f"{gpu_device_name(minor)}-mig-{device_name_fragment(profile)}-{placement_start}")
-
-
-def share_device_name(minor: int, strategy: ShareStrategy, k: int) -> str:
-    if strategy not in _SHARE_INFIX:
-        raise ValueError(f"share strategy must be one of {sorted(_SHARE_INFIX)}, got {strategy!r}")
-    if k < 0:
-        raise ValueError(f"share index must be >= 0, got {k}")
-    return f"{gpu_device_name(minor)}-{_SHARE_INFIX[strategy]}-{k}"
-
-
-class ParsedDeviceName(BaseModel):
-    """What a device name says. ``mig_profile`` is the name fragment (``1g10gb``), not the profile."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: DeviceKind
-    minor: int
-    mig_profile: str | None = None
-    placement_start: int | None = None
-    share_index: int | None = None
-
-
-_NUMBER = r"(0|[1-9][0-9]*)"
-_GPU_NAME = re.compile(rf"^gpu-{_NUMBER}$")
-_MIG_NAME = re.compile(rf"^gpu-{_NUMBER}-mig-([a-z0-9]+(?:-[a-z0-9]+)*)-{_NUMBER}$")
-_SHARE_NAME = re.compile(rf"^gpu-{_NUMBER}-(mps|ts)-{_NUMBER}$")
-
-
-def parse_device_name(name: str) -> ParsedDeviceName:
-    """Parse a name this driver publishes; ValueError for anything else."""
-    if match := _GPU_NAME.match(name):
-        return ParsedDeviceName(kind="gpu", minor=int(match[1]))
-    if match := _SHARE_NAME.match(name):
-        return ParsedDeviceName(kind=_KIND_BY_SHARE_INFIX[match[2]], minor=int(match[1]), share_index=int(match[3]))
-    if match := _MIG_NAME.match(name):
-        return ParsedDeviceName(kind="mig", minor=int(match[1]), mig_profile=match[2], placement_start=int(match[3]))
-    raise ValueError(
-        f"device name {name!r} is not one of this driver's: expected gpu-<minor>, "
-        "gpu-<minor>-mig-<profile>-<start>, gpu-<minor>-mps-<k> or gpu-<minor>-ts-<k>"
-    )
-
-
-def device_kind(name: str) -> DeviceKind:
-    """The ``type`` attribute of a device, from its name alone (the prepare path has only the name)."""
-    return parse_device_name(name).kind
+# One published device and the GPU, MIG instance or share its name stands for.
+Entry = tuple[Device, DeviceTarget]
 
 
 # --- value normalisation -----------------------------------------------------------------------
@@ -132,7 +62,7 @@ def semver_from_nvidia(v: str) -> str | None:
     return ".".join(parts)
 
 
-_BINARY_SUFFIXES = (("Ti", 1 << 40), ("Gi", 1 << 30), ("Mi", 1 << 20), ("Ki", 1 << 10))
+_BINARY_SUFFIXES = (("Ti", TIB), ("Gi", GIB), ("Mi", MIB), ("Ki", KIB))
 
 
 def quantity_from_bytes(n: int) -> str:
@@ -195,17 +125,19 @@ def _checked(device: Device) -> Device:
     return device
 
 
-def _whole_gpu_device(inventory: NodeInventory, gpu: GpuInfo) -> Device:
+def _whole_gpu(inventory: NodeInventory, gpu: GpuInfo) -> Entry:
     attributes = {"type": string_attr("gpu"), "uuid": _string(gpu.uuid), **_parent_attributes(inventory, gpu)}
     if gpu.addressing_mode is not None:
         attributes["addressingMode"] = _string(gpu.addressing_mode)
     capacity = _counts({"multiprocessors": gpu.multiprocessors})
     if gpu.memory_bytes is not None:
         capacity["memory"] = DeviceCapacity(value=quantity_from_bytes(gpu.memory_bytes))
-    return _checked(Device(name=gpu_device_name(gpu.minor), attributes=attributes, capacity=capacity))
+    name = gpu_device_name(gpu.minor)
+    device = Device(name=name, attributes=attributes, capacity=capacity)
+    return _checked(device), DeviceTarget(name, "gpu", gpu)
 
 
-def _mig_device(inventory: NodeInventory, gpu: GpuInfo, mig: MigInstance) -> Device:
+def _mig_device(inventory: NodeInventory, gpu: GpuInfo, mig: MigInstance) -> Entry:
     attributes = {
         "type": string_attr("mig"),
         "uuid": _string(mig.uuid),
@@ -228,10 +160,11 @@ def _mig_device(inventory: NodeInventory, gpu: GpuInfo, mig: MigInstance) -> Dev
     for memory_slice in range(mig.placement_start, mig.placement_start + mig.placement_size):
         capacity[f"memorySlice{memory_slice}"] = DeviceCapacity(value="1")
     name = mig_device_name(gpu.minor, mig.profile, mig.placement_start)
-    return _checked(Device(name=name, attributes=attributes, capacity=capacity))
+    device = Device(name=name, attributes=attributes, capacity=capacity)
+    return _checked(device), DeviceTarget(name, "mig", gpu, mig=mig)
 
 
-def _share_devices(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, mps_multi_user: bool) -> list[Device]:
+def _shares(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, mps_multi_user: bool) -> list[Entry]:
     common = {
         "type": string_attr(shares.device_type),
         "parentUUID": _string(gpu.uuid),
@@ -251,53 +184,81 @@ def _share_devices(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, mp
     if shares.strategy == "TimeSlicing":
         common["timeSliceInterval"] = string_attr(shares.interval or "Default")
     capacity = {"memory": DeviceCapacity(value=quantity_from_bytes(shares.memory_bytes_per_share))}
-    return [
-        _checked(
-            Device(
-                name=share_device_name(gpu.minor, shares.strategy, k),
-                attributes={**common, "shareIndex": int_attr(k)},
-                capacity=capacity,
-            )
-        )
-        for k in range(shares.count)
-    ]
+    entries: list[Entry] = []
+    strategy: ShareStrategy = "MPS" if shares.strategy == "MPS" else "TimeSlicing"  # Consumable: _consumable
+    for k in range(shares.count):
+        name = share_device_name(gpu.minor, strategy, k)
+        device = Device(name=name, attributes={**common, "shareIndex": int_attr(k)}, capacity=capacity)
+        entries.append((_checked(device), DeviceTarget(name, shares.device_type, gpu, shares=shares, share_index=k)))
+    return entries
 
 
-def _mig_devices(inventory: NodeInventory, gpu: GpuInfo) -> list[Device]:
-    devices: list[Device] = []
-    seen: set[str] = set()
+def _consumable(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, policy: ConsumablePolicy) -> Entry:
+    """One device many claims share, each consuming memory and SMs within the request policies."""
+    attributes = {
+        "type": string_attr("consumable"),
+        "parentUUID": _string(gpu.uuid),
+        **_parent_attributes(inventory, gpu),
+        "sharingStrategy": string_attr(shares.strategy),
+        # Each claim gets its own MPS daemon whose defaults are its consumed amounts (docs/sharing.md).
+        "memoryLimitEnforcement": string_attr(shares.memory_enforcement.value),
+        "computeLimitEnforcement": string_attr(shares.compute_enforcement.value),
+    }
+    capacity = {
+        "memory": DeviceCapacity(value=quantity_from_bytes(policy.memory_bytes), request_policy=CapacityRequestPolicy(
+            default=quantity_from_bytes(policy.memory_default_bytes),
+            valid_range=CapacityRequestRange(min=quantity_from_bytes(policy.memory_min_bytes),
+                                             max=quantity_from_bytes(policy.memory_max_bytes),
+                                             step=quantity_from_bytes(policy.memory_step_bytes)))),
+        "multiprocessors": DeviceCapacity(value=str(policy.multiprocessors), request_policy=CapacityRequestPolicy(
+            default=str(policy.multiprocessors_default),
+            valid_range=CapacityRequestRange(min=str(policy.multiprocessors_min), max=str(policy.multiprocessors_max),
+                                             step=str(policy.multiprocessors_step)))),
+    }
+    name = consumable_device_name(gpu.minor)
+    device = Device(name=name, attributes=attributes, capacity=capacity, allow_multiple_allocations=True)
+    return _checked(device), DeviceTarget(name, "consumable", gpu, shares=shares)
+
+
+def _mig_devices(inventory: NodeInventory, gpu: GpuInfo) -> list[Entry]:
+    entries: dict[str, Entry] = {}
     # Several compute instances in one GPU instance would share a name; the lowest CI id wins.
     for mig in sorted(gpu.mig_instances, key=lambda m: (m.placement_start, m.ci_id)):
-        device = _mig_device(inventory, gpu, mig)
-        if device.name not in seen:
-            seen.add(device.name)
-            devices.append(device)
-    return devices
+        device, target = _mig_device(inventory, gpu, mig)
+        entries.setdefault(device.name, (device, target))
+    return list(entries.values())
 
 
-def build_devices(
-    inventory: NodeInventory, layout: SharingLayout | None = None, mps_multi_user: bool = False
-) -> list[Device]:
-    """Every device this node publishes, ordered by GPU minor then placement start / share index.
+def _gpu_entries(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares | None, mps_multi_user: bool) -> list[Entry]:
+    if shares is not None:
+        if gpu.mig_enabled:
+            raise ValueError(
+                f"GPU {gpu.uuid} (minor {gpu.minor}) has MIG enabled and cannot also be shared with "
+                f"{shares.strategy}; remove it from the sharing plan or disable MIG"
+            )
+        if shares.consumable is not None:
+            return [_consumable(inventory, gpu, shares, shares.consumable)]
+        return _shares(inventory, gpu, shares, mps_multi_user)
+    if gpu.mig_enabled:
+        return _mig_devices(inventory, gpu)
+    return [_whole_gpu(inventory, gpu)]
 
-    A GPU in ``layout`` is published only as its shares; a MIG-enabled GPU only as its MIG
-    instances (none at all if it has none: the caller decides how to report that); any other GPU
-    whole. Attributes whose source is unknown (None) are left out. ``mps_multi_user``: the node's
-    MPS daemons for plan shares run in multi-user mode (on GPUs that support it).
+
+def make_view(inventory: NodeInventory, layout: Mapping[str, GpuShares], mps_multi_user: bool = False) -> NodeView:
+    """The node as published under ``layout``: every device, and what each device name stands for.
+
+    Devices are ordered by GPU minor then placement start / share index. A GPU in ``layout`` is
+    published only as its shares; a MIG-enabled GPU only as its MIG instances (none at all if it
+    has none: the caller decides how to report that); any other GPU whole. Layout entries for GPUs
+    not in the inventory are ignored. Attributes whose source is unknown (None) are left out.
+    ``mps_multi_user``: the node's MPS daemons for plan shares run in multi-user mode (on GPUs
+    that support it). ValueError for a layout that shares a MIG-enabled GPU.
     """
-    shares_by_uuid = layout or {}
     devices: list[Device] = []
+    targets: dict[str, DeviceTarget] = {}
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
-        shares = shares_by_uuid.get(gpu.uuid)
-        if shares is not None:
-            if gpu.mig_enabled:
-                raise ValueError(
-                    f"GPU {gpu.uuid} (minor {gpu.minor}) has MIG enabled and cannot also be shared with "
-                    f"{shares.strategy}; remove it from the sharing plan or disable MIG"
-                )
-            devices.extend(_share_devices(inventory, gpu, shares, mps_multi_user))
-        elif gpu.mig_enabled:
-            devices.extend(_mig_devices(inventory, gpu))
-        else:
-            devices.append(_whole_gpu_device(inventory, gpu))
-    return devices
+        for device, target in _gpu_entries(inventory, gpu, layout.get(gpu.uuid), mps_multi_user):
+            devices.append(device)
+            targets[target.name] = target
+    resolved: SharingLayout = dict(layout)
+    return NodeView(inventory, resolved, targets, tuple(devices))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from driver.gpu.errors import PrepareError
-from driver.gpu.mps.manager import MpsError
+from driver.gpu.mps.model import MpsError
 from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.gpulocks import GpuBusy
 from driver.gpu.runtime.timeslice import TimeSliceError

@@ -66,6 +66,10 @@ def _claim_from_spec(path: Path, names: CdiNames, pool_name: str,
             kind=dann[names.annotation("kind")], gpu_uuid=gpu_uuid,
             gpu_minor=int(dann[names.annotation("gpu-minor")]), mig_uuid=dann.get(names.annotation("mig-uuid")),
             mig_gi_id=gi, mig_ci_id=ci, mps_daemon_id=daemon))
+        consumed = dann.get(names.annotation("consumed"))  # "<memory bytes>,<SMs>" of a consumable share
+        if consumed:
+            memory, sms = (int(x) for x in consumed.split(","))
+            record.devices[-1].consumed_memory_bytes, record.devices[-1].consumed_multiprocessors = memory, sms
         if daemon is not None:
             daemons = record.shared_mps_daemons if is_plan_daemon(daemon) else record.owned_mps_daemons
             if daemon not in daemons:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import cdi
 from driver.gpu.checkpoint import Checkpoint, CheckpointCorrupt, ClaimPhase, current_boot_id
+from driver.gpu.devices import make_view
 from driver.gpu.rebuild import rebuild_checkpoint
-from driver.gpu.targets import make_view
 
 if TYPE_CHECKING:
     from driver.gpu.state import DeviceState
@@ -52,7 +52,10 @@ def recover(state: DeviceState) -> RecoveryReport:
         # Publish what the previous process published until apply_layout decides otherwise.
         inventory = state.view.inventory
         present = {g.uuid for g in inventory.gpus}
-        state.set_view(make_view(inventory, {u: s for u, s in cp.layout.items() if u in present}))
+        # A GPU switched to MIG since cannot be published as shares; apply_layout sorts it out.
+        shareable = {g.uuid for g in inventory.gpus if not g.mig_enabled}
+        state.set_view(make_view(inventory, {u: s for u, s in cp.layout.items() if u in shareable},
+                                 state.mps_multi_user))
     gpus = present | {g for r in cp.claims.values() for g in r.gpu_uuids} | set(cp.compute_modes) \
         | set(cp.plan_timeslices)
     with state.gpu_locks.held(gpus, RECOVERY_GPU_WAIT, "recovering the node's state at start"):

@@ -1,4 +1,5 @@
-"""How one physical GPU is published: whole, or as N MPS or time-sliced share devices.
+"""How one physical GPU is published: whole, as N MPS or time-sliced share devices, or as one
+consumable device that many claims share by capacity (``driver/gpu/consumable.py``).
 
 This is the resolved, per-GPU form of the node sharing plan (``sharingplan.py`` parses the
 YAML and resolves it against the inventory); ``devices.py`` turns it into share devices and
@@ -10,7 +11,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TimeSliceInterval = Literal["Default", "Short", "Medium", "Long"]
 
@@ -23,15 +24,45 @@ class Enforcement(StrEnum):
 
     NONE = "none"  # an entitlement only: nothing stops a workload from exceeding it
     MPS_PER_PROCESS = "mps-per-process"  # MPS enforces it on each client process
+    # The kernel enforces it for every process of the container's cgroup (MPS v3 memory partitioning,
+    # dmem controller). Published only where detection found it; see consumable.kernel_memory_limits.
+    KERNEL = "kernel"
+
+
+class ConsumablePolicy(BaseModel):
+    """The request policies of a consumable GPU (one device, ``allowMultipleAllocations: true``).
+
+    Memory: whole GiB from ``memory_min_bytes`` to ``memory_max_bytes`` (MPS pinned limits are set in
+    whole MiB and read back rounded down to whole G once they reach 1 GiB, so whole GiB is what the
+    daemon shows as set). Multiprocessors: a multiple of ``multiprocessors_step`` SMs from
+    ``multiprocessors_min`` to the GPU's SM count; a claim's thread percentage is
+    floor(100 x its SMs / the GPU's SMs), so the claims of a GPU never add up to more than 100.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    memory_bytes: int = Field(gt=0)  # the capacity value: the GPU's memory
+    memory_min_bytes: int = Field(gt=0)
+    memory_step_bytes: int = Field(gt=0)
+    memory_max_bytes: int = Field(gt=0)
+    memory_default_bytes: int = Field(gt=0)
+    multiprocessors: int = Field(gt=0)  # the capacity value: the GPU's SM count
+    multiprocessors_min: int = Field(gt=0)
+    multiprocessors_step: int = Field(gt=0)
+    multiprocessors_max: int = Field(gt=0)
+    multiprocessors_default: int = Field(gt=0)
+    memory_enforcement: Enforcement = Enforcement.MPS_PER_PROCESS
 
 
 class GpuShares(BaseModel):
-    """A GPU split into ``count`` equal shares of one strategy."""
+    """A GPU split into ``count`` equal shares of one strategy, or (``Consumable``) published once for
+    claims that each consume part of its capacity (``count`` 1, ``memory_bytes_per_share`` the whole
+    GPU's memory, ``consumable`` the request policies)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    strategy: Literal["MPS", "TimeSlicing"]
-    count: int = Field(ge=2, le=48)
+    strategy: Literal["MPS", "TimeSlicing", "Consumable"]
+    count: int = Field(ge=1, le=48)
     # MPS: SM share each client gets, and its pinned device memory limit in bytes.
     active_thread_percentage: int | None = Field(default=None, ge=1, le=100)
     memory_bytes_per_share: int = Field(gt=0)
@@ -39,18 +70,31 @@ class GpuShares(BaseModel):
     interval: TimeSliceInterval | None = None
     # Two shares of one GPU in one claim buy nothing unless the operator says otherwise.
     allow_multiple_shares_per_claim: bool = False
+    consumable: ConsumablePolicy | None = None
+
+    @model_validator(mode="after")
+    def _form(self) -> GpuShares:
+        if (self.strategy == "Consumable") != (self.consumable is not None):
+            raise ValueError("consumable policies go with strategy Consumable, and only with it")
+        if self.strategy != "Consumable" and self.count < 2:
+            raise ValueError(f"{self.strategy} needs at least 2 shares, got {self.count}")
+        if self.strategy == "Consumable" and self.count != 1:
+            raise ValueError(f"a consumable GPU is published as one device, got count {self.count}")
+        return self
 
     @property
     def device_type(self) -> str:
-        return "mps" if self.strategy == "MPS" else "timeslice"
+        return {"MPS": "mps", "TimeSlicing": "timeslice", "Consumable": "consumable"}[self.strategy]
 
     @property
     def memory_enforcement(self) -> Enforcement:
+        if self.consumable is not None:
+            return self.consumable.memory_enforcement
         return Enforcement.MPS_PER_PROCESS if self.strategy == "MPS" else Enforcement.NONE
 
     @property
     def compute_enforcement(self) -> Enforcement:
-        return Enforcement.MPS_PER_PROCESS if self.strategy == "MPS" else Enforcement.NONE
+        return Enforcement.NONE if self.strategy == "TimeSlicing" else Enforcement.MPS_PER_PROCESS
 
 
 # Resolved plan: GPU UUID -> shares. GPUs absent from the mapping are published whole.

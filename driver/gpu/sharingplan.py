@@ -11,24 +11,28 @@ at start, so every error names the file, the entry and the GPU.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import re
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cdi.yamlload import load_yaml
 from driver.gpu.claimconfig.api import ByteQuantity, describe_validation_error
-from driver.gpu.claimconfig.quantity import MIB
+from driver.gpu.consumable import KernelMemoryLimits, build_policy, kernel_memory_limits
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
 from driver.gpu.sharing import GpuShares, SharingLayout, TimeSliceInterval
+from driver.units import MIB
 
 DEFAULT_PLANS_PATH = Path("/etc/tessera/sharing-plans.yaml")
-DEFAULT_PLAN_LABEL = "gpu.tessera.dev/sharing-plan"
 
 # Kubernetes label value syntax (the plan is selected by a label value), minus the empty value.
 _LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+
+
+log = logging.getLogger(__name__)
 
 
 class PlanError(ValueError):
@@ -111,22 +115,48 @@ class TimeSlicingShares(_PlanObject):
         return value
 
 
+class ConsumableFallback(_PlanObject):
+    """How a consumable GPU is published where the API server would drop consumable capacity."""
+
+    mps: MpsShares | None = None
+    timeSlicing: TimeSlicingShares | None = None
+
+    @model_validator(mode="after")
+    def _at_most_one_form(self) -> ConsumableFallback:
+        if self.mps is not None and self.timeSlicing is not None:
+            raise ValueError("set at most one of mps, timeSlicing (neither: the GPU is published whole)")
+        return self
+
+
+class ConsumableShares(_PlanObject):
+    """Publish a GPU once for many claims, each consuming memory (whole GiB) and SMs (docs/sharing.md)."""
+
+    memoryMin: ByteQuantity | None = None  # default 1Gi; a whole number of GiB
+    memoryDefault: ByteQuantity | None = None  # what a claim that names no memory consumes; default memoryMin
+    multiprocessorsStep: int | None = None  # default 1
+    multiprocessorsMin: int | None = None  # default the fewest SMs worth 1 percent of the GPU's threads
+    multiprocessorsDefault: int | None = None  # default multiprocessorsMin
+    fallback: ConsumableFallback | None = None  # where the API server lacks consumable capacity; None: whole
+
+
 class PlanEntry(_PlanObject):
     match: Match
     mps: MpsShares | None = None
     timeSlicing: TimeSlicingShares | None = None
+    consumable: ConsumableShares | None = None
     whole: bool | None = None
     allowMultipleSharesPerClaim: bool = False
 
     @model_validator(mode="after")
     def _exactly_one_form(self) -> PlanEntry:
-        forms = {"mps": self.mps, "timeSlicing": self.timeSlicing, "whole": self.whole}
+        forms = {"mps": self.mps, "timeSlicing": self.timeSlicing, "consumable": self.consumable, "whole": self.whole}
         given = [name for name, value in forms.items() if value is not None]
         if len(given) != 1:
-            raise ValueError(f"set exactly one of mps, timeSlicing, whole: true (got {', '.join(given) or 'none'})")
+            raise ValueError(
+                f"set exactly one of mps, timeSlicing, consumable, whole: true (got {', '.join(given) or 'none'})")
         if self.whole is False:
-            raise ValueError("whole: false is not a publishing form; use whole: true, mps or timeSlicing")
-        if self.whole and self.allowMultipleSharesPerClaim:
+            raise ValueError("whole: false is not a publishing form; use whole: true, mps, timeSlicing or consumable")
+        if (self.whole or self.consumable) and self.allowMultipleSharesPerClaim:
             raise ValueError("allowMultipleSharesPerClaim applies only to mps or timeSlicing entries")
         return self
 
@@ -139,6 +169,9 @@ class SharingPlans(_PlanObject):
     """The whole plans file."""
 
     defaultPlan: str | None = None  # plan for nodes without the label; None: every GPU whole
+    # The cluster runs Kubernetes 1.34/1.35 with the DRAConsumableCapacity gate on (API server and
+    # scheduler), so consumable entries may publish there; from 1.36 they always do.
+    consumableCapacityGate: bool = False
     plans: dict[str, SharingPlan] = Field(default_factory=dict)
 
     @field_validator("plans")
@@ -159,25 +192,6 @@ class SharingPlans(_PlanObject):
         return self
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys, which plain YAML loading silently resolves to the last one."""
-
-
-def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node)
-        if not isinstance(key, Hashable):
-            continue  # construct_mapping reports unhashable keys itself
-        if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
-
-
 def load_plans(path: Path) -> SharingPlans:
     """Read and validate the plans file; an empty file means no plans. Raises PlanError."""
     try:
@@ -185,7 +199,7 @@ def load_plans(path: Path) -> SharingPlans:
     except OSError as exc:
         raise PlanError(f"{path}: cannot read the sharing plans file: {exc.strerror or exc}") from None
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: builds only plain data
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         raise PlanError(f"{path}: not valid YAML: {exc}") from None
     if data is None:
@@ -208,18 +222,34 @@ def select_plan(plans: SharingPlans, node_labels: Mapping[str, str], label_key: 
     return name, plan
 
 
-def resolve_layout(plan: SharingPlan, inventory: NodeInventory, plan_name: str | None) -> SharingLayout:
-    """GPU UUID -> shares for every GPU the plan splits; the first matching entry wins, others stay whole."""
+def resolve_layout(plan: SharingPlan, inventory: NodeInventory, plan_name: str | None, *,
+                   consumable_supported: bool = True,
+                   kernel: KernelMemoryLimits | None = None) -> SharingLayout:
+    """GPU UUID -> shares for every GPU the plan splits; the first matching entry wins, others stay whole.
+
+    ``consumable_supported``: the API server keeps consumable capacity
+    (:func:`driver.gpu.consumable.consumable_supported`); where it does not, a consumable entry is
+    published as its fallback, with a log line, never as a device whose fields the server drops.
+    """
     layout: SharingLayout = {}
     problems: list[str] = []
+    kernel = kernel or kernel_memory_limits()
     for gpu in inventory.gpus:
         index, entry = _first_match(plan, gpu)
         if entry is None or entry.whole:
             continue
         try:
-            layout[gpu.uuid] = _shares_for(entry, gpu)
+            shares = _shares_for(entry, gpu, consumable_supported, kernel)
         except ValueError as exc:
             problems.append(f"{_entry_path(plan_name, index)} ({_describe_gpu(gpu)}): {exc}")
+            continue
+        if entry.consumable is not None and not consumable_supported:
+            log.warning("the API server does not support consumable capacity (Kubernetes 1.36+, or 1.34/1.35 with "
+                        "the DRAConsumableCapacity gate); publishing the plan's fallback instead",
+                        extra={"entry": _entry_path(plan_name, index), "gpu_uuid": gpu.uuid,
+                               "fallback": shares.strategy if shares is not None else "whole"})
+        if shares is not None:
+            layout[gpu.uuid] = shares
     if problems:
         raise PlanError("\n".join(problems))
     return layout
@@ -243,7 +273,20 @@ def _first_match(plan: SharingPlan, gpu: GpuInfo) -> tuple[int, PlanEntry | None
     return next(((i, entry) for i, entry in enumerate(plan.gpus) if entry.match.matches(gpu)), (-1, None))
 
 
-def _shares_for(entry: PlanEntry, gpu: GpuInfo) -> GpuShares:
+def _shares_for(entry: PlanEntry, gpu: GpuInfo, consumable_supported: bool,
+                kernel: KernelMemoryLimits) -> GpuShares | None:
+    if entry.consumable is not None:
+        c = entry.consumable
+        if consumable_supported:
+            policy = build_policy(gpu, memory_min=c.memoryMin, memory_default=c.memoryDefault,
+                                  multiprocessors_step=c.multiprocessorsStep, multiprocessors_min=c.multiprocessorsMin,
+                                  multiprocessors_default=c.multiprocessorsDefault, kernel=kernel)
+            return GpuShares(strategy="Consumable", count=1, memory_bytes_per_share=policy.memory_bytes,
+                             consumable=policy)
+        fallback = c.fallback or ConsumableFallback()
+        if fallback.mps is None and fallback.timeSlicing is None:
+            return None
+        entry = PlanEntry(match=entry.match, mps=fallback.mps, timeSlicing=fallback.timeSlicing)
     if entry.mps is not None:
         return _mps_shares(entry.mps, gpu, entry.allowMultipleSharesPerClaim)
     assert entry.timeSlicing is not None  # PlanEntry validation: exactly one form

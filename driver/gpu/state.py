@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
@@ -30,35 +30,36 @@ from pathlib import Path, PurePosixPath
 import cdi
 from driver.gpu.checkpoint import (
     Checkpoint,
-    CheckpointCorrupt,
     CheckpointStore,
     ClaimPhase,
     ClaimRecord,
     PreparedDeviceRecord,
     TimeSliceRecord,
 )
-from driver.gpu.claimcdi.edits import CdiNames, CdiSources, claim_spec
+from driver.gpu.claimcdi.edits import CdiNames, CdiSources, claim_spec_file
 from driver.gpu.claimcdi.hostfs import HostFsError
 from driver.gpu.claimcdi.toolkit import ToolkitEdits
 from driver.gpu.claimconfig.api import ConfigError
-from driver.gpu.claimplan import ClaimPlan, plan_claim
+from driver.gpu.claimplan import ClaimPlan, check_device_health, plan_claim
+from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
-from driver.gpu.mps.manager import MpsError, MpsManager
+from driver.gpu.ledger import NodeLedger
+from driver.gpu.mps.model import MpsError
 from driver.gpu.rebuild import rebuild_checkpoint
 from driver.gpu.recovery import RecoveryReport, recover
-from driver.gpu.runtime.computemode import ComputeModeError, ComputeModes
+from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.gpulocks import GpuBusy, GpuLocks
+from driver.gpu.runtime.interfaces import ComputeModeControl, MpsDaemons, TimeSlices
 from driver.gpu.runtime.sharing import SharingRuntime
-from driver.gpu.runtime.timeslice import TimeSliceError, TimeSlicer
+from driver.gpu.runtime.timeslice import TimeSliceError
+from driver.gpu.sharecheck import check_shares_fit
 from driver.gpu.sharing import SharingLayout
-from driver.gpu.targets import NodeView, make_view, merge_layout
+from driver.gpu.targets import NodeView, merge_layout
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.nodelock import LockTimeout, NodeLock
 from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, ClaimRef, Deadline, DeadlineExceeded, PreparedDevice
 
 log = logging.getLogger(__name__)
-
-__all__ = ["DeviceState", "NodeLedger", "PrepareError", "RecoveryReport", "StatePaths"]
 
 # How long a rescan waits for a GPU another operation holds before leaving it to the next rescan.
 RESCAN_GPU_WAIT = 1.0
@@ -81,47 +82,16 @@ def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-class NodeLedger:
-    """The checkpoint behind the node lock: every read and write holds it only for the file access."""
-
-    def __init__(self, store: CheckpointStore, lock: NodeLock, rebuild: Callable[[], Checkpoint]):
-        self.store = store
-        self.lock = lock
-        self._rebuild = rebuild
-
-    def load_locked(self, shared: bool = False) -> Checkpoint:
-        """Load with the node lock already held; a corrupt file is rebuilt from the CDI specs.
-
-        ``shared``: read-only use (see :meth:`CheckpointStore.load`)."""
-        try:
-            return self.store.load(shared)
-        except CheckpointCorrupt:
-            cp = self._rebuild()
-            self.store.save(cp)
-            return cp
-
-    def read(self) -> Checkpoint:
-        """The current checkpoint, shared with the cache: read it, never change it."""
-        with self.lock.held():
-            return self.load_locked(shared=True)
-
-    def commit(self, change: Callable[[Checkpoint], object]) -> Checkpoint:
-        with self.lock.held():
-            cp = self.load_locked()
-            change(cp)
-            self.store.save(cp)
-            return cp
-
-
 class DeviceState:
     """The node's prepared claims and the side effects behind them."""
 
     def __init__(self, *, driver_name: str, pool_name: str, paths: StatePaths, toolkit: ToolkitEdits,
-                 mps: MpsManager, timeslicer: TimeSlicer, view: NodeView, lock_timeout: float = 10.0,
-                 compute_modes: ComputeModes | None = None, mps_multi_user: bool = False):
-        """``compute_modes`` defaults to the time slicer's nvidia-smi (same driver root and timeout);
-        ``mps_multi_user``: the node's MPS supports multi-user mode (plan daemons then use it)."""
+                 mps: MpsDaemons, timeslicer: TimeSlices, compute_modes: ComputeModeControl, view: NodeView,
+                 lock_timeout: float = 10.0, mps_multi_user: bool = False):
+        """``mps_multi_user``: the node's MPS supports multi-user mode (plan daemons then use it)."""
         self.mps_multi_user = mps_multi_user
+        # Published device name -> why it is unhealthy; new claims on those are refused (set by the app).
+        self.device_problems: Callable[[], Mapping[str, str]] = dict
         self.driver_name = driver_name
         self.pool_name = pool_name
         self.paths = paths
@@ -133,9 +103,8 @@ class DeviceState:
         self.gpu_locks = GpuLocks(paths.state_dir / "gpu-locks")
         self.ledger = NodeLedger(CheckpointStore(paths.state_dir / "checkpoint.json"), self.node_lock,
                                  lambda: rebuild_checkpoint(paths.cdi_root, self.names, pool_name, now()))
-        modes = compute_modes if compute_modes is not None else ComputeModes(timeslicer.driver_root, timeslicer.timeout)
-        self.sharing = SharingRuntime(mps, timeslicer, modes, self.ledger)
-        self.cdi_sources = CdiSources(self.names, paths.host_root, toolkit, mps, paths.mps_shm_dir,
+        self.sharing = SharingRuntime(mps, timeslicer, compute_modes, self.ledger)
+        self.cdi_sources = CdiSources(self.names, paths.host_root, toolkit, paths.mps_shm_dir,
                                       paths.driver_root, paths.driver_root_on_host or PurePosixPath("/"))
 
     # ----------------------------------------------------------------------------- views
@@ -176,7 +145,7 @@ class DeviceState:
             cp = self.ledger.load_locked()
             busy = {uuid for rec in cp.claims.values() for uuid in rec.gpu_uuids}
             effective, deferred = merge_layout(self.view.layout, desired, busy)
-            new_view = make_view(view.inventory, effective)
+            new_view = make_view(view.inventory, effective, self.mps_multi_user)
             if cp.layout != effective:  # rescans mostly change nothing: no write then
                 cp.layout = dict(effective)
                 self.ledger.store.save(cp)
@@ -206,46 +175,63 @@ class DeviceState:
         uid = claim.metadata.uid
         try:
             for _ in range(_RESERVE_ATTEMPTS):
-                plan, gpus = self._plan(claim)
+                plan, view, gpus = self._plan(claim)
                 if plan is None:
                     return []
                 with self.gpu_locks.held(gpus, deadline.remaining(), f"preparing claim {uid}"):
-                    devices = self._prepare_holding(claim, gpus, deadline)
+                    devices = self._prepare_holding(claim, gpus, deadline, (view, plan))
                 if devices is not None:
                     return devices
         except (GpuBusy, LockTimeout, DeadlineExceeded) as exc:
             raise PrepareError(f"{exc}; nothing was left prepared, the kubelet will retry") from exc
         raise PrepareError("the claim's devices changed form while it was being prepared; the kubelet will retry")
 
-    def _plan(self, claim: ResourceClaim) -> tuple[ClaimPlan | None, list[str]]:
-        """The plan against the view in force, and the GPUs to lock (the plan's and a previous attempt's)."""
+    def _plan(self, claim: ResourceClaim) -> tuple[ClaimPlan | None, NodeView, list[str]]:
+        """The plan, the view it was made against, and the GPUs to lock (the plan's and a previous attempt's)."""
         with self.node_lock.held():
-            plan = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name, view=self.view,
+            view = self.view
+            plan = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name, view=view,
                               multi_user=self.mps_multi_user)
             existing = self.ledger.load_locked(shared=True).claims.get(claim.metadata.uid)
         gpus = set(plan.gpu_uuids if plan else []) | (existing.gpu_uuids if existing else set())
-        return plan, sorted(gpus)
+        return plan, view, sorted(gpus)
 
-    def _prepare_holding(self, claim: ResourceClaim, gpus: list[str],
-                         deadline: Deadline) -> list[PreparedDevice] | None:
-        """Prepare with ``gpus`` locked; None if the plan no longer matches them (the caller plans again)."""
+    def _prepare_holding(self, claim: ResourceClaim, gpus: list[str], deadline: Deadline,
+                         planned: tuple[NodeView, ClaimPlan]) -> list[PreparedDevice] | None:
+        """Prepare with ``gpus`` locked; None if the plan no longer matches them (the caller plans again).
+
+        ``planned``: the plan made before the locks were taken, and the view it was made against."""
         uid = claim.metadata.uid
         deadline.check("reserving the claim's devices")
         with self.node_lock.held():
             # Planned and reserved in one node-lock section: a rescan changes the published form of
-            # a GPU under the same lock, so a device cannot change form between the two.
-            plan = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name, view=self.view,
-                              multi_user=self.mps_multi_user)
+            # a GPU under the same lock, so a device cannot change form between the two. Views are
+            # replaced, never changed, so the same view object means the earlier plan still holds.
+            view, planned_plan = planned
+            plan: ClaimPlan | None = planned_plan
+            if self.view is not view:
+                plan = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name, view=self.view,
+                                  multi_user=self.mps_multi_user)
             cp = self.ledger.load_locked()
             existing = cp.claims.get(uid)
             if plan is None or sorted(set(plan.gpu_uuids) | (existing.gpu_uuids if existing else set())) != gpus:
                 return None
             record: ClaimRecord | None = None
             if existing is None:
+                check_device_health(plan, self.device_problems())
                 _check_overlap(cp, plan)
+                check_shares_fit(cp, plan)
                 record = self._started_record(plan)
                 cp.claims[uid] = record
-                self.ledger.store.save(cp)  # the intent is durable before any side effect
+                # Visible at once (to rescans and to the other pod of a rolling update, which read
+                # the file under the node lock) but without the directory fsync, so a power failure
+                # may undo it. Nothing recovery needs is lost then: daemons, compute modes and time
+                # slices do not outlive the reboot, the compute-mode record is a durable commit made
+                # before the mode changes (carrying this record too), and a CDI spec written before
+                # PrepareCompleted is an orphan that recovery removes; the kubelet got no answer and
+                # retries. kill -9 loses nothing (the renamed file is in the page cache). The file's
+                # data is still synced, so the rename never leaves a torn checkpoint in its place.
+                self.ledger.store.save(cp, durable=False, adopt=True)
         if existing is not None and existing.phase == ClaimPhase.PREPARE_COMPLETED:
             try:
                 self.ensure_claim_runtime(existing)
@@ -274,6 +260,7 @@ class DeviceState:
         record = ClaimRecord(uid=uid, namespace=plan.namespace, name=plan.name, phase=ClaimPhase.PREPARE_STARTED,
                              cdi_spec_file=self.names.spec_file_name(uid), updated_at=now())
         daemon_of = {name: d.daemon_id for d in plan.daemons for name in d.device_names}
+        consumed = dict(plan.consumed)
         for result, target in zip(plan.results, plan.targets, strict=True):
             device = PreparedDevice(request_names=[result.base_request], pool_name=self.pool_name,
                                     device_name=target.name, cdi_device_ids=[self.names.device_id(uid, target.name)],
@@ -283,6 +270,9 @@ class DeviceState:
                 device=device, kind=target.kind, gpu_uuid=target.gpu.uuid, gpu_minor=target.gpu.minor,
                 mig_uuid=mig.uuid if mig else None, mig_gi_id=mig.gi_id if mig else None,
                 mig_ci_id=mig.ci_id if mig else None, mps_daemon_id=daemon_of.get(target.name)))
+            if (share := consumed.get(target.name)) is not None:
+                record.devices[-1].consumed_memory_bytes = share.memory_bytes
+                record.devices[-1].consumed_multiprocessors = share.multiprocessors
         for daemon in plan.daemons:
             (record.shared_mps_daemons if daemon.shared else record.owned_mps_daemons).append(daemon.daemon_id)
             record.exclusive_gpus.extend(g for g in daemon.exclusive_gpus if g not in record.exclusive_gpus)
@@ -303,14 +293,18 @@ class DeviceState:
         self.ledger.commit(lambda c: c.claims.pop(record.uid, None))
 
     def write_cdi(self, record: ClaimRecord, cp: Checkpoint) -> None:
-        spec = claim_spec(self.cdi_sources, record, cp.mps_daemons, cp.layout)
-        cdi.write_spec(self.paths.cdi_root, record.cdi_spec_file, spec)
+        spec = claim_spec_file(self.cdi_sources, record, cp.mps_daemons, cp.layout)
+        # Not fsynced: readers and a kill -9 see the whole file (the page cache survives a process),
+        # and after a power failure a spec that is missing or torn is written again at start from
+        # the durable PrepareCompleted record (ensure_claim_runtime), which the kubelet's answer
+        # waits for. Most nodes keep CDI specs on a tmpfs (/var/run/cdi), where fsync does nothing.
+        cdi.write_spec_text(self.paths.cdi_root, record.cdi_spec_file, spec.text, durable=False, sync_data=False)
 
     def ensure_claim_runtime(self, record: ClaimRecord) -> tuple[bool, list[str]]:
-        """Make a completed claim whole again: its daemons running and its CDI spec on disk."""
+        """Make a completed claim whole again: its daemons running and its CDI spec on disk, whole."""
         restarted = self.sharing.ensure_claim_daemons(record)
         recreated = False
-        if restarted or not (self.paths.cdi_root / record.cdi_spec_file).exists():
+        if restarted or not cdi.spec_file_intact(self.paths.cdi_root / record.cdi_spec_file):
             self.write_cdi(record, self.ledger.read())
             recreated = True
         return recreated, restarted
@@ -375,7 +369,7 @@ def _check_overlap(cp: Checkpoint, plan: ClaimPlan) -> None:
             continue
         taken = {d.device.device_name for d in other.devices}
         for t in plan.targets:
-            if t.name in taken:
+            if t.name in taken and t.kind != "consumable":  # shares of a consumable GPU: check_shares_fit
                 raise PrepareError(
                     f"device {t.name!r} is already prepared for claim {other.namespace}/{other.name} "
                     f"({other.uid}); the allocation is stale, delete the pod so its claim is allocated again")

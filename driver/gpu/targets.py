@@ -1,22 +1,24 @@
-"""The node's current view: which published device name stands for which GPU, MIG instance or share.
+"""The node's current view: its published devices, which GPU, MIG instance or share each name
+stands for, and the rule that keeps a busy GPU in its published form.
 
-Prepare resolves every allocation result through :func:`index_devices`, so a device is only
-ever prepared in the form this driver publishes. Pure functions; no I/O.
+Prepare resolves every allocation result through :attr:`NodeView.targets`, so a device is only
+ever prepared in the form this driver publishes. ``devices.make_view`` builds a view; pure
+functions, no I/O.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from driver.gpu.devices import gpu_device_name, mig_device_name, share_device_name
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.sharing import GpuShares, SharingLayout
+from driver.kubeletplugin.slicemodel import Device
 
 
 @dataclass(frozen=True)
 class DeviceTarget:
     name: str
-    kind: str  # gpu | mig | mps | timeslice
+    kind: str  # the device's type attribute: gpu | mig | mps | timeslice | consumable
     gpu: GpuInfo
     mig: MigInstance | None = None
     shares: GpuShares | None = None
@@ -34,33 +36,13 @@ class DeviceTarget:
 
 @dataclass(frozen=True)
 class NodeView:
+    """What this node publishes for ``inventory`` under ``layout``: ``devices`` in publishing order,
+    and ``targets``, the same devices by name."""
+
     inventory: NodeInventory
     layout: SharingLayout
     targets: dict[str, DeviceTarget]
-
-
-def index_devices(inventory: NodeInventory, layout: SharingLayout) -> dict[str, DeviceTarget]:
-    """Every device name this node publishes for ``inventory`` under ``layout``."""
-    targets: dict[str, DeviceTarget] = {}
-    for gpu in inventory.gpus:
-        shares = layout.get(gpu.uuid)
-        if shares is not None:
-            for k in range(shares.count):
-                name = share_device_name(gpu.minor, shares.strategy, k)
-                targets[name] = DeviceTarget(name, shares.device_type, gpu, shares=shares, share_index=k)
-        elif gpu.mig_enabled:
-            # Same rule as build_devices: of several compute instances in one GPU instance, the lowest CI id.
-            for mig in sorted(gpu.mig_instances, key=lambda m: (m.placement_start, m.ci_id)):
-                name = mig_device_name(gpu.minor, mig.profile, mig.placement_start)
-                targets.setdefault(name, DeviceTarget(name, "mig", gpu, mig=mig))
-        else:
-            name = gpu_device_name(gpu.minor)
-            targets[name] = DeviceTarget(name, "gpu", gpu)
-    return targets
-
-
-def make_view(inventory: NodeInventory, layout: SharingLayout) -> NodeView:
-    return NodeView(inventory, dict(layout), index_devices(inventory, layout))
+    devices: tuple[Device, ...]
 
 
 def merge_layout(

@@ -27,6 +27,10 @@ def ensure_private_dir(directory: Path) -> None:
     if not stat.S_ISDIR(info.st_mode):
         raise NotADirectoryError(f"{directory} is not a directory (a symlink or a file is in its place); "
                                  "remove it so the driver can create its state directory")
+    if info.st_mode & stat.S_ISVTX:
+        # A sticky directory (/tmp and the like) is shared by design: narrowing it would lock
+        # every other user of the host out of it.
+        raise PermissionError(f"{directory} is a shared (sticky) directory; give the driver a directory of its own")
     if stat.S_IMODE(info.st_mode) != STATE_DIR_MODE:
         directory.chmod(STATE_DIR_MODE)
 

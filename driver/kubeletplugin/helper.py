@@ -22,6 +22,7 @@ import kubernetes.client
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from driver.kubeletplugin.claimfetch import ClaimFetcher, ClaimSource
+from driver.kubeletplugin.healthservice import HealthBoard
 from driver.kubeletplugin.liveness import check_plugin
 from driver.kubeletplugin.plugin import DEFAULT_REGISTRAR_DIR, KubeletPlugin
 from driver.kubeletplugin.registration import RegistrationStatus
@@ -159,7 +160,7 @@ def start(driver: DRADriver, *, driver_name: str, node_name: str, api: kubernete
           http: HttpEndpoint | None = None, claims: ClaimSource | None = None,
           kubernetes_minor_version: int | None = None, max_workers: int = 16, health_services: Sequence[str] = (),
           prepare_deadline: float = DEFAULT_PREPARE_DEADLINE, resync_delay: float = 2.0,
-          span_exporter: SpanExporter | None = None) -> Helper:
+          span_exporter: SpanExporter | None = None, health: HealthBoard | None = None) -> Helper:
     """Serve ``driver`` to the kubelet and get ready to publish its devices; on failure nothing is left running.
 
     ``on_registration_failed`` runs on a gRPC thread with the kubelet's reason when it refuses
@@ -168,7 +169,8 @@ def start(driver: DRADriver, *, driver_name: str, node_name: str, api: kubernete
     with ``pod_uid`` the socket names carry it, so the old and new pod of a rolling update can
     be registered side by side. ``claims`` defaults to reading ResourceClaims through ``api``;
     ``kubernetes_minor_version`` defaults to asking the API server. Every prepare request is
-    answered within ``prepare_deadline`` seconds (or the kubelet's deadline, if sooner). Raises
+    answered within ``prepare_deadline`` seconds (or the kubelet's deadline, if sooner). With
+    ``health`` the kubelet's device health stream is served from that board. Raises
     ``ValueError`` for a bad name or path.
     """
     telemetry = Telemetry(names.service, names.metric_prefix, span_exporter, scope=names.scope)
@@ -180,7 +182,8 @@ def start(driver: DRADriver, *, driver_name: str, node_name: str, api: kubernete
         plugin = KubeletPlugin(driver, driver_name, claims if claims is not None else ClaimFetcher(api), telemetry,
                                on_registration_failed=on_registration_failed, registrar_dir=registrar_dir,
                                plugin_dir=plugin_dir, pod_uid=pod_uid, max_workers=max_workers,
-                               health_services=health_services, prepare_deadline=prepare_deadline)
+                               health_services=health_services, prepare_deadline=prepare_deadline,
+                               health=health)
         helper = Helper(plugin, publisher, telemetry)
         telemetry.observe_gauge("published_devices", "Devices published in ResourceSlices",
                                 lambda: float(helper.published_device_count))

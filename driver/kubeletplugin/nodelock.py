@@ -17,7 +17,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -40,31 +40,46 @@ class NodeLock:
 
     @contextmanager
     def held(self) -> Iterator[None]:
-        deadline = time.monotonic() + self.timeout
-        if not self._mutex.acquire(timeout=self.timeout):
-            raise LockTimeout(f"another operation in this driver held the node lock for over {self.timeout:.0f}s")
+        def timed_out(by_other_process: bool) -> Exception:
+            if by_other_process:
+                return LockTimeout(f"another plugin process held {self.path} for over {self.timeout:.0f}s "
+                                   "(a rolling update in progress?); the kubelet will retry")
+            return LockTimeout(f"another operation in this driver held the node lock for over {self.timeout:.0f}s")
+
+        with hold_lock_file(self.path, self._mutex, time.monotonic() + self.timeout, timed_out):
+            yield
+
+
+@contextmanager
+def hold_lock_file(path: Path, mutex: threading.Lock, deadline: float,
+                   timed_out: Callable[[bool], Exception]) -> Iterator[None]:
+    """Hold ``mutex`` (threads of this process), then ``flock`` on ``path`` (other plugin processes).
+
+    Gives up at ``deadline`` (``time.monotonic()``) with ``timed_out(by_other_process)``. The lock
+    file's directory is created private if missing.
+    """
+    if not mutex.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        raise timed_out(False)
+    try:
+        ensure_private_dir(path.parent)
+        fd = _open_lock_file(path)
         try:
-            ensure_private_dir(self.path.parent)
-            fd = _open_lock_file(self.path)
-            try:
-                while True:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        if time.monotonic() >= deadline:
-                            raise LockTimeout(
-                                f"another plugin process held {self.path} for over {self.timeout:.0f}s "
-                                "(a rolling update in progress?); the kubelet will retry") from None
-                        time.sleep(0.005)
+            while True:
                 try:
-                    yield
-                finally:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise timed_out(True) from None
+                    time.sleep(0.005)
+            try:
+                yield
             finally:
-                os.close(fd)
+                fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
-            self._mutex.release()
+            os.close(fd)
+    finally:
+        mutex.release()
 
 
 def _open_lock_file(path: Path) -> int:

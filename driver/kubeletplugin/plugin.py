@@ -23,6 +23,7 @@ from driver.kubeletplugin.activity import DraActivity
 from driver.kubeletplugin.api import pluginregistration_v1_pb2_grpc
 from driver.kubeletplugin.claimfetch import ClaimSource
 from driver.kubeletplugin.filemodes import ensure_private_dir, restrict_socket
+from driver.kubeletplugin.healthservice import HEALTH_SERVICE_VERSIONS, HealthBoard, add_health_services
 from driver.kubeletplugin.registration import RegistrationServicer, RegistrationStatus
 from driver.kubeletplugin.service import ClaimBatch, add_dra_services
 from driver.kubeletplugin.telemetry import Telemetry
@@ -54,7 +55,9 @@ class KubeletPlugin:
         max_workers: int = 16,
         health_services: Sequence[str] = (),
         prepare_deadline: float = DEFAULT_PREPARE_DEADLINE,
+        health: HealthBoard | None = None,
     ):
+        """``health``: serve the kubelet's device health stream (v1 and v1alpha1) from this board."""
         _require_name("driver_name", driver_name)
         if pod_uid is not None:
             _require_name("pod_uid", pod_uid)
@@ -69,6 +72,9 @@ class KubeletPlugin:
                 raise ValueError(f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow at most "
                                  f"{MAX_SOCKET_PATH_BYTES}: use shorter registrar_dir/plugin_dir")
         self._batch = ClaimBatch(driver, claim_fetcher, telemetry, prepare_deadline=prepare_deadline)
+        if health is not None:
+            health_services = [*health_services, *(v for v in HEALTH_SERVICE_VERSIONS if v not in health_services)]
+        self._health = health
         self._registration = RegistrationServicer(driver_name, str(self._dra_socket), on_registration_failed,
                                                   health_services=health_services)
         self._max_workers = max_workers
@@ -112,8 +118,9 @@ class KubeletPlugin:
                 # the kubelet's and keeps its mode.
                 ensure_private_dir(self._dra_socket.parent)
                 # The kubelet dials the DRA endpoint right after GetInfo, so it must already be served.
-                self._servers.append(_serve(self._dra_socket, self._max_workers,
-                                            lambda server: add_dra_services(server, self._batch)))
+                if self._health is not None:
+                    self._health.reopen()
+                self._servers.append(_serve(self._dra_socket, self._max_workers, self._add_dra_services))
                 self._servers.append(_serve(
                     self._registration_socket, 2,
                     lambda server: pluginregistration_v1_pb2_grpc.add_RegistrationServicer_to_server(
@@ -127,7 +134,14 @@ class KubeletPlugin:
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop serving (in-flight calls get ``grace_s``) and remove this plugin's own sockets."""
         with self._lock:
+            if self._health is not None:
+                self._health.close()  # health streams never end by themselves
             self._stop_servers(grace_s)
+
+    def _add_dra_services(self, server: grpc.Server) -> None:
+        add_dra_services(server, self._batch)
+        if self._health is not None:
+            add_health_services(server, self._health)
 
     def __enter__(self) -> KubeletPlugin:
         self.start()

@@ -4,7 +4,9 @@ The kubelet fails a whole pod setup when the RPC itself fails, so every claim of
 answered individually: fetch errors, driver errors and driver exceptions all become that claim's
 ``error``, and the RPC always succeeds. Every prepare request gets one :class:`Deadline`: the
 kubelet's gRPC deadline less a margin to answer, capped by ``prepare_deadline`` (30 s), and tied
-to the call's liveness, so the driver stops and rolls back work the kubelet gave up on.
+to the call's liveness, so the driver stops and rolls back work the kubelet gave up on. A claim
+whose UID is not a Kubernetes UID is refused (prepare and unprepare) before anything else sees it:
+UIDs name checkpoint entries, CDI spec files and MPS daemon directories.
 :class:`ClaimBatch` holds that version-neutral logic; the two servicers only translate protobuf
 messages.
 """
@@ -22,7 +24,7 @@ from opentelemetry.trace import Span, Status, StatusCode, get_current_span
 
 from driver.kubeletplugin.activity import CallActivity
 from driver.kubeletplugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
-from driver.kubeletplugin.claims import ClaimError, ClaimSource
+from driver.kubeletplugin.claimfetch import ClaimError, ClaimSource, claim_uid_problem
 from driver.kubeletplugin.telemetry import Telemetry
 from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, ClaimRef, Deadline, DRADriver, PrepareResult
 
@@ -91,7 +93,7 @@ class ClaimBatch:
 
     def _prepare_one(self, ref: ClaimRef, deadline: Deadline) -> tuple[ClaimRef, PrepareResult]:
         start = time.monotonic()
-        with self._telemetry.tracer.start_as_current_span("tessera.prepare_claim") as span:
+        with self._telemetry.tracer.start_as_current_span(f"{self._telemetry.scope}.prepare_claim") as span:
             _describe_claim(span, ref)
             result = self._run_prepare(ref, deadline)
             if result.error:
@@ -106,6 +108,11 @@ class ClaimBatch:
         return ref, result
 
     def _run_prepare(self, ref: ClaimRef, deadline: Deadline) -> PrepareResult:
+        # Before the claim source and the driver: both may build paths or names from the UID, and
+        # a ClaimSource other than the API fetcher need not check it.
+        problem = _uid_problem(ref, "prepare")
+        if problem is not None:
+            return PrepareResult(error=problem)
         if deadline.expired():
             return PrepareResult(error=KUBELET_GAVE_UP)
         try:
@@ -121,7 +128,7 @@ class ClaimBatch:
 
     def _unprepare_one(self, ref: ClaimRef, is_active: Callable[[], bool]) -> tuple[ClaimRef, str | None]:
         start = time.monotonic()
-        with self._telemetry.tracer.start_as_current_span("tessera.unprepare_claim") as span:
+        with self._telemetry.tracer.start_as_current_span(f"{self._telemetry.scope}.unprepare_claim") as span:
             _describe_claim(span, ref)
             error = self._run_unprepare(ref, is_active)
             if error:
@@ -133,6 +140,9 @@ class ClaimBatch:
         return ref, error
 
     def _run_unprepare(self, ref: ClaimRef, is_active: Callable[[], bool]) -> str | None:
+        problem = _uid_problem(ref, "unprepare")
+        if problem is not None:
+            return problem
         if not is_active():
             return KUBELET_GAVE_UP
         try:
@@ -222,6 +232,13 @@ def _map(fn: Callable[[_Item], _Result], items: list[_Item], max_parallel: int) 
         return [fn(item) for item in items]
     with ThreadPoolExecutor(max_workers=min(len(items), max_parallel), thread_name_prefix="claim") as pool:
         return list(pool.map(fn, items))
+
+
+def _uid_problem(ref: ClaimRef, action: str) -> str | None:
+    problem = claim_uid_problem(ref.uid)
+    if problem is None:
+        return None
+    return f"ResourceClaim {ref.namespace}/{ref.name}: {problem}; refusing to {action} it"
 
 
 def _describe_claim(span: Span, ref: ClaimRef) -> None:

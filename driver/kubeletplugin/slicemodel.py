@@ -49,14 +49,40 @@ def version_attr(value: str) -> DeviceAttribute:
     return DeviceAttribute(version=value)
 
 
+class CapacityRequestRange(BaseModel):
+    """``validRange`` of a request policy: quantities from ``min`` to ``max`` in steps of ``step``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min: str
+    max: str | None = None
+    step: str | None = None
+
+
+class CapacityRequestPolicy(BaseModel):
+    """How much of a consumable capacity one allocation may take (only on allowMultipleAllocations devices)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    default: str
+    valid_range: CapacityRequestRange = Field(alias="validRange")
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
 class DeviceCapacity(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # A Kubernetes quantity, always a string on the wire ("80Gi", "132").
     value: str
+    request_policy: CapacityRequestPolicy | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"value": self.value}
+        wire: dict[str, Any] = {"value": self.value}
+        if self.request_policy is not None:
+            wire["requestPolicy"] = self.request_policy.to_wire()
+        return wire
 
 
 class DeviceTaint(BaseModel):
@@ -80,9 +106,13 @@ class Device(BaseModel):
     attributes: dict[str, DeviceAttribute] = Field(default_factory=dict)
     capacity: dict[str, DeviceCapacity] = Field(default_factory=dict)
     taints: list[DeviceTaint] = Field(default_factory=list)
+    # Consumable capacity (KEP-5075): many claims may hold this device at once, each a share of it.
+    allow_multiple_allocations: bool = False
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"name": self.name}
+        if self.allow_multiple_allocations:
+            wire["allowMultipleAllocations"] = True
         if self.attributes:
             wire["attributes"] = {k: v.to_wire() for k, v in sorted(self.attributes.items())}
         if self.capacity:

@@ -48,6 +48,7 @@ _FEATURE_GATE_OF_FIELD = {
     "bindingConditions": "DRADeviceBindingConditions",
     "bindingFailureConditions": "DRADeviceBindingConditions",
     "allowMultipleAllocations": "DRAConsumableCapacity",
+    "requestPolicy": "DRAConsumableCapacity",
     "ints": "DRAListTypeAttributes",
     "bools": "DRAListTypeAttributes",
     "strings": "DRAListTypeAttributes",

@@ -2,14 +2,13 @@
 
 The driver hands over its devices (:meth:`ResourceSlicePublisher.update`); one worker thread
 makes the API server match them and keeps it that way. What to write is decided by the pure
-:mod:`.sliceplanner`; this module only does the requests, like the Go
-``k8s.io/dynamic-resource-allocation/resourceslice`` controller.
+:mod:`.sliceplanner`, the writes are done by :mod:`.slicewriter`; this module runs the rounds and
+the watch, like the Go ``k8s.io/dynamic-resource-allocation/resourceslice`` controller.
 
-Every request sends and reads raw JSON, so no field is lost in the client's models. Fields the
-server dropped (a feature gate is off) are reported loudly, and the stored object adopted so the
-publisher does not loop on updates. Changes made by others (the kubelet deletes a node's slices
-when it starts and when it loses the driver) are seen through a watch and repaired after
-``resync_delay``. Failures are retried with exponential backoff.
+Every request sends and reads raw JSON, so no field is lost in the client's models. Changes made
+by others (the kubelet deletes a node's slices when it starts and when it loses the driver) are
+seen through a watch and repaired after ``resync_delay``. Failures are retried with exponential
+backoff.
 """
 
 from __future__ import annotations
@@ -28,26 +27,21 @@ from driver.kubeletplugin.kubeclient import (
     JsonLineStream,
     KubeApiError,
     open_json_lines,
-    request_json,
     server_minor_version,
 )
 from driver.kubeletplugin.slicelimits import limits_for
 from driver.kubeletplugin.slicemodel import Device
 from driver.kubeletplugin.sliceplanner import (
     InvalidDevices,
-    Obj,
-    SyncPlan,
-    canonical_spec,
-    dropped_fields,
     plan_slices,
     plan_sync,
 )
 from driver.kubeletplugin.slicevalidation import validate_driver_and_pool
+from driver.kubeletplugin.slicewriter import SLICES_PATH, SliceWriteError, SliceWriter
 from driver.kubeletplugin.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
-SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
 _INITIAL_BACKOFF_S = 1.0
 # update() and stop() interrupt a watch at once; this short server-side timeout only bounds
 # how long stop() could wait if that ever failed.
@@ -55,19 +49,9 @@ _WATCH_SECONDS = 30
 # A watch that ends sooner than this without an event is treated as a failure (with backoff), so
 # a proxy that closes watches at once cannot make the publisher re-watch in a hot loop.
 _MIN_WATCH_SECONDS = 1.0
-_REQUEST_TIMEOUT_S = 15.0
 # After writing, the next round runs at once to confirm the result; a bounded number of times,
 # so a server that keeps changing what it stores cannot make a hot loop.
 _MAX_CONFIRMING_ROUNDS = 3
-_MAX_ADOPTED = 256
-
-
-class SliceWriteError(Exception):
-    """One write of a sync round failed; carries the server's answer."""
-
-    def __init__(self, operation: str, slice_name: str, cause: KubeApiError):
-        super().__init__(f"{operation} of ResourceSlice {slice_name} failed: {cause}")
-        self.operation, self.slice_name, self.cause = operation, slice_name, cause
 
 
 @dataclass(frozen=True)
@@ -114,9 +98,7 @@ class ResourceSlicePublisher:
         self._stream: JsonLineStream | None = None
         self._thread: threading.Thread | None = None
         # Worker thread only.
-        self._adopted: dict[str, str] = {}
-        self._owner: Obj | None = None
-        self._owner_warned = False
+        self._writer = SliceWriter(api, driver_name, node_name)
         self._backoff = initial_backoff
         self._watch_backoff = initial_backoff
 
@@ -251,13 +233,12 @@ class ResourceSlicePublisher:
             span.set_attribute(f"{scope}.resourceslice.device_count", device_count)
             span.set_attribute(f"{scope}.resourceslice.slice_count", len(desired))
             try:
-                owner = self._node_owner()
-                listed = request_json(self._api, "GET", SLICES_PATH, query=[("fieldSelector", self._selector)],
-                                      timeout=_REQUEST_TIMEOUT_S)
+                owner = self._writer.node_owner()
+                listed = self._writer.list(self._selector)
                 plan = plan_sync(listed.get("items") or [], desired, driver_name=self._driver,
-                                 node_name=self._node, owner=owner, adopted=self._adopted)
+                                 node_name=self._node, owner=owner, adopted=self._writer.adopted)
                 span.set_attribute(f"{scope}.resourceslice.generation", plan.generation)
-                self._apply(plan)
+                self._writer.apply(plan)
             except (KubeApiError, SliceWriteError) as err:
                 self._log_failure(err)
                 span.set_status(Status(StatusCode.ERROR, str(err)))
@@ -283,68 +264,6 @@ class ResourceSlicePublisher:
                 self._published_devices = device_count
                 self._cond.notify_all()
         return _RoundResult(list_resource_version=str(listed.get("metadata", {}).get("resourceVersion") or "") or None)
-
-    def _apply(self, plan: SyncPlan) -> None:
-        # Deleting devices the driver no longer has matters most, so deletes go first.
-        for old in plan.deletes:
-            meta = old["metadata"]
-            body = {"apiVersion": "v1", "kind": "DeleteOptions",
-                    "preconditions": {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]}}
-            try:
-                request_json(self._api, "DELETE", f"{SLICES_PATH}/{meta['name']}", body=body,
-                             timeout=_REQUEST_TIMEOUT_S)
-            except KubeApiError as err:
-                if err.status != 404:
-                    raise SliceWriteError("delete", meta["name"], err) from err
-        for wanted in plan.updates:
-            name = wanted["metadata"]["name"]
-            try:
-                stored = request_json(self._api, "PUT", f"{SLICES_PATH}/{name}", body=wanted,
-                                      timeout=_REQUEST_TIMEOUT_S)
-            except KubeApiError as err:
-                raise SliceWriteError("update", name, err) from err
-            self._compare_stored(wanted["spec"], stored)
-        for wanted in plan.creates:
-            try:
-                stored = request_json(self._api, "POST", SLICES_PATH, body=wanted, timeout=_REQUEST_TIMEOUT_S)
-            except KubeApiError as err:
-                raise SliceWriteError("create", wanted["metadata"]["generateName"] + "*", err) from err
-            self._compare_stored(wanted["spec"], stored)
-
-    def _compare_stored(self, sent: Obj, stored: Obj) -> None:
-        stored_spec = stored.get("spec") or {}
-        sent_key, stored_key = canonical_spec(sent), canonical_spec(stored_spec)
-        if sent_key == stored_key:
-            return
-        name = stored.get("metadata", {}).get("name", "?")
-        dropped, gates = dropped_fields(sent, stored_spec)
-        if dropped:
-            log.error("the API server dropped or changed fields of ResourceSlice %s: %s; a feature gate is probably "
-                      "off on the API server%s. Keeping what the server stored; not retrying.",
-                      name, ", ".join(dropped), f" ({', '.join(gates)})" if gates else "",
-                      extra={**self._log_extra, "slice": name, "fields": dropped, "feature_gates": gates})
-        else:
-            log.debug("the API server added defaults to ResourceSlice %s", name, extra={**self._log_extra})
-        self._adopted[sent_key] = stored_key
-        while len(self._adopted) > _MAX_ADOPTED:
-            del self._adopted[next(iter(self._adopted))]
-
-    def _node_owner(self) -> Obj | None:
-        # Read every round (rounds are rare): a Node deleted and re-registered under the same name
-        # has a new UID, and slices pointing at the old one would be garbage-collected.
-        try:
-            node = request_json(self._api, "GET", f"/api/v1/nodes/{self._node}", timeout=_REQUEST_TIMEOUT_S)
-        except KubeApiError as err:
-            if self._owner is None:
-                level = logging.DEBUG if self._owner_warned else logging.WARNING
-                log.log(level, "cannot read Node %s, publishing ResourceSlices without an owner reference "
-                        "(they will not be garbage-collected with the Node): %s", self._node, err,
-                        extra=self._log_extra)
-                self._owner_warned = True
-            return self._owner
-        self._owner = {"apiVersion": "v1", "kind": "Node", "name": self._node,
-                       "uid": node["metadata"]["uid"], "controller": True}
-        return self._owner
 
     def _log_failure(self, err: KubeApiError | SliceWriteError) -> None:
         cause = err.cause if isinstance(err, SliceWriteError) else err

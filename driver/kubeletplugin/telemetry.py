@@ -11,7 +11,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -87,6 +87,19 @@ class Telemetry:
             return [Observation(read())]
 
         self._meter.create_observable_gauge(name, callbacks=[_callback], description=description)
+
+    def observe_labelled(self, name: str, description: str,
+                         read: Callable[[], Iterable[tuple[float, Mapping[str, str]]]], *,
+                         counter: bool = False) -> None:
+        """Register a gauge (or a monotonic counter) with one series per label set, read at scrape time."""
+
+        def _callback(_options: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(value, dict(labels)) for value, labels in read()]
+
+        if counter:
+            self._meter.create_observable_counter(name, callbacks=[_callback], description=description)
+        else:
+            self._meter.create_observable_gauge(name, callbacks=[_callback], description=description)
 
     def render_metrics(self) -> bytes:
         return bytes(generate_latest(self.registry))

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict
 
-from driver.kubeletplugin.claim import ResourceClaim
+from driver.kubeletplugin.claimmodel import ResourceClaim
 
 
 @dataclass(frozen=True)
@@ -24,9 +24,11 @@ class ClaimRef:
         return f"{self.namespace}/{self.name} ({self.uid})"
 
 
-# Every prepare must finish well inside the kubelet's 45 s gRPC timeout (kubelet-contract.md), so a
+# Every prepare must finish well inside the kubelet's 45 s gRPC timeout (kubelet pkg/kubelet/cm/dra,
+# defaultClientCallTimeout), so a
 # claim that cannot be prepared in time gets an error the user can see, and its work is rolled
 # back, rather than being cut off by the kubelet half-done.
+KUBELET_PREPARE_TIMEOUT = 45.0
 DEFAULT_PREPARE_DEADLINE = 30.0
 
 

@@ -6,6 +6,11 @@ that are conjunctions of ``device.attributes['<domain>'].<attr> == '<value>'``,
 ``device.attributes['<domain>'].<attr>.startsWith('<prefix>')`` and
 ``device.capacity['<domain>'].<name>.compareTo(quantity('<q>')) <op> 0``) and refuses anything else
 loudly rather than allocating something the real scheduler would not.
+
+Devices with ``allowMultipleAllocations`` (consumable capacity, KEP-5075) are shared: each request
+consumes ``capacity.requests`` (or the policy's default), rounded up to the policy's step as the
+scheduler does, and gets a ``shareID`` and ``consumedCapacity`` in its result; a device is chosen
+only while what its shares consumed stays within its capacity.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ class AllocationError(Exception):
 def class_types(driver_name: str) -> dict[str, str]:
     """DeviceClass name -> the ``type`` attribute it selects (as the chart defines them)."""
     return {driver_name: "gpu", f"mig.{driver_name}": "mig", f"mps.{driver_name}": "mps",
-            f"timeslice.{driver_name}": "timeslice"}
+            f"timeslice.{driver_name}": "timeslice", f"consumable.{driver_name}": "consumable"}
 
 
 def _attribute(device: Obj, key: str) -> object:
@@ -70,11 +75,50 @@ def _matches(device: Obj, driver_name: str, selectors: Iterable[Obj]) -> bool:
     return True
 
 
-def allocate(claim: Obj, slices: list[Obj], driver_name: str, taken: set[str]) -> Obj:
+def _share_amounts(device: Obj, requested: Obj) -> dict[str, int] | None:
+    """What one share of a consumable ``device`` consumes for ``requested`` (name -> quantity); None if the
+    request asks for a capacity the device lacks or more than its policy allows."""
+    amounts: dict[str, int] = {}
+    for key in requested:
+        if key not in (device.get("capacity") or {}):
+            return None
+    for key, capacity in (device.get("capacity") or {}).items():
+        policy = capacity.get("requestPolicy")
+        if key in requested:
+            want = parse_quantity(str(requested[key]), f"capacity.requests.{key}")
+        elif policy is not None:
+            want = parse_quantity(str(policy["default"]), f"requestPolicy.default of {key}")
+        else:
+            continue  # without a policy, an unrequested capacity is not consumed
+        rng = (policy or {}).get("validRange")
+        if rng is not None:
+            low = parse_quantity(str(rng["min"]), "validRange.min")
+            step = parse_quantity(str(rng.get("step", "1")), "validRange.step")
+            want = max(want, low)
+            want = low + -(-(want - low) // step) * step  # the scheduler rounds up to the step grid
+            if "max" in rng and want > parse_quantity(str(rng["max"]), "validRange.max"):
+                return None
+        amounts[key] = want
+    return amounts
+
+
+def _fits(device: Obj, amounts: dict[str, int], used: dict[str, int]) -> bool:
+    for key, want in amounts.items():
+        total = parse_quantity(str(device["capacity"][key]["value"]), f"capacity {key}")
+        if used.get(key, 0) + want > total:
+            return False
+    return True
+
+
+def allocate(claim: Obj, slices: list[Obj], driver_name: str, taken: set[str],
+             consumed: dict[str, dict[str, int]] | None = None) -> Obj:
     """Return ``claim`` with ``status.allocation`` filled from free devices of ``slices``.
 
-    ``taken`` holds device names already allocated; the chosen ones are added to it.
+    ``taken`` holds device names already allocated; the chosen ones are added to it. ``consumed``
+    (device name -> capacity name -> amount) is what shares of consumable devices took so far; the
+    chosen shares are added to it.
     """
+    consumed = {} if consumed is None else consumed
     types = class_types(driver_name)
     devices = [(s["spec"]["pool"]["name"], d) for s in slices for d in s["spec"].get("devices", [])]
     spec = claim["spec"]["devices"]
@@ -86,16 +130,32 @@ def allocate(claim: Obj, slices: list[Obj], driver_name: str, taken: set[str]) -
         wanted_type = types.get(exact["deviceClassName"])
         if wanted_type is None:
             raise AllocationError(f"request {request['name']!r}: unknown DeviceClass {exact['deviceClassName']!r}")
+        requested = (exact.get("capacity") or {}).get("requests") or {}
         for _ in range(int(exact.get("count", 1))):
-            choice = next(((pool, d) for pool, d in devices
-                           if d["name"] not in taken and _attribute(d, "type") == wanted_type
-                           and _matches(d, driver_name, exact.get("selectors", []))), None)
+            choice = None
+            for pool, d in devices:
+                if d["name"] in taken or _attribute(d, "type") != wanted_type or \
+                        not _matches(d, driver_name, exact.get("selectors", [])):
+                    continue
+                amounts = _share_amounts(d, requested) if d.get("allowMultipleAllocations") else None
+                if d.get("allowMultipleAllocations") and (
+                        amounts is None or not _fits(d, amounts, consumed.get(d["name"], {}))):
+                    continue
+                choice = (pool, d, amounts)
+                break
             if choice is None:
                 raise AllocationError(f"request {request['name']!r}: no free {wanted_type} device matches")
-            pool, device = choice
-            taken.add(device["name"])
-            results.append({"request": request["name"], "driver": driver_name, "pool": pool,
-                            "device": device["name"]})
+            pool, device, amounts = choice
+            result: Obj = {"request": request["name"], "driver": driver_name, "pool": pool, "device": device["name"]}
+            if amounts is None:
+                taken.add(device["name"])
+            else:
+                used = consumed.setdefault(device["name"], {})
+                for key, want in amounts.items():
+                    used[key] = used.get(key, 0) + want
+                result["shareID"] = str(uuid.uuid4())
+                result["consumedCapacity"] = {k: str(v) for k, v in sorted(amounts.items())}
+            results.append(result)
     config = [{"source": "FromClaim", "requests": c.get("requests", []), "opaque": c["opaque"]}
               for c in spec.get("config", []) if "opaque" in c]
     allocated = dict(claim)

@@ -9,6 +9,8 @@ kept as plain dicts, so no field is ever dropped unless a test asks for it
 
 ResourceSlice writes are checked like a real server checks them for the rules a driver most
 often breaks, and answered with ``422 Invalid`` and a Kubernetes ``Status`` naming the field.
+This module is the store; the rules, resources and selectors are in ``apiobjects.py``, the HTTP
+side (routes, watch streams) in ``apihttp.py``.
 
 Tests drive it with helpers (``add_node``, ``slices``, ``put_claim``, ``wipe_slices``,
 ``reject_next_slice_writes``, ``expire_watch_history``) and inspect ``requests``: one
@@ -23,75 +25,33 @@ import argparse
 import copy
 import json
 import random
-import re
-import select
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 from kubernetes import client
 
-Obj = dict[str, Any]
+from driver.simulation.apihttp import handler_for
+from driver.simulation.apiobjects import (
+    RESOURCE_API,
+    RESOURCES,
+    ApiError,
+    Obj,
+    check_kind,
+    group_of,
+    invalid_error,
+    slice_errors,
+)
+from driver.simulation.capacitypolicy import consumable_enabled, strip_consumable
 
-_GROUP = "resource.k8s.io"
-_RESOURCE_API = f"{_GROUP}/v1"
 _NAME_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 _MAX_GENERATE_NAME_BASE = 58
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_ATTRIBUTE_VALUE_FIELDS = ("int", "bool", "string", "version", "ints", "bools", "strings", "versions")
-_NODE_SELECTION_FIELDS = ("nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection")
 _WATCH_HISTORY = 10_000
-_DEFAULT_WATCH_SECONDS = 1800
-
-
-@dataclass(frozen=True)
-class _Resource:
-    plural: str
-    kind: str
-    api_version: str
-    namespaced: bool
-    field_labels: tuple[str, ...]
-
-
-_RESOURCES = {
-    r.plural: r for r in (
-        _Resource("nodes", "Node", "v1", False, ("metadata.name",)),
-        _Resource("resourceslices", "ResourceSlice", _RESOURCE_API, False,
-                  ("metadata.name", "spec.driver", "spec.nodeName", "spec.pool.name")),
-        _Resource("resourceclaims", "ResourceClaim", _RESOURCE_API, True, ("metadata.name", "metadata.namespace")),
-        _Resource("deviceclasses", "DeviceClass", _RESOURCE_API, False, ("metadata.name",)),
-    )
-}
-_ROUTES = (
-    re.compile(r"^/api/v1/(?P<plural>nodes)(?:/(?P<name>[^/]+))?$"),
-    re.compile(r"^/apis/resource\.k8s\.io/v1/(?P<plural>resourceslices|deviceclasses|resourceclaims)"
-               r"(?:/(?P<name>[^/]+))?$"),
-    re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>resourceclaims)"
-               r"(?:/(?P<name>[^/]+)(?:/(?P<sub>status))?)?$"),
-)
-
-
-class ApiError(Exception):
-    """An error answer: HTTP status plus the Kubernetes ``Status`` reason and message."""
-
-    def __init__(self, code: int, reason: str, message: str, causes: list[Obj] | None = None):
-        super().__init__(message)
-        self.code, self.reason, self.message, self.causes = code, reason, message, causes or []
-
-    def status_body(self) -> Obj:
-        body: Obj = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                     "message": self.message, "reason": self.reason, "code": self.code}
-        if self.causes:
-            body["details"] = {"causes": self.causes}
-        return body
 
 
 @dataclass
@@ -105,11 +65,14 @@ class _Event:
 class FakeApiServer:
     """In-memory API server on 127.0.0.1. Thread-safe: all state is guarded by one lock."""
 
-    def __init__(self, minor_version: int = 36, *, dropped_device_fields: Iterable[str] = ()):
+    def __init__(self, minor_version: int = 36, *, dropped_device_fields: Iterable[str] = (),
+                 consumable_capacity_gate: bool = False):
         self.minor_version = minor_version
         self.dropped_device_fields = tuple(dropped_device_fields)
+        # DRAConsumableCapacity on a 1.34/1.35 server (on by default from 1.36).
+        self.consumable_capacity = consumable_enabled(minor_version, consumable_capacity_gate)
         self._cond = threading.Condition()
-        self._store: dict[str, dict[tuple[str, str], Obj]] = {plural: {} for plural in _RESOURCES}
+        self._store: dict[str, dict[tuple[str, str], Obj]] = {plural: {} for plural in RESOURCES}
         self._rv = 0
         self._events: list[_Event] = []
         self._oldest_watchable_rv = 0
@@ -124,7 +87,7 @@ class FakeApiServer:
 
     def start(self, port: int = 0) -> str:
         """Serve in a background thread; returns the base URL."""
-        server = ThreadingHTTPServer(("127.0.0.1", port), _handler_for(self))
+        server = ThreadingHTTPServer(("127.0.0.1", port), handler_for(self))
         server.daemon_threads = True
         self._server = server
         # A short poll interval makes stop() quick; tests start and stop many servers.
@@ -165,6 +128,11 @@ class FakeApiServer:
 
     # ----- test helpers ----------------------------------------------------------------
 
+    def record_request(self, verb: str, path: str) -> None:
+        """Called by the HTTP handler for every request (``WATCH`` as the verb of a watch)."""
+        with self._cond:
+            self._requests.append((verb, path))
+
     @property
     def requests(self) -> list[tuple[str, str]]:
         with self._cond:
@@ -173,15 +141,15 @@ class FakeApiServer:
     def add_node(self, name: str, labels: dict[str, str] | None = None) -> str:
         """Create a Node; returns its UID."""
         meta: Obj = {"name": name, "labels": dict(labels or {})}
-        node = self._create("nodes", "", {"apiVersion": "v1", "kind": "Node", "metadata": meta})
+        node = self.create_object("nodes", "", {"apiVersion": "v1", "kind": "Node", "metadata": meta})
         return str(node["metadata"]["uid"])
 
     def set_node_labels(self, name: str, labels: dict[str, str]) -> None:
         """Replace a Node's labels (as ``kubectl label`` would)."""
-        node = self._get("nodes", "", name)
+        node = self.get_object("nodes", "", name)
         node["metadata"]["labels"] = dict(labels)
         node["metadata"].pop("resourceVersion", None)
-        self._replace("nodes", "", name, node, keep_status=True)
+        self.replace_object("nodes", "", name, node, keep_status=True)
 
     def slices(self, driver: str | None = None, node: str | None = None) -> list[Obj]:
         """Stored ResourceSlices (copies), sorted by name."""
@@ -191,6 +159,11 @@ class FakeApiServer:
                      and (node is None or s["spec"].get("nodeName") == node)]
         return sorted(found, key=lambda s: str(s["metadata"]["name"]))
 
+    def claims(self) -> list[Obj]:
+        """Every ResourceClaim, status included (copies)."""
+        with self._cond:
+            return [copy.deepcopy(c) for _, c in sorted(self._store["resourceclaims"].items())]
+
     def put_claim(self, claim: Obj) -> Obj:
         """Create or replace a ResourceClaim, status included; returns it as stored.
 
@@ -198,7 +171,7 @@ class FakeApiServer:
         deletes and recreates it, as when a user replaces a claim.
         """
         body = copy.deepcopy(claim)
-        body.setdefault("apiVersion", _RESOURCE_API)
+        body.setdefault("apiVersion", RESOURCE_API)
         body.setdefault("kind", "ResourceClaim")
         meta = body.setdefault("metadata", {})
         namespace = meta.setdefault("namespace", "default")
@@ -206,13 +179,13 @@ class FakeApiServer:
             existing = self._store["resourceclaims"].get((namespace, meta.get("name", "")))
             if existing is not None and meta.get("uid", existing["metadata"]["uid"]) == existing["metadata"]["uid"]:
                 meta.pop("resourceVersion", None)
-                return self._replace("resourceclaims", namespace, meta["name"], body, keep_status=False)
+                return self.replace_object("resourceclaims", namespace, meta["name"], body, keep_status=False)
             if existing is not None:
-                self._delete("resourceclaims", namespace, meta["name"], preconditions={})
-            return self._create("resourceclaims", namespace, body)
+                self.delete_object("resourceclaims", namespace, meta["name"], preconditions={})
+            return self.create_object("resourceclaims", namespace, body)
 
     def delete_claim(self, namespace: str, name: str) -> None:
-        self._delete("resourceclaims", namespace, name, preconditions={})
+        self.delete_object("resourceclaims", namespace, name, preconditions={})
 
     def wipe_slices(self, node: str) -> int:
         """Delete every slice of a node, as the kubelet does; returns how many were deleted."""
@@ -220,7 +193,7 @@ class FakeApiServer:
             names = [s["metadata"]["name"] for s in self._store["resourceslices"].values()
                      if s["spec"].get("nodeName") == node]
             for name in names:
-                self._delete("resourceslices", "", name, preconditions={}, by_client=False)
+                self.delete_object("resourceslices", "", name, preconditions={}, by_client=False)
             return len(names)
 
     def reject_next_slice_writes(self, count: int, message: str = "injected failure", *,
@@ -249,21 +222,21 @@ class FakeApiServer:
             self._oldest_watchable_rv = dropped.rv
         self._cond.notify_all()
 
-    def _create(self, plural: str, namespace: str, body: Obj) -> Obj:
-        resource = _RESOURCES[plural]
+    def create_object(self, plural: str, namespace: str, body: Obj) -> Obj:
+        resource = RESOURCES[plural]
         obj = copy.deepcopy(body)
-        _check_kind(resource, obj)
+        check_kind(resource, obj)
         meta = obj.setdefault("metadata", {})
         with self._cond:
             if not meta.get("name"):
                 base = str(meta.get("generateName", ""))
                 if not base:
-                    raise _invalid(resource, "", [
+                    raise invalid_error(resource, "", [
                         ("metadata.name", "Required value: name or generateName is required")])
                 meta["name"] = self._unique_name(plural, namespace, base)
             name = str(meta["name"])
             if (namespace, name) in self._store[plural]:
-                raise ApiError(409, "AlreadyExists", f'{plural}.{_group_of(resource)} "{name}" already exists')
+                raise ApiError(409, "AlreadyExists", f'{plural}.{group_of(resource)} "{name}" already exists')
             if plural == "resourceslices":
                 self._admit_slice(obj, old=None)
             if resource.namespaced:
@@ -283,19 +256,19 @@ class FakeApiServer:
             if (namespace, name) not in self._store[plural]:
                 return name
 
-    def _get(self, plural: str, namespace: str, name: str) -> Obj:
-        resource = _RESOURCES[plural]
+    def get_object(self, plural: str, namespace: str, name: str) -> Obj:
+        resource = RESOURCES[plural]
         with self._cond:
             obj = self._store[plural].get((namespace, name))
             if obj is None:
-                raise ApiError(404, "NotFound", f'{plural}.{_group_of(resource)} "{name}" not found')
+                raise ApiError(404, "NotFound", f'{plural}.{group_of(resource)} "{name}" not found')
             return copy.deepcopy(obj)
 
-    def _replace(self, plural: str, namespace: str, name: str, body: Obj, *, keep_status: bool,
+    def replace_object(self, plural: str, namespace: str, name: str, body: Obj, *, keep_status: bool,
                  status_only: bool = False) -> Obj:
-        resource = _RESOURCES[plural]
+        resource = RESOURCES[plural]
         obj = copy.deepcopy(body)
-        _check_kind(resource, obj)
+        check_kind(resource, obj)
         meta = obj.setdefault("metadata", {})
         if meta.get("name", name) != name:
             raise ApiError(400, "BadRequest", f'the name of the object ({meta.get("name")}) does not match the name '
@@ -303,10 +276,10 @@ class FakeApiServer:
         with self._cond:
             old = self._store[plural].get((namespace, name))
             if old is None:
-                raise ApiError(404, "NotFound", f'{plural}.{_group_of(resource)} "{name}" not found')
+                raise ApiError(404, "NotFound", f'{plural}.{group_of(resource)} "{name}" not found')
             sent_rv = meta.get("resourceVersion")
             if sent_rv and sent_rv != old["metadata"]["resourceVersion"]:
-                raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {plural}.{_group_of(resource)} '
+                raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {plural}.{group_of(resource)} '
                                                 f'"{name}": the object has been modified; please apply your changes '
                                                 "to the latest version and try again")
             if status_only:
@@ -331,12 +304,13 @@ class FakeApiServer:
             self._record(plural, "MODIFIED", new)
             return copy.deepcopy(new)
 
-    def _delete(self, plural: str, namespace: str, name: str, preconditions: Obj, *, by_client: bool = True) -> Obj:
-        resource = _RESOURCES[plural]
+    def delete_object(self, plural: str, namespace: str, name: str, preconditions: Obj, *,
+                      by_client: bool = True) -> Obj:
+        resource = RESOURCES[plural]
         with self._cond:
             old = self._store[plural].get((namespace, name))
             if old is None:
-                raise ApiError(404, "NotFound", f'{plural}.{_group_of(resource)} "{name}" not found')
+                raise ApiError(404, "NotFound", f'{plural}.{group_of(resource)} "{name}" not found')
             for field, label in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
                 wanted = preconditions.get(field)
                 if wanted and wanted != old["metadata"][field]:
@@ -350,8 +324,8 @@ class FakeApiServer:
             self._record(plural, "DELETED", gone)
             return gone
 
-    def _list(self, plural: str, namespace: str | None, selector: Callable[[Obj], bool]) -> Obj:
-        resource = _RESOURCES[plural]
+    def list_objects(self, plural: str, namespace: str | None, selector: Callable[[Obj], bool]) -> Obj:
+        resource = RESOURCES[plural]
         with self._cond:
             items = [copy.deepcopy(o) for (ns, _), o in sorted(self._store[plural].items())
                      if (namespace is None or ns == namespace) and selector(o)]
@@ -370,13 +344,15 @@ class FakeApiServer:
             if isinstance(device, dict):
                 for field in self.dropped_device_fields:
                     device.pop(field, None)
+                if not self.consumable_capacity:
+                    strip_consumable(device)
         errors = slice_errors(obj, old, self.minor_version)
         if errors:
-            raise _invalid(_RESOURCES["resourceslices"], str(obj.get("metadata", {}).get("name", "")), errors)
+            raise invalid_error(RESOURCES["resourceslices"], str(obj.get("metadata", {}).get("name", "")), errors)
 
     # ----- watch ------------------------------------------------------------------------
 
-    def _watch(self, plural: str, namespace: str | None, selector: Callable[[Obj], bool],
+    def watch_objects(self, plural: str, namespace: str | None, selector: Callable[[Obj], bool],
                resource_version: str, timeout_s: float, write: Callable[[Obj], bool]) -> None:
         """Stream events until the timeout, the server stops, or the client goes away."""
         deadline = time.monotonic() + timeout_s
@@ -417,263 +393,6 @@ class FakeApiServer:
                 return
             if not pending and not write({}):
                 return
-
-
-def slice_errors(obj: Obj, old: Obj | None, minor_version: int) -> list[tuple[str, str]]:
-    """(field, problem) pairs for the server-side ResourceSlice rules this double enforces."""
-    errors: list[tuple[str, str]] = []
-    spec = obj.get("spec")
-    if not isinstance(spec, dict):
-        return [("spec", "Required value")]
-    if not spec.get("driver"):
-        errors.append(("spec.driver", "Required value"))
-    pool = spec.get("pool") or {}
-    if not pool.get("name"):
-        errors.append(("spec.pool.name", "Required value"))
-    if int(pool.get("generation", 0)) < 0:
-        errors.append(("spec.pool.generation", "Invalid value: must be greater than or equal to 0"))
-    if int(pool.get("resourceSliceCount", 0)) <= 0:
-        errors.append(("spec.pool.resourceSliceCount", "Invalid value: must be greater than zero"))
-    selected = [f for f in _NODE_SELECTION_FIELDS if spec.get(f) not in (None, False, "")]
-    if len(selected) != 1:
-        errors.append(("spec", "Invalid value: exactly one of `nodeName`, `nodeSelector`, `allNodes`, "
-                               f"`perDeviceNodeSelection` is required (found {len(selected)})"))
-    if old is not None:
-        for path in (("driver",), ("pool", "name"), ("nodeName",)):
-            if _dig(spec, path) != _dig(old["spec"], path):
-                errors.append(("spec." + ".".join(path), "Invalid value: field is immutable"))
-    devices = spec.get("devices") or []
-    restricted = any(d.get("consumesCounters") or (d.get("taints") and minor_version >= 35)
-                     or (minor_version >= 36 and any(k in a for a in (d.get("attributes") or {}).values()
-                                                    for k in ("ints", "bools", "strings", "versions")))
-                     for d in devices)
-    limit = 64 if restricted and minor_version >= 35 else 128
-    if len(devices) > limit:
-        errors.append(("spec.devices", f"Too many: {len(devices)}: must have at most {limit} items"))
-    seen: set[str] = set()
-    for i, device in enumerate(devices):
-        name = str(device.get("name", ""))
-        field = f"spec.devices[{i}]"
-        if not name:
-            errors.append((field + ".name", "Required value"))
-        elif len(name) > 63 or not _DNS_LABEL.match(name):
-            errors.append((field + ".name", f'Invalid value: "{name}": a lowercase RFC 1123 label must consist of '
-                                            "lower case alphanumeric characters or '-'"))
-        elif name in seen:
-            errors.append((field + ".name", f'Duplicate value: "{name}"'))
-        seen.add(name)
-        for key, value in (device.get("attributes") or {}).items():
-            where = f"{field}.attributes[{key}]"
-            present = [k for k in _ATTRIBUTE_VALUE_FIELDS if k in value]
-            if len(present) != 1:
-                errors.append((where, f"Invalid value: exactly one value must be specified (found {len(present)})"))
-            if isinstance(value.get("string"), str) and len(value["string"].encode()) > 64:
-                errors.append((where + ".string", "Too long: may not be more than 64 bytes"))
-    return errors
-
-
-def _dig(obj: Any, path: tuple[str, ...]) -> Any:
-    for key in path:
-        obj = obj.get(key) if isinstance(obj, dict) else None
-    return obj
-
-
-def _group_of(resource: _Resource) -> str:
-    return _GROUP if "/" in resource.api_version else ""
-
-
-def _check_kind(resource: _Resource, obj: Obj) -> None:
-    kind = obj.get("kind")
-    if kind and kind != resource.kind:
-        raise ApiError(400, "BadRequest", f"the body kind {kind} does not match the resource kind {resource.kind}")
-
-
-def _invalid(resource: _Resource, name: str, errors: list[tuple[str, str]]) -> ApiError:
-    details = [f"{field}: {problem}" for field, problem in errors]
-    message = f'{resource.kind}.{_group_of(resource)} "{name}" is invalid: ' + (
-        details[0] if len(details) == 1 else "[" + ", ".join(details) + "]")
-    causes = [{"reason": "FieldValueInvalid", "message": problem, "field": field} for field, problem in errors]
-    return ApiError(422, "Invalid", message, causes)
-
-
-def _field_selector(resource: _Resource, text: str) -> Callable[[Obj], bool]:
-    """``a=b,c!=d`` on the resource's supported field labels."""
-    terms: list[tuple[tuple[str, ...], str, bool]] = []
-    for term in filter(None, text.split(",")):
-        negate = "!=" in term
-        key, _, value = term.partition("!=" if negate else "=")
-        value = value.removeprefix("=")
-        if key not in resource.field_labels:
-            raise ApiError(400, "BadRequest", f'field label not supported: "{key}"')
-        terms.append((tuple(key.split(".")), value, negate))
-    return lambda obj: all((str(_dig(obj, path) or "") == value) != negate for path, value, negate in terms)
-
-
-def _label_selector(text: str) -> Callable[[Obj], bool]:
-    """Equality-based label selectors: ``a=b``, ``a!=b``, ``a``, ``!a``."""
-    terms: list[tuple[str, str | None, bool]] = []
-    for term in filter(None, (t.strip() for t in text.split(","))):
-        if "!=" in term:
-            key, _, value = term.partition("!=")
-            terms.append((key, value, True))
-        elif "=" in term:
-            key, _, value = term.partition("=")
-            terms.append((key, value.removeprefix("="), False))
-        else:
-            terms.append((term.removeprefix("!"), None, term.startswith("!")))
-
-    def matches(obj: Obj) -> bool:
-        labels = obj.get("metadata", {}).get("labels") or {}
-        return all(
-            ((key in labels) != negate) if value is None else ((labels.get(key) == value) != negate)
-            for key, value, negate in terms)
-
-    return matches
-
-
-def _handler_for(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        # Headers and body go out in separate writes; with Nagle on, the body waits for the
-        # client's delayed ACK (~40 ms per request on Linux), which a real API server never adds.
-        disable_nagle_algorithm = True
-
-        def log_message(self, format: str, *args: object) -> None:
-            return
-
-        def do_GET(self) -> None:
-            self._serve("GET")
-
-        def do_POST(self) -> None:
-            self._serve("POST")
-
-        def do_PUT(self) -> None:
-            self._serve("PUT")
-
-        def do_DELETE(self) -> None:
-            self._serve("DELETE")
-
-        def do_PATCH(self) -> None:
-            self._serve("PATCH")
-
-        def _serve(self, method: str) -> None:
-            parts = urlsplit(self.path)
-            query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-            watching = method == "GET" and query.get("watch") in ("true", "1")
-            with api._cond:
-                api._requests.append(("WATCH" if watching else method, parts.path))
-            try:
-                body = self._read_body()
-                if watching:
-                    self._stream_watch(parts.path, query)
-                    return
-                code, answer = self._dispatch(method, parts.path, query, body)
-            except ApiError as err:
-                code, answer = err.code, err.status_body()
-            self._send_json(code, answer)
-
-        def _read_body(self) -> Obj:
-            length = int(self.headers.get("Content-Length") or 0)
-            if not length:
-                return {}
-            try:
-                body = json.loads(self.rfile.read(length))
-            except ValueError as err:
-                raise ApiError(400, "BadRequest", f"request body is not JSON: {err}") from err
-            if not isinstance(body, dict):
-                raise ApiError(400, "BadRequest", "request body must be a JSON object")
-            return body
-
-        def _send_json(self, code: int, answer: Obj) -> None:
-            data = json.dumps(answer).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _route(self, path: str) -> tuple[_Resource, str | None, str | None, str | None]:
-            for route in _ROUTES:
-                match = route.match(path)
-                if match:
-                    groups = match.groupdict()
-                    resource = _RESOURCES[groups["plural"]]
-                    namespace = groups.get("ns")
-                    if resource.namespaced and namespace is None and groups.get("name"):
-                        break
-                    return resource, namespace, groups.get("name"), groups.get("sub")
-            raise ApiError(404, "NotFound", f"the server could not find the requested resource ({path})")
-
-        def _dispatch(self, method: str, path: str, query: dict[str, str], body: Obj) -> tuple[int, Obj]:
-            if path.rstrip("/") == "/version":
-                if method != "GET":
-                    raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on /version")
-                return 200, {"major": "1", "minor": str(api.minor_version),
-                             "gitVersion": f"v1.{api.minor_version}.0-fake", "gitCommit": "0" * 40,
-                             "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z",
-                             "goVersion": "go1.25.0", "compiler": "gc", "platform": "linux/amd64"}
-            resource, namespace, name, sub = self._route(path)
-            ns = namespace or ""
-            read_only = resource.plural == "nodes"
-            if name is None:
-                if method == "GET":
-                    return 200, api._list(resource.plural, namespace, self._selector(resource, query))
-                if method == "POST" and not read_only and (namespace is not None or not resource.namespaced):
-                    return 201, api._create(resource.plural, ns, body)
-                if method == "DELETE" and resource.plural == "resourceslices":
-                    listed = api._list(resource.plural, None, self._selector(resource, query))
-                    for item in listed["items"]:
-                        api._delete(resource.plural, "", item["metadata"]["name"], preconditions={}, by_client=False)
-                    return 200, listed
-            elif method == "GET":
-                return 200, api._get(resource.plural, ns, name)
-            elif method == "PUT" and not read_only:
-                if sub == "status":
-                    return 200, api._replace(resource.plural, ns, name, body, keep_status=False, status_only=True)
-                return 200, api._replace(resource.plural, ns, name, body,
-                                         keep_status=resource.plural == "resourceclaims")
-            elif method == "DELETE" and not read_only:
-                return 200, api._delete(resource.plural, ns, name, preconditions=body.get("preconditions") or {})
-            raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on {path} by this test double")
-
-        def _selector(self, resource: _Resource, query: dict[str, str]) -> Callable[[Obj], bool]:
-            by_field = _field_selector(resource, query.get("fieldSelector", ""))
-            by_label = _label_selector(query.get("labelSelector", ""))
-            return lambda obj: by_field(obj) and by_label(obj)
-
-        def _stream_watch(self, path: str, query: dict[str, str]) -> None:
-            resource, namespace, name, _ = self._route(path)
-            if name is not None:
-                raise ApiError(405, "MethodNotAllowed", "watch a collection with ?watch=true")
-            selector = self._selector(resource, query)
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-
-            def write(event: Obj) -> bool:
-                # An empty event is a liveness probe: nothing is sent, but a closed client is noticed.
-                try:
-                    if not event:
-                        readable, _, _ = select.select([self.connection], [], [], 0)
-                        return not (readable and not self.connection.recv(1, socket.MSG_PEEK))
-                    line = json.dumps(event).encode() + b"\n"
-                    self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
-                    self.wfile.flush()
-                    return True
-                except OSError:
-                    return False
-
-            timeout_s = float(query.get("timeoutSeconds") or _DEFAULT_WATCH_SECONDS)
-            api._watch(resource.plural, namespace, selector, query.get("resourceVersion", ""), timeout_s, write)
-            try:
-                self.wfile.write(b"0\r\n\r\n")
-                self.wfile.flush()
-            except OSError:
-                pass
-            self.close_connection = True
-
-    return Handler
 
 
 def main(argv: list[str] | None = None) -> None:

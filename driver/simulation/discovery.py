@@ -18,8 +18,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cdi.yamlload import load_yaml
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.simulation.gpus import GpuModel, MigProfileSpec, SimulationError, gpu_models
+from driver.units import MIB
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +29,6 @@ SIMULATED_DRIVER_VERSION = "580.95.05"
 SIMULATED_CUDA_DRIVER_VERSION = "13.0"
 DEFAULT_LAYOUT = "demo"
 _LAYOUTS_FILE = "layouts.yaml"
-_MIB = 1 << 20
 _UUID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://gpu.tessera.dev/simulation")
 
 
@@ -56,7 +57,7 @@ class SimulatedNode(BaseModel):
 
 def _builtin_layouts() -> dict[str, Any]:
     text = resources.files("driver.simulation").joinpath(_LAYOUTS_FILE).read_text()
-    layouts = yaml.safe_load(text)
+    layouts = load_yaml(text)
     if not isinstance(layouts, dict):
         raise SimulationError(f"{_LAYOUTS_FILE} must map layout names to layouts")
     return layouts
@@ -81,7 +82,7 @@ def load_layout(layout_name_or_path: str) -> tuple[str, SimulatedNode]:
             )
         label = f"layout file {str(path)!r}"
         try:
-            raw = yaml.safe_load(path.read_text())
+            raw = load_yaml(path.read_text())
         except (OSError, yaml.YAMLError) as err:
             raise SimulationError(f"{label}: cannot read it as YAML: {err}") from err
     try:
@@ -144,7 +145,7 @@ def _mig_instances(
             placement_size=spec.memory_slices,
             gi_id=position + 1,  # NVML hands out GI ids in creation order; layout order stands in for it
             ci_id=0,
-            memory_bytes=spec.memory_mib * _MIB,
+            memory_bytes=spec.memory_mib * MIB,
             multiprocessors=spec.multiprocessors,
             copy_engines=spec.compute_slices,
         )

@@ -14,7 +14,8 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
-_MIB = 1 << 20
+from driver.units import MIB
+
 _PROFILE_TABLE = "mig-profiles.json"
 
 
@@ -147,7 +148,7 @@ def gpu_models() -> dict[str, GpuModel]:
             brand="Nvidia",
             architecture=spec.architecture,
             compute_capability=spec.compute_capability,
-            memory_bytes=spec.memory_mib * _MIB,
+            memory_bytes=spec.memory_mib * MIB,
             multiprocessors=spec.multiprocessors,
             total_compute_slices=table.total_compute_slices if table else 0,
             total_memory_slices=table.total_memory_slices if table else 0,

@@ -14,6 +14,7 @@ in its own ``dev/`` and whose toolkit writes ``/var/run/cdi/management.nvidia.co
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from driver.gpu.claimcdi.hostfs import CAPABILITIES_DIR
 from driver.gpu.discovery.inventory import NodeInventory
 
 MARKER_FILE = "SIMULATED"
+SIM_GPUS_FILE = "var/lib/tessera-sim-gpus.json"  # under the driver root; read by driver/simulation/bin/nvidia-smi
 SIMULATED_CAPS_MAJOR = 237
 SIMULATED_FRONTEND_MAJOR = 195
 SIMULATED_UVM_MAJOR = 510
@@ -41,7 +43,8 @@ CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 DriverLayout = Literal["host", "gpu-operator"]
 # The GPU Operator's driver container root, shared with the host; the container creates the device
 # nodes in its own dev/ there, and the host's /dev never gets them (the operator's validator,
-# gpu-operator cmd/nvidia-validator/driver.go, only adds /dev/char links): nvidia-gpu.md 6.1.
+# gpu-operator cmd/nvidia-validator/driver.go, only adds /dev/char links; dra-driver-nvidia-gpu
+# cmd/gpu-kubelet-plugin/root.go, getDevRoot, uses <driver root>/dev then).
 OPERATOR_DRIVER_ROOT = PurePosixPath("/run/nvidia/driver")
 # The operator's toolkit writes its spec here under this name, kind management.nvidia.com/gpu:
 # nvidia-container-toolkit cmd/nvidia-ctk-installer/toolkit/toolkit.go (generateCDISpec).
@@ -126,7 +129,8 @@ def _driver_files(driver_version: str) -> list[str]:
 
 
 def _ctk_mount(path: str, driver_root_on_host: PurePosixPath) -> dict[str, Any]:
-    # The toolkit rewrites host paths to the driver root's real place on the host ("transformroot"): cdi.md 6.6.
+    # The toolkit rewrites host paths to the driver root's real place on the host (nvidia-container-toolkit
+    # "transformroot").
     return {"hostPath": str(driver_root_on_host / path.lstrip("/")), "containerPath": path,
             "options": list(CTK_MOUNT_OPTIONS)}
 
@@ -187,7 +191,7 @@ def operator_toolkit_spec(inventory: NodeInventory, binaries: Sequence[str] = ("
     every NVIDIA device node found under the device root (``GetAllDeviceSpecs``), and spec-level
     edits holding the driver's libraries, binaries and hooks (``GetCommonEdits``). Every host path
     lies under the driver root; device nodes carry ``hostPath`` because it differs from ``path``
-    (nvcdi writes it only then: cdi.md 6.3).
+    (nvcdi writes it only then).
     """
     gpus = sorted(inventory.gpus, key=lambda g: g.minor)
     caps = sorted({minor for gpu in gpus for mig in gpu.mig_instances
@@ -196,7 +200,7 @@ def operator_toolkit_spec(inventory: NodeInventory, binaries: Sequence[str] = ("
              *CONTROL_DEVICES]
     nodes = [{"path": f"/dev/{name}", "hostPath": str(driver_root_on_host / "dev" / name)} for name in names]
     return {
-        "cdiVersion": "0.5.0",  # hostPath on device nodes needs 0.5.0 (cdi.md)
+        "cdiVersion": "0.5.0",  # hostPath on device nodes needs 0.5.0 (cdi/version.py)
         "kind": "management.nvidia.com/gpu",
         "devices": [{"name": "all", "containerEdits": {"deviceNodes": nodes}}],
         "containerEdits": _common_edits(inventory, binaries, driver_root_on_host, OPERATOR_CTK_HOOK),
@@ -281,6 +285,11 @@ def build_host_root(root: Path, inventory: NodeInventory, layout: DriverLayout =
     for library in _driver_files(inventory.driver_version or "0.0.0"):
         _write(driver_root / library.lstrip("/"), "simulated driver library (not a real shared object)\n")
     binaries = _install_binaries(driver_root)
+    # What the stand-ins cannot ask a GPU: which simulated GPUs have MIG enabled (nvidia-smi refuses
+    # a compute mode there) and which compute modes apply to an MPS client's GPU.
+    _write(driver_root / SIM_GPUS_FILE, json.dumps({"gpus": [
+        {"uuid": g.uuid, "minor": g.minor, "pci_bus_id": g.pci_bus_id, "mig_enabled": g.mig_enabled}
+        for g in inventory.gpus]}, indent=1) + "\n")
 
     if operator:
         spec = operator_toolkit_spec(inventory, binaries)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -30,6 +30,7 @@ from driver.kubeletplugin.api import (
     pluginregistration_v1_pb2_grpc,
 )
 from driver.kubeletplugin.types import ClaimRef
+from driver.simulation.kubelethealth import HealthWatch, health_api_version
 
 # What a 1.34+ kubelet supports; pass ("v1beta1.DRAPlugin",) to emulate a 1.32/1.33 kubelet.
 KUBELET_DRA_VERSIONS: tuple[str, ...] = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
@@ -130,8 +131,13 @@ class KubeletEmulator:
                                    f"within {timeout} s (sockets seen: {self.registration_sockets()})")
             time.sleep(0.02)
 
-    def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, PrepareAnswer]:
-        """Send one NodePrepareResources for ``claims``; the answer per claim UID."""
+    def prepare(self, claims: Sequence[ClaimRef],
+                share_ids: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, PrepareAnswer]:
+        """Send one NodePrepareResources for ``claims``; the answer per claim UID.
+
+        ``share_ids``: claim UID -> device name -> the allocation's ``shareID``, as a real kubelet
+        knows them from the claim; each answered device must carry its share's ID (kubelet DRA v1
+        ``Device.share_id``), since the kubelet tells shares of one device apart by it."""
         channel = self._connected()
         if self._api_version == "v1.DRAPlugin":
             response = dra_v1_pb2_grpc.DRAPluginStub(channel).NodePrepareResources(
@@ -156,6 +162,7 @@ class KubeletEmulator:
                 for d in entry.devices
             )
             answers[uid] = PrepareAnswer(devices=devices)
+            _check_share_ids(uid, devices, (share_ids or {}).get(uid, {}))
         return answers
 
     def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str | None]:
@@ -171,6 +178,15 @@ class KubeletEmulator:
                 timeout=self._call_timeout_s)
         _check_answered("NodeUnprepareResources", claims, set(response.claims))
         return {uid: entry.error or None for uid, entry in response.claims.items()}
+
+    def watch_health(self, api_version: str | None = None) -> HealthWatch:
+        """Open the device health stream as a 1.37 kubelet does (v1 first); close() it when done."""
+        if self.plugin is None:
+            raise RuntimeError("no plugin registered: call wait_for_plugin() first")
+        version = api_version or health_api_version(self.plugin.supported_versions)
+        if version is None:
+            raise KubeletProtocolError(f"the plugin advertises no health service: {self.plugin.supported_versions}")
+        return HealthWatch(self.plugin.endpoint, version)
 
     def _get_info(self, socket_path: Path) -> pluginregistration_v1_pb2.PluginInfo | None:
         try:
@@ -227,6 +243,14 @@ def _notify(socket_path: Path, registered: bool, error: str) -> None:
         pluginregistration_v1_pb2_grpc.RegistrationStub(channel).NotifyRegistrationStatus(
             pluginregistration_v1_pb2.RegistrationStatus(plugin_registered=registered, error=error),
             timeout=GET_INFO_TIMEOUT_S * 5)
+
+
+def _check_share_ids(uid: str, devices: Sequence[KubeletDevice], wanted: Mapping[str, str]) -> None:
+    for device in devices:
+        if device.device_name in wanted and device.share_id != wanted[device.device_name]:
+            raise KubeletProtocolError(
+                f"NodePrepareResources: claim {uid} device {device.device_name}: share_id {device.share_id!r}, "
+                f"but the allocation's shareID is {wanted[device.device_name]!r}")
 
 
 def _check_answered(method: str, claims: Sequence[ClaimRef], answered: set[str]) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,9 +34,7 @@ def parent_of(pid: int) -> int:
 
 
 def inspect_daemons(node: SimulatedNode) -> list[dict[str, Any]]:
-    done = subprocess.run([sys.executable, "-m", "driver", "inspect", "--json", "--plugins-dir",
-                           str(node.work / "plugins"), "--cdi-root", str(node.cdi_dir)],
-                          capture_output=True, text=True, timeout=30, check=True)
+    done = subprocess.run(node.inspect_args("--json"), capture_output=True, text=True, timeout=30, check=True)
     daemons: list[dict[str, Any]] = json.loads(done.stdout)["mps_daemons"]
     return daemons
 

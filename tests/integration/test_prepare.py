@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 
+from cdi.yamlload import load_yaml
 from driver.kubeletplugin.types import ClaimRef
 from tests.support.node import SimulatedNode, gpu_config
 
@@ -144,7 +145,7 @@ def test_a_regenerated_toolkit_spec_is_used_for_new_claims(node: SimulatedNode) 
     before = node.claim("before", [("gpu", "gpu-0")])
     node.prepare_ok(before)
     toolkit = node.host / "etc" / "cdi" / "nvidia.yaml"
-    spec = yaml.safe_load(toolkit.read_text())
+    spec = load_yaml(toolkit.read_text())
     spec["containerEdits"]["env"].append("UPGRADED_DRIVER=1")  # as after a driver upgrade
     fresh = toolkit.with_name("nvidia.yaml.new")
     fresh.write_text(yaml.safe_dump(spec))

@@ -95,13 +95,11 @@ def test_corrupt_checkpoint_is_set_aside_and_state_rebuilt_from_cdi(node: Simula
 
 def test_inspect_shows_claims_devices_and_cdi_files(node: SimulatedNode) -> None:
     import subprocess
-    import sys
 
     node.start()
     ref = node.claim("c", [("mig", "gpu-1-mig-1g10gb-6")])
     node.prepare_ok(ref)
-    args = [sys.executable, "-m", "driver", "inspect", "--plugins-dir", str(node.work / "plugins"),
-            "--cdi-root", str(node.cdi_dir)]
+    args = node.inspect_args()
     text = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     assert "default/c" in text and ref.uid in text and "gpu-1-mig-1g10gb-6" in text
     assert "cdi spec (present)" in text

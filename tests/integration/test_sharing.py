@@ -216,3 +216,22 @@ def test_published_slices_validate_against_the_kubernetes_schemas(plan: str) -> 
                 kubernetes_validate.validate(slice_, version, strict=True)
     finally:
         node.close()
+
+
+def test_multi_user_mode_is_probed_after_start_then_published_and_used(mps_node: SimulatedNode) -> None:
+    # The stand-in without TESSERA_SIM_MPS_DRIVER knows -M: the probe answers yes after registration.
+    mps_node.start()
+
+    def multi_user() -> list[object]:
+        return [d["attributes"].get("mpsMultiUser") for d in mps_node.devices() if d["name"] in SHARES]
+
+    wait_until(lambda: multi_user() == [{"bool": True}] * 4, what="mpsMultiUser republished as true")
+    probes = [e for e in mps_node.journal(probes=True) if e.get("event") == "start" and e not in mps_node.journal()]
+    assert [e["multi_user"] for e in probes] == [True], "one throwaway daemon, with -M"
+    assert not pid_alive(probes[0]["pid"]) and not (mps_node.state_dir / "mps" / "probe-multi-user").exists()
+
+    ref = mps_node.claim("share", [("share", "gpu-2-mps-0")])
+    mps_node.prepare_ok(ref)
+    [start] = [e for e in mps_node.journal() if e.get("event") == "start"]
+    assert start["multi_user"] is True
+    assert next(iter(mps_node.checkpoint()["mps_daemons"].values()))["spec"]["multi_user"] is True

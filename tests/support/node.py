@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from driver.config import DEFAULT_PLAN_LABEL
 from driver.kubeletplugin.types import ClaimRef
 from driver.simulation.apiserver import FakeApiServer
 from driver.simulation.discovery import SimulatedDiscovery
@@ -32,7 +33,7 @@ from tests.support.processes import kill_processes_mentioning
 
 DRIVER = "gpu.tessera.dev"
 NODE = "node-a"
-PLAN_LABEL = "gpu.tessera.dev/sharing-plan"
+PLAN_LABEL = DEFAULT_PLAN_LABEL
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
@@ -76,6 +77,8 @@ class SimulatedNode:
         self.env: dict[str, str] = {}
         self.log_path = self.work / "driver.log"
         self.mps_host: subprocess.Popen[bytes] | None = None
+        # SIMULATION: GPU health events (TESSERA_SIM_EVENTS), appended by tests while the driver runs.
+        self.events_file = self.work / "health-events.jsonl"
 
     # ----------------------------------------------------------------------------- paths
 
@@ -106,10 +109,14 @@ class SimulatedNode:
         data: dict[str, Any] = json.loads((self.state_dir / "checkpoint.json").read_text())["data"]
         return data
 
-    def journal(self) -> list[dict[str, Any]]:
+    def journal(self, probes: bool = False) -> list[dict[str, Any]]:
+        """The MPS stand-ins' journal; without ``probes``, less the driver's multi-user probe daemon
+        (a throwaway daemon the driver starts once after registration, driver/gpu/mps/multiuser.py)."""
         if not self.mps_journal.exists():
             return []
-        return [json.loads(line) for line in self.mps_journal.read_text().splitlines() if line.strip()]
+        entries = [json.loads(line) for line in self.mps_journal.read_text().splitlines() if line.strip()]
+        probe_dir = str(self.state_dir / "mps" / "probe-multi-user")
+        return [e for e in entries if probes or not str(e.get("pipe_dir") or "").startswith(probe_dir)]
 
     def nvidia_smi_calls(self) -> list[list[str]]:
         if not self.nvidia_smi_log.exists():
@@ -131,6 +138,12 @@ class SimulatedNode:
         if self.plans_file is not None:
             args += ["--sharing-plans", str(self.plans_file)]
         return [*args, *extra]
+
+    def inspect_args(self, *extra: str) -> list[str]:
+        """``python -m driver inspect`` with the settings the driver runs with, as an operator would run it."""
+        return [sys.executable, "-m", "driver", "inspect", "--simulate", self.layout,
+                "--plugins-dir", str(self.work / "plugins"), "--cdi-root", str(self.cdi_dir),
+                *self.sim_host.driver_args(), *extra]
 
     def _environment(self, env: dict[str, str] | None) -> dict[str, str]:
         tmp = self.work / "tmp"  # the driver's private temporary files go away with the node
@@ -259,7 +272,13 @@ class SimulatedNode:
         return ClaimRef(namespace=namespace, name=name, uid=uid)
 
     def prepare(self, *refs: ClaimRef) -> dict[str, PrepareAnswer]:
-        return self.kubelet.prepare(list(refs))
+        """Prepare through the kubelet stand-in, which checks each answer's share IDs against the claim's."""
+        share_ids: dict[str, dict[str, str]] = {}
+        for claim in self.api.claims():
+            for result in ((claim.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results", []):
+                if result.get("shareID"):
+                    share_ids.setdefault(claim["metadata"]["uid"], {})[result["device"]] = result["shareID"]
+        return self.kubelet.prepare(list(refs), share_ids)
 
     def prepare_ok(self, ref: ClaimRef) -> PrepareAnswer:
         answer = self.prepare(ref)[ref.uid]

@@ -63,7 +63,8 @@ def _results(allocated: Obj) -> list[Obj]:
 def test_class_types_follow_the_driver_name() -> None:
     assert class_types("gpu.example.com") == {"gpu.example.com": "gpu", "mig.gpu.example.com": "mig",
                                               "mps.gpu.example.com": "mps",
-                                              "timeslice.gpu.example.com": "timeslice"}
+                                              "timeslice.gpu.example.com": "timeslice",
+                                              "consumable.gpu.example.com": "consumable"}
 
 
 @pytest.mark.parametrize(("device_class", "device", "pool"), [

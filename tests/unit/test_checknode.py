@@ -21,18 +21,11 @@ from driver.checkresult import NodeReport, exit_status, fail, ok, render_json, r
 from driver.gpu.discovery.cudaprobe import ClientReport
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.runtime.computemode import ComputeMode
-from driver.simulation.discovery import SimulatedDiscovery
+from driver.units import MIB
 from tests.support.processes import processes_mentioning
 
-MIB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
 TARGET = "GPU-a338e955-d4a5-5fe1-a1d9-69aa948b59b7"
-
-
-@pytest.fixture(scope="module")
-def demo() -> NodeInventory:
-    # minor 0: whole H100, minor 1: H100 with three MIG devices, minor 2: whole L4
-    return SimulatedDiscovery("demo", "node-a").discover()
 
 
 # --- rendering and exit status ----------------------------------------------------------------------

@@ -7,11 +7,12 @@ from typing import Any
 import pytest
 
 from driver.gpu.claimplan import is_plan_daemon, plan_claim
+from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
 from driver.gpu.sharing import GpuShares
-from driver.gpu.targets import NodeView, make_view
+from driver.gpu.targets import NodeView
 from driver.simulation.discovery import SimulatedDiscovery
-from tests.unit.test_state import DRIVER, POOL, claim, gpu_config
+from tests.support.statenode import DRIVER, POOL, claim, gpu_config
 
 INVENTORY = SimulatedDiscovery("demo", POOL).discover()
 GPU0, GPU1, GPU2 = (g.uuid for g in INVENTORY.gpus)

@@ -70,6 +70,7 @@ class FakeApiServer:
 
     routes: dict[str, tuple[int, bytes]] = field(default_factory=dict)
     requests: list[tuple[str, str]] = field(default_factory=list)
+    authorizations: list[str | None] = field(default_factory=list)
     port: int = 0
 
     def answer(self, status: int, body: object, ref: ClaimRef = REF) -> None:
@@ -85,6 +86,7 @@ def apiserver() -> Iterator[FakeApiServer]:
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             fake.requests.append(("GET", path))
+            fake.authorizations.append(self.headers.get("Authorization"))
             status, body = fake.routes.get(path, (404, json.dumps(status_json(404, "NotFound", "nope")).encode()))
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -127,6 +129,26 @@ def test_fetches_and_parses_an_allocated_claim(apiserver: FakeApiServer) -> None
     (result,) = claim.results_for("gpu.tessera.dev")
     assert (result.pool, result.device, result.share_id) == ("node-a", "gpu-0", "3f1b-share")
     assert [c.opaque.parameters for c in claim.configs_for("gpu.tessera.dev") if c.opaque] == [{"kind": "GpuConfig"}]
+
+
+def test_every_read_sends_the_current_token_of_a_rotating_service_account(apiserver: FakeApiServer) -> None:
+    # In-cluster configs refresh the projected token through refresh_api_key_hook; the plain GET
+    # must ask the configuration for it on every request, as the generated client does.
+    apiserver.answer(200, claim_json())
+    config = client_config(apiserver.port)
+    config.api_key = {"BearerToken": "token-0"}
+    config.api_key_prefix = {"BearerToken": "Bearer"}
+    rotations = iter(["token-1", "token-2"])
+
+    def rotate(configuration: kubernetes.client.Configuration) -> None:
+        configuration.api_key["BearerToken"] = next(rotations)
+
+    config.refresh_api_key_hook = rotate  # type: ignore[assignment]  # the stubs type it as None
+    with kubernetes.client.ApiClient(config) as api:
+        fetcher = ClaimFetcher(api, read_timeout_s=5)
+        fetcher.fetch(REF)
+        fetcher.fetch(REF)
+    assert apiserver.authorizations == ["Bearer token-1", "Bearer token-2"]
 
 
 def test_missing_claim_says_it_was_deleted(apiserver: FakeApiServer) -> None:

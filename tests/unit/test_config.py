@@ -115,3 +115,15 @@ def test_settings_are_frozen_and_strict_about_fields() -> None:
 def test_unknown_flag_is_refused() -> None:
     with pytest.raises(SystemExit):
         parse_settings(["--no-such-flag", "x"], {})
+
+
+def test_prepare_deadline_flag_and_its_bound() -> None:
+    assert parse_settings([], {}).prepare_deadline == 30.0
+    assert parse_settings(["--prepare-deadline", "12.5"], {}).prepare_deadline == 12.5
+    assert parse_settings([], {"PREPARE_DEADLINE": "20"}).prepare_deadline == 20.0
+    for bad in ("45", "60", "0", "-1", "nan"):
+        with pytest.raises(ValidationError) as caught:
+            parse_settings(["--prepare-deadline", bad], {})
+        assert _error_fields(caught.value) == {"prepare_deadline"}
+        [error] = caught.value.errors()
+        assert "the kubelet gives up on a prepare after 45 s" in error["msg"] and "\n" not in error["msg"]

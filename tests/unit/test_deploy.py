@@ -18,15 +18,15 @@ import celpy
 import helm_python
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
-import yaml
 from celpy.adapter import json_to_cel
 from celpy.evaluation import CELEvalError
 
+from cdi.yamlload import load_yaml, load_yaml_documents
 from deploy.render import CHART_DIR, DEFAULT_NAMESPACE, MANIFEST_PATH, render_manifest, render_objects
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KUBE_VERSIONS = ("1.34", "1.36")
-SHARING_PLANS = yaml.safe_load((REPO_ROOT / "examples" / "sharing-plans.yaml").read_text())
+SHARING_PLANS = load_yaml((REPO_ROOT / "examples" / "sharing-plans.yaml").read_text())
 
 # The non-default install the brief names, plus a kubelet root with a trailing slash and the CDI
 # root on /etc/cdi to exercise path handling.
@@ -45,11 +45,6 @@ CUSTOM_VALUES: dict[str, Any] = {
 }
 
 Obj = dict[str, Any]
-
-
-@pytest.fixture(scope="module")
-def default_objects() -> list[Obj]:
-    return render_objects()
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +137,7 @@ def test_helm_lint_is_clean_for_the_oldest_supported_kubernetes() -> None:
 
 
 def test_chart_requires_kubernetes_1_34() -> None:
-    chart = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
+    chart = load_yaml((CHART_DIR / "Chart.yaml").read_text())
     assert chart["apiVersion"] == "v2"
     assert chart["kubeVersion"] == ">=1.34.0-0"
 
@@ -160,7 +155,7 @@ def test_plain_manifest_starts_with_a_privileged_namespace_and_says_it_is_genera
     text = MANIFEST_PATH.read_text()
     assert text.startswith("# GENERATED")
     assert "deploy/render.py" in text.split("---", 1)[0]
-    objects = [o for o in yaml.safe_load_all(text) if o]
+    objects = [o for o in load_yaml_documents(text) if o]
     assert objects[0]["kind"] == "Namespace"
     assert objects[0]["metadata"]["name"] == DEFAULT_NAMESPACE
     assert objects[0]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "privileged"
@@ -230,15 +225,15 @@ def test_an_explicit_prometheus_port_annotation_is_kept() -> None:
 
 
 def test_image_and_command_match_the_dockerfile(default_objects: list[Obj]) -> None:
-    chart = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
+    chart = load_yaml((CHART_DIR / "Chart.yaml").read_text())
     container = plugin_container(default_objects)
     assert container["image"].endswith(f":{chart['appVersion']}")
     dockerfile = (REPO_ROOT / "deploy" / "Dockerfile").read_text()
     entrypoint = re.search(r"^ENTRYPOINT (\[.*\])$", dockerfile, re.MULTILINE)
     cmd = re.search(r"^CMD (\[.*\])$", dockerfile, re.MULTILINE)
     assert entrypoint and cmd
-    assert container["command"] == yaml.safe_load(entrypoint.group(1))
-    assert container["args"] == yaml.safe_load(cmd.group(1))
+    assert container["command"] == load_yaml(entrypoint.group(1))
+    assert container["args"] == load_yaml(cmd.group(1))
 
 
 def test_default_scheduling_targets_gpu_nodes(default_objects: list[Obj]) -> None:
@@ -375,7 +370,7 @@ def plans_file(objects: list[Obj]) -> Obj:
     (item,) = [i for i in volume["configMap"]["items"] if i["path"] == filename]
     configmap = only(objects, "ConfigMap")
     assert volume["configMap"]["name"] == configmap["metadata"]["name"]
-    parsed: Obj = yaml.safe_load(configmap["data"][item["key"]])
+    parsed: Obj = load_yaml(configmap["data"][item["key"]])
     return parsed
 
 
@@ -385,6 +380,11 @@ def test_sharing_plans_reach_the_plugin_file(default_objects: list[Obj], custom_
     assert plans_file(custom_objects) == SHARING_PLANS
     assert env_value(plugin_container(default_objects), "SHARING_PLAN_LABEL") == "gpu.tessera.dev/sharing-plan"
     assert env_value(plugin_container(custom_objects), "SHARING_PLAN_LABEL") == "example.org/gpu-plan"
+
+
+def test_the_consumable_capacity_gate_reaches_the_plans_file() -> None:
+    assert plans_file(render_objects({"sharing": {"consumableCapacityGate": True}})) == {
+        "plans": {}, "consumableCapacityGate": True}
 
 
 def test_rendered_plans_load_in_the_plugin(tmp_path: Path, custom_objects: list[Obj]) -> None:
@@ -447,8 +447,10 @@ def device_classes(objects: list[Obj]) -> dict[str, Obj]:
 def test_device_class_names_derive_from_the_driver_name(default_objects: list[Obj], custom_objects: list[Obj]) -> None:
     for objects, driver in ((default_objects, "gpu.tessera.dev"), (custom_objects, "gpu.example.org")):
         classes = device_classes(objects)
-        assert set(classes) == {driver, f"mig.{driver}", f"mps.{driver}", f"timeslice.{driver}"}
-        for name, device_type in ((driver, "gpu"), (f"mig.{driver}", "mig"), (f"timeslice.{driver}", "timeslice")):
+        assert set(classes) == {driver, f"mig.{driver}", f"mps.{driver}", f"timeslice.{driver}",
+                                f"consumable.{driver}"}
+        for name, device_type in ((driver, "gpu"), (f"mig.{driver}", "mig"), (f"timeslice.{driver}", "timeslice"),
+                                  (f"consumable.{driver}", "consumable")):
             (selector,) = classes[name]["spec"]["selectors"]
             assert selector["cel"]["expression"] == (
                 f"device.driver == '{driver}' && device.attributes['{driver}'].type == '{device_type}'"
@@ -465,7 +467,8 @@ def test_extended_resource_name_is_opt_in_and_only_on_the_whole_gpu_class(
 
 
 def test_device_classes_can_be_disabled() -> None:
-    objects = render_objects({"deviceClasses": {"mig": {"enabled": False}, "timeslice": {"enabled": False}}})
+    objects = render_objects({"deviceClasses": {"mig": {"enabled": False}, "timeslice": {"enabled": False},
+                                                "consumable": {"enabled": False}}})
     assert set(device_classes(objects)) == {"gpu.tessera.dev", "mps.gpu.tessera.dev"}
 
 

@@ -45,11 +45,6 @@ def mount_sources(objects: list[Obj], container: Obj) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def default_objects() -> list[Obj]:
-    return render_objects()
-
-
-@pytest.fixture(scope="module")
 def operator_objects() -> list[Obj]:
     return render_objects(OPERATOR)
 

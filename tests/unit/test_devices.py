@@ -1,4 +1,4 @@
-"""Device naming, value normalisation and the inventory → ResourceSlice devices function."""
+"""Value normalisation and the inventory → published devices + device index walk."""
 
 from __future__ import annotations
 
@@ -9,24 +9,17 @@ import pytest
 
 from driver.gpu.devices import (
     MAX_ATTRIBUTES_AND_CAPACITIES,
-    ParsedDeviceName,
-    build_devices,
-    device_kind,
-    gpu_device_name,
-    mig_device_name,
-    parse_device_name,
+    make_view,
     quantity_from_bytes,
     semver_from_nvidia,
-    share_device_name,
 )
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
-from driver.gpu.sharing import GpuShares
+from driver.gpu.sharing import GpuShares, SharingLayout
 from driver.kubeletplugin.slicelimits import limits_for
 from driver.kubeletplugin.slicemodel import Device
 from driver.kubeletplugin.slicevalidation import validate_devices
+from driver.units import GIB, MIB
 
-GIB = 1 << 30
-MIB = 1 << 20
 PARENT_KEYS = {
     "productName",
     "brand",
@@ -84,67 +77,9 @@ def node(*gpus: GpuInfo) -> NodeInventory:
     return NodeInventory(driver_version="580.95.05", cuda_driver_version="13.0", gpus=gpus)
 
 
-def by_name(devices: list[Device]) -> dict[str, dict[str, Any]]:
-    return {d.name: d.to_wire() for d in devices}
-
-
-# --- names -------------------------------------------------------------------------------------
-
-
-def test_names() -> None:
-    assert gpu_device_name(0) == "gpu-0"
-    assert mig_device_name(0, "1g.10gb", 3) == "gpu-0-mig-1g10gb-3"
-    assert mig_device_name(12, "1g.10gb+me", 6) == "gpu-12-mig-1g10gbme-6"
-    assert mig_device_name(1, "1g.10gb-me", 0) == "gpu-1-mig-1g10gb-me-0"
-    assert share_device_name(2, "MPS", 0) == "gpu-2-mps-0"
-    assert share_device_name(2, "TimeSlicing", 7) == "gpu-2-ts-7"
-
-
-@pytest.mark.parametrize(
-    ("name", "parsed"),
-    [
-        ("gpu-0", ParsedDeviceName(kind="gpu", minor=0)),
-        ("gpu-15", ParsedDeviceName(kind="gpu", minor=15)),
-        ("gpu-0-mig-1g10gb-3", ParsedDeviceName(kind="mig", minor=0, mig_profile="1g10gb", placement_start=3)),
-        ("gpu-1-mig-1g10gb-me-0", ParsedDeviceName(kind="mig", minor=1, mig_profile="1g10gb-me", placement_start=0)),
-        ("gpu-3-mps-2", ParsedDeviceName(kind="mps", minor=3, share_index=2)),
-        ("gpu-3-ts-11", ParsedDeviceName(kind="timeslice", minor=3, share_index=11)),
-    ],
-)
-def test_parse_device_name(name: str, parsed: ParsedDeviceName) -> None:
-    assert parse_device_name(name) == parsed
-    assert device_kind(name) == parsed.kind
-
-
-def test_built_names_parse_back() -> None:
-    assert parse_device_name(gpu_device_name(7)) == ParsedDeviceName(kind="gpu", minor=7)
-    assert parse_device_name(mig_device_name(7, "2c.4g.40gb", 4)) == ParsedDeviceName(
-        kind="mig", minor=7, mig_profile="2c4g40gb", placement_start=4
-    )
-    assert parse_device_name(mig_device_name(7, "1g.10gb+me.all", 6)).mig_profile == "1g10gbmeall"
-    assert parse_device_name(share_device_name(7, "MPS", 47)) == ParsedDeviceName(kind="mps", minor=7, share_index=47)
-    assert parse_device_name(share_device_name(7, "TimeSlicing", 0)).kind == "timeslice"
-
-
-@pytest.mark.parametrize(
-    "name", ["gpu", "gpu-", "gpu-01", "gpu-a", "GPU-0", "gpu-0-mig-1g10gb", "gpu-0-mps-", "gpu-0-vgpu-1", "nic-0", ""]
-)
-def test_parse_device_name_rejects_foreign_names(name: str) -> None:
-    with pytest.raises(ValueError, match="not one of this driver's"):
-        parse_device_name(name)
-
-
-def test_name_builders_reject_bad_input() -> None:
-    with pytest.raises(ValueError, match="minor"):
-        gpu_device_name(-1)
-    with pytest.raises(ValueError, match="placement start"):
-        mig_device_name(0, "1g.10gb", -1)
-    with pytest.raises(ValueError, match="share index"):
-        share_device_name(0, "MPS", -1)
-    with pytest.raises(ValueError, match="strategy"):
-        share_device_name(0, "mps", 0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="longer than 63"):
-        mig_device_name(0, "1g." + "x" * 60, 0)
+def published(inventory: NodeInventory, layout: SharingLayout | None = None,
+              mps_multi_user: bool = False) -> list[Device]:
+    return list(make_view(inventory, layout or {}, mps_multi_user).devices)
 
 
 # --- value normalisation -----------------------------------------------------------------------
@@ -200,7 +135,7 @@ def test_quantity_from_bytes_rejects_negative() -> None:
 
 
 def test_whole_gpu_device() -> None:
-    [device] = build_devices(node(h100(0)))
+    [device] = published(node(h100(0)))
     assert device.to_wire() == {
         "name": "gpu-0",
         "attributes": {
@@ -222,7 +157,7 @@ def test_whole_gpu_device() -> None:
 
 def test_unknown_sources_are_left_out() -> None:
     bare = GpuInfo(minor=4, index=0, uuid="GPU-bare", product_name="NVIDIA L4")
-    [device] = build_devices(NodeInventory(gpus=(bare,)))
+    [device] = published(NodeInventory(gpus=(bare,)))
     assert device.to_wire() == {
         "name": "gpu-4",
         "attributes": {
@@ -235,13 +170,13 @@ def test_unknown_sources_are_left_out() -> None:
 
 def test_unparsable_versions_are_left_out() -> None:
     inventory = NodeInventory(driver_version="unknown", cuda_driver_version="13.0", gpus=(h100(0),))
-    [device] = build_devices(inventory)
+    [device] = published(inventory)
     assert "driverVersion" not in device.attributes
     assert device.attributes["cudaDriverVersion"].version == "13.0.0"
 
 
 def test_long_strings_are_cut_to_64_bytes() -> None:
-    [device] = build_devices(node(h100(0, product_name="NVIDIA " + "é" * 40)))
+    [device] = published(node(h100(0, product_name="NVIDIA " + "é" * 40)))
     product = device.attributes["productName"].string
     assert product is not None
     assert len(product.encode()) <= 64
@@ -249,7 +184,7 @@ def test_long_strings_are_cut_to_64_bytes() -> None:
 
 
 def test_mig_capable_gpu_with_mig_disabled_is_published_whole() -> None:
-    [device] = build_devices(node(h100(0, mig_enabled=False, mig_instances=(mig(0, 1),))))
+    [device] = published(node(h100(0, mig_enabled=False, mig_instances=(mig(0, 1),))))
     assert device.name == "gpu-0"
 
 
@@ -262,13 +197,13 @@ def test_mig_enabled_gpu_publishes_only_its_instances_in_placement_order() -> No
         mig_enabled=True,
         mig_instances=(mig(4, 4, "3g.40gb", gi_profile_id=9), mig(0, 1), mig(2, 2, "1g.20gb", gi_profile_id=15)),
     )
-    devices = build_devices(node(gpu))
+    devices = published(node(gpu))
     assert [d.name for d in devices] == ["gpu-1-mig-1g10gb-0", "gpu-1-mig-1g20gb-2", "gpu-1-mig-3g40gb-4"]
 
 
 def test_mig_device_attributes_and_capacity() -> None:
     gpu = h100(1, mig_enabled=True, mig_instances=(mig(2, 2, "1g.20gb", uuid="MIG-abc", memory_bytes=20096 * MIB),))
-    [device] = build_devices(node(gpu))
+    [device] = published(node(gpu))
     wire = device.to_wire()
     assert set(wire["attributes"]) == {"type", "uuid", "parentUUID", "profile"} | PARENT_KEYS
     assert wire["attributes"]["type"] == {"string": "mig"}
@@ -291,18 +226,18 @@ def test_mig_device_attributes_and_capacity() -> None:
 
 def test_mig_capacities_without_source_are_left_out() -> None:
     sparse = mig(0, 1, memory_bytes=None, decoders=None, encoders=None, jpeg_engines=None, ofa_engines=None)
-    [device] = build_devices(node(h100(0, mig_enabled=True, mig_instances=(sparse,))))
+    [device] = published(node(h100(0, mig_enabled=True, mig_instances=(sparse,))))
     assert set(device.capacity) == {"multiprocessors", "copyEngines", "memorySlice0"}
 
 
 def test_mig_enabled_gpu_without_instances_publishes_nothing() -> None:
-    devices = build_devices(node(h100(0), h100(1, mig_enabled=True), h100(2)))
+    devices = published(node(h100(0), h100(1, mig_enabled=True), h100(2)))
     assert [d.name for d in devices] == ["gpu-0", "gpu-2"]
 
 
 def test_compute_instances_sharing_a_gpu_instance_publish_one_device() -> None:
     gpu = h100(0, mig_enabled=True, mig_instances=(mig(0, 4, "1c.3g.40gb", ci_id=2), mig(0, 4, "1c.3g.40gb", ci_id=1)))
-    [device] = build_devices(node(gpu))
+    [device] = published(node(gpu))
     assert device.name == "gpu-0-mig-1c3g40gb-0"
     assert device.attributes["uuid"].string == "MIG-0-1"
 
@@ -313,7 +248,7 @@ def test_compute_instances_sharing_a_gpu_instance_publish_one_device() -> None:
 def test_mps_share_devices() -> None:
     shares = GpuShares(strategy="MPS", count=3, active_thread_percentage=33, memory_bytes_per_share=26 * GIB)
     gpu = h100(0)
-    devices = build_devices(node(gpu), {gpu.uuid: shares})
+    devices = published(node(gpu), {gpu.uuid: shares})
     assert [d.name for d in devices] == ["gpu-0-mps-0", "gpu-0-mps-1", "gpu-0-mps-2"]
     wire = devices[1].to_wire()
     assert set(wire["attributes"]) == PARENT_KEYS | {
@@ -339,17 +274,17 @@ def test_mps_share_devices() -> None:
     assert wire["capacity"] == {"memory": {"value": "26Gi"}}
 
 
-@pytest.mark.parametrize(("node_multi_user", "capability", "published"),
+@pytest.mark.parametrize(("node_multi_user", "capability", "multi_user"),
                          [(True, "9.0", True), (True, "7.0", True), (True, "6.0", False), (True, None, False),
                           (False, "9.0", False)])
 def test_mps_shares_say_whether_several_uids_can_run_at_once(
-    node_multi_user: bool, capability: str | None, published: bool
+    node_multi_user: bool, capability: str | None, multi_user: bool
 ) -> None:
     gpu = h100(0, cuda_compute_capability=capability)
     shares = GpuShares(strategy="MPS", count=2, memory_bytes_per_share=GIB)
-    devices = build_devices(node(gpu), {gpu.uuid: shares}, mps_multi_user=node_multi_user)
-    assert [d.to_wire()["attributes"]["mpsMultiUser"] for d in devices] == [{"bool": published}] * 2
-    timesliced = build_devices(node(gpu), {gpu.uuid: GpuShares(strategy="TimeSlicing", count=2,
+    devices = published(node(gpu), {gpu.uuid: shares}, mps_multi_user=node_multi_user)
+    assert [d.to_wire()["attributes"]["mpsMultiUser"] for d in devices] == [{"bool": multi_user}] * 2
+    timesliced = published(node(gpu), {gpu.uuid: GpuShares(strategy="TimeSlicing", count=2,
                                                                memory_bytes_per_share=GIB)}, mps_multi_user=True)
     assert all("mpsMultiUser" not in d.attributes for d in timesliced)
 
@@ -357,7 +292,7 @@ def test_mps_shares_say_whether_several_uids_can_run_at_once(
 def test_timeslice_share_devices() -> None:
     gpu = h100(3)
     shares = GpuShares(strategy="TimeSlicing", count=2, memory_bytes_per_share=40 * GIB, interval="Long")
-    devices = build_devices(node(gpu), {gpu.uuid: shares})
+    devices = published(node(gpu), {gpu.uuid: shares})
     assert [d.name for d in devices] == ["gpu-3-ts-0", "gpu-3-ts-1"]
     attributes = devices[0].to_wire()["attributes"]
     assert attributes["type"] == {"string": "timeslice"}
@@ -371,14 +306,14 @@ def test_timeslice_share_devices() -> None:
 def test_timeslice_interval_defaults_to_default() -> None:
     gpu = h100(0)
     shares = GpuShares(strategy="TimeSlicing", count=2, memory_bytes_per_share=GIB)
-    [first, _] = build_devices(node(gpu), {gpu.uuid: shares})
+    [first, _] = published(node(gpu), {gpu.uuid: shares})
     assert first.attributes["timeSliceInterval"].string == "Default"
 
 
 def test_shared_gpu_is_not_also_published_whole_and_others_are() -> None:
     shared, whole = h100(0), h100(1)
     shares = GpuShares(strategy="MPS", count=2, memory_bytes_per_share=GIB)
-    names = [d.name for d in build_devices(node(whole, shared), {shared.uuid: shares})]
+    names = [d.name for d in published(node(whole, shared), {shared.uuid: shares})]
     assert names == ["gpu-0-mps-0", "gpu-0-mps-1", "gpu-1"]
 
 
@@ -386,7 +321,7 @@ def test_sharing_a_mig_enabled_gpu_is_refused() -> None:
     gpu = h100(2, mig_enabled=True, mig_instances=(mig(0, 1),))
     shares = GpuShares(strategy="MPS", count=2, memory_bytes_per_share=GIB)
     with pytest.raises(ValueError, match=r"minor 2\) has MIG enabled"):
-        build_devices(node(gpu), {gpu.uuid: shares})
+        published(node(gpu), {gpu.uuid: shares})
 
 
 # --- node-wide properties ----------------------------------------------------------------------
@@ -408,7 +343,7 @@ def _largest_node() -> tuple[NodeInventory, dict[str, GpuShares]]:
 
 def test_order_is_by_minor_then_placement_or_share_index() -> None:
     inventory, layout = _largest_node()
-    names = [d.name for d in build_devices(inventory, layout)]
+    names = [d.name for d in published(inventory, layout)]
     assert names[0] == "gpu-0"
     assert names[1:49] == [f"gpu-1-mps-{k}" for k in range(48)]
     assert names[49:] == ["gpu-2-mig-7g80gb-0", "gpu-3-mig-3g40gb-0", "gpu-3-mig-2g20gb-4", "gpu-3-mig-1g10gbme-6"]
@@ -416,7 +351,7 @@ def test_order_is_by_minor_then_placement_or_share_index() -> None:
 
 def test_largest_devices_stay_within_the_api_limits() -> None:
     inventory, layout = _largest_node()
-    devices = build_devices(inventory, layout)
+    devices = published(inventory, layout)
     full_mig = next(d for d in devices if d.name == "gpu-2-mig-7g80gb-0")
     # The largest device: a MIG instance over all 8 memory slices with every source known.
     assert len(full_mig.attributes) + len(full_mig.capacity) == 27
@@ -429,4 +364,45 @@ def test_largest_devices_stay_within_the_api_limits() -> None:
 def test_too_many_memory_slices_is_an_error_not_an_invalid_slice() -> None:
     huge = mig(0, 16, "7g.160gb")
     with pytest.raises(ValueError, match="at most 32"):
-        build_devices(node(h100(0, mig_enabled=True, mig_instances=(huge,))))
+        published(node(h100(0, mig_enabled=True, mig_instances=(huge,))))
+
+
+# --- the device index, from the same walk ------------------------------------------------------
+
+
+def test_every_published_device_is_indexed_under_its_name_with_its_type() -> None:
+    inventory, layout = _largest_node()
+    timesliced = h100(4)
+    inventory = node(*inventory.gpus, timesliced)
+    layout = {**layout, timesliced.uuid: GpuShares(strategy="TimeSlicing", count=2, memory_bytes_per_share=GIB)}
+    view = make_view(inventory, layout)
+    assert [d.name for d in view.devices] == list(view.targets)
+    for device in view.devices:
+        target = view.targets[device.name]
+        assert device.attributes["type"].string == target.kind
+        if target.kind in ("gpu", "mig"):
+            assert device.attributes["uuid"].string == target.cuda_uuid
+        if target.kind != "gpu":
+            assert device.attributes["parentUUID"].string == target.gpu.uuid
+        if target.share_index is not None:
+            assert device.attributes["shareIndex"].int_value == target.share_index
+    assert {t.kind for t in view.targets.values()} == {"gpu", "mig", "mps", "timeslice"}
+
+
+def test_the_indexed_mig_instance_is_the_published_one() -> None:
+    gpu = h100(0, mig_enabled=True, mig_instances=(mig(0, 4, "1c.3g.40gb", ci_id=2), mig(0, 4, "1c.3g.40gb", ci_id=1)))
+    view = make_view(node(gpu), {})
+    [device] = view.devices
+    target = view.targets[device.name]
+    assert target.mig is not None and target.mig.ci_id == 1
+    assert device.attributes["uuid"].string == target.mig.uuid == "MIG-0-1"
+
+
+def test_view_keeps_its_own_layout_and_ignores_entries_for_absent_gpus() -> None:
+    gpu = h100(0)
+    layout = {gpu.uuid: GpuShares(strategy="MPS", count=2, memory_bytes_per_share=GIB),
+              "GPU-not-on-this-node": GpuShares(strategy="MPS", count=2, memory_bytes_per_share=GIB)}
+    view = make_view(node(gpu), layout)
+    layout.clear()
+    assert set(view.layout) == {gpu.uuid, "GPU-not-on-this-node"}
+    assert list(view.targets) == ["gpu-0-mps-0", "gpu-0-mps-1"]

@@ -20,11 +20,11 @@ from typing import Any
 import celpy
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
-import yaml
 from celpy import celtypes
 from celpy.adapter import json_to_cel
 from celpy.evaluation import CELEvalError
 
+from cdi.yamlload import load_yaml_documents
 from deploy.render import render_objects
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -181,6 +181,12 @@ SAMPLE_DEVICES: dict[str, Obj] = {
         timeSliceInterval="Short",
         **T4,
     ),
+    # A consumable H100 (one device, many claims by capacity); memory enforced by MPS per process.
+    "consumable-share": {
+        **tessera_device("consumable", "81559Mi", parentUUID="GPU-6", sharingStrategy="Consumable",
+                         memoryLimitEnforcement="mps-per-process", computeLimitEnforcement="mps-per-process", **H100),
+        "allowMultipleAllocations": True,
+    },
     "other-driver-h100": {
         "driver": OTHER_DRIVER,
         "attributes": {OTHER_DRIVER: {"type": "gpu", "productName": "NVIDIA H100 80GB HBM3"}},
@@ -198,6 +204,9 @@ EXPECTED_SELECTION: dict[str, set[str]] = {
     "timeslice-share-from-plan.yaml": {"timeslice-share"},
     "gpu-mps-per-claim.yaml": WHOLE_GPUS,
     "gpu-timeslicing-interval.yaml": WHOLE_GPUS,
+    "consumable-share-small.yaml": {"consumable-share"},
+    "consumable-share-large.yaml": {"consumable-share"},
+    "consumable-share-kernel-memory.yaml": set(),  # no node detects kernel memory limits yet
 }
 EXPECTED_SHARING: dict[str, str] = {"gpu-mps-per-claim.yaml": "MPS", "gpu-timeslicing-interval.yaml": "TimeSlicing"}
 
@@ -206,7 +215,7 @@ EXPECTED_SHARING: dict[str, str] = {"gpu-mps-per-claim.yaml": "MPS", "gpu-timesl
 
 
 def load(name: str) -> list[Obj]:
-    return [o for o in yaml.safe_load_all((EXAMPLES_DIR / name).read_text()) if o]
+    return [o for o in load_yaml_documents((EXAMPLES_DIR / name).read_text()) if o]
 
 
 def the_claim(objects: list[Obj]) -> Obj:
@@ -297,6 +306,7 @@ def test_default_device_classes_split_tessera_devices_by_type(default_classes: d
         f"mig.{DRIVER}": {"mig-1g10gb", "mig-3g40gb"},
         f"mps.{DRIVER}": {"mps-share"},
         f"timeslice.{DRIVER}": {"timeslice-share"},
+        f"consumable.{DRIVER}": {"consumable-share"},
     }
 
 
@@ -308,8 +318,9 @@ def test_device_classes_of_another_driver_name_select_only_that_drivers_devices(
 
 def published_devices() -> dict[str, Obj]:
     """What the driver itself publishes for a simulated node, converted to the CEL `device` shape."""
-    from driver.gpu.devices import build_devices
+    from driver.gpu.devices import make_view
     from driver.gpu.sharing import GpuShares
+    from driver.gpu.sharingplan import SharingPlans, resolve_layout
     from driver.simulation.discovery import SimulatedNode, build_inventory
 
     node = SimulatedNode.model_validate(
@@ -320,6 +331,7 @@ def published_devices() -> dict[str, Obj]:
                 {"model": "L4"},
                 {"model": "A100-40GB"},
                 {"model": "L4"},
+                {"model": "H100-80GB"},
             ]
         }
     )
@@ -332,9 +344,11 @@ def published_devices() -> dict[str, Obj]:
         inventory.gpus[3].uuid: GpuShares(
             strategy="TimeSlicing", count=4, interval="Short", memory_bytes_per_share=gib
         ),
+        **resolve_layout(SharingPlans.model_validate({"plans": {"c": {"gpus": [
+            {"match": {"uuid": inventory.gpus[5].uuid}, "consumable": {}}]}}}).plans["c"], inventory, "c"),
     }
     devices: dict[str, Obj] = {}
-    for device in build_devices(inventory, layout):
+    for device in make_view(inventory, layout).devices:
         wire = device.to_wire()
         attributes: dict[str, dict[str, Any]] = {}
         for key, attribute in wire.get("attributes", {}).items():
@@ -355,6 +369,9 @@ def test_examples_select_what_the_driver_publishes(default_classes: dict[str, li
         "mig-by-profile.yaml": {"gpu-1-mig-1g10gb-0"},
         "mps-share-from-plan.yaml": {f"gpu-2-mps-{k}" for k in range(4)},
         "timeslice-share-from-plan.yaml": {f"gpu-3-ts-{k}" for k in range(4)},
+        "consumable-share-small.yaml": {"gpu-5-shared"},
+        "consumable-share-large.yaml": {"gpu-5-shared"},
+        "consumable-share-kernel-memory.yaml": set(),
     }
     for name in EXPECTED_SELECTION:
         expressions = request_selectors(name, default_classes)
@@ -381,7 +398,7 @@ def test_sharing_plans_example_loads_in_the_driver() -> None:
 
     plans = load_plans(SHARING_PLANS_EXAMPLE)
     assert plans.defaultPlan == "whole"
-    assert set(plans.plans) == {"whole", "a100-mps4", "t4-ts"}
+    assert set(plans.plans) == {"whole", "a100-mps4", "t4-ts", "h100-consumable"}
     # First match wins: the explicit whole GPU must come before the catch-all.
     first, catch_all = plans.plans["t4-ts"].gpus
     assert first.whole is True

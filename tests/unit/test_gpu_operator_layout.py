@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path, PurePosixPath
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
@@ -21,15 +21,17 @@ from driver.gpu.checkpoint import ClaimPhase, ClaimRecord, PreparedDeviceRecord
 from driver.gpu.claimcdi.edits import CdiNames, CdiSources, claim_spec
 from driver.gpu.claimcdi.hostfs import driver_root_host_path, find_device_root
 from driver.gpu.claimcdi.toolkit import ToolkitEdits, load_toolkit_edits, toolkit_spec_candidates, toolkit_spec_changed
+from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.errors import PrepareError
-from driver.gpu.mps.manager import MpsManager
 from driver.gpu.runtime.binaries import find_binary
+from driver.gpu.runtime.computemode import ComputeMode
 from driver.inspect_node import inspect
 from driver.kubeletplugin.types import PreparedDevice
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.gpus import SimulationError
 from driver.simulation.hostroot import OPERATOR_DRIVER_ROOT, SimulatedHost, build_host_root
+from tests.support.statenode import Node, claim, mps_shares
 
 NODE = "node-a"
 UID = "0f9a3c4e-1111-4222-8333-944455556666"
@@ -50,7 +52,7 @@ def operator_node(tmp_path: Path) -> tuple[SimulatedHost, NodeInventory]:
 def _sources(host: SimulatedHost, toolkit: ToolkitEdits, *, on_host: PurePosixPath | None = None) -> CdiSources:
     derived = driver_root_host_path(host.root, host.driver_root, on_host)
     # No MPS devices here: the manager is never asked for client edits.
-    return CdiSources(NAMES, host.root, toolkit, cast(MpsManager, None), None, host.driver_root, derived)
+    return CdiSources(NAMES, host.root, toolkit, None, host.driver_root, derived)
 
 
 def _toolkit(host: SimulatedHost, required: bool = True) -> ToolkitEdits:
@@ -236,7 +238,7 @@ def test_host_installed_driver_has_no_host_paths(tmp_path: Path) -> None:
     toolkit = load_toolkit_edits(host.toolkit_spec)
     # Both ways of saying "the driver is on the host": no driver root, or the host root as driver root.
     for sources in (_sources(host, toolkit),
-                    CdiSources(NAMES, host.root, toolkit, cast(MpsManager, None), None)):
+                    CdiSources(NAMES, host.root, toolkit, None)):
         wire = _wire(claim_spec(sources, _record(inventory), {}, {}))
         assert all("hostPath" not in node for node in _all_nodes(wire))
         assert wire["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}]
@@ -271,3 +273,27 @@ def test_a_layout_file_names_its_driver_layout(tmp_path: Path) -> None:
     with pytest.raises(SimulationError, match="driverLayout"):
         SimulatedDiscovery(str(bad), NODE)
     assert _discovery("demo").driver_layout == "host"
+
+
+@pytest.mark.parametrize("required", [True, False])
+def test_a_prepare_through_device_state_follows_the_driver_libraries_rule(node: Node, required: bool) -> None:
+    # The whole prepare path, MPS share included (it starts a daemon and sets EXCLUSIVE_PROCESS before
+    # the CDI spec is written): without libraries it fails with the reason and leaves nothing behind,
+    # unless the operator said claims here need none (driverLibraries.required=false).
+    node.toolkit = load_toolkit_edits(None, (node.root / "absent" / "nvidia.yaml",), required=required)
+    state = node.state()
+    gpu = node.uuid(0)
+    state.apply_layout(make_view(node.inventory, {}), {gpu: mps_shares(2)})
+    claims = [claim("5d1c0c49-0b6e-4f7e-9a53-0a0f1a6f8b10", "gpu-0-mps-0"),
+              claim("5d1c0c49-0b6e-4f7e-9a53-0a0f1a6f8b11", "gpu-2")]
+    if not required:
+        for c in claims:
+            assert state.prepare(c)
+        assert len(node.cdi_files()) == 2
+        return
+    for c in claims:
+        with pytest.raises(PrepareError, match="no usable driver libraries"):
+            state.prepare(c)
+    cp = node.store.load()
+    assert cp.claims == {} and cp.mps_daemons == {} and cp.compute_modes == {} and node.cdi_files() == []
+    assert node.mps.daemon_ids_on_disk() == [] and node.modes.modes.get(gpu, ComputeMode.DEFAULT) == ComputeMode.DEFAULT

@@ -78,7 +78,7 @@ def test_mig_capability_nodes_of_every_simulated_instance(host: Path) -> None:
 
 
 def test_capability_minor_pattern() -> None:
-    # Values observed on real drivers (reference cdi.md 6.4).
+    # Values of /proc/driver/nvidia-caps/mig-minors on real drivers: gi access = 3 + 135*gpu + 9*gi.
     assert capability_minors(0, 0, 0) == (3, 4)
     assert capability_minors(3, 3, 3)[1] == 439
     assert capability_minors(6, 11, 5)[1] == 918

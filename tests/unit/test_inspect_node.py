@@ -19,10 +19,10 @@ from driver.gpu.checkpoint import (
     TimeSliceRecord,
 )
 from driver.gpu.claimcdi.toolkit import load_toolkit_edits
-from driver.gpu.mps.manager import MpsDaemonRecord, MpsDaemonSpec
-from driver.gpu.runtime.computemode import ComputeModes
+from driver.gpu.devices import make_view
+from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
+from driver.gpu.runtime.computemode import ComputeMode, ComputeModes
 from driver.gpu.state import DeviceState, StatePaths
-from driver.gpu.targets import make_view
 from driver.inspect_node import collect, inspect, render_text
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import PreparedDevice
@@ -79,13 +79,15 @@ def _unused_pid() -> int:
     return pid
 
 
-def test_no_checkpoint_is_a_problem_line(settings: Settings) -> None:
+def test_no_checkpoint_is_a_note_not_a_problem(settings: Settings) -> None:
+    # A node that has prepared nothing yet is healthy: inspect must not fail on it.
     report = collect(settings)
     assert report["claims"] == [] and report["mps_daemons"] == []
-    assert report["problems"] == ["no checkpoint: nothing has been prepared on this node yet"]
+    assert report["problems"] == []
+    assert report["notes"] == ["no checkpoint: nothing has been prepared on this node yet"]
     text = render_text(report)
     assert "0 prepared claim(s)" in text
-    assert "PROBLEM: no checkpoint" in text
+    assert "note: no checkpoint" in text and "PROBLEM" not in text
 
 
 def test_corrupt_checkpoint_is_reported_and_left_for_the_driver(settings: Settings) -> None:
@@ -191,3 +193,29 @@ def test_a_recycled_pid_is_not_reported_running(settings: Settings, tmp_path: Pa
     CheckpointStore(settings.state_dir / "checkpoint.json").save(cp)
     [daemon] = collect(settings)["mps_daemons"]
     assert daemon["pid_alive"] is False
+
+
+def test_recorded_compute_modes_and_where_mps_daemons_run(settings: Settings) -> None:
+    gpu1 = "GPU-22222222-2222-2222-2222-222222222222"
+    held = _record("u-mps", "shared", daemon="plan-000000000000")
+    held.exclusive_gpus = [GPU0]
+    # GPU0: set for MPS (it was DEFAULT); gpu1: released, but restoring its mode failed so far.
+    cp = Checkpoint(claims={"u-mps": held},
+                    compute_modes={GPU0: ComputeMode.DEFAULT, gpu1: ComputeMode.PROHIBITED})
+    _store(settings).save(cp)
+
+    report = collect(settings)
+    assert report["compute_modes"] == [
+        {"gpu": GPU0, "mode": "EXCLUSIVE_PROCESS", "restore_to": "DEFAULT", "claims": ["u-mps"]},
+        {"gpu": gpu1, "mode": None, "restore_to": "PROHIBITED", "claims": []},
+    ]
+    assert report["claims"][0]["exclusive_gpus"] == [GPU0]
+    text = render_text(report)
+    assert (f"{GPU0}: compute mode EXCLUSIVE_PROCESS for MPS, held by 1 claim(s); restored to DEFAULT when the "
+            "last one is unprepared") in text
+    assert f"{gpu1}: compute mode to be restored to PROHIBITED" in text
+    assert "MPS daemons run as: child processes of the plugin (they stop with the plugin container)" in text
+
+    hosted = settings.model_copy(update={"mps_host_socket": Path("/run/tessera/mps-host/host.sock")})
+    assert collect(hosted)["mps_daemons_run_by"] == ("MPS host at /run/tessera/mps-host/host.sock "
+                                                     "(daemons outlive the plugin)")

@@ -25,7 +25,7 @@ from tests.support.kubeletplugin import Dirs
 
 DRIVER = "gpu.tessera.dev"
 POD_UID = "7f3c2a1e-pod"
-CLAIM = ClaimRef(namespace="ns", name="claim", uid="claim-uid-1")
+CLAIM = ClaimRef(namespace="ns", name="claim", uid="7c1e4b2a-3d5f-4e6a-9b8c-0d1e2f3a4b5c")
 
 
 class EchoDriver:
@@ -257,7 +257,7 @@ def test_registers_with_the_kubelet_and_serves_claims(dirs: Dirs, telemetry: Tel
                         request_names=("gpus",),
                         pool_name="node-a",
                         device_name="gpu-0-mps-1",
-                        cdi_device_ids=("k8s.gpu.tessera.dev/claim=claim-uid-1-gpu-0-mps-1",),
+                        cdi_device_ids=(f"k8s.gpu.tessera.dev/claim={CLAIM.uid}-gpu-0-mps-1",),
                         share_id="share-1",
                     ),
                 )
@@ -360,7 +360,7 @@ def prepares_blocked_in_driver(plugin: KubeletPlugin, driver: BlockingDriver, co
     with grpc.insecure_channel(f"unix://{plugin.dra_socket}") as channel:
         stub = dra_v1_pb2_grpc.DRAPluginStub(channel)
         requests = [dra_v1_pb2.NodePrepareResourcesRequest(claims=[dra_v1_pb2.Claim(namespace="ns", name=f"c{i}",
-                                                                                   uid=f"u{i}")])
+                                                                                   uid=f"00000000-0000-4000-8000-{i:012x}")])
                     for i in range(count)]
         calls = [stub.NodePrepareResources.future(request, timeout=30) for request in requests]
         try:

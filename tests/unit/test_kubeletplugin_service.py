@@ -6,7 +6,8 @@ import logging
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,8 +135,26 @@ def served() -> Iterator[Served]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def uid(label: str) -> str:
+    """A claim UID in the API server's form, derived from a readable label (the batch refuses others)."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"claim/{label}"))
+
+
+def label(claim_uid: str) -> str:
+    return _LABELS.get(claim_uid, claim_uid)
+
+
+def labels(claim_uids: Iterable[str]) -> list[str]:
+    return [label(u) for u in claim_uids]
+
+
+_LABELS = {uid(name): name for name in (
+    "ok", "fetch-fails", "driver-error", "driver-raises", "bad", "good", "failing", "shared", "never-prepared",
+    "stuck", "raises", "dup", "flaky", "fine", "a", "b", "c", "late", "late-1", "late-2", "late-3")}
+
+
 def refs(*uids: str) -> list[ClaimRef]:
-    return [ClaimRef(namespace="ns", name=f"claim-{uid}", uid=uid) for uid in uids]
+    return [ClaimRef(namespace="ns", name=f"claim-{label}", uid=uid(label)) for label in uids]
 
 
 def v1_request(*uids: str) -> dra_v1_pb2.NodePrepareResourcesRequest:
@@ -155,108 +174,109 @@ def raise_boom() -> PrepareResult:
 
 
 def test_every_claim_is_answered_and_one_failure_does_not_fail_the_batch(served: Served) -> None:
-    served.claims.errors["fetch-fails"] = ClaimError("ResourceClaim ns/claim-fetch-fails not found: it was deleted")
-    served.driver.outcomes["driver-error"] = PrepareResult(devices=[device("gpu-9")], error="GPU 9 is unhealthy")
-    served.driver.outcomes["driver-raises"] = raise_boom
+    gone = ClaimError("ResourceClaim ns/claim-fetch-fails not found: it was deleted")
+    served.claims.errors[uid("fetch-fails")] = gone
+    served.driver.outcomes[uid("driver-error")] = PrepareResult(devices=[device("gpu-9")], error="GPU 9 is unhealthy")
+    served.driver.outcomes[uid("driver-raises")] = raise_boom
 
     response = served.v1().NodePrepareResources(
         v1_request("ok", "fetch-fails", "driver-error", "driver-raises"), timeout=10
     )
 
-    assert set(response.claims) == {"ok", "fetch-fails", "driver-error", "driver-raises"}
-    ok = response.claims["ok"]
+    assert set(labels(response.claims)) == {"ok", "fetch-fails", "driver-error", "driver-raises"}
+    ok = response.claims[uid("ok")]
     assert ok.error == ""
     assert [(d.pool_name, d.device_name, list(d.request_names), list(d.cdi_device_ids)) for d in ok.devices] == [
         ("node-a", "gpu-0", ["gpu"], ["k8s.gpu.tessera.dev/claim=uid-gpu-0"])
     ]
-    assert response.claims["fetch-fails"].error == "ResourceClaim ns/claim-fetch-fails not found: it was deleted"
-    assert response.claims["driver-error"].error == "GPU 9 is unhealthy"
-    assert list(response.claims["driver-error"].devices) == []  # the kubelet ignores them; send none
-    assert "RuntimeError: boom in driver" in response.claims["driver-raises"].error
-    assert list(response.claims["driver-raises"].devices) == []
+    assert response.claims[uid("fetch-fails")].error == "ResourceClaim ns/claim-fetch-fails not found: it was deleted"
+    assert response.claims[uid("driver-error")].error == "GPU 9 is unhealthy"
+    assert list(response.claims[uid("driver-error")].devices) == []  # the kubelet ignores them; send none
+    assert "RuntimeError: boom in driver" in response.claims[uid("driver-raises")].error
+    assert list(response.claims[uid("driver-raises")].devices) == []
     # A claim that could not be fetched never reaches the driver.
-    assert sorted(served.driver.prepared) == ["driver-error", "driver-raises", "ok"]
+    assert sorted(labels(served.driver.prepared)) == ["driver-error", "driver-raises", "ok"]
 
 
 def test_driver_exception_is_logged_with_traceback_and_claim_uid(
     served: Served, caplog: pytest.LogCaptureFixture
 ) -> None:
-    served.driver.outcomes["bad"] = raise_boom
+    served.driver.outcomes[uid("bad")] = raise_boom
     with caplog.at_level(logging.INFO, logger="driver.kubeletplugin.service"):
         served.v1().NodePrepareResources(v1_request("bad"), timeout=10)
 
     tracebacks = [r for r in caplog.records if r.exc_info is not None]
     assert len(tracebacks) == 1
-    assert vars(tracebacks[0]).get("claim_uid") == "bad"
+    assert vars(tracebacks[0]).get("claim_uid") == uid("bad")
     assert isinstance(tracebacks[0].exc_info[1], RuntimeError)  # type: ignore[index]
 
 
 def test_one_outcome_log_line_per_claim_with_context(served: Served, caplog: pytest.LogCaptureFixture) -> None:
-    served.driver.outcomes["failing"] = PrepareResult(error="no such GPU")
+    served.driver.outcomes[uid("failing")] = PrepareResult(error="no such GPU")
     with caplog.at_level(logging.INFO, logger="driver.kubeletplugin.service"):
         served.v1().NodePrepareResources(v1_request("good", "failing"), timeout=10)
 
-    outcomes = {vars(r)["claim_uid"]: r for r in caplog.records if "duration_ms" in vars(r)}
+    outcomes = {label(vars(r)["claim_uid"]): r for r in caplog.records if "duration_ms" in vars(r)}
     assert set(outcomes) == {"good", "failing"}
     assert vars(outcomes["failing"])["error"] == "no such GPU"
     assert outcomes["failing"].levelno == logging.WARNING
     assert "error" not in vars(outcomes["good"])
-    for uid, record in outcomes.items():
+    for name, record in outcomes.items():
         assert vars(record)["claim_namespace"] == "ns"
-        assert vars(record)["claim_name"] == f"claim-{uid}"
+        assert vars(record)["claim_name"] == f"claim-{name}"
         assert vars(record)["duration_ms"] >= 0
 
 
 def test_share_id_is_set_only_when_the_driver_gives_one(served: Served) -> None:
-    served.driver.outcomes["shared"] = PrepareResult(
+    served.driver.outcomes[uid("shared")] = PrepareResult(
         devices=[device("gpu-0-mps-1", share_id="5e8f1f4c-share"), device("gpu-1")]
     )
     response = served.v1().NodePrepareResources(v1_request("shared"), timeout=10)
 
-    with_share, without_share = response.claims["shared"].devices
+    with_share, without_share = response.claims[uid("shared")].devices
     assert with_share.HasField("share_id")
     assert with_share.share_id == "5e8f1f4c-share"
     assert not without_share.HasField("share_id")
 
 
 def test_v1beta1_service_prepares_without_share_id(served: Served) -> None:
-    served.driver.outcomes["shared"] = PrepareResult(devices=[device("gpu-0-mps-1", share_id="5e8f1f4c-share")])
-    served.driver.outcomes["failing"] = PrepareResult(error="no such GPU")
+    served.driver.outcomes[uid("shared")] = PrepareResult(devices=[device("gpu-0-mps-1", share_id="5e8f1f4c-share")])
+    served.driver.outcomes[uid("failing")] = PrepareResult(error="no such GPU")
     request = dra_v1beta1_pb2.NodePrepareResourcesRequest(
         claims=[
-            dra_v1beta1_pb2.Claim(namespace="ns", name="claim-shared", uid="shared"),
-            dra_v1beta1_pb2.Claim(namespace="ns", name="claim-failing", uid="failing"),
+            dra_v1beta1_pb2.Claim(namespace="ns", name="claim-shared", uid=uid("shared")),
+            dra_v1beta1_pb2.Claim(namespace="ns", name="claim-failing", uid=uid("failing")),
         ]
     )
     response = served.v1beta1().NodePrepareResources(request, timeout=10)
 
-    (only,) = response.claims["shared"].devices
+    (only,) = response.claims[uid("shared")].devices
     assert (only.pool_name, only.device_name, list(only.request_names)) == ("node-a", "gpu-0-mps-1", ["gpu"])
     assert "share_id" not in dra_v1beta1_pb2.Device.DESCRIPTOR.fields_by_name
-    assert response.claims["failing"].error == "no such GPU"
+    assert response.claims[uid("failing")].error == "no such GPU"
 
     unprepared = served.v1beta1().NodeUnprepareResources(
         dra_v1beta1_pb2.NodeUnprepareResourcesRequest(
-            claims=[dra_v1beta1_pb2.Claim(namespace="ns", name="claim-shared", uid="shared")]
+            claims=[dra_v1beta1_pb2.Claim(namespace="ns", name="claim-shared", uid=uid("shared"))]
         ),
         timeout=10,
     )
-    assert set(unprepared.claims) == {"shared"}
-    assert unprepared.claims["shared"].error == ""
+    assert set(labels(unprepared.claims)) == {"shared"}
+    assert unprepared.claims[uid("shared")].error == ""
 
 
 def test_unprepare_answers_every_claim_without_reading_the_api(served: Served) -> None:
-    served.driver.unprepare_outcomes["stuck"] = "MPS daemon for GPU 0 did not stop"
-    served.driver.unprepare_outcomes["raises"] = OSError("checkpoint unreadable")
+    served.driver.unprepare_outcomes[uid("stuck")] = "MPS daemon for GPU 0 did not stop"
+    served.driver.unprepare_outcomes[uid("raises")] = OSError("checkpoint unreadable")
 
     response = served.v1().NodeUnprepareResources(v1_unprepare_request("never-prepared", "stuck", "raises"), timeout=10)
 
-    assert set(response.claims) == {"never-prepared", "stuck", "raises"}
-    assert response.claims["never-prepared"].error == ""
-    assert response.claims["stuck"].error == "MPS daemon for GPU 0 did not stop"
-    assert "OSError: checkpoint unreadable" in response.claims["raises"].error
+    assert set(labels(response.claims)) == {"never-prepared", "stuck", "raises"}
+    assert response.claims[uid("never-prepared")].error == ""
+    assert response.claims[uid("stuck")].error == "MPS daemon for GPU 0 did not stop"
+    assert "OSError: checkpoint unreadable" in response.claims[uid("raises")].error
     assert served.claims.fetched == []
-    assert sorted(served.driver.unprepared) == ["never-prepared", "raises", "stuck"]
+    assert sorted(labels(served.driver.unprepared)) == ["never-prepared", "raises", "stuck"]
 
 
 def test_empty_request_gets_an_empty_answer(served: Served) -> None:
@@ -268,15 +288,15 @@ def test_a_claim_listed_twice_is_prepared_once(served: Served) -> None:
     request = v1_request("dup")
     request.claims.append(request.claims[0])
     response = served.v1().NodePrepareResources(request, timeout=10)
-    assert set(response.claims) == {"dup"}
-    assert served.driver.prepared == ["dup"]
+    assert set(labels(response.claims)) == {"dup"}
+    assert labels(served.driver.prepared) == ["dup"]
 
 
 def test_unexpected_fetch_failure_becomes_the_claim_error(served: Served) -> None:
-    served.claims.errors["flaky"] = ConnectionResetError("peer reset")
+    served.claims.errors[uid("flaky")] = ConnectionResetError("peer reset")
     response = served.v1().NodePrepareResources(v1_request("flaky", "fine"), timeout=10)
-    assert "ConnectionResetError: peer reset" in response.claims["flaky"].error
-    assert response.claims["fine"].error == ""
+    assert "ConnectionResetError: peer reset" in response.claims[uid("flaky")].error
+    assert response.claims[uid("fine")].error == ""
 
 
 def test_claims_of_one_request_run_concurrently(served: Served) -> None:
@@ -287,18 +307,19 @@ def test_claims_of_one_request_run_concurrently(served: Served) -> None:
         barrier.wait()
         return PrepareResult(devices=[device("gpu-0")])
 
-    served.driver.outcomes.update({"a": meet, "b": meet, "c": meet})
+    served.driver.outcomes.update({uid("a"): meet, uid("b"): meet, uid("c"): meet})
     response = served.v1().NodePrepareResources(v1_request("a", "b", "c"), timeout=30)
-    assert {uid: entry.error for uid, entry in response.claims.items()} == {"a": "", "b": "", "c": ""}
+    assert {label(u): entry.error for u, entry in response.claims.items()} == {"a": "", "b": "", "c": ""}
 
 
 def test_spans_and_metrics_per_claim(served: Served) -> None:
-    served.driver.outcomes["failing"] = PrepareResult(error="no such GPU")
-    served.driver.unprepare_outcomes["stuck"] = "still in use"
+    served.driver.outcomes[uid("failing")] = PrepareResult(error="no such GPU")
+    served.driver.unprepare_outcomes[uid("stuck")] = "still in use"
     served.v1().NodePrepareResources(v1_request("good", "failing"), timeout=10)
     served.v1().NodeUnprepareResources(v1_unprepare_request("good", "stuck"), timeout=10)
 
-    spans = {(s.name, (s.attributes or {}).get("dra.claim.uid")): s for s in served.spans.get_finished_spans()}
+    spans = {(s.name, label(str((s.attributes or {}).get("dra.claim.uid")))): s
+             for s in served.spans.get_finished_spans()}
     assert set(spans) == {
         ("tessera.prepare_claim", "good"),
         ("tessera.prepare_claim", "failing"),
@@ -332,15 +353,15 @@ def test_claims_are_not_started_once_the_kubelet_gave_up() -> None:
     finally:
         telemetry.shutdown()
 
-    assert {uid: r.error for uid, r in prepared.items()} == {"late-1": KUBELET_GAVE_UP, "late-2": KUBELET_GAVE_UP}
-    assert unprepared == {"late-3": KUBELET_GAVE_UP}
+    assert {label(u): r.error for u, r in prepared.items()} == {"late-1": KUBELET_GAVE_UP, "late-2": KUBELET_GAVE_UP}
+    assert {label(u): e for u, e in unprepared.items()} == {"late-3": KUBELET_GAVE_UP}
     assert "kubelet" in KUBELET_GAVE_UP
     assert driver.prepared == [] and driver.unprepared == [] and claims.fetched == []
 
 
 def test_the_driver_gets_the_kubelets_deadline_less_a_margin_to_answer(served: Served) -> None:
     response = served.v1().NodePrepareResources(v1_request("a", "b"), timeout=5)
-    assert {uid: c.error for uid, c in response.claims.items()} == {"a": "", "b": ""}
+    assert {label(u): c.error for u, c in response.claims.items()} == {"a": "", "b": ""}
     first, second = served.driver.deadlines
     assert first is second, "the claims of one request share its deadline"
     assert 0 < first.remaining() <= 4.5 and first.is_active() is False, "the call is over by now"
@@ -356,7 +377,36 @@ def test_without_a_kubelet_deadline_the_drivers_own_limit_applies() -> None:
         telemetry.shutdown()
     [deadline] = driver.deadlines
     assert 0 < deadline.remaining() <= 7
-    assert late["late"].error == KUBELET_GAVE_UP, "no time left to answer: the claim is not started"
-    assert driver.prepared == ["a"]
+    assert late[uid("late")].error == KUBELET_GAVE_UP, "no time left to answer: the claim is not started"
+    assert labels(driver.prepared) == ["a"]
     with pytest.raises(ValueError, match="prepare_deadline"):
         ClaimBatch(driver, claims, telemetry, prepare_deadline=0)
+
+
+def test_a_claim_uid_that_is_no_uid_is_refused_per_claim_before_any_work(served: Served) -> None:
+    # A UID names checkpoint entries, CDI spec files and daemon directories: "../x" must never get there.
+    hostile = [ClaimRef(namespace="ns", name="evil", uid="../../etc/passwd"), *refs("fine")]
+    prepared = served.v1().NodePrepareResources(dra_v1_pb2.NodePrepareResourcesRequest(
+        claims=[dra_v1_pb2.Claim(namespace=r.namespace, name=r.name, uid=r.uid) for r in hostile]), timeout=10)
+    unprepared = served.v1().NodeUnprepareResources(dra_v1_pb2.NodeUnprepareResourcesRequest(
+        claims=[dra_v1_pb2.Claim(namespace=r.namespace, name=r.name, uid=r.uid) for r in hostile]), timeout=10)
+
+    for answer in (prepared.claims["../../etc/passwd"].error, unprepared.claims["../../etc/passwd"].error):
+        assert answer.startswith('ResourceClaim ns/evil: claim uid "../../etc/passwd" is not a Kubernetes UID')
+    assert "refusing to prepare it" in prepared.claims["../../etc/passwd"].error
+    assert "refusing to unprepare it" in unprepared.claims["../../etc/passwd"].error
+    assert prepared.claims[uid("fine")].error == "" and unprepared.claims[uid("fine")].error == ""
+    assert labels(served.driver.prepared) == ["fine"] and labels(served.driver.unprepared) == ["fine"]
+    assert labels(r.uid for r in served.claims.fetched) == ["fine"]
+
+
+def test_span_names_come_from_the_telemetry_scope() -> None:
+    spans = InMemorySpanExporter()
+    telemetry = Telemetry("test", "acme", span_exporter=spans, scope="acme.gpu")
+    batch = ClaimBatch(FakeDriver(), FakeClaims(), telemetry)
+    try:
+        batch.prepare(refs("a"), is_active=lambda: True)
+        batch.unprepare(refs("a"), is_active=lambda: True)
+    finally:
+        telemetry.shutdown()
+    assert sorted(s.name for s in spans.get_finished_spans()) == ["acme.gpu.prepare_claim", "acme.gpu.unprepare_claim"]

@@ -119,24 +119,13 @@ def test_text_format_puts_the_traceback_after_the_line(text_log: logging.Logger,
     assert lines[-1] == "RuntimeError: daemon gone"
 
 
-@pytest.fixture
-def restore_root() -> Iterator[logging.Logger]:
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    try:
-        yield root
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-
-
 @pytest.mark.parametrize(("fmt", "formatter"), [("json", JsonFormatter), ("text", TextFormatter)])
-def test_configure_logging_installs_one_handler(restore_root: logging.Logger, fmt: str,
+def test_configure_logging_installs_one_handler(restore_root_logger: logging.Logger, fmt: str,
                                                formatter: type[logging.Formatter]) -> None:
     configure_logging("warning", fmt)
-    assert len(restore_root.handlers) == 1
-    assert isinstance(restore_root.handlers[0].formatter, formatter)
-    assert restore_root.level == logging.WARNING
+    assert len(restore_root_logger.handlers) == 1
+    assert isinstance(restore_root_logger.handlers[0].formatter, formatter)
+    assert restore_root_logger.level == logging.WARNING
     configure_logging("debug", fmt)  # calling again replaces, never stacks handlers
-    assert len(restore_root.handlers) == 1
-    assert restore_root.level == logging.DEBUG
+    assert len(restore_root_logger.handlers) == 1
+    assert restore_root_logger.level == logging.DEBUG

@@ -15,8 +15,8 @@ from driver.gpu.discovery.migprofiles import (
     memory_gb,
     profile_name,
 )
+from driver.units import MIB
 
-MIB = 1 << 20
 # Totals as NVML reports them.
 A100_40GB = 40960 * MIB
 A30 = 24576 * MIB

@@ -27,18 +27,17 @@ import pytest
 from pydantic import ValidationError
 
 from driver.gpu.mps.launch import LocalLauncher
-from driver.gpu.mps.manager import (
-    _KILL_WAIT_S,
-    _TERM_GRACE_S,
-    MIB,
+from driver.gpu.mps.manager import _KILL_WAIT_S, _TERM_GRACE_S, MpsManager
+from driver.gpu.mps.model import (
     MpsDaemonRecord,
     MpsDaemonSpec,
     MpsError,
-    MpsManager,
     MpsMount,
+    client_edits,
     multi_user_capable,
     pinned_limit_taken,
 )
+from driver.units import MIB
 from tests.support.mpsdaemons import STANDIN, MpsDaemonKind, daemon_params
 from tests.support.processes import poll_until, processes_mentioning, standin_sandbox
 
@@ -81,7 +80,9 @@ class Sim:
     def journal_entries(self) -> list[dict[str, object]]:
         if not self.journal.exists():
             return []
-        return [json.loads(line) for line in self.journal.read_text().splitlines()]
+        # Each entry also names its daemon's pipe dir; these tests tell daemons apart by pid.
+        entries = [json.loads(line) for line in self.journal.read_text().splitlines()]
+        return [{k: v for k, v in e.items() if k != "pipe_dir"} for e in entries]
 
 
 def _sandbox(monkeypatch: pytest.MonkeyPatch, kind: MpsDaemonKind) -> Iterator[Sim]:
@@ -151,7 +152,7 @@ def test_start_supervises_the_foreground_daemon_and_reads_limits_back(anyd: Sim)
     assert (record.pipe_dir / "nvidia-cuda-mps-control.pid").exists() == anyd.kind.writes_pid_file
     # With -f the daemon logs to its standard output, which the launcher keeps as control.log.
     assert "Starting control daemon using socket" in (record.log_dir / "control.log").read_text()
-    assert anyd.manager().is_alive(record)
+    assert anyd.manager().answers_control(record)
     anyd.manager().stop(record)
     _assert_nothing_left(anyd, CLAIM_ID)
 
@@ -176,7 +177,7 @@ def test_h100_plan_default_limits_prepare_though_displayed_in_whole_g(anyd: Sim)
     spec = MpsDaemonSpec(daemon_id=PLAN_ID, gpu_uuids=uuids, active_thread_percentage=25, pinned_memory_limits=limits)
     manager = anyd.manager()
     record = manager.start(spec)
-    assert manager.is_running(record)
+    assert manager.process_running(record)
     manager.stop(record)
 
 
@@ -270,7 +271,7 @@ def test_start_refuses_second_daemon_for_same_id(anyd: Sim) -> None:
     record = manager.start(PLAIN)
     with pytest.raises(MpsError, match=f"pid {record.pid}.* already runs"):
         manager.start(PLAIN)
-    assert manager.is_alive(record)
+    assert manager.answers_control(record)
     manager.stop(record)
 
 
@@ -388,7 +389,7 @@ def test_stop_by_id_finds_an_unrecorded_daemon_in_proc(anyd: Sim) -> None:
     assert manager.daemon_ids_on_disk() == []
     manager.stop_by_id(PLAN_ID)  # idempotent
     again = manager.start(PLAIN)
-    assert manager.is_alive(again)
+    assert manager.answers_control(again)
     manager.stop(again)
 
 
@@ -397,25 +398,25 @@ def test_stop_by_id_rejects_unsafe_ids(sim: Sim) -> None:
         sim.manager().stop_by_id("../root")
 
 
-# -- is_running / is_alive / ensure_running --------------------------------------------------
+# -- process_running / answers_control / ensure_running --------------------------------------------------
 
 
-def test_is_running_reads_proc_only(sim: Sim) -> None:
+def test_process_running_reads_proc_only(sim: Sim) -> None:
     manager = sim.manager()
     record = manager.start(PLAIN)
     commands_before = len(_commands(record))
-    assert manager.is_running(record)
+    assert manager.process_running(record)
     assert manager.ensure_running(record) == record
     assert _commands(record)[commands_before:] == [], "no control command is sent"
-    assert not manager.is_running(record.model_copy(update={"process_start_time": record.process_start_time + 1}))
+    assert not manager.process_running(record.model_copy(update={"process_start_time": record.process_start_time + 1}))
     manager.stop(record)
-    assert not manager.is_running(record)
+    assert not manager.process_running(record)
 
 
-def test_is_alive_false_when_daemon_does_not_answer(sim: Sim) -> None:
+def test_answers_control_false_when_daemon_does_not_answer(sim: Sim) -> None:
     record = sim.manager().start(PLAIN)
     os.kill(record.pid, signal.SIGSTOP)
-    assert not sim.manager(command=0.3).is_alive(record)
+    assert not sim.manager(command=0.3).answers_control(record)
 
 
 def test_restart_keeps_the_pipe_dir_inode_and_the_limits(anyd: Sim) -> None:
@@ -428,7 +429,7 @@ def test_restart_keeps_the_pipe_dir_inode_and_the_limits(anyd: Sim) -> None:
     assert new.pid != old.pid
     assert new.spec == old.spec
     assert new.pipe_dir == old.pipe_dir and new.pipe_dir.stat().st_ino == inode
-    assert manager.is_alive(new)
+    assert manager.answers_control(new)
     assert sorted(anyd.running()) == [new.pid]
     manager.stop(new)
 
@@ -449,24 +450,24 @@ def test_restarts_back_off_and_the_backoff_is_recorded(sim: Sim) -> None:
         sim.manager(backoff=60.0).ensure_running(second)
     assert json.loads((sim.base / PLAN_ID / "restarts.json").read_text())["count"] == 1
     third = sim.manager(backoff=0.0).ensure_running(second)
-    assert sim.manager().is_alive(third)
+    assert sim.manager().answers_control(third)
     assert json.loads((sim.base / PLAN_ID / "restarts.json").read_text())["count"] == 2
 
 
 def test_recycled_pid_is_never_taken_for_our_daemon(sim: Sim) -> None:
     manager = sim.manager()
     record = manager.start(PLAIN)
-    assert not manager.is_alive(record.model_copy(update={"process_start_time": record.process_start_time + 1}))
+    assert not manager.answers_control(record.model_copy(update={"process_start_time": record.process_start_time + 1}))
     manager.stop(record)
     stranger = subprocess.Popen(["sleep", "60"])
     try:
         recycled = record.model_copy(update={"pid": stranger.pid, "process_start_time": _start_time(stranger.pid) - 1})
-        assert not manager.is_alive(recycled)
+        assert not manager.answers_control(recycled)
         manager.stop(recycled)
         restarted = manager.ensure_running(recycled)
         assert stranger.poll() is None  # never signalled
         assert restarted.pid != stranger.pid
-        assert manager.is_alive(restarted)
+        assert manager.answers_control(restarted)
     finally:
         stranger.kill()
         stranger.wait()
@@ -506,12 +507,12 @@ def test_a_forged_checkpoint_pid_is_neither_adopted_nor_signalled(
     record = manager.start(PLAIN)
     manager.stop(record)
     forged = record.model_copy(update={"pid": stranger.pid, "process_start_time": _start_time(stranger.pid)})
-    assert not manager.daemon_matches(forged)
-    assert not manager.is_alive(forged)
+    assert not manager.process_running(forged)
+    assert not manager.answers_control(forged)
     manager.stop(forged)
     restarted = manager.ensure_running(forged)
     assert stranger.poll() is None
-    assert manager.daemon_matches(restarted)
+    assert manager.process_running(restarted)
 
 
 class SilentControl:
@@ -555,8 +556,8 @@ def test_a_silent_fake_control_socket_never_hangs_the_driver(anyd: Sim, silent_c
     # NVIDIA's client run as root talks to control_privileged; others to control: replace both.
     for fake, name in zip(silent_control, ("control", "control_privileged"), strict=True):
         fake.plant(record.pipe_dir, name)
-    assert manager.is_running(record)  # /proc only: no round trip to the fake socket
-    assert not manager.is_alive(record)  # the round trip is bounded
+    assert manager.process_running(record)  # /proc only: no round trip to the fake socket
+    assert not manager.answers_control(record)  # the round trip is bounded
     manager.stop(record)  # quit gets no answer; the daemon is signalled
     assert _gone(record.pid)
     _assert_nothing_left(anyd, PLAN_ID)
@@ -571,7 +572,7 @@ def test_a_control_symlink_to_another_daemon_does_not_stop_it(anyd: Sim) -> None
         (mine.pipe_dir / name).symlink_to(theirs.pipe_dir / name)
     manager.stop(mine)
     assert _gone(mine.pid)
-    assert anyd.manager().is_alive(theirs)
+    assert anyd.manager().answers_control(theirs)
     anyd.manager().stop(theirs)
 
 
@@ -582,7 +583,7 @@ def test_planted_names_under_the_base_dir_are_not_daemons(sim: Sim) -> None:
     sim.base.joinpath("not-a-daemon").mkdir()
     sim.base.joinpath(CLAIM_ID).symlink_to(victim.pipe_dir.parent)  # a tenant's link to another daemon
     assert manager.daemon_ids_on_disk() == [OTHER_ID]
-    assert manager.is_alive(victim)
+    assert manager.answers_control(victim)
     manager.stop(victim)
 
 
@@ -631,7 +632,7 @@ def _stored_record(spec: MpsDaemonSpec, shm_dir: Path | None = None) -> MpsDaemo
 def test_client_edits_mount_the_pipe_dir_read_only_and_the_daemons_shm(sim: Sim) -> None:
     manager = sim.manager()
     record = manager.start(LIMITED)
-    edits = manager.client_edits(record, shm_host_dir=Path("/elsewhere"))
+    edits = client_edits(record, shm_host_dir=Path("/elsewhere"))
     assert edits.env == [
         "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40",
@@ -644,12 +645,11 @@ def test_client_edits_mount_the_pipe_dir_read_only_and_the_daemons_shm(sim: Sim)
 
 
 def test_client_edits_of_an_old_record_fall_back_to_the_given_shm() -> None:
-    manager = MpsManager(Path("/"), Path("/m"), LocalLauncher(Path("/")))
-    edits = manager.client_edits(_stored_record(PLAIN), container_pipe_dir="/run/mps-a", shm_host_dir=Path("/s"))
+    edits = client_edits(_stored_record(PLAIN), container_pipe_dir="/run/mps-a", shm_host_dir=Path("/s"))
     assert edits.env == ["CUDA_MPS_PIPE_DIRECTORY=/run/mps-a"]
     assert edits.mounts == [MpsMount(f"/m/{PLAN_ID}/pipe", "/run/mps-a", ["ro", "nosuid", "nodev", "bind"]),
                             MpsMount("/s", "/dev/shm", ["rw", "nosuid", "nodev", "bind"])]
-    per_daemon = manager.client_edits(_stored_record(PLAIN, shm_dir=Path("/d/shm")), shm_host_dir=Path("/s"))
+    per_daemon = client_edits(_stored_record(PLAIN, shm_dir=Path("/d/shm")), shm_host_dir=Path("/s"))
     assert per_daemon.mounts[1].host_path == "/d/shm"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import stat
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -229,3 +230,12 @@ def test_the_plugin_uses_the_host_only_when_its_socket_is_configured() -> None:
     assert isinstance(choose_launcher(parse_settings([])), LocalLauncher)
 
 
+
+
+def test_a_socket_in_a_shared_sticky_directory_is_refused_and_the_directory_keeps_its_mode(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(HostError, match="shared"):
+        open_listener(shared / "host.sock")
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777

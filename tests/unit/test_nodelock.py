@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from driver.kubeletplugin.filemodes import ensure_private_dir
 from driver.kubeletplugin.nodelock import LockFileError, LockTimeout, NodeLock
 
 _HOLD_FLOCK = """
@@ -209,3 +210,12 @@ def test_a_fifo_in_place_of_the_lock_file_is_refused_without_blocking(tmp_path: 
     os.mkfifo(tmp_path / "state.lock")
     with pytest.raises(LockFileError, match="not a regular file"), NodeLock(tmp_path / "state.lock").held():
         pass
+
+
+def test_a_lock_in_a_shared_sticky_directory_is_refused_and_the_directory_keeps_its_mode(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(PermissionError, match="shared"):
+        ensure_private_dir(shared)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o1777

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from driver.gpu.devices import build_devices
+from driver.config import Settings
+from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import MigInstance
-from driver.gpu.discovery.nvml import (
-    NvmlDiscovery,
-    NvmlDiscoveryError,
+from driver.gpu.discovery.nvml import NvmlDiscovery, NvmlDiscoveryError
+from driver.gpu.discovery.nvmlvalues import (
     addressing_mode_name,
     architecture_name,
     brand_name,
@@ -29,11 +29,10 @@ from driver.gpu.discovery.nvml import (
     normalise_pci_bus_id,
     pcie_root_from_link,
 )
-from driver.gpu.discovery.source import open_discovery
 from driver.gpu.runtime.binaries import LIB_DIRS
-
-MIB = 1 << 20
-
+from driver.nodelayout import open_discovery
+from driver.simulation.discovery import SimulatedDiscovery
+from driver.units import MIB
 
 # --- the fake pynvml ---------------------------------------------------------------------------
 
@@ -662,11 +661,18 @@ def test_pynvmls_load_by_soname_gets_the_driver_roots_library(tmp_path: Path) ->
 
 
 def test_open_discovery_looks_for_nvml_under_the_driver_root(tmp_path: Path) -> None:
-    discovery = open_discovery(None, "node-a", tmp_path)
+    discovery = open_discovery(Settings(driver_root=tmp_path), "node-a")
     assert isinstance(discovery, NvmlDiscovery)
     with pytest.raises(NvmlDiscoveryError, match=f"not found under driver root {tmp_path}"):
         discovery.discover()
-    assert isinstance(open_discovery(None, "node-a"), NvmlDiscovery)
+    assert isinstance(open_discovery(Settings(), "node-a"), NvmlDiscovery)
+
+
+def test_open_discovery_simulates_only_when_asked(tmp_path: Path) -> None:
+    discovery = open_discovery(Settings(simulate="demo", driver_root=tmp_path), "node-a")
+    assert isinstance(discovery, SimulatedDiscovery)
+    assert [g.uuid for g in discovery.discover().gpus] == [
+        g.uuid for g in SimulatedDiscovery("demo", "node-a").discover().gpus]
 
 
 # --- MIG ---------------------------------------------------------------------------------------
@@ -693,7 +699,7 @@ def test_mig_instances_are_enumerated(sysfs: Path) -> None:
 
 def test_mig_devices_published_from_nvml(sysfs: Path) -> None:
     inventory = discover(FakeNvml([h100_mig(), l4()]), sysfs)
-    names = [d.name for d in build_devices(inventory)]
+    names = [d.name for d in make_view(inventory, {}).devices]
     assert names == ["gpu-0-mig-1g10gb-3", "gpu-0-mig-3g40gb-4", "gpu-1"]
 
 
@@ -762,7 +768,9 @@ def test_unnameable_mig_device_is_skipped(sysfs: Path) -> None:
 def test_mig_device_of_unknown_profile_is_skipped_others_kept(sysfs: Path, caplog: pytest.LogCaptureFixture) -> None:
     gpu = h100_mig()
     gpu.gis[9].profile_id = 77
-    [info] = discover(FakeNvml([gpu]), sysfs).gpus
+    # The level is set here: a test in the same worker may have left the root logger at CRITICAL.
+    with caplog.at_level(logging.WARNING, logger="driver.gpu.discovery.migscan"):
+        [info] = discover(FakeNvml([gpu]), sysfs).gpus
     assert [m.uuid for m in info.mig_instances] == ["MIG-three"]
     assert any("unknown profile" in r.getMessage() for r in caplog.records)
 

@@ -20,9 +20,8 @@ from driver.gpu.sharingplan import (
     resolve_layout,
     select_plan,
 )
+from driver.units import GIB, MIB
 
-GIB = 1024**3
-MIB = 1024**2
 LABEL = "gpu.tessera.dev/sharing-plan"
 
 A100 = GpuInfo(
@@ -42,6 +41,7 @@ A100_MIG = GpuInfo(
         ),
     ),
 )
+
 T4 = GpuInfo(minor=2, index=2, uuid="GPU-t4-2", product_name="Tesla T4", memory_bytes=15 * GIB + 360 * MIB + 7)
 T4_NO_MEMORY = GpuInfo(minor=3, index=3, uuid="GPU-t4-3", product_name="Tesla T4")
 
@@ -129,7 +129,7 @@ def test_invalid_yaml_names_the_path(tmp_path: Path) -> None:
 
 def test_duplicate_keys_are_rejected(tmp_path: Path) -> None:
     path = write(tmp_path, "plans:\n  a: {}\n  a: {gpus: []}\n")
-    with pytest.raises(PlanError, match="duplicate key 'a'"):
+    with pytest.raises(PlanError, match='duplicate key "a"'):
         load_plans(path)
 
 
@@ -162,8 +162,10 @@ def test_shares_out_of_range_names_the_entry_path(tmp_path: Path) -> None:
         ("timeSlicing: {shares: 2, interval: short}", 'gpus[0].timeSlicing.interval: "short" is not allowed'),
         ("mps: {shares: 2, thread: 5}", 'gpus[0].mps: unknown field "thread" (known fields: shares, '),
         ("whole: true\nextra: 1", 'gpus[0]: unknown field "extra"'),
-        ("whole: true\nmps: {shares: 2}", "gpus[0]: set exactly one of mps, timeSlicing, whole: true (got mps, whole)"),
-        ("allowMultipleSharesPerClaim: true", "gpus[0]: set exactly one of mps, timeSlicing, whole: true (got none)"),
+        ("whole: true\nmps: {shares: 2}",
+         "gpus[0]: set exactly one of mps, timeSlicing, consumable, whole: true (got mps, whole)"),
+        ("allowMultipleSharesPerClaim: true",
+         "gpus[0]: set exactly one of mps, timeSlicing, consumable, whole: true (got none)"),
         ("whole: false", "gpus[0]: whole: false is not a publishing form"),
         ("whole: true\nallowMultipleSharesPerClaim: true", "gpus[0]: allowMultipleSharesPerClaim applies only to"),
     ],
@@ -207,7 +209,8 @@ def test_default_plan_must_exist(tmp_path: Path) -> None:
 
 
 def test_unknown_top_level_field(tmp_path: Path) -> None:
-    assert plan_error(tmp_path, "plan: {}\n") == 'unknown field "plan" (known fields: defaultPlan, plans)'
+    assert plan_error(tmp_path, "plan: {}\n") == (
+        'unknown field "plan" (known fields: defaultPlan, consumableCapacityGate, plans)')
 
 
 def test_every_problem_is_reported(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from driver.gpu.devices import build_devices
+from driver.gpu.devices import make_view
 from driver.gpu.discovery.migprofiles import profile_name
 from driver.simulation.discovery import (
     SIMULATED_CUDA_DRIVER_VERSION,
@@ -16,8 +16,7 @@ from driver.simulation.discovery import (
     simulated_pci_bus_id,
 )
 from driver.simulation.gpus import SimulationError, gpu_model, gpu_models
-
-GIB = 1 << 30
+from driver.units import GIB
 
 
 def write_layout(tmp_path: Path, body: str) -> str:
@@ -67,7 +66,7 @@ def test_available_layouts() -> None:
 def test_every_builtin_layout_loads_and_publishes(layout: str) -> None:
     inventory = SimulatedDiscovery(layout, "node-a").discover()
     assert inventory.gpus
-    assert build_devices(inventory)
+    assert make_view(inventory, {}).devices
 
 
 def test_demo_node() -> None:
@@ -87,7 +86,7 @@ def test_demo_node() -> None:
     assert [m.gi_profile_id for m in mig_h100.mig_instances] == [9, 14, 19]
     assert len({m.gi_id for m in mig_h100.mig_instances}) == 3
     assert all(m.uuid.startswith("MIG-") for m in mig_h100.mig_instances)
-    names = [d.name for d in build_devices(inventory)]
+    names = [d.name for d in make_view(inventory, {}).devices]
     assert names == ["gpu-0", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mig-1g10gb-6", "gpu-2"]
 
 
@@ -114,7 +113,7 @@ def test_layout_from_file_and_empty_mig(tmp_path: Path) -> None:
     path = write_layout(tmp_path, "gpus:\n  - model: H100-80GB\n    mig: []\n  - model: L4\n")
     inventory = SimulatedDiscovery(path, "node-a").discover()
     assert inventory.gpus[0].mig_enabled and inventory.gpus[0].mig_instances == ()
-    assert [d.name for d in build_devices(inventory)] == ["gpu-1"]
+    assert [d.name for d in make_view(inventory, {}).devices] == ["gpu-1"]
 
 
 def test_close_is_harmless() -> None:

@@ -15,7 +15,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from driver.kubeletplugin.kubeclient import request_json
 from driver.kubeletplugin.slicemodel import Device, DeviceTaint
 from driver.kubeletplugin.sliceplanner import slice_name_prefix
-from driver.kubeletplugin.slicepublisher import SLICES_PATH, ResourceSlicePublisher
+from driver.kubeletplugin.slicepublisher import ResourceSlicePublisher
+from driver.kubeletplugin.slicewriter import SLICES_PATH
 from driver.kubeletplugin.telemetry import Telemetry
 from driver.simulation.apiserver import FakeApiServer
 from tests.support.kubeletplugin import DRIVER, NODE, eventually, gpu, gpus

@@ -616,3 +616,78 @@ def test_run_binary_that_cannot_start_says_so(tmp_path: Path) -> None:
     not_executable = _make_exe(tmp_path / "tool", mode=0o644)
     with pytest.raises(BinaryFailed, match=f"`{not_executable}` could not run: .*Permission denied"):
         run_binary([str(not_executable)], env={}, timeout=10)
+
+
+# -- compute mode: MIG refusal and what a client that cannot reach MPS does ----------------------
+
+
+def _gpus_file(sim: SimRoot, mig_enabled: bool) -> str:
+    path = sim.top / "gpus.json"
+    path.write_text(json.dumps({"gpus": [{"uuid": GPU_A, "minor": 1, "pci_bus_id": "0000:31:00.0",
+                                          "mig_enabled": mig_enabled}]}))
+    return str(path)
+
+
+def test_nvidia_smi_refuses_a_compute_mode_on_a_mig_enabled_gpu(sim: SimRoot) -> None:
+    gpus = _gpus_file(sim, mig_enabled=True)
+    refused = _smi(sim, "-i", GPU_A, "-c", "EXCLUSIVE_PROCESS", TESSERA_SIM_GPUS_FILE=gpus)
+    assert refused.returncode == 3
+    assert refused.stdout.splitlines() == [
+        "Setting compute mode to EXCLUSIVE_PROCESS is not supported on a MIG-enabled device.",
+        "Unable to set the compute mode for GPU 00000000:31:00.0: Not Supported",
+        "Treating as warning and moving on.", "All done."]
+    query = ["--query-gpu=compute_mode", "--format=csv,noheader", "-i", GPU_A]
+    assert _smi(sim, *query, TESSERA_SIM_GPUS_FILE=gpus).stdout.strip() == "Default", "left as it was"
+    assert _smi(sim, "-i", GPU_A, "-c", "DEFAULT", TESSERA_SIM_GPUS_FILE=gpus).returncode == 0
+    no_mig = _gpus_file(sim, mig_enabled=False)
+    assert _smi(sim, "-i", GPU_A, "-c", "3", TESSERA_SIM_GPUS_FILE=no_mig).returncode == 0
+    assert _smi(sim, *query, TESSERA_SIM_GPUS_FILE=no_mig).stdout.strip() == "Exclusive_Process"
+
+
+def test_the_simulated_host_tree_tells_nvidia_smi_which_gpus_have_mig(tmp_path: Path) -> None:
+    from driver.simulation.discovery import SimulatedDiscovery
+    from driver.simulation.hostroot import SIM_GPUS_FILE, build_host_root
+
+    inventory = SimulatedDiscovery("demo", "node-a").discover()
+    host = build_host_root(tmp_path / "host", inventory)
+    listed = json.loads((host.driver_root / SIM_GPUS_FILE).read_text())["gpus"]
+    assert [(g["uuid"], g["mig_enabled"]) for g in listed] == [(g.uuid, g.mig_enabled) for g in inventory.gpus]
+    assert [g["mig_enabled"] for g in listed] == [False, True, False]
+
+
+def _lone_client(sim: SimRoot, mode: str | None, **extra: str) -> subprocess.Popen[str]:
+    state = sim.top / "smi-state.json"
+    state.write_text(json.dumps({GPU_A: {"compute_mode": mode, "timeslice": 0}} if mode else {}))
+    # A client whose pipe dir has no daemon: its connection fails, as a tenant's would after a bad mount.
+    env = _mps_env(sim, CUDA_MPS_PIPE_DIRECTORY=str(sim.top / "nowhere"), CUDA_VISIBLE_DEVICES=GPU_A,
+                   TESSERA_SIM_NVIDIA_SMI_STATE=str(state), **extra)
+    (sim.top / "nowhere").mkdir(exist_ok=True)
+    return subprocess.Popen([str(sim.exe("nvidia-cuda-mps-control")), "--simulation-client", "1000"], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def test_a_client_that_cannot_reach_mps_runs_outside_every_limit_in_default_mode(sim: SimRoot) -> None:
+    for mode in (None, "DEFAULT"):
+        client = _lone_client(sim, mode)
+        out, _ = client.communicate("", timeout=10)
+        assert client.returncode == 0
+        assert out.strip() == f"NO-MPS {GPU_A}: running without MPS, outside every MPS limit"
+
+
+def test_in_exclusive_process_mode_a_client_cannot_run_beside_the_mps_daemon(sim: SimRoot) -> None:
+    alone = _lone_client(sim, "EXCLUSIVE_PROCESS")
+    out, _ = alone.communicate("", timeout=10)
+    assert alone.returncode == 0 and out.startswith("NO-MPS"), "no daemon on the GPU: it runs as the only process"
+
+    env = _mps_env(sim, CUDA_VISIBLE_DEVICES=GPU_A)
+    assert _mps(sim, env, "-d").returncode == 0
+    try:
+        beside = _lone_client(sim, "EXCLUSIVE_PROCESS")
+        out, _ = beside.communicate("", timeout=10)
+        assert beside.returncode == 1
+        assert out.strip() == f"ERROR all CUDA-capable devices are busy or unavailable ({GPU_A} is EXCLUSIVE_PROCESS)"
+        prohibited = _lone_client(sim, "PROHIBITED")
+        assert prohibited.communicate("", timeout=10)[0].startswith("ERROR") and prohibited.returncode == 1
+    finally:
+        _mps(sim, env, stdin="quit\n")
+        poll_until(lambda: processes_mentioning(str(sim.top)) == [], "the daemon to quit")

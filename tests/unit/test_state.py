@@ -8,223 +8,35 @@ fakes that can be told to fail, so every side effect and every rollback is visib
 from __future__ import annotations
 
 import contextlib
-import json
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
 import cdi
-from driver.gpu.checkpoint import CheckpointStore, ClaimPhase
-from driver.gpu.claimcdi.toolkit import load_toolkit_edits
-from driver.gpu.discovery.inventory import NodeInventory
-from driver.gpu.mps.manager import MpsClientEdits, MpsDaemonRecord, MpsDaemonSpec, MpsError, MpsManager, MpsMount
-from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError, ComputeModes
-from driver.gpu.runtime.timeslice import TimeSliceError, TimeSlicer
-from driver.gpu.sharing import GpuShares, TimeSliceInterval
-from driver.gpu.state import DeviceState, PrepareError, StatePaths
-from driver.gpu.targets import make_view
+from driver.gpu.checkpoint import ClaimPhase
+from driver.gpu.devices import make_view
+from driver.gpu.errors import PrepareError
+from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsError
+from driver.gpu.runtime.timeslice import TimeSliceError
+from driver.gpu.sharing import TimeSliceInterval
+from driver.gpu.state import DeviceState
 from driver.kubeletplugin.claimmodel import ResourceClaim
-from driver.kubeletplugin.types import ClaimRef
-from driver.simulation.discovery import SimulatedDiscovery
-from driver.simulation.hostroot import build_host_root
-
-DRIVER = "gpu.tessera.dev"
-POOL = "node-a"
-GIB = 1 << 30
-
-
-# ----------------------------------------------------------------------------- fakes
-
-
-class FakeMps:
-    """Stands in for MpsManager: daemons are records in ``running``; every call is logged in ``calls``."""
-
-    def __init__(self, base_dir: Path) -> None:
-        self.base_dir = base_dir
-        self.running: dict[str, MpsDaemonRecord] = {}
-        self.calls: list[tuple[str, str]] = []
-        self.fail_start = False
-        self.on_disk: list[str] = []
-        self._next_pid = 1000
-
-    def start(self, spec: MpsDaemonSpec) -> MpsDaemonRecord:
-        self.calls.append(("start", spec.daemon_id))
-        if self.fail_start:
-            raise MpsError(f"starting MPS control daemon {spec.daemon_id} failed: simulated")
-        self._next_pid += 1
-        record = MpsDaemonRecord(spec=spec, pid=self._next_pid, pipe_dir=self.base_dir / spec.daemon_id / "pipe",
-                                 log_dir=self.base_dir / spec.daemon_id / "log", started_at="2025-01-01T00:00:00+00:00",
-                                 process_start_time=1)
-        self.running[spec.daemon_id] = record
-        return record
-
-    def is_alive(self, record: MpsDaemonRecord) -> bool:
-        current = self.running.get(record.spec.daemon_id)
-        return current is not None and current.pid == record.pid
-
-    def is_running(self, record: MpsDaemonRecord) -> bool:
-        return self.is_alive(record)
-
-    def ensure_running(self, record: MpsDaemonRecord) -> MpsDaemonRecord:
-        self.calls.append(("ensure_running", record.spec.daemon_id))
-        if self.is_alive(record):
-            return record
-        self.running.pop(record.spec.daemon_id, None)
-        return self.start(record.spec)
-
-    def stop(self, record: MpsDaemonRecord) -> None:
-        self.calls.append(("stop", record.spec.daemon_id))
-        self.running.pop(record.spec.daemon_id, None)
-
-    def stop_by_id(self, daemon_id: str) -> None:
-        self.calls.append(("stop_by_id", daemon_id))
-        self.running.pop(daemon_id, None)
-
-    def daemon_ids_on_disk(self) -> list[str]:
-        return sorted({*self.running, *self.on_disk})
-
-    def client_edits(self, record: MpsDaemonRecord, container_pipe_dir: str = "/tmp/nvidia-mps",
-                     shm_host_dir: Path | None = None) -> MpsClientEdits:
-        mounts = [MpsMount(str(record.pipe_dir), container_pipe_dir, ["rw", "bind"])]
-        if shm_host_dir is not None:
-            mounts.append(MpsMount(str(shm_host_dir), "/dev/shm", ["rw", "bind"]))
-        return MpsClientEdits(env=[f"CUDA_MPS_PIPE_DIRECTORY={container_pipe_dir}"], mounts=mounts)
-
-    def stopped_after_start(self, daemon_id: str) -> bool:
-        """Whether ``daemon_id`` was stopped after its last start (the stop before a start clears leftovers)."""
-        last_start = max(i for i, call in enumerate(self.calls) if call == ("start", daemon_id))
-        return any(op in ("stop", "stop_by_id") and d == daemon_id for op, d in self.calls[last_start:])
-
-    def started(self) -> list[str]:
-        return [d for op, d in self.calls if op == "start"]
-
-
-@dataclass
-class FakeTimeSlicer:
-    """Stands in for TimeSlicer: remembers each GPU's interval; ``fail_apply`` makes apply raise."""
-
-    intervals: dict[str, str] = field(default_factory=dict)
-    calls: list[tuple[str, tuple[str, ...], str | None]] = field(default_factory=list)
-    fail_apply: bool = False
-
-    def apply(self, gpu_uuids: list[str], interval: TimeSliceInterval, deadline: object = None) -> None:
-        self.calls.append(("apply", tuple(gpu_uuids), interval))
-        if self.fail_apply:
-            raise TimeSliceError(f"setting time slice {interval} failed: simulated nvidia-smi exit 3")
-        for uuid in gpu_uuids:
-            self.intervals[uuid] = interval
-
-    def reset(self, gpu_uuids: list[str]) -> None:
-        self.calls.append(("reset", tuple(gpu_uuids), None))
-        for uuid in gpu_uuids:
-            self.intervals.pop(uuid, None)
-
-
-@dataclass
-class FakeComputeModes:
-    """Stands in for ComputeModes: each GPU's mode (DEFAULT until set); ``fail_set`` names a GPU that refuses."""
-
-    modes: dict[str, ComputeMode] = field(default_factory=dict)
-    sets: list[tuple[str, ComputeMode]] = field(default_factory=list)
-    fail_set: str | None = None
-
-    def get(self, uuid: str, deadline: object = None) -> ComputeMode:
-        return self.modes.get(uuid, ComputeMode.DEFAULT)
-
-    def set(self, uuid: str, mode: ComputeMode, deadline: object = None) -> None:
-        self.sets.append((uuid, mode))
-        if uuid == self.fail_set:
-            raise ComputeModeError(f"compute mode of {uuid}: `nvidia-smi -i {uuid} -c {mode}` exited 3 (simulated)")
-        self.modes[uuid] = mode
-
-
-# ----------------------------------------------------------------------------- node
-
-
-class Node:
-    """One simulated node's directories, fakes and inventory; ``state()`` is a driver process on it."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.inventory: NodeInventory = SimulatedDiscovery("demo", POOL).discover()
-        self.host = root / "host"
-        build_host_root(self.host, self.inventory)
-        self.paths = StatePaths(state_dir=root / "state", cdi_root=root / "cdi", host_root=self.host,
-                                mps_shm_dir=root / "state" / "mps" / "shm")
-        self.toolkit = load_toolkit_edits(self.host / "etc" / "cdi" / "nvidia.yaml")
-        self.mps = FakeMps(root / "state" / "mps")
-        self.timeslicer = FakeTimeSlicer()
-        self.modes = FakeComputeModes()
-
-    def uuid(self, minor: int) -> str:
-        gpu = self.inventory.gpu_by_minor(minor)
-        assert gpu is not None
-        return gpu.uuid
-
-    def state(self) -> DeviceState:
-        """A fresh DeviceState on the same directories and fakes, as after a driver restart."""
-        return DeviceState(driver_name=DRIVER, pool_name=POOL, paths=self.paths, toolkit=self.toolkit,
-                           mps=cast(MpsManager, self.mps), timeslicer=cast(TimeSlicer, self.timeslicer),
-                           view=make_view(self.inventory, {}), lock_timeout=5,
-                           compute_modes=cast(ComputeModes, self.modes))
-
-    @property
-    def store(self) -> CheckpointStore:
-        return CheckpointStore(self.paths.state_dir / "checkpoint.json")
-
-    def spec_path(self, uid: str) -> Path:
-        return self.paths.cdi_root / f"k8s.gpu.tessera.dev-claim_{uid}.json"
-
-    def cdi_files(self) -> list[str]:
-        return sorted(p.name for p in self.paths.cdi_root.iterdir()) if self.paths.cdi_root.exists() else []
-
-    def spec_json(self, uid: str) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads(self.spec_path(uid).read_text())
-        return data
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> Node:
-    return Node(tmp_path)
-
-
-def claim(uid: str, *devices: str, configs: list[dict[str, Any]] | None = None, pool: str = POOL,
-          name: str | None = None) -> ResourceClaim:
-    """A ResourceClaim allocated to ``devices`` (request ``r<i>`` for the i-th), as the API server returns it."""
-    results = [{"request": f"r{i}", "driver": DRIVER, "pool": pool, "device": d} for i, d in enumerate(devices)]
-    return ResourceClaim.model_validate({
-        "metadata": {"name": name or f"claim-{uid}", "namespace": "default", "uid": uid},
-        "status": {"allocation": {"devices": {"results": results, "config": configs or []}}},
-    })
-
-
-def ref(uid: str) -> ClaimRef:
-    return ClaimRef(namespace="default", name=f"claim-{uid}", uid=uid)
-
-
-def gpu_config(**sharing: Any) -> dict[str, Any]:
-    return {"source": "FromClaim", "requests": [],
-            "opaque": {"driver": DRIVER, "parameters": {"apiVersion": "gpu.tessera.dev/v1alpha1",
-                                                        "kind": "GpuConfig", "sharing": sharing}}}
-
-
-def mps_shares(count: int = 2) -> GpuShares:
-    return GpuShares(strategy="MPS", count=count, active_thread_percentage=50, memory_bytes_per_share=10 * GIB)
-
-
-def ts_shares(count: int = 2) -> GpuShares:
-    return GpuShares(strategy="TimeSlicing", count=count, memory_bytes_per_share=10 * GIB, interval="Long")
-
-
-def device_env(spec: dict[str, Any], index: int = 0) -> list[str]:
-    env: list[str] = spec["devices"][index]["containerEdits"].get("env", [])
-    return env
-
+from driver.units import GIB
+from tests.support.statenode import (
+    DRIVER,
+    POOL,
+    Node,
+    claim,
+    device_env,
+    gpu_config,
+    mps_shares,
+    ref,
+    ts_shares,
+)
 
 # ----------------------------------------------------------------------------- prepare
 
@@ -340,10 +152,10 @@ def test_claim_mps_config_starts_a_daemon_and_unprepare_stops_it(node: Node) -> 
 
 def test_cdi_write_failure_after_daemon_start_rolls_everything_back(node: Node,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(directory: Path, filename: str, spec: cdi.Spec) -> Path:
+    def refuse(directory: Path, filename: str, text: str, **_options: bool) -> Path:
         raise OSError("simulated: no space left on device")
 
-    monkeypatch.setattr(cdi, "write_spec", refuse)  # driver.gpu.state calls cdi.write_spec
+    monkeypatch.setattr(cdi, "write_spec_text", refuse)  # driver.gpu.state calls cdi.write_spec_text
     state = node.state()
     with pytest.raises(OSError, match="no space left"):
         state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
@@ -551,6 +363,18 @@ def test_recover_removes_orphan_cdi_specs_only_of_this_driver(node: Node) -> Non
     assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u1.json", "nvidia.com-gpu.yaml"]
 
 
+@pytest.mark.parametrize("torn", [b"", b"\0" * 64, b'{"cdiVersion": "0.6.0", "kind": "k8s.gpu.tes'])
+def test_recover_rewrites_a_spec_a_power_failure_tore(node: Node, torn: bytes) -> None:
+    # Specs are written without fsync (the PrepareCompleted record is the durable part): after a
+    # power failure the renamed file may be empty, zero-filled or cut short.
+    node.state().prepare(claim("u1", "gpu-0"))
+    before = node.spec_json("u1")
+    node.spec_path("u1").write_bytes(torn)
+    report = node.state().recover()
+    assert report.cdi_recreated == ["u1"]
+    assert node.spec_json("u1") == before
+
+
 def test_recover_restarts_a_dead_daemon_and_rewrites_the_spec(node: Node) -> None:
     node.state().prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
     [daemon_id] = node.mps.started()
@@ -726,9 +550,8 @@ def test_a_rebuilt_checkpoint_keeps_shares_daemons_and_time_slices(node: Node) -
 def test_installations_under_different_driver_names_leave_each_other_alone(node: Node) -> None:
     node.state().prepare(claim("u1", "gpu-0"))
     other = DeviceState(driver_name="gpu.other.example", pool_name=POOL, paths=node.paths, toolkit=node.toolkit,
-                        mps=cast(MpsManager, node.mps), timeslicer=cast(TimeSlicer, node.timeslicer),
-                        view=make_view(node.inventory, {}), lock_timeout=5,
-                        compute_modes=cast(ComputeModes, node.modes))
+                        mps=node.mps, timeslicer=node.timeslicer, compute_modes=node.modes,
+                        view=make_view(node.inventory, {}), lock_timeout=5)
     other.recover()
     assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u1.json"]
 
@@ -764,11 +587,11 @@ def test_a_crash_after_the_spec_is_written_is_rolled_back_at_start(node: Node,
     real_save = state.ledger.store.save
     saves: list[str] = []
 
-    def crash_on_completion(cp: Any) -> None:
+    def crash_on_completion(cp: Any, **kwargs: Any) -> None:
         saves.append(cp.claims["u1"].phase.value)
         if cp.claims["u1"].phase == ClaimPhase.PREPARE_COMPLETED:
             raise _Crash()
-        real_save(cp)
+        real_save(cp, **kwargs)
 
     monkeypatch.setattr(state.ledger.store, "save", crash_on_completion)
     with pytest.raises(_Crash):
@@ -788,9 +611,9 @@ def test_a_claim_with_an_mps_daemon_records_its_intent_before_starting_it(node: 
     phases: list[str] = []
     real_start = node.mps.start
 
-    def start(spec: MpsDaemonSpec) -> MpsDaemonRecord:
+    def start(spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
         phases.append(node.store.load().claims["u1"].phase.value)
-        return real_start(spec)
+        return real_start(spec, timeout)
 
     monkeypatch.setattr(node.mps, "start", start)
     state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))

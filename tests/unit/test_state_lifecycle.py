@@ -1,6 +1,6 @@
 """DeviceState: compute modes around MPS daemons, MIG with MPS, deadlines, and per-GPU locking.
 
-Uses the simulated node and fakes of ``test_state.py`` (gpu-0 H100 whole, gpu-1 H100 with MIG,
+Uses the simulated node and fakes of ``tests/support/statenode.py`` (gpu-0 H100 whole, gpu-1 H100 with MIG,
 gpu-2 L4); the last tests run the nvidia-smi stand-in for real to make one GPU's calls hang.
 """
 
@@ -11,27 +11,24 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
+from driver.gpu.devices import make_view
+from driver.gpu.errors import PrepareError
 from driver.gpu.mps.launch import LocalLauncher
-from driver.gpu.mps.manager import MpsDaemonRecord, MpsDaemonSpec, MpsManager
+from driver.gpu.mps.manager import MpsManager
+from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
 from driver.gpu.runtime.computemode import ComputeMode, ComputeModes
 from driver.gpu.runtime.timeslice import TimeSlicer
-from driver.gpu.state import DeviceState, PrepareError
-from driver.gpu.targets import make_view
+from driver.gpu.state import DeviceState
 from driver.kubeletplugin.types import Deadline
 from tests.support.processes import install_standin
-from tests.unit.test_state import DRIVER, POOL, Node, claim, gpu_config, mps_shares, ref
+from tests.support.statenode import DRIVER, POOL, Node, claim, gpu_config, mps_shares, ref
 
 MIG_A = "gpu-1-mig-1g10gb-6"
 MIG_B = "gpu-1-mig-2g20gb-4"
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> Node:
-    return Node(tmp_path)
 
 
 def mig_mps_config(*requests: str) -> dict[str, Any]:
@@ -73,9 +70,9 @@ def test_the_previous_mode_is_recorded_before_the_mode_changes_and_before_the_da
         seen.append(("set", dict(node.store.load().compute_modes)))
         real_set(uuid, mode, deadline)
 
-    def recording_start(spec: MpsDaemonSpec) -> MpsDaemonRecord:
+    def recording_start(spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
         seen.append(("start", dict(node.store.load().compute_modes)))
-        return real_start(spec)
+        return real_start(spec, timeout)
 
     monkeypatch.setattr(node.modes, "set", recording_set)
     monkeypatch.setattr(node.mps, "start", recording_start)
@@ -172,8 +169,8 @@ def test_work_the_kubelet_gave_up_on_is_rolled_back_not_completed(node: Node,
     kubelet_waiting.set()
     real_start = node.mps.start
 
-    def start_then_kubelet_gives_up(spec: MpsDaemonSpec) -> MpsDaemonRecord:
-        record = real_start(spec)
+    def start_then_kubelet_gives_up(spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
+        record = real_start(spec, timeout)
         kubelet_waiting.clear()  # the kubelet's call timed out while the daemon was starting
         return record
 
@@ -206,11 +203,11 @@ class BlockingStart:
         self.entered, self.release = threading.Event(), threading.Event()
         self.real_start = node.mps.start
 
-    def __call__(self, spec: MpsDaemonSpec) -> MpsDaemonRecord:
+    def __call__(self, spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
         if set(spec.gpu_uuids) & self.blocked:
             self.entered.set()
             wait_for(self.release, "the test releasing the blocked daemon start")
-        return self.real_start(spec)
+        return self.real_start(spec, timeout)
 
 
 def prepare_in_thread(state: DeviceState, c: Any) -> tuple[threading.Thread, list[object]]:
@@ -278,7 +275,7 @@ def smi_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Node, Dev
     monkeypatch.setenv("TESSERA_SIM_NVIDIA_SMI_STATE", str(tmp_path / "nvidia-smi-state.json"))
     monkeypatch.delenv("TESSERA_SIM_NVIDIA_SMI_FAIL", raising=False)
     state = DeviceState(driver_name=DRIVER, pool_name=POOL, paths=node.paths, toolkit=node.toolkit,
-                        mps=cast(MpsManager, node.mps), timeslicer=TimeSlicer(root, timeout=2.0),
+                        mps=node.mps, timeslicer=TimeSlicer(root, timeout=2.0),
                         view=make_view(node.inventory, {}), lock_timeout=5, compute_modes=ComputeModes(root))
     return node, state, calls
 
@@ -317,7 +314,7 @@ def test_a_hanging_nvidia_smi_on_one_gpu_does_not_hold_up_a_claim_on_another(
 def test_compute_mode_through_the_stand_in_is_read_set_and_restored(smi_node: tuple[Node, DeviceState, Path]) -> None:
     node, state, calls = smi_node
     gpu = node.uuid(0)
-    modes = ComputeModes(state.sharing.timeslicer.driver_root)
+    modes = ComputeModes(node.root / "driver-root")
     modes.set(gpu, ComputeMode.PROHIBITED)
     state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
     assert modes.get(gpu) == ComputeMode.EXCLUSIVE_PROCESS

@@ -1,21 +1,16 @@
-"""Device-name indexing of the node (whole GPUs, MIG devices, shares) and the busy-GPU-aware layout merge."""
+"""What each device name stands for (whole GPUs, MIG devices, shares) and the busy-GPU-aware layout merge."""
 
 from __future__ import annotations
 
-import pytest
-
+from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
-from driver.gpu.sharing import GpuShares
-from driver.gpu.targets import index_devices, make_view, merge_layout
-from driver.simulation.discovery import SimulatedDiscovery
-
-GIB = 1 << 30
+from driver.gpu.sharing import GpuShares, SharingLayout
+from driver.gpu.targets import DeviceTarget, merge_layout
+from driver.units import GIB
 
 
-@pytest.fixture(scope="module")
-def demo() -> NodeInventory:
-    # gpu 0: H100 whole; gpu 1: H100 with MIG 3g.40gb@0, 2g.20gb@4, 1g.10gb@6; gpu 2: L4 whole.
-    return SimulatedDiscovery("demo", "node-a").discover()
+def index_devices(inventory: NodeInventory, layout: SharingLayout) -> dict[str, DeviceTarget]:
+    return make_view(inventory, layout).targets
 
 
 def _mps(count: int = 2) -> GpuShares:

@@ -6,7 +6,6 @@ import errno
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -15,15 +14,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 
 from driver.kubeletplugin.telemetry import CachedRoute, Telemetry
-
-
-@pytest.fixture
-def telemetry() -> Iterator[Telemetry]:
-    t = Telemetry("tessera-test", "tessera")
-    try:
-        yield t
-    finally:
-        t.shutdown()
 
 
 def _samples(t: Telemetry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -10,6 +10,7 @@ capability nodes, and MPS client settings.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,14 @@ def cdi_device_name(claim_uid: str, device_name: str) -> str:
     return f"{claim_uid}-{device_name}"
 
 
+@dataclass(frozen=True)
+class ClaimSpecFile:
+    """A claim's spec, checked, and the exact JSON text to write for it."""
+
+    spec: cdi.Spec
+    text: str
+
+
 def build_claim_spec(
     *,
     kind: str,
@@ -52,7 +61,28 @@ def build_claim_spec(
     annotation_prefix: str,
     annotations: dict[str, str] | None = None,
 ) -> cdi.Spec:
-    """The claim's spec with ``cdiVersion`` set to the minimum its content needs.
+    """The claim's spec with ``cdiVersion`` set to the minimum its content needs (see :func:`build_claim_spec_file`)."""
+    return build_claim_spec_file(kind=kind, claim=claim, devices=devices, common_edits=common_edits,
+                                 control_nodes=control_nodes, annotation_prefix=annotation_prefix,
+                                 annotations=annotations).spec
+
+
+def build_claim_spec_file(
+    *,
+    kind: str,
+    claim: ClaimIdentity,
+    devices: list[DeviceEdits],
+    common_edits: dict[str, Any] | None,
+    control_nodes: list[dict[str, Any]],
+    annotation_prefix: str,
+    annotations: dict[str, str] | None = None,
+) -> ClaimSpecFile:
+    """The claim's spec with ``cdiVersion`` set to the minimum its content needs, and its file text.
+
+    The wire form is validated once by the strict models (exactly the data that is then written,
+    only ``cdiVersion`` lowered to the minimum the validated content needs) and written as it is:
+    no model dump and no second parse on the prepare path. It loads as the same spec as the
+    model's own ``to_json`` (tests/unit/test_claimcdi_assemble.py checks both).
 
     ``common_edits`` is the toolkit spec's spec-level ``containerEdits`` in wire form, or None
     when the node has no toolkit spec; ``control_nodes`` are CDI device nodes (``path``, and
@@ -76,11 +106,13 @@ def build_claim_spec(
     wire: dict[str, Any] = {
         "cdiVersion": cdi.VALID_VERSIONS[-1],
         "kind": kind,
-        "annotations": spec_annotations,
+        "annotations": dict(sorted(spec_annotations.items())),
         "containerEdits": spec_edits,
         "devices": [_device_wire(claim.uid, d) for d in devices],
     }
-    return cdi.with_minimum_version(cdi.Spec.from_wire(wire, f"claim {claim.uid}"))
+    spec = cdi.with_minimum_version(cdi.Spec.from_wire(wire, f"claim {claim.uid}"))
+    wire["cdiVersion"] = spec.cdi_version
+    return ClaimSpecFile(spec, json.dumps(wire, indent=2, ensure_ascii=False) + "\n")
 
 
 def _device_wire(claim_uid: str, device: DeviceEdits) -> dict[str, Any]:
@@ -93,5 +125,5 @@ def _device_wire(claim_uid: str, device: DeviceEdits) -> dict[str, Any]:
         edits["mounts"] = list(device.mounts)
     wire: dict[str, Any] = {"name": cdi_device_name(claim_uid, device.device_name), "containerEdits": edits}
     if device.annotations:
-        wire["annotations"] = dict(device.annotations)
+        wire["annotations"] = dict(sorted(device.annotations.items()))
     return wire

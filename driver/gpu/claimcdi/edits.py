@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 
 import cdi
 from driver.gpu.checkpoint import ClaimRecord, PreparedDeviceRecord
-from driver.gpu.claimcdi import assemble as cdispec
+from driver.gpu.claimcdi import assemble
 from driver.gpu.claimcdi.hostfs import (
     NODE_ROOT,
     DeviceRoot,
@@ -29,7 +29,7 @@ from driver.gpu.claimcdi.hostfs import (
 )
 from driver.gpu.claimcdi.toolkit import ToolkitEdits
 from driver.gpu.errors import PrepareError
-from driver.gpu.mps.manager import MpsDaemonRecord, MpsManager
+from driver.gpu.mps.model import MpsDaemonRecord, client_edits
 from driver.gpu.sharing import GpuShares
 
 CDI_CLASS = "claim"
@@ -61,7 +61,7 @@ class CdiNames:
         return cdi.transient_spec_name(self.vendor, CDI_CLASS, claim_uid)
 
     def device_id(self, claim_uid: str, device_name: str) -> str:
-        return f"{self.kind}={cdispec.cdi_device_name(claim_uid, device_name)}"
+        return f"{self.kind}={assemble.cdi_device_name(claim_uid, device_name)}"
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,6 @@ class CdiSources:
     names: CdiNames
     host_root: Path  # where the host's /dev and /proc are visible
     toolkit: ToolkitEdits
-    mps: MpsManager  # turns a daemon record into client edits
     mps_shm_dir: Path | None
     driver_root: Path | None = None  # where this process sees the driver root; None: the driver is on the host
     driver_root_on_host: PurePosixPath = NODE_ROOT  # the same root's path on the node
@@ -81,7 +80,7 @@ class CdiSources:
 
 
 def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[str, MpsDaemonRecord],
-                 shares: GpuShares | None, root: DeviceRoot) -> cdispec.DeviceEdits:
+                 shares: GpuShares | None, root: DeviceRoot) -> assemble.DeviceEdits:
     gpu_node = f"/dev/nvidia{dev.gpu_minor}"
     if not root.local(gpu_node).exists():
         raise PrepareError(
@@ -103,21 +102,34 @@ def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[st
                    names.annotation("request"): ",".join(dev.device.request_names)}
     if dev.device.share_id:
         annotations[names.annotation("share-id")] = dev.device.share_id
+    if dev.consumed_memory_bytes is not None and dev.consumed_multiprocessors is not None:
+        annotations[names.annotation("consumed")] = f"{dev.consumed_memory_bytes},{dev.consumed_multiprocessors}"
     if dev.mig_uuid is not None and dev.mig_gi_id is not None and dev.mig_ci_id is not None:
         annotations[names.annotation("mig-uuid")] = dev.mig_uuid
         annotations[names.annotation("mig-instance")] = f"{dev.mig_gi_id}/{dev.mig_ci_id}"
     if shares is not None:
         annotations[names.annotation("shares")] = shares.model_dump_json()
     if dev.mps_daemon_id is not None:
-        edits = src.mps.client_edits(daemons[dev.mps_daemon_id], MPS_CONTAINER_PIPE_DIR, src.mps_shm_dir)
+        edits = client_edits(daemons[dev.mps_daemon_id], MPS_CONTAINER_PIPE_DIR, src.mps_shm_dir)
         env.extend(edits.env)
         mounts.extend({"hostPath": str(h), "containerPath": c, "options": list(o)} for h, c, o in edits.mounts)
         annotations[names.annotation("mps-daemon")] = dev.mps_daemon_id
-    return cdispec.DeviceEdits(dev.device.device_name, nodes, env, mounts, annotations)
+    return assemble.DeviceEdits(dev.device.device_name, nodes, env, mounts, annotations)
+
+
+# Devices whose GPU's published form (the layout entry) goes into the spec, so a rebuilt checkpoint
+# publishes the GPU the same way while the claim runs.
+_SHARE_KINDS = ("mps", "timeslice", "consumable")
 
 
 def claim_spec(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDaemonRecord],
                layout: Mapping[str, GpuShares]) -> cdi.Spec:
+    return claim_spec_file(src, record, daemons, layout).spec
+
+
+def claim_spec_file(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDaemonRecord],
+                    layout: Mapping[str, GpuShares]) -> assemble.ClaimSpecFile:
+    """The claim's spec and the text to write (see :func:`assemble.build_claim_spec_file`)."""
     required_problem = src.toolkit.readiness_problem
     if required_problem is not None:
         raise PrepareError(required_problem)
@@ -131,11 +143,10 @@ def claim_spec(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDa
     annotations = {names.annotation("driver-libraries"): src.toolkit.status[:1000]}
     if record.timeslice is not None:
         annotations[names.annotation("timeslice")] = record.timeslice.model_dump_json()
-    return cdispec.build_claim_spec(
+    return assemble.build_claim_spec_file(
         kind=names.kind,
-        claim=cdispec.ClaimIdentity(record.uid, record.namespace, record.name),
-        devices=[device_edits(src, d, daemons, layout.get(d.gpu_uuid) if d.kind in ("mps", "timeslice") else None,
-                              root)
+        claim=assemble.ClaimIdentity(record.uid, record.namespace, record.name),
+        devices=[device_edits(src, d, daemons, layout.get(d.gpu_uuid) if d.kind in _SHARE_KINDS else None, root)
                  for d in record.devices],
         common_edits=src.toolkit.edits,
         control_nodes=[root.node(path) for path in control],

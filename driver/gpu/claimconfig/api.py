@@ -20,8 +20,9 @@ from typing import Annotated, Any, Final, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
-from driver.gpu.claimconfig.quantity import MIB, parse_quantity
+from driver.gpu.claimconfig.quantity import parse_quantity
 from driver.gpu.sharing import TimeSliceInterval
+from driver.units import MIB
 
 API_VERSION: Final = "gpu.tessera.dev/v1alpha1"
 

@@ -1,4 +1,5 @@
-"""Which opaque config applies to each allocated device (resource-api.md section 7).
+"""Which opaque config applies to each allocated device, by the rules both reference drivers follow
+(dra-example-driver and NVIDIA's ``GetOpaqueDeviceConfigs``).
 
 Built-in defaults come first, then class entries, then claim entries, in allocation order; the
 last entry that applies to a result wins whole (fields are never merged). The computation is
@@ -15,8 +16,8 @@ from typing import NamedTuple
 from driver.gpu.claimconfig.api import ConfigError, DeviceConfig, GpuConfig, MigDeviceConfig, parse_config
 from driver.kubeletplugin.claimmodel import DeviceAllocationConfiguration, DeviceRequestAllocationResult
 
-DEVICE_KINDS = ("gpu", "mig", "mps", "timeslice")
-_SHARE_KINDS = ("mps", "timeslice")
+DEVICE_KINDS = ("gpu", "mig", "mps", "timeslice", "consumable")
+_SHARE_KINDS = ("mps", "timeslice", "consumable")
 
 _SOURCE_LABELS = {"FromClass": "class config", "FromClaim": "claim config"}
 
@@ -47,11 +48,14 @@ def resolve_configs(
     configs: Sequence[DeviceAllocationConfiguration],
     results: Sequence[DeviceRequestAllocationResult],
     device_kind: Callable[[DeviceRequestAllocationResult], str],
+    *,
+    whole_gpu_class: str,
 ) -> list[ResolvedConfig]:
     """The winning config for each of ``results``, in order.
 
     ``configs`` are this driver's entries in allocation order (``ResourceClaim.configs_for``);
-    ``device_kind`` says whether a result is a "gpu", "mig", "mps" or "timeslice" device.
+    ``device_kind`` says whether a result is a "gpu", "mig", "mps" or "timeslice" device;
+    ``whole_gpu_class`` is the DeviceClass of whole GPUs (named after the driver), for messages.
     Raises ConfigError listing every problem of the claim, one per line.
     """
     entries = [
@@ -63,7 +67,7 @@ def resolve_configs(
     problems: list[str] = []
     for result in results:
         try:
-            resolved.append(_winner(entries, result, device_kind(result)))
+            resolved.append(_winner(entries, result, device_kind(result), whole_gpu_class))
         except ConfigError as exc:
             problems.append(str(exc))
     if problems:
@@ -101,7 +105,8 @@ def _decode(configs: Sequence[DeviceAllocationConfiguration]) -> list[_Entry]:
     return entries
 
 
-def _winner(entries: list[_Entry], result: DeviceRequestAllocationResult, kind: str) -> ResolvedConfig:
+def _winner(entries: list[_Entry], result: DeviceRequestAllocationResult, kind: str,
+            whole_gpu_class: str) -> ResolvedConfig:
     if kind not in DEVICE_KINDS:
         raise ValueError(f"device {result.device}: unknown device kind {kind!r}; expected one of {DEVICE_KINDS}")
     wanted = MigDeviceConfig if kind == "mig" else GpuConfig
@@ -118,8 +123,9 @@ def _winner(entries: list[_Entry], result: DeviceRequestAllocationResult, kind: 
         if kind in _SHARE_KINDS and isinstance(entry.config, GpuConfig) and entry.config.sharing is not None:
             raise ConfigError(
                 f"{entry.origin}: GpuConfig.sharing cannot be applied to {what}: a share's limits come from "
-                "the node's sharing plan. To choose your own MPS or time-slicing settings, request a whole GPU "
-                "(DeviceClass gpu.tessera.dev) with GpuConfig.sharing, or limit this config with requests: "
+                "the node's sharing plan (a consumable share's from the capacity it consumed). To choose your "
+                "own MPS or time-slicing settings, request a whole GPU "
+                f"(DeviceClass {whole_gpu_class}) with GpuConfig.sharing, or limit this config with requests: "
                 "to the requests for whole GPUs"
             )
         return ResolvedConfig(result, entry.config, entry.origin)

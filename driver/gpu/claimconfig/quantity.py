@@ -14,7 +14,7 @@ import re
 from decimal import Decimal
 from fractions import Fraction
 
-MIB = 1024 * 1024
+from driver.units import MIB
 
 # Kubernetes' limit: a quantity must fit in a signed 64-bit integer.
 _MAX_BYTES = 2**63 - 1

@@ -59,6 +59,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict
 
+from driver.units import MIB
+
 CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
 CU_EXEC_AFFINITY_TYPE_SM_COUNT = 0
 CUDA_SUCCESS = 0
@@ -78,7 +80,6 @@ CUDA_ERROR_NAMES: dict[int, str] = {
     809: "CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED",
     810: "CUDA_ERROR_MPS_CLIENT_TERMINATED",
 }
-_MIB = 1 << 20
 
 
 class CudaError(Exception):
@@ -297,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.probe == "sm-counts":
             print(sm_counts(api).model_dump_json())
         else:
-            print(mps_client(api, args.step_mib * _MIB, args.cap_mib * _MIB).model_dump_json())
+            print(mps_client(api, args.step_mib * MIB, args.cap_mib * MIB).model_dump_json())
     except AttributeError as exc:  # a libcuda without one of the calls (older than CUDA 11.4)
         print(json.dumps({"error": f"{args.libcuda} lacks a needed call: {exc}"}))
     return 0

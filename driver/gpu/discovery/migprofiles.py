@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from driver.units import GIB, MIB
+
 # NVML_GPU_INSTANCE_PROFILE_* enum values (nvml.h); the suffix of a profile name depends on them.
 GI_PROFILE_1_SLICE_REV1 = 0x7
 GI_PROFILE_2_SLICE_REV1 = 0x8
@@ -36,8 +38,6 @@ _SUFFIX_BY_GI_ENUM: dict[int, str] = {
     GI_PROFILE_2_SLICE_NO_ME: "-me",
 }
 
-_MIB = 1 << 20
-_GIB = 1 << 30
 
 
 def _ceil_div(numerator: int, denominator: int) -> int:
@@ -55,8 +55,8 @@ def memory_gb(memory_mib: int, total_memory_bytes: int) -> int:
         raise ValueError(f"memory_mib must be positive, got {memory_mib}")
     if total_memory_bytes <= 0:
         raise ValueError(f"total_memory_bytes must be positive, got {total_memory_bytes}")
-    eighths = _ceil_div(memory_mib * _MIB * 8, total_memory_bytes)
-    total_gb = _ceil_div(total_memory_bytes, _GIB)
+    eighths = _ceil_div(memory_mib * MIB * 8, total_memory_bytes)
+    total_gb = _ceil_div(total_memory_bytes, GIB)
     # floor(eighths * total_gb / 8 + 1/2) == floor((2 * eighths * total_gb + 8) / 16)
     return (2 * eighths * total_gb + 8) // 16
 

@@ -25,7 +25,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# The names the driver gives its daemons (driver/gpu/runtime/sharing.py: plan_daemon_id,
+from cdi.atomicfile import write_atomic
+
+# The names the driver gives its daemons (driver/gpu/claimplan.py: plan_daemon_id,
 # claim_daemon_id). Anything else under the base directory is not the driver's to stop or remove.
 DRIVER_DAEMON_DIR_NAME = re.compile(r"^(plan-[0-9a-f]{12}|claim-[0-9a-f]{12}-[0-9]{1,4})$")
 RESTART_STATE_NAME = "restarts.json"
@@ -120,17 +122,9 @@ def read_restart_state(daemon_dir: Path) -> RestartState:
 
 
 def write_restart_state(daemon_dir: Path, state: RestartState) -> None:
-    path = daemon_dir / RESTART_STATE_NAME
-    tmp = daemon_dir / (RESTART_STATE_NAME + ".tmp")
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, json.dumps({"count": state.count, "last_at": state.last_at}).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    # Losing the last restart to a power failure only shortens one backoff: no directory fsync.
+    data = json.dumps({"count": state.count, "last_at": state.last_at}).encode()
+    write_atomic(daemon_dir / RESTART_STATE_NAME, data, mode=0o600, durable=False)
 
 
 def restart_delay(state: RestartState, base: float, cap: float, now: float | None = None) -> float:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from driver.gpu.mps.hostcmd import HostMode, Tools, inside_root
 from driver.gpu.mps.launch import DaemonLaunch
-from driver.gpu.mps.manager import check_daemon_id
+from driver.gpu.mps.model import check_daemon_id
 
 # sun_path is 108 bytes with the NUL; the daemon binds <pipe dir>/control.
 MAX_SOCKET_PATH_BYTES = 107

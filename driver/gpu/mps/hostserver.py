@@ -212,6 +212,10 @@ def open_listener(path: Path) -> socket.socket:
     info = os.lstat(directory)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
         raise HostError(f"--socket: {directory} is not a directory owned by uid {os.geteuid()}")
+    if info.st_mode & stat.S_ISVTX:
+        # Narrowing a shared directory such as /tmp would lock every other user of the host out.
+        raise HostError(f"--socket: {directory} is a shared (sticky) directory; put the socket in a directory "
+                        "of its own")
     os.chmod(directory, 0o700)
     try:
         existing = os.lstat(path).st_mode

@@ -10,7 +10,8 @@ a launcher decides *where* the process lives. Two launchers exist:
   plugin leaves running daemons (and their clients' CUDA contexts) untouched.
 
 Both run ``nvidia-cuda-mps-control -f`` (foreground) and supervise it, so the PID is known without
-the pid file that some driver versions do not write (535.x writes none; nvidia-gpu.md 6.2).
+the pid file that some driver versions do not write (535.x writes none: docs/sharing.md, "NVIDIA's
+daemon, as measured").
 Limits are not part of the launch: the manager sets them over the control socket afterwards.
 """
 
@@ -80,7 +81,8 @@ def control_args(request: DaemonLaunch) -> list[str]:
 
 
 def control_env(request: DaemonLaunch) -> dict[str, str]:
-    """The daemon's own variables (nvidia-gpu.md 1.3); PATH and the library path come from the launcher."""
+    """The daemon's own variables (NVIDIA MPS docs, environment variables); PATH and the library path
+    come from the launcher."""
     return {
         "CUDA_MPS_PIPE_DIRECTORY": str(request.pipe_dir),
         "CUDA_MPS_LOG_DIRECTORY": str(request.log_dir),

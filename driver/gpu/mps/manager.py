@@ -7,12 +7,12 @@ client (through the CDI spec written after :meth:`MpsManager.start` returns), so
 spawns gets them. The returned :class:`MpsDaemonRecord` goes into the driver's checkpoint, so after
 a driver restart the daemon is adopted if it still runs, or restarted with the same limits.
 
-A PID is signalled or adopted only once /proc shows it is this daemon (``mpsproc``). Health checks
+A PID is signalled or adopted only once /proc shows it is this daemon (``proc.py``). Health checks
 of a recorded daemon read /proc only: a tenant who plants a silent ``control`` socket cannot make a
 check hang. Every control command is bounded by ``command_timeout``.
 
-Facts used here (commands, formats, what the real daemon prints) are in ``reference/nvidia-gpu.md``
-sections 1 and 6.2 and in docs/sharing.md, "NVIDIA's daemon, as measured".
+Facts used here (commands, formats, what the real daemon prints): NVIDIA's MPS documentation,
+nvidia-cuda-mps-control(1) and docs/sharing.md, "NVIDIA's daemon, as measured".
 """
 
 from __future__ import annotations
@@ -39,14 +39,10 @@ from driver.gpu.mps.dirs import (
 )
 from driver.gpu.mps.launch import CONTROL_LOG_NAME, DaemonLaunch, DaemonLauncher, MpsLaunchError
 from driver.gpu.mps.model import (
-    MIB,
-    MpsClientEdits,
     MpsDaemonRecord,
     MpsDaemonSpec,
     MpsError,
-    MpsMount,
     check_daemon_id,
-    multi_user_capable,
     pinned_limit_taken,
 )
 from driver.gpu.mps.proc import (
@@ -58,12 +54,6 @@ from driver.gpu.mps.proc import (
     signal_daemon,
     wait_for_exit,
 )
-
-# Re-exported: callers import the MPS vocabulary from here.
-__all__ = [
-    "CONTROL_BINARY", "MIB", "MpsClientEdits", "MpsDaemonRecord", "MpsDaemonSpec", "MpsError", "MpsManager", "MpsMount",
-    "check_daemon_id", "is_same_process", "multi_user_capable", "pinned_limit_taken",
-]
 
 log = logging.getLogger(__name__)
 
@@ -120,17 +110,14 @@ class MpsManager:
         """
         return self._start(spec, keep_dirs_on_failure=False, timeout=timeout)
 
-    def daemon_matches(self, record: MpsDaemonRecord) -> bool:
-        """True if ``record.pid`` is still this record's daemon. Only /proc is read."""
+    def process_running(self, record: MpsDaemonRecord) -> bool:
+        """True if ``record.pid`` is still this record's daemon (PID and process start time). Only /proc
+        is read, never the control socket: a tenant cannot make this hang."""
         return daemon_start_time(record.pid, record.pipe_dir) == record.process_start_time
 
-    def is_running(self, record: MpsDaemonRecord) -> bool:
-        """True if the recorded daemon still runs (:meth:`daemon_matches`): /proc only, never a control round trip."""
-        return self.daemon_matches(record)
-
-    def is_alive(self, record: MpsDaemonRecord) -> bool:
+    def answers_control(self, record: MpsDaemonRecord) -> bool:
         """True if the recorded daemon runs and answers a control command within ``command_timeout``."""
-        if not self.daemon_matches(record):
+        if not self.process_running(record):
             return False
         try:
             self.control.send(record.pipe_dir, record.log_dir, "get_default_active_thread_percentage")
@@ -141,7 +128,7 @@ class MpsManager:
     def ensure_running(self, record: MpsDaemonRecord, timeout: float | None = None) -> MpsDaemonRecord:
         """Adopt the recorded daemon if /proc shows it running; otherwise restart it in the same
         directories with the same limits, unless it was restarted too recently (MpsError then)."""
-        if self.is_running(record):
+        if self.process_running(record):
             return record
         daemon_dir = self.daemon_dir(record.spec.daemon_id)
         state = read_restart_state(daemon_dir)
@@ -173,7 +160,7 @@ class MpsManager:
         A daemon that is already gone is fine. Signals only go to a process /proc shows to be this
         daemon, so a process that reused the PID is never touched.
         """
-        known = (record.pid, record.process_start_time) if self.daemon_matches(record) else None
+        known = (record.pid, record.process_start_time) if self.process_running(record) else None
         self._stop_process(record.pipe_dir, record.log_dir, known)
         self._remove(record.pipe_dir.parent)
         log.info("MPS control daemon stopped", extra={"daemon_id": record.spec.daemon_id, "pid": record.pid})
@@ -192,32 +179,6 @@ class MpsManager:
         """Daemon directories of the driver's own naming under ``base_dir`` (no symlinks), to find ones
         the checkpoint does not know."""
         return driver_daemon_ids(self.base_dir)
-
-    def client_edits(
-        self,
-        record: MpsDaemonRecord,
-        container_pipe_dir: str = "/tmp/nvidia-mps",
-        shm_host_dir: Path | None = None,
-    ) -> MpsClientEdits:
-        """Environment and mounts that connect a container to this daemon.
-
-        The pipe directory is mounted read-only: clients only connect to sockets the daemon and its
-        servers create there (docs/sharing.md, "The pipe directory"). ``/dev/shm`` is the one the
-        daemon really sees: ``record.shm_dir``, else ``shm_host_dir``. The limit variables repeat the
-        daemon's defaults; MPS applies them per client process, so they only restrict further.
-        """
-        spec = record.spec
-        env = [f"CUDA_MPS_PIPE_DIRECTORY={container_pipe_dir}"]
-        if spec.active_thread_percentage is not None:
-            env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={spec.active_thread_percentage}")
-        limits = spec.pinned_limits_mib()
-        if limits:
-            env.append("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=" + ",".join(f"{o}={mib}M" for o, mib in limits))
-        mounts = [MpsMount(str(record.pipe_dir), container_pipe_dir, ["ro", "nosuid", "nodev", "bind"])]
-        shm = record.shm_dir or shm_host_dir
-        if shm is not None:
-            mounts.append(MpsMount(str(shm), "/dev/shm", ["rw", "nosuid", "nodev", "bind"]))
-        return MpsClientEdits(env=env, mounts=mounts)
 
     def supports_multi_user(self, gpu_uuid: str) -> bool:
         """Whether this driver's control daemon runs in multi-user mode: starts a throwaway one with it.

@@ -1,7 +1,8 @@
 """What an MPS daemon is, as the driver records it: the spec, the checkpointed record, client edits,
 and the pure rules about limits and modes (no processes, no files).
 
-Facts: ``reference/nvidia-gpu.md`` sections 1 and 6.2; docs/sharing.md, "NVIDIA's daemon, as measured".
+Facts: NVIDIA's MPS documentation, nvidia-cuda-mps-control(1); docs/sharing.md, "NVIDIA's daemon, as
+measured".
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MIB = 1024 * 1024
+from driver.units import MIB
+
 # MPS multi-user mode needs Volta or newer (dra-driver-nvidia-gpu PR #1153, ensureCapability "7.0").
 MULTI_USER_MIN_COMPUTE_CAPABILITY = (7, 0)
 
@@ -21,7 +23,7 @@ _DAEMON_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 # GPU-<uuid>, MIG-<uuid>, and the older MIG-GPU-<uuid>/<gi>/<ci>; commas would split CUDA_VISIBLE_DEVICES.
 _DEVICE_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")
 # get_default_device_pinned_mem_limit prints "<n>M" below 1 GiB and "<n>G", rounded down, from 1 GiB
-# up (measured: 1023M -> "1023M", 1025M -> "1G", 3840M -> "3G", 20389M -> "19G"; nvidia-gpu.md 6.2).
+# up (measured: 1023M -> "1023M", 1025M -> "1G", 3840M -> "3G", 20389M -> "19G"; docs/sharing.md).
 _DISPLAYED_LIMIT = re.compile(r"^(\d+)([MG])$")
 
 
@@ -145,3 +147,27 @@ class MpsClientEdits:
 
     env: list[str]
     mounts: list[MpsMount]
+
+
+def client_edits(
+    record: MpsDaemonRecord, container_pipe_dir: str = "/tmp/nvidia-mps", shm_host_dir: Path | None = None
+) -> MpsClientEdits:
+    """Environment and mounts that connect a container to the daemon of ``record``.
+
+    The pipe directory is mounted read-only: clients only connect to sockets the daemon and its
+    servers create there (docs/sharing.md, "The pipe directory"). ``/dev/shm`` is the one the
+    daemon really sees: ``record.shm_dir``, else ``shm_host_dir``. The limit variables repeat the
+    daemon's defaults; MPS applies them per client process, so they only restrict further.
+    """
+    spec = record.spec
+    env = [f"CUDA_MPS_PIPE_DIRECTORY={container_pipe_dir}"]
+    if spec.active_thread_percentage is not None:
+        env.append(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={spec.active_thread_percentage}")
+    limits = spec.pinned_limits_mib()
+    if limits:
+        env.append("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=" + ",".join(f"{o}={mib}M" for o, mib in limits))
+    mounts = [MpsMount(str(record.pipe_dir), container_pipe_dir, ["ro", "nosuid", "nodev", "bind"])]
+    shm = record.shm_dir or shm_host_dir
+    if shm is not None:
+        mounts.append(MpsMount(str(shm), "/dev/shm", ["rw", "nosuid", "nodev", "bind"]))
+    return MpsClientEdits(env=env, mounts=mounts)

@@ -7,10 +7,11 @@ on the GPU, the MPS server's, so such a client fails instead. NVIDIA's DRA drive
 (``cmd/gpu-kubelet-plugin/sharing.go``, ``MpsControlDaemon.Start``) and device plugin
 (``cmd/mps-control-daemon/mps/daemon.go``) set EXCLUSIVE_PROCESS while a daemon serves a GPU.
 
-MIG: "On MIG-enabled GPUs the compute mode is DEFAULT and cannot be changed" (nvidia-gpu.md 1.7;
-NVML answers NOT_SUPPORTED). NVIDIA's DRA driver sets the mode only on full GPUs
+MIG: on MIG-enabled GPUs the compute mode is DEFAULT and cannot be changed (NVIDIA MIG User
+Guide; NVML answers NOT_SUPPORTED). NVIDIA's DRA driver sets the mode only on full GPUs
 (``PreparedDevices.GpuUUIDs()`` leaves MIG devices out); this driver does the same, see
-:func:`exclusive_gpus`. Facts and commands: ``reference/nvidia-gpu.md`` sections 1.7 and 6.2.
+:func:`exclusive_gpus`. Commands: ``nvidia-smi -i <uuid> -c EXCLUSIVE_PROCESS|DEFAULT`` (root, not
+persistent across reboots); docs/sharing.md, "Compute mode".
 """
 
 from __future__ import annotations

@@ -10,14 +10,14 @@ UUID order, and never while the node lock is held, so no two holders can deadloc
 
 from __future__ import annotations
 
-import fcntl
-import os
 import re
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+
+from driver.kubeletplugin.nodelock import hold_lock_file
 
 _LOCK_NAME = re.compile(r"^GPU-[A-Za-z0-9-]{1,80}$")
 
@@ -49,27 +49,12 @@ class GpuLocks:
     def _one(self, uuid: str, deadline: float, purpose: str) -> Iterator[None]:
         if not _LOCK_NAME.fullmatch(uuid):
             raise ValueError(f"GPU lock name must be a GPU-... UUID, got {uuid!r}")
-        mutex = self._mutex(uuid)
-        if not mutex.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise GpuBusy(f"GPU {uuid} stayed busy with another operation of this driver; gave up {purpose}")
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(self.directory / f"{uuid}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-            try:
-                while True:
-                    try:
-                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        if time.monotonic() >= deadline:
-                            raise GpuBusy(f"GPU {uuid} stayed busy with another plugin process (a rolling update "
-                                          f"in progress?); gave up {purpose}") from None
-                        time.sleep(0.005)
-                try:
-                    yield
-                finally:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-            finally:
-                os.close(fd)
-        finally:
-            mutex.release()
+
+        def timed_out(by_other_process: bool) -> Exception:
+            if by_other_process:
+                return GpuBusy(f"GPU {uuid} stayed busy with another plugin process (a rolling update "
+                               f"in progress?); gave up {purpose}")
+            return GpuBusy(f"GPU {uuid} stayed busy with another operation of this driver; gave up {purpose}")
+
+        with hold_lock_file(self.directory / f"{uuid}.lock", self._mutex(uuid), deadline, timed_out):
+            yield

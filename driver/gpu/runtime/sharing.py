@@ -23,9 +23,9 @@ from typing import Protocol
 
 from driver.gpu.checkpoint import Checkpoint, ClaimRecord
 from driver.gpu.claimplan import ClaimPlan
-from driver.gpu.mps.manager import MpsDaemonRecord, MpsDaemonSpec, MpsManager
-from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError, ComputeModes
-from driver.gpu.runtime.timeslice import TimeSlicer
+from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
+from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
+from driver.gpu.runtime.interfaces import ComputeModeControl, MpsDaemons, TimeSlices
 from driver.gpu.sharing import TimeSliceInterval
 from driver.kubeletplugin.types import Deadline
 
@@ -54,6 +54,10 @@ def _same_limits(running: MpsDaemonSpec, wanted: MpsDaemonSpec) -> bool:
     return running.model_copy(update={"multi_user": wanted.multi_user}) == wanted
 
 
+def _left(deadline: Deadline | None) -> float | None:
+    return None if deadline is None else deadline.remaining()
+
+
 def _forget_mode(cp: Checkpoint, uuid: str) -> None:
     cp.compute_modes.pop(uuid, None)
 
@@ -63,7 +67,7 @@ def _exclusive_users(cp: Checkpoint, gpu_uuid: str, other_than: str) -> list[str
 
 
 class SharingRuntime:
-    def __init__(self, mps: MpsManager, timeslicer: TimeSlicer, compute_modes: ComputeModes, ledger: Ledger):
+    def __init__(self, mps: MpsDaemons, timeslicer: TimeSlices, compute_modes: ComputeModeControl, ledger: Ledger):
         self.mps = mps
         self.timeslicer = timeslicer
         self.compute_modes = compute_modes
@@ -76,7 +80,7 @@ class SharingRuntime:
         for daemon in plan.daemons:
             self.hold_exclusive(daemon.exclusive_gpus, deadline)
             deadline.check(f"starting MPS daemon {daemon.daemon_id}")
-            self.ensure_daemon(daemon.spec, fresh=not daemon.shared)
+            self.ensure_daemon(daemon.spec, fresh=not daemon.shared, deadline=deadline)
         if plan.timeslice is not None:
             deadline.check("setting the time slice")
             self.timeslicer.apply(list(plan.timeslice.gpu_uuids), plan.timeslice.interval, deadline)
@@ -103,21 +107,29 @@ class SharingRuntime:
                 raise
             log.info("compute mode set for MPS", extra={"gpu_uuid": uuid, "previous": previous.value})
 
-    def ensure_daemon(self, spec: MpsDaemonSpec, fresh: bool = False) -> MpsDaemonRecord:
-        """Adopt the recorded daemon if it runs with these limits (unless ``fresh``); otherwise (re)start it."""
+    def ensure_daemon(self, spec: MpsDaemonSpec, fresh: bool = False,
+                      deadline: Deadline | None = None) -> MpsDaemonRecord:
+        """Adopt the recorded daemon if it runs with these limits (unless ``fresh``); otherwise (re)start it.
+
+        A (re)start is bounded by what is left of ``deadline``, so a daemon that never answers fails
+        the claim inside the prepare's deadline rather than after it."""
         existing = self._ledger.read().mps_daemons.get(spec.daemon_id)
         if not fresh and existing is not None and _same_limits(existing.spec, spec):
-            if self.mps.is_running(existing):
+            if self.mps.process_running(existing):
                 # Its limits and readiness were verified when it started; a control round trip per
                 # share prepare would cost a process spawn each time.
                 return existing
-            record = self.mps.ensure_running(existing)
+            record = self.mps.ensure_running(existing, _left(deadline))
         else:
             if existing is not None:
                 self.mps.stop(existing)
             else:
                 self.mps.stop_by_id(spec.daemon_id)  # a daemon left by a crash between its start and its record
-            record = self.mps.start(spec)
+            record = self.mps.start(spec, _left(deadline))
+            if not fresh and not spec.multi_user:
+                log.warning("MPS daemon for plan shares started single-user: it serves one Linux UID at a time, "
+                            "a client of another UID waits until the first UID's clients finish (mpsMultiUser=false)",
+                            extra={"daemon_id": spec.daemon_id, "gpu_uuids": spec.gpu_uuids})
         self._ledger.commit(lambda cp: cp.mps_daemons.__setitem__(spec.daemon_id, record))
         return record
 

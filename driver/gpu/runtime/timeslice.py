@@ -1,7 +1,9 @@
 """Compute time-slice settings of whole GPUs, set with ``nvidia-smi`` (NVML has no call for them).
 
-Callers apply a setting only when a user configured one (landscape.md pain point 12: never change
-GPU settings unasked) and reset it on unprepare. Facts: ``reference/nvidia-gpu.md`` section 2.
+Callers apply a setting only when a user configured one and reset it on unprepare: NVIDIA's DRA
+driver once set a default time slice on every prepare, two nvidia-smi calls per claim that nobody
+asked for (removed in k8s-dra-driver-gpu PR #1183). Command: ``nvidia-smi compute-policy -i
+<GPU-UUID[,...]> --set-timeslice <0-3>`` (``nvidia-smi compute-policy --help``; whole GPUs only).
 """
 
 from __future__ import annotations

@@ -100,6 +100,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- with .Values.sharing.defaultPlan }}
 {{- $_ := set $file "defaultPlan" . }}
 {{- end }}
+{{- if .Values.sharing.consumableCapacityGate }}
+{{- $_ := set $file "consumableCapacityGate" true }}
+{{- end }}
 {{- toYaml $file }}
 {{- end }}
 

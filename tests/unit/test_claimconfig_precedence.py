@@ -46,7 +46,7 @@ def percent_of(config: GpuConfig | MigDeviceConfig) -> int | None:
 
 def test_without_configs_every_device_gets_the_built_in_default_of_its_kind() -> None:
     results = [result("gpu", "gpu-0"), result("mig", "gpu-2-mig-1g10gb-0"), result("share", "gpu-3-mps-0")]
-    resolved = resolve_configs([], results, kind_of)
+    resolved = resolve_configs([], results, kind_of, whole_gpu_class=DRIVER)
     assert [r.result for r in resolved] == results
     assert [type(r.config) for r in resolved] == [GpuConfig, MigDeviceConfig, GpuConfig]
     assert all(r.config.sharing is None and r.origin == "built-in default" for r in resolved)
@@ -54,7 +54,7 @@ def test_without_configs_every_device_gets_the_built_in_default_of_its_kind() ->
 
 def test_claim_entry_beats_class_entry() -> None:
     configs = [entry("FromClass", [], sharing=mps(10)), entry("FromClaim", [], sharing=mps(20))]
-    [resolved] = resolve_configs(configs, [result("gpu", "gpu-0")], kind_of)
+    [resolved] = resolve_configs(configs, [result("gpu", "gpu-0")], kind_of, whole_gpu_class=DRIVER)
     assert percent_of(resolved.config) == 20
     assert resolved.origin == "claim config #1 (requests: all)"
 
@@ -66,7 +66,7 @@ def test_later_entry_of_the_same_source_wins_whole_without_merging() -> None:
         ),
         entry("FromClaim", ["gpu"], sharing=mps(40)),
     ]
-    [resolved] = resolve_configs(configs, [result("gpu", "gpu-0")], kind_of)
+    [resolved] = resolve_configs(configs, [result("gpu", "gpu-0")], kind_of, whole_gpu_class=DRIVER)
     assert resolved.config.sharing is not None and resolved.config.sharing.mpsConfig is not None
     assert resolved.config.sharing.mpsConfig.defaultActiveThreadPercentage == 40
     assert resolved.config.sharing.mpsConfig.defaultPinnedDeviceMemoryLimit is None  # not merged from #1
@@ -75,7 +75,7 @@ def test_later_entry_of_the_same_source_wins_whole_without_merging() -> None:
 
 def test_class_entry_applies_when_the_claim_has_none_for_that_request() -> None:
     configs = [entry("FromClass", [], sharing=mps(10)), entry("FromClaim", ["other"], sharing=mps(20))]
-    [resolved] = resolve_configs(configs, [result("gpu", "gpu-0")], kind_of)
+    [resolved] = resolve_configs(configs, [result("gpu", "gpu-0")], kind_of, whole_gpu_class=DRIVER)
     assert percent_of(resolved.config) == 10
     assert resolved.origin == "class config #1 (requests: all)"
 
@@ -95,14 +95,14 @@ def test_class_entry_applies_when_the_claim_has_none_for_that_request() -> None:
 )
 def test_request_matching(entry_requests: list[str], result_request: str, applies: bool) -> None:
     configs = [entry("FromClaim", entry_requests, sharing=mps(77))]
-    [resolved] = resolve_configs(configs, [result(result_request, "gpu-0")], kind_of)
+    [resolved] = resolve_configs(configs, [result(result_request, "gpu-0")], kind_of, whole_gpu_class=DRIVER)
     assert (percent_of(resolved.config) == 77) is applies
 
 
 def test_explicit_entry_of_the_wrong_kind_is_an_error() -> None:
     configs = [entry("FromClaim", ["mig"], kind="GpuConfig")]
     with pytest.raises(ConfigError) as info:
-        resolve_configs(configs, [result("mig", "gpu-2-mig-1g10gb-0")], kind_of)
+        resolve_configs(configs, [result("mig", "gpu-2-mig-1g10gb-0")], kind_of, whole_gpu_class=DRIVER)
     assert str(info.value) == (
         'claim config #1 (requests: [mig]): GpuConfig cannot configure mig device gpu-2-mig-1g10gb-0 (request "mig"); '
         "use MigDeviceConfig for it"
@@ -114,7 +114,7 @@ def test_explicit_mig_config_on_a_whole_gpu_is_an_error() -> None:
     with pytest.raises(
         ConfigError, match=r"^class config #1 \(requests: \[gpu\]\): MigDeviceConfig cannot configure gpu"
     ):
-        resolve_configs(configs, [result("gpu", "gpu-0")], kind_of)
+        resolve_configs(configs, [result("gpu", "gpu-0")], kind_of, whole_gpu_class=DRIVER)
 
 
 def test_catch_all_entry_of_the_wrong_kind_is_skipped_for_earlier_entries() -> None:
@@ -122,7 +122,8 @@ def test_catch_all_entry_of_the_wrong_kind_is_skipped_for_earlier_entries() -> N
         entry("FromClaim", [], kind="GpuConfig", sharing=mps(30)),
         entry("FromClaim", [], kind="MigDeviceConfig", sharing=mps(60)),
     ]
-    gpu, mig = resolve_configs(configs, [result("a", "gpu-0"), result("b", "gpu-2-mig-1g10gb-0")], kind_of)
+    gpu, mig = resolve_configs(configs, [result("a", "gpu-0"), result("b", "gpu-2-mig-1g10gb-0")], kind_of,
+                               whole_gpu_class=DRIVER)
     assert isinstance(gpu.config, GpuConfig) and percent_of(gpu.config) == 30
     assert isinstance(mig.config, MigDeviceConfig) and percent_of(mig.config) == 60
     assert gpu.origin == "claim config #1 (requests: all)"
@@ -131,7 +132,7 @@ def test_catch_all_entry_of_the_wrong_kind_is_skipped_for_earlier_entries() -> N
 
 def test_catch_all_mig_config_leaves_whole_gpus_on_the_default() -> None:
     configs = [entry("FromClaim", [], kind="MigDeviceConfig", sharing=mps(60))]
-    [resolved] = resolve_configs(configs, [result("gpu", "gpu-0")], kind_of)
+    [resolved] = resolve_configs(configs, [result("gpu", "gpu-0")], kind_of, whole_gpu_class=DRIVER)
     assert resolved.config == GpuConfig()
     assert resolved.origin == "built-in default"
 
@@ -141,7 +142,7 @@ def test_catch_all_mig_config_leaves_whole_gpus_on_the_default() -> None:
 def test_sharing_config_on_a_plan_share_is_refused(device: str, requests: list[str]) -> None:
     configs = [entry("FromClaim", requests, sharing={"strategy": "TimeSlicing"})]
     with pytest.raises(ConfigError) as info:
-        resolve_configs(configs, [result("share", device)], kind_of)
+        resolve_configs(configs, [result("share", device)], kind_of, whole_gpu_class=DRIVER)
     message = str(info.value)
     assert f"GpuConfig.sharing cannot be applied to {KINDS[device]} device {device}" in message
     assert "node's sharing plan" in message
@@ -150,7 +151,7 @@ def test_sharing_config_on_a_plan_share_is_refused(device: str, requests: list[s
 
 def test_plain_gpu_config_on_a_plan_share_is_accepted() -> None:
     configs = [entry("FromClaim", ["share"])]
-    [resolved] = resolve_configs(configs, [result("share", "gpu-3-mps-0")], kind_of)
+    [resolved] = resolve_configs(configs, [result("share", "gpu-3-mps-0")], kind_of, whole_gpu_class=DRIVER)
     assert resolved.origin == "claim config #1 (requests: [share])"
 
 
@@ -161,7 +162,7 @@ def test_decoding_errors_name_source_and_position() -> None:
         entry("FromClaim", ["gpu"], sharing=mps(150), sharng={}),
     ]
     with pytest.raises(ConfigError) as info:
-        resolve_configs(configs, [result("gpu", "gpu-0")], kind_of)
+        resolve_configs(configs, [result("gpu", "gpu-0")], kind_of, whole_gpu_class=DRIVER)
     lines = sorted(str(info.value).splitlines())
     assert lines == [
         "claim config #2 (requests: [gpu]): GpuConfig.sharing.mpsConfig.defaultActiveThreadPercentage: "
@@ -174,25 +175,26 @@ def test_decoding_errors_name_source_and_position() -> None:
 def test_broken_entry_is_an_error_even_if_it_applies_to_no_result() -> None:
     configs = [entry("FromClaim", ["unused"], kind="Bogus")]
     with pytest.raises(ConfigError, match=r'^claim config #1 \(requests: \[unused\]\): kind "Bogus"'):
-        resolve_configs(configs, [result("gpu", "gpu-0")], kind_of)
+        resolve_configs(configs, [result("gpu", "gpu-0")], kind_of, whole_gpu_class=DRIVER)
 
 
 def test_entry_without_opaque_parameters_is_an_error() -> None:
     configs = [DeviceAllocationConfiguration.model_validate({"source": "FromClaim", "requests": []})]
     with pytest.raises(ConfigError, match="no opaque parameters"):
-        resolve_configs(configs, [result("gpu", "gpu-0")], kind_of)
+        resolve_configs(configs, [result("gpu", "gpu-0")], kind_of, whole_gpu_class=DRIVER)
 
 
 def test_problems_of_several_results_are_all_reported() -> None:
     configs = [entry("FromClaim", ["a", "b"], sharing=mps(10))]
     with pytest.raises(ConfigError) as info:
-        resolve_configs(configs, [result("a", "gpu-3-mps-0"), result("b", "gpu-3-ts-1")], kind_of)
+        resolve_configs(configs, [result("a", "gpu-3-mps-0"), result("b", "gpu-3-ts-1")], kind_of,
+                        whole_gpu_class=DRIVER)
     assert len(str(info.value).splitlines()) == 2
 
 
 def test_unknown_device_kind_is_a_programming_error() -> None:
     with pytest.raises(ValueError, match="unknown device kind 'vfio'"):
-        resolve_configs([], [result("gpu", "gpu-0")], lambda _: "vfio")
+        resolve_configs([], [result("gpu", "gpu-0")], lambda _: "vfio", whole_gpu_class=DRIVER)
 
 
 def test_grouping_follows_the_winning_config_object() -> None:
@@ -208,7 +210,7 @@ def test_grouping_follows_the_winning_config_object() -> None:
         result("c/sub", "gpu-0"),
         result("d", "gpu-1"),
     ]
-    groups = group_by_config(resolve_configs(configs, results, kind_of))
+    groups = group_by_config(resolve_configs(configs, results, kind_of, whole_gpu_class=DRIVER))
     assert [[r.request for r in members] for _, members in groups] == [["a"], ["b", "c/sub"], ["m"], ["d"]]
     assert [percent_of(config) for config, _ in groups] == [10, 20, None, 20]
     assert isinstance(groups[2][0], MigDeviceConfig)
@@ -216,7 +218,7 @@ def test_grouping_follows_the_winning_config_object() -> None:
 
 def test_defaults_group_every_unconfigured_device_of_a_kind_together() -> None:
     results = [result("a", "gpu-0"), result("b", "gpu-1"), result("m", "gpu-2-mig-1g10gb-0")]
-    groups = group_by_config(resolve_configs([], results, kind_of))
+    groups = group_by_config(resolve_configs([], results, kind_of, whole_gpu_class=DRIVER))
     assert [[r.request for r in members] for _, members in groups] == [["a", "b"], ["m"]]
 
 

@@ -17,10 +17,7 @@ from driver.gpu.claimconfig.api import (
     resolve_mps_limits,
 )
 from driver.gpu.claimconfig.quantity import format_mib, parse_quantity
-
-GIB = 1024**3
-MIB = 1024**2
-
+from driver.units import GIB, MIB
 
 # --- quantities -----------------------------------------------------------------------------
 

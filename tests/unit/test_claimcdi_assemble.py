@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import cdi
-from driver.gpu.claimcdi.assemble import ClaimIdentity, DeviceEdits, build_claim_spec, cdi_device_name
+from driver.gpu.claimcdi.assemble import (
+    ClaimIdentity,
+    DeviceEdits,
+    build_claim_spec,
+    build_claim_spec_file,
+    cdi_device_name,
+)
 
 KIND = "k8s.gpu.tessera.dev/claim"
 UID = "0b7c2f4e-1111-2222-3333-444455556666"
@@ -55,7 +64,7 @@ def test_control_nodes_keep_their_host_path_and_the_spec_version_follows() -> No
     under_driver_root = [{"path": p, "hostPath": f"/run/nvidia/driver{p}"} for p in CONTROL]
     spec = _build(common_edits=None, control_nodes=under_driver_root)
     assert _spec_edits(spec)["deviceNodes"] == under_driver_root
-    # A hostPath needs 0.5.0 (cdi.md); the claim annotations already need 0.6.0.
+    # A hostPath needs 0.5.0 (cdi/version.py); the claim annotations already need 0.6.0.
     assert spec.to_wire()["cdiVersion"] in ("0.6.0", "0.7.0", "0.8.0", "1.0.0", "1.1.0")
     # Nodes the toolkit already lists stay as the toolkit wrote them.
     toolkit = _toolkit_edits()
@@ -151,3 +160,26 @@ def test_spec_writes_and_reads_back(tmp_path: Path) -> None:
     spec = _build()
     path = cdi.write_spec(tmp_path, f"k8s.gpu.tessera.dev-claim_{UID}.json", spec)
     assert cdi.read_spec(path) == spec
+
+
+def test_the_written_text_is_the_checked_spec_without_a_second_model_pass() -> None:
+    mps = DeviceEdits("gpu-1", device_nodes=[{"path": "/dev/nvidia1"}],
+                      env=["CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps"],
+                      mounts=[{"hostPath": "/run/mps/d1", "containerPath": "/tmp/nvidia-mps",
+                               "options": ["rw", "bind"]}],
+                      annotations={"gpu.tessera.dev/z": "last", "gpu.tessera.dev/a": "first"})
+    for toolkit in (_toolkit_edits(), None):
+        args: dict[str, Any] = {"kind": KIND, "claim": CLAIM, "devices": [_gpu0(), mps], "common_edits": toolkit,
+                                "control_nodes": [{"path": p} for p in CONTROL], "annotation_prefix": "gpu.tessera.dev",
+                                "annotations": {"gpu.tessera.dev/timeslice": "{}"}}
+        fast = build_claim_spec_file(**args)
+        strict = cdi.Spec.from_text(fast.spec.to_json(), "strict")
+        assert cdi.Spec.from_text(fast.text, "fast") == strict == fast.spec, "the text loads as the checked spec"
+        assert json.loads(fast.text) == json.loads(fast.spec.to_json()), "and is what the model would write"
+
+
+def test_a_spec_the_loader_would_reject_is_refused_before_any_text_exists() -> None:
+    bad = DeviceEdits("gpu-0", device_nodes=[{"path": "/dev/nvidia0"}], env=["NOT-KEY-VALUE"])
+    with pytest.raises(cdi.SpecError, match="is not KEY=VALUE"):
+        build_claim_spec_file(kind=KIND, claim=CLAIM, devices=[bad], common_edits=None, control_nodes=[],
+                              annotation_prefix="gpu.tessera.dev")

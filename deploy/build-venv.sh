@@ -1,0 +1,40 @@
+#!/bin/sh
+# Builds the plugin image's Python environment at $1 from the source tree in the current directory.
+# deploy/Dockerfile runs it in its build stage; `sh deploy/build-venv.sh /tmp/x` outside Docker builds
+# the same tree, which is how docs/operations.md ("The image") measured the image's size.
+#
+# It installs the project (not editable), then removes what the plugin never runs and checks that
+# it is gone, so an image built with another builder or a wider context cannot carry it either:
+#   - pip, setuptools, wheel: build tools; the plugin installs nothing at run time.
+#   - kubernetes/aio: the client's asyncio copy (about 40 MB of the 75 MB package), and aiohttp with
+#     the packages only it needs (kubernetes 37 requires them for aio alone); the driver uses the
+#     synchronous client. kubernetes/__init__.py imports client, config, dynamic, watch, stream,
+#     utils, leaderelection and informer, so those stay although the driver calls only client and
+#     config. (Import trace of `run`, docs/operations.md "The image".)
+#   - driver/simulation/bin: the SIMULATION stand-ins for nvidia-smi and nvidia-cuda-mps-control.
+#     Nothing in the image may run a fake NVIDIA tool. The rest of driver/simulation stays: the
+#     chart's `simulate` value publishes simulated GPUs on clusters without NVIDIA hardware, and it
+#     is imported only when --simulate is given (tests/unit/test_image.py checks `run` without it).
+set -eu
+
+venv=${1:?usage: build-venv.sh VENV_DIR}
+python=${PYTHON:-python}
+async_only="aiohttp aiohttp-retry aiosignal aiohappyeyeballs frozenlist multidict yarl propcache attrs"
+
+"$python" -m venv "$venv"
+"$venv/bin/pip" install --no-cache-dir --disable-pip-version-check .
+"$venv/bin/pip" uninstall --yes --disable-pip-version-check $async_only
+"$venv/bin/pip" uninstall --yes --disable-pip-version-check pip setuptools wheel
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+rm -rf "$site/kubernetes/aio" "$site/driver/simulation/bin"
+
+for unwanted in kubernetes/aio driver/simulation/bin pip setuptools aiohttp yarl multidict; do
+    if [ -e "$site/$unwanted" ]; then
+        echo "build-venv.sh: $site/$unwanted is still there" >&2
+        exit 1
+    fi
+done
+# Every entry point still imports without what was removed.
+"$venv/bin/python" -c 'import driver.app, driver.checknode, driver.cli, driver.inspect_node, driver.gpu.mps.hostserver'
+# Bytecode now: the plugin runs with a read-only root filesystem and PYTHONDONTWRITEBYTECODE.
+"$venv/bin/python" -m compileall -q "$venv/lib"

@@ -1,0 +1,101 @@
+"""The device naming scheme users depend on (they select devices by these names), and its parser.
+
+Pure logic, no I/O. Names:
+
+* whole GPU: ``gpu-<minor>``;
+* MIG device: ``gpu-<minor>-mig-<profile fragment>-<placement start>`` (``gpu-0-mig-1g10gb-3``);
+* shares: ``gpu-<minor>-mps-<k>`` / ``gpu-<minor>-ts-<k>``, k = 0 .. count-1;
+* consumable GPU (one device many claims share by capacity): ``gpu-<minor>-shared``.
+
+The minor (``/dev/nvidia<minor>``) is used rather than the NVML index because the index changes
+when a GPU drops off the bus.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from driver.gpu.discovery.migprofiles import device_name_fragment
+from driver.kubeletplugin.slicelimits import MAX_DEVICE_NAME_LENGTH
+
+DeviceKind = Literal["gpu", "mig", "mps", "timeslice", "consumable"]
+ShareStrategy = Literal["MPS", "TimeSlicing"]
+
+_SHARE_INFIX: dict[ShareStrategy, str] = {"MPS": "mps", "TimeSlicing": "ts"}
+_KIND_BY_SHARE_INFIX: dict[str, DeviceKind] = {"mps": "mps", "ts": "timeslice"}
+
+
+# --- names -------------------------------------------------------------------------------------
+
+
+def _checked_name(name: str) -> str:
+    if len(name) > MAX_DEVICE_NAME_LENGTH:
+        raise ValueError(f"device name {name!r} is longer than {MAX_DEVICE_NAME_LENGTH} characters (a DNS label)")
+    return name
+
+
+def gpu_device_name(minor: int) -> str:
+    if minor < 0:
+        raise ValueError(f"GPU minor must be >= 0, got {minor}")
+    return f"gpu-{minor}"
+
+
+def mig_device_name(minor: int, profile: str, placement_start: int) -> str:
+    if placement_start < 0:
+        raise ValueError(f"MIG placement start must be >= 0, got {placement_start}")
+    return _checked_name(f"{gpu_device_name(minor)}-mig-{device_name_fragment(profile)}-{placement_start}")
+
+
+def share_device_name(minor: int, strategy: ShareStrategy, k: int) -> str:
+    if strategy not in _SHARE_INFIX:
+        raise ValueError(f"share strategy must be one of {sorted(_SHARE_INFIX)}, got {strategy!r}")
+    if k < 0:
+        raise ValueError(f"share index must be >= 0, got {k}")
+    return f"{gpu_device_name(minor)}-{_SHARE_INFIX[strategy]}-{k}"
+
+
+def consumable_device_name(minor: int) -> str:
+    return f"{gpu_device_name(minor)}-shared"
+
+
+class ParsedDeviceName(BaseModel):
+    """What a device name says. ``mig_profile`` is the name fragment (``1g10gb``), not the profile."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: DeviceKind
+    minor: int
+    mig_profile: str | None = None
+    placement_start: int | None = None
+    share_index: int | None = None
+
+
+_NUMBER = r"(0|[1-9][0-9]*)"
+_GPU_NAME = re.compile(rf"^gpu-{_NUMBER}$")
+_MIG_NAME = re.compile(rf"^gpu-{_NUMBER}-mig-([a-z0-9]+(?:-[a-z0-9]+)*)-{_NUMBER}$")
+_SHARE_NAME = re.compile(rf"^gpu-{_NUMBER}-(mps|ts)-{_NUMBER}$")
+_CONSUMABLE_NAME = re.compile(rf"^gpu-{_NUMBER}-shared$")
+
+
+def parse_device_name(name: str) -> ParsedDeviceName:
+    """Parse a name this driver publishes; ValueError for anything else."""
+    if match := _GPU_NAME.match(name):
+        return ParsedDeviceName(kind="gpu", minor=int(match[1]))
+    if match := _SHARE_NAME.match(name):
+        return ParsedDeviceName(kind=_KIND_BY_SHARE_INFIX[match[2]], minor=int(match[1]), share_index=int(match[3]))
+    if match := _CONSUMABLE_NAME.match(name):
+        return ParsedDeviceName(kind="consumable", minor=int(match[1]))
+    if match := _MIG_NAME.match(name):
+        return ParsedDeviceName(kind="mig", minor=int(match[1]), mig_profile=match[2], placement_start=int(match[3]))
+    raise ValueError(
+        f"device name {name!r} is not one of this driver's: expected gpu-<minor>, "
+        "gpu-<minor>-mig-<profile>-<start>, gpu-<minor>-mps-<k>, gpu-<minor>-ts-<k> or gpu-<minor>-shared"
+    )
+
+
+def device_kind(name: str) -> DeviceKind:
+    """The ``type`` attribute of a device, from its name alone (the prepare path has only the name)."""
+    return parse_device_name(name).kind

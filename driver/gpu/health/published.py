@@ -1,0 +1,77 @@
+"""From GPU/MIG health to the published devices: which devices are unhealthy, and their taints.
+
+Health applies to every device that uses a GPU: the whole GPU, its MIG devices and its shares.
+A MIG device is also unhealthy on its own when an event names its GPU instance. Pure; no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from driver.gpu.health.model import Health
+from driver.gpu.targets import DeviceTarget
+from driver.kubeletplugin.slicemodel import Device, DeviceTaint
+
+TaintEffect = Literal["NoSchedule", "NoExecute"]
+# Under the driver's domain: <driver name>/unhealthy, value = the reason (xid-79, gpu-lost, ...).
+TAINT_NAME = "unhealthy"
+
+
+@dataclass(frozen=True)
+class DeviceCondition:
+    reason: str
+    message: str
+    since: float
+
+
+def unhealthy_devices(targets: Mapping[str, DeviceTarget], health: Health) -> dict[str, DeviceCondition]:
+    """Published device name -> why it is unhealthy; healthy devices are absent."""
+    result: dict[str, DeviceCondition] = {}
+    for name, target in targets.items():
+        found = health.get(target.gpu.uuid)
+        if found is None and target.mig is not None:
+            found = health.get(target.mig.uuid)
+        if found is not None:
+            result[name] = DeviceCondition(found.reason, found.message, found.since)
+    return result
+
+
+def taint_key(driver_name: str) -> str:
+    return f"{driver_name}/{TAINT_NAME}"
+
+
+def with_taints(devices: Sequence[Device], unhealthy: Mapping[str, DeviceCondition], driver_name: str,
+                effect: TaintEffect) -> list[Device]:
+    """``devices`` with one taint on each unhealthy one; ``timeAdded`` is left to the server (and kept)."""
+    key = taint_key(driver_name)
+    result = []
+    for device in devices:
+        condition = unhealthy.get(device.name)
+        kept = [t for t in device.taints if t.key != key]
+        if condition is not None:
+            kept.append(DeviceTaint(key=key, value=condition.reason[:63], effect=effect))
+        result.append(device if kept == device.taints else device.model_copy(update={"taints": kept}))
+    return result
+
+
+TaintMode = Literal["auto", "always", "never"]
+
+
+def taints_decision(mode: TaintMode, minor_version: int) -> tuple[bool, str]:
+    """Whether to publish health taints to a Kubernetes 1.<minor_version> API server, and why (for the log).
+
+    Device taints (KEP-5055, feature gate DRADeviceTaints) are GA in 1.37 and beta in 1.36; in 1.34
+    and 1.35 they are alpha, off unless the cluster enables the gate, and a server with the gate off
+    silently drops them. ``always`` is for clusters that enabled the gate on 1.34/1.35.
+    """
+    if mode == "never":
+        return False, "device taints are turned off (--device-taints=never)"
+    if mode == "always":
+        return True, f"device taints are published (--device-taints=always, Kubernetes 1.{minor_version})"
+    if minor_version >= 36:
+        return True, f"device taints are published (Kubernetes 1.{minor_version} supports them)"
+    return False, (f"device taints are NOT published: Kubernetes 1.{minor_version} has them only behind the alpha "
+                   "feature gate DRADeviceTaints (use --device-taints=always if it is on); device health is "
+                   "still reported to the kubelet and in metrics")

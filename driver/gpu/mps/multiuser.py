@@ -1,0 +1,86 @@
+"""Whether plan MPS daemons run in multi-user mode, found out without delaying the plugin's start.
+
+The only way to know whether the driver's ``nvidia-cuda-mps-control`` knows multi-user mode is to
+start one with the flag (:meth:`MpsManager.supports_multi_user`; 535.x and 550.x do not know it).
+That costs a daemon start, so it runs in a background thread once the plugin is registered; until
+it answers, and where it answers no, the node publishes ``mpsMultiUser: false`` and plan daemons
+start single-user: a client of a second Linux UID then waits until the first UID's clients are done
+(nvidia-cuda-mps-control(1); docs/sharing.md, "One Linux user per MPS server").
+
+The pure functions decide which GPU to probe with and which GPUs' plan shares stay single-user;
+:class:`MultiUserProbe` only runs the probe once and keeps its answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.mps.model import multi_user_capable
+from driver.gpu.sharing import SharingLayout
+
+log = logging.getLogger(__name__)
+
+
+def plan_mps_gpus(inventory: NodeInventory, layout: SharingLayout) -> list[str]:
+    """UUIDs of the GPUs the layout splits into MPS shares, in minor order."""
+    return [g.uuid for g in sorted(inventory.gpus, key=lambda g: g.minor)
+            if (shares := layout.get(g.uuid)) is not None and shares.strategy == "MPS"]
+
+
+def probe_gpu(inventory: NodeInventory, layout: SharingLayout) -> str | None:
+    """The GPU to probe multi-user mode with: the first with plan MPS shares that could use it.
+
+    None when no GPU could (no plan MPS shares, or only GPUs below compute capability 7.0):
+    then nothing needs probing."""
+    capable = {g.uuid for g in inventory.gpus if multi_user_capable(g.cuda_compute_capability)}
+    return next((uuid for uuid in plan_mps_gpus(inventory, layout) if uuid in capable), None)
+
+
+def single_user_gpus(inventory: NodeInventory, layout: SharingLayout, multi_user: bool) -> list[str]:
+    """GPUs whose plan MPS shares are served one Linux UID at a time under ``multi_user``."""
+    capable = {g.uuid for g in inventory.gpus if multi_user_capable(g.cuda_compute_capability)}
+    return [uuid for uuid in plan_mps_gpus(inventory, layout) if not (multi_user and uuid in capable)]
+
+
+class MultiUserProbe:
+    """Runs ``probe(gpu_uuid)`` once in a background thread; :attr:`result` is None until it answers."""
+
+    def __init__(self, probe: Callable[[str], bool]) -> None:
+        self._probe = probe
+        self._thread: threading.Thread | None = None
+        self._result: bool | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def result(self) -> bool | None:
+        with self._lock:
+            return self._result
+
+    def start(self, gpu_uuid: str) -> None:
+        """Start the probe with ``gpu_uuid`` unless it was started already."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, args=(gpu_uuid,), name="mps-multi-user-probe", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait for a running probe, so its throwaway daemon is stopped before the process exits."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self, gpu_uuid: str) -> None:
+        try:
+            answer = self._probe(gpu_uuid)
+        except Exception:
+            # Single-user is the safe answer: it only makes the limitation visible, never hides one.
+            log.exception("probing MPS multi-user mode failed; plan MPS daemons run single-user")
+            answer = False
+        with self._lock:
+            self._result = answer

@@ -1,0 +1,64 @@
+"""What the sharing runtime and the device state need from the hardware-facing managers.
+
+The production classes (``mps.manager.MpsManager``, ``runtime.timeslice.TimeSlicer``,
+``runtime.computemode.ComputeModes``) satisfy these structurally; tests pass small fakes that do
+too, so neither side needs a cast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
+from driver.gpu.runtime.computemode import ComputeMode
+from driver.gpu.sharing import TimeSliceInterval
+from driver.kubeletplugin.types import Deadline
+
+
+class MpsDaemons(Protocol):
+    """Starts, checks and stops MPS control daemons; raises ``MpsError`` with the daemon's story."""
+
+    def start(self, spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
+        """A running daemon for ``spec`` with its limits applied, within ``timeout`` seconds."""
+        ...
+
+    def process_running(self, record: MpsDaemonRecord) -> bool:
+        """Whether the recorded daemon's process still runs (/proc only, never the control socket)."""
+        ...
+
+    def ensure_running(self, record: MpsDaemonRecord, timeout: float | None = None) -> MpsDaemonRecord:
+        """The recorded daemon if it runs, else a restarted one with the same limits."""
+        ...
+
+    def stop(self, record: MpsDaemonRecord) -> None:
+        """Stop the daemon and remove its directories; a daemon already gone is fine."""
+        ...
+
+    def stop_by_id(self, daemon_id: str) -> None:
+        """Stop whatever daemon serves ``daemon_id``'s directory (one started but never recorded)."""
+        ...
+
+    def daemon_ids_on_disk(self) -> list[str]:
+        """Daemon directories of the driver's naming, to find ones no record knows."""
+        ...
+
+
+class TimeSlices(Protocol):
+    """Sets and resets GPU time slices (``nvidia-smi compute-policy``), all GPUs of a call or none."""
+
+    def apply(self, gpu_uuids: Sequence[str], interval: TimeSliceInterval, deadline: Deadline | None = None) -> None:
+        ...
+
+    def reset(self, gpu_uuids: Sequence[str]) -> None:
+        ...
+
+
+class ComputeModeControl(Protocol):
+    """Reads and sets a whole GPU's compute mode (``nvidia-smi -c``)."""
+
+    def get(self, uuid: str, deadline: Deadline | None = None) -> ComputeMode:
+        ...
+
+    def set(self, uuid: str, mode: ComputeMode, deadline: Deadline | None = None) -> None:
+        ...

@@ -1,0 +1,36 @@
+"""The prepare-time re-check of consumable GPUs: the claim's shares fit next to the prepared ones.
+
+The scheduler counts consumed capacity first; this second line refuses a share when the GPU's
+prepared claims (the checkpoint) would then consume more than its capacity, or when a claim holds
+the GPU in another form. Runs under the node lock, in the same section that records the claim.
+"""
+
+from __future__ import annotations
+
+from driver.gpu.checkpoint import Checkpoint
+from driver.gpu.claimplan import ClaimPlan
+from driver.gpu.consumable import ConsumedShare, HeldShare, check_fits
+
+
+def check_shares_fit(cp: Checkpoint, plan: ClaimPlan) -> None:
+    """PrepareError naming the amounts unless each consumable share of ``plan`` fits its GPU."""
+    targets = {t.name: t for t in plan.targets}
+    for name, wanted in plan.consumed:
+        target = targets[name]
+        policy = target.shares.consumable if target.shares is not None else None
+        assert policy is not None  # plan_claim records consumption only for consumable devices
+        held: list[HeldShare] = []
+        for other in cp.claims.values():
+            if other.uid == plan.uid:
+                continue
+            for d in other.devices:
+                if d.gpu_uuid != target.gpu.uuid:
+                    continue
+                label = f"{other.namespace}/{other.name}"
+                if d.kind == "consumable" and d.consumed_memory_bytes is not None \
+                        and d.consumed_multiprocessors is not None:
+                    held.append(HeldShare(label, ConsumedShare(d.consumed_memory_bytes, d.consumed_multiprocessors,
+                                                               0)))
+                else:
+                    held.append(HeldShare(label, None))
+        check_fits(name, wanted, held, policy)

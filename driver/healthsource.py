@@ -1,0 +1,25 @@
+"""Choose the device health source: NVML on real nodes, the simulation's event file with ``--simulate``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from driver.config import Settings
+from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.health.sampling import SampledHealthSource
+
+
+def open_health_source(settings: Settings, inventory: Callable[[], NodeInventory],
+                       environ: Mapping[str, str]) -> SampledHealthSource:
+    """NVML's library is already loaded from the driver root by discovery, which starts first."""
+    if settings.simulate:
+        from driver.simulation.healthevents import EVENTS_ENV, SimulatedHealth
+
+        path = environ.get(EVENTS_ENV)
+        return SimulatedHealth(Path(path) if path else None, inventory)
+    import pynvml
+
+    from driver.gpu.health.nvmlsource import NvmlHealthSource
+
+    return NvmlHealthSource(pynvml, inventory)

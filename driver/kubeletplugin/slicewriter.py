@@ -1,0 +1,115 @@
+"""The requests of one ResourceSlice sync round: list, read the Node owner, delete/update/create.
+
+What the server stored in place of what was sent (defaults added, fields dropped by a disabled
+feature gate) is remembered as *adopted*, so the planner does not rewrite it every round; dropped
+fields are logged once, loudly. Used by the publisher's worker thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kubernetes import client
+
+from driver.kubeletplugin.kubeclient import KubeApiError, request_json
+from driver.kubeletplugin.sliceplanner import Obj, SyncPlan, canonical_spec, dropped_fields
+
+log = logging.getLogger(__name__)
+
+SLICES_PATH = "/apis/resource.k8s.io/v1/resourceslices"
+_REQUEST_TIMEOUT_S = 15.0
+_MAX_ADOPTED = 256
+
+
+class SliceWriteError(Exception):
+    """One write of a sync round failed; carries the server's answer."""
+
+    def __init__(self, operation: str, slice_name: str, cause: KubeApiError):
+        super().__init__(f"{operation} of ResourceSlice {slice_name} failed: {cause}")
+        self.operation, self.slice_name, self.cause = operation, slice_name, cause
+
+
+class SliceWriter:
+    """The API requests of a node's slices, and what the server stored instead of what was sent."""
+
+    def __init__(self, api: client.ApiClient, driver_name: str, node_name: str) -> None:
+        self._api = api
+        self._node = node_name
+        self._log_extra = {"driver": driver_name, "node": node_name}
+        self._adopted: dict[str, str] = {}
+        self._owner: Obj | None = None
+        self._owner_warned = False
+
+    @property
+    def adopted(self) -> dict[str, str]:
+        """Canonical sent spec -> canonical stored spec, for the planner."""
+        return self._adopted
+
+    def list(self, field_selector: str) -> Obj:
+        """The ResourceSliceList of the slices ``field_selector`` picks."""
+        return request_json(self._api, "GET", SLICES_PATH, query=[("fieldSelector", field_selector)],
+                            timeout=_REQUEST_TIMEOUT_S)
+
+    def apply(self, plan: SyncPlan) -> None:
+        """Make the server hold ``plan``; :class:`SliceWriteError` on the first refused write."""
+        # Deleting devices the driver no longer has matters most, so deletes go first.
+        for old in plan.deletes:
+            meta = old["metadata"]
+            body = {"apiVersion": "v1", "kind": "DeleteOptions",
+                    "preconditions": {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]}}
+            try:
+                request_json(self._api, "DELETE", f"{SLICES_PATH}/{meta['name']}", body=body,
+                             timeout=_REQUEST_TIMEOUT_S)
+            except KubeApiError as err:
+                if err.status != 404:
+                    raise SliceWriteError("delete", meta["name"], err) from err
+        for wanted in plan.updates:
+            name = wanted["metadata"]["name"]
+            try:
+                stored = request_json(self._api, "PUT", f"{SLICES_PATH}/{name}", body=wanted,
+                                      timeout=_REQUEST_TIMEOUT_S)
+            except KubeApiError as err:
+                raise SliceWriteError("update", name, err) from err
+            self._adopt(wanted["spec"], stored)
+        for wanted in plan.creates:
+            try:
+                stored = request_json(self._api, "POST", SLICES_PATH, body=wanted, timeout=_REQUEST_TIMEOUT_S)
+            except KubeApiError as err:
+                raise SliceWriteError("create", wanted["metadata"]["generateName"] + "*", err) from err
+            self._adopt(wanted["spec"], stored)
+
+    def _adopt(self, sent: Obj, stored: Obj) -> None:
+        stored_spec = stored.get("spec") or {}
+        sent_key, stored_key = canonical_spec(sent), canonical_spec(stored_spec)
+        if sent_key == stored_key:
+            return
+        name = stored.get("metadata", {}).get("name", "?")
+        dropped, gates = dropped_fields(sent, stored_spec)
+        if dropped:
+            log.error("the API server dropped or changed fields of ResourceSlice %s: %s; a feature gate is probably "
+                      "off on the API server%s. Keeping what the server stored; not retrying.",
+                      name, ", ".join(dropped), f" ({', '.join(gates)})" if gates else "",
+                      extra={**self._log_extra, "slice": name, "fields": dropped, "feature_gates": gates})
+        else:
+            log.debug("the API server added defaults to ResourceSlice %s", name, extra={**self._log_extra})
+        self._adopted[sent_key] = stored_key
+        while len(self._adopted) > _MAX_ADOPTED:
+            del self._adopted[next(iter(self._adopted))]
+
+    def node_owner(self) -> Obj | None:
+        """The owner reference to the Node, or the last known one (or None) when the Node cannot be read."""
+        # Read every round (rounds are rare): a Node deleted and re-registered under the same name
+        # has a new UID, and slices pointing at the old one would be garbage-collected.
+        try:
+            node = request_json(self._api, "GET", f"/api/v1/nodes/{self._node}", timeout=_REQUEST_TIMEOUT_S)
+        except KubeApiError as err:
+            if self._owner is None:
+                level = logging.DEBUG if self._owner_warned else logging.WARNING
+                log.log(level, "cannot read Node %s, publishing ResourceSlices without an owner reference "
+                        "(they will not be garbage-collected with the Node): %s", self._node, err,
+                        extra=self._log_extra)
+                self._owner_warned = True
+            return self._owner
+        self._owner = {"apiVersion": "v1", "kind": "Node", "name": self._node,
+                       "uid": node["metadata"]["uid"], "controller": True}
+        return self._owner

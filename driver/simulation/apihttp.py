@@ -1,0 +1,171 @@
+"""SIMULATION: the HTTP side of the API server double: routes, JSON bodies, chunked watch streams."""
+
+from __future__ import annotations
+
+import json
+import re
+import select
+import socket
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qs, urlsplit
+
+from driver.simulation.apiobjects import RESOURCES, ApiError, Obj, Resource, field_selector, label_selector
+
+if TYPE_CHECKING:
+    from driver.simulation.apiserver import FakeApiServer
+
+DEFAULT_WATCH_SECONDS = 1800
+ROUTES = (
+    re.compile(r"^/api/v1/(?P<plural>nodes)(?:/(?P<name>[^/]+))?$"),
+    re.compile(r"^/apis/resource\.k8s\.io/v1/(?P<plural>resourceslices|deviceclasses|resourceclaims)"
+               r"(?:/(?P<name>[^/]+))?$"),
+    re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>resourceclaims)"
+               r"(?:/(?P<name>[^/]+)(?:/(?P<sub>status))?)?$"),
+)
+
+
+def handler_for(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        # Headers and body go out in separate writes; with Nagle on, the body waits for the
+        # client's delayed ACK (~40 ms per request on Linux), which a real API server never adds.
+        disable_nagle_algorithm = True
+
+        def log_message(self, format: str, *args: object) -> None:
+            return
+
+        def do_GET(self) -> None:
+            self._serve("GET")
+
+        def do_POST(self) -> None:
+            self._serve("POST")
+
+        def do_PUT(self) -> None:
+            self._serve("PUT")
+
+        def do_DELETE(self) -> None:
+            self._serve("DELETE")
+
+        def do_PATCH(self) -> None:
+            self._serve("PATCH")
+
+        def _serve(self, method: str) -> None:
+            parts = urlsplit(self.path)
+            query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+            watching = method == "GET" and query.get("watch") in ("true", "1")
+            api.record_request("WATCH" if watching else method, parts.path)
+            try:
+                body = self._read_body()
+                if watching:
+                    self._stream_watch(parts.path, query)
+                    return
+                code, answer = self._dispatch(method, parts.path, query, body)
+            except ApiError as err:
+                code, answer = err.code, err.status_body()
+            self._send_json(code, answer)
+
+        def _read_body(self) -> Obj:
+            length = int(self.headers.get("Content-Length") or 0)
+            if not length:
+                return {}
+            try:
+                body = json.loads(self.rfile.read(length))
+            except ValueError as err:
+                raise ApiError(400, "BadRequest", f"request body is not JSON: {err}") from err
+            if not isinstance(body, dict):
+                raise ApiError(400, "BadRequest", "request body must be a JSON object")
+            return body
+
+        def _send_json(self, code: int, answer: Obj) -> None:
+            data = json.dumps(answer).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _route(self, path: str) -> tuple[Resource, str | None, str | None, str | None]:
+            for route in ROUTES:
+                match = route.match(path)
+                if match:
+                    groups = match.groupdict()
+                    resource = RESOURCES[groups["plural"]]
+                    namespace = groups.get("ns")
+                    if resource.namespaced and namespace is None and groups.get("name"):
+                        break
+                    return resource, namespace, groups.get("name"), groups.get("sub")
+            raise ApiError(404, "NotFound", f"the server could not find the requested resource ({path})")
+
+        def _dispatch(self, method: str, path: str, query: dict[str, str], body: Obj) -> tuple[int, Obj]:
+            if path.rstrip("/") == "/version":
+                if method != "GET":
+                    raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on /version")
+                return 200, {"major": "1", "minor": str(api.minor_version),
+                             "gitVersion": f"v1.{api.minor_version}.0-fake", "gitCommit": "0" * 40,
+                             "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z",
+                             "goVersion": "go1.25.0", "compiler": "gc", "platform": "linux/amd64"}
+            resource, namespace, name, sub = self._route(path)
+            ns = namespace or ""
+            read_only = resource.plural == "nodes"
+            if name is None:
+                if method == "GET":
+                    return 200, api.list_objects(resource.plural, namespace, self._selector(resource, query))
+                if method == "POST" and not read_only and (namespace is not None or not resource.namespaced):
+                    return 201, api.create_object(resource.plural, ns, body)
+                if method == "DELETE" and resource.plural == "resourceslices":
+                    listed = api.list_objects(resource.plural, None, self._selector(resource, query))
+                    for item in listed["items"]:
+                        api.delete_object(resource.plural, "", item["metadata"]["name"], preconditions={},
+                                          by_client=False)
+                    return 200, listed
+            elif method == "GET":
+                return 200, api.get_object(resource.plural, ns, name)
+            elif method == "PUT" and not read_only:
+                if sub == "status":
+                    return 200, api.replace_object(resource.plural, ns, name, body, keep_status=False, status_only=True)
+                return 200, api.replace_object(resource.plural, ns, name, body,
+                                         keep_status=resource.plural == "resourceclaims")
+            elif method == "DELETE" and not read_only:
+                return 200, api.delete_object(resource.plural, ns, name, preconditions=body.get("preconditions") or {})
+            raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on {path} by this test double")
+
+        def _selector(self, resource: Resource, query: dict[str, str]) -> Callable[[Obj], bool]:
+            by_field = field_selector(resource, query.get("fieldSelector", ""))
+            by_label = label_selector(query.get("labelSelector", ""))
+            return lambda obj: by_field(obj) and by_label(obj)
+
+        def _stream_watch(self, path: str, query: dict[str, str]) -> None:
+            resource, namespace, name, _ = self._route(path)
+            if name is not None:
+                raise ApiError(405, "MethodNotAllowed", "watch a collection with ?watch=true")
+            selector = self._selector(resource, query)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+
+            def write(event: Obj) -> bool:
+                # An empty event is a liveness probe: nothing is sent, but a closed client is noticed.
+                try:
+                    if not event:
+                        readable, _, _ = select.select([self.connection], [], [], 0)
+                        return not (readable and not self.connection.recv(1, socket.MSG_PEEK))
+                    line = json.dumps(event).encode() + b"\n"
+                    self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
+                    self.wfile.flush()
+                    return True
+                except OSError:
+                    return False
+
+            timeout_s = float(query.get("timeoutSeconds") or DEFAULT_WATCH_SECONDS)
+            api.watch_objects(resource.plural, namespace, selector, query.get("resourceVersion", ""), timeout_s, write)
+            try:
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+            except OSError:
+                pass
+            self.close_connection = True
+
+    return Handler

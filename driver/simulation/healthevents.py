@@ -1,0 +1,137 @@
+"""SIMULATION: device health events read from a JSON-lines file while the driver runs.
+
+``TESSERA_SIM_EVENTS`` names the file; each line is one event, appended by a test or the demo::
+
+    {"uuid": "GPU-...", "xid": 79}
+    {"uuid": "MIG-...", "xid": 94}
+    {"uuid": "GPU-...", "double_bit_ecc": true}
+    {"uuid": "GPU-...", "lost": true}
+    {"uuid": "GPU-...", "recovered": true}
+
+They become the same :class:`HealthEvent` the NVML source reports: an XID as NVML's
+``nvmlEventTypeXidCriticalError`` carries it (the MIG UUID when NVML names a GPU instance), a lost
+GPU as ``NVML_ERROR_GPU_IS_LOST`` from polling, recovery as a GPU answering again after a reset.
+A bad line is logged with its line number and skipped; the file may appear after the driver starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.health.model import EventKind, HealthEvent
+from driver.gpu.health.monitor import Emit
+from driver.gpu.health.sampling import DeviceSample
+
+log = logging.getLogger(__name__)
+
+EVENTS_ENV = "TESSERA_SIM_EVENTS"
+POLL_INTERVAL_S = 0.1
+
+
+class SimulatedEvent(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uuid: str
+    xid: int | None = None
+    double_bit_ecc: bool = False
+    lost: bool = False
+    recovered: bool = False
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> SimulatedEvent:
+        count = (self.xid is not None) + self.double_bit_ecc + self.lost + self.recovered
+        if count != 1:
+            raise ValueError("an event needs exactly one of xid (a number), double_bit_ecc, lost or recovered")
+        return self
+
+    def kind(self) -> EventKind:
+        if self.xid is not None:
+            return EventKind.XID
+        if self.double_bit_ecc:
+            return EventKind.DOUBLE_BIT_ECC
+        return EventKind.LOST if self.lost else EventKind.RECOVERED
+
+
+def parse_line(text: str, where: str) -> SimulatedEvent:
+    try:
+        return SimulatedEvent.model_validate(json.loads(text))
+    except (json.JSONDecodeError, ValidationError) as err:
+        raise ValueError(f"{where}: not a health event ({err}); expected e.g. "
+                         '{"uuid": "GPU-...", "xid": 79}') from err
+
+
+class SimulatedHealthEvents:
+    """A :class:`driver.gpu.health.monitor.HealthSource` reading ``path`` as it grows."""
+
+    def __init__(self, path: Path, inventory: Callable[[], NodeInventory]):
+        self._path = path
+        self._inventory = inventory
+
+    def describe(self) -> str:
+        return f"SIMULATION: events from {self._path}"
+
+    def run(self, emit: Emit, stop: threading.Event) -> None:
+        offset, line_number, pending = 0, 0, b""
+        while not stop.is_set():
+            try:
+                with self._path.open("rb") as handle:
+                    if os.fstat(handle.fileno()).st_size < offset:  # truncated: start over
+                        offset, line_number, pending = 0, 0, b""
+                    handle.seek(offset)
+                    chunk = handle.read()
+            except FileNotFoundError:
+                chunk = b""
+            offset += len(chunk)
+            pending += chunk
+            *lines, pending = pending.split(b"\n")  # a line without its newline is still being written
+            for raw in lines:
+                line_number += 1
+                if raw.strip():
+                    self._emit_line(raw.decode(errors="replace"), f"{self._path} line {line_number}", emit)
+            stop.wait(POLL_INTERVAL_S)
+
+    def _emit_line(self, text: str, where: str, emit: Emit) -> None:
+        try:
+            event = parse_line(text, where)
+        except ValueError as err:
+            log.error("SIMULATION: skipping a bad health event", extra={"reason": str(err)})
+            return
+        parent = self._parent_of(event.uuid)
+        emit(HealthEvent(uuid=event.uuid, kind=event.kind(), xid=event.xid, detail="SIMULATION",
+                         parent_uuid=parent))
+
+    def _parent_of(self, uuid: str) -> str | None:
+        for gpu in self._inventory().gpus:
+            if any(m.uuid == uuid for m in gpu.mig_instances):
+                return gpu.uuid
+        return None
+
+
+class SimulatedHealth:
+    """The simulated node's health source: the event file (if any) plus steady simulated readings."""
+
+    def __init__(self, path: Path | None, inventory: Callable[[], NodeInventory]):
+        self._inventory = inventory
+        self._events = SimulatedHealthEvents(path, inventory) if path is not None else None
+
+    def describe(self) -> str:
+        return self._events.describe() if self._events else f"SIMULATION: no events ({EVENTS_ENV} unset)"
+
+    def run(self, emit: Emit, stop: threading.Event) -> None:
+        if self._events is not None:
+            self._events.run(emit, stop)
+        else:
+            stop.wait()
+
+    def sample(self) -> dict[str, DeviceSample]:
+        # SIMULATION: an idle GPU's readings (about what nvidia-smi shows for an idle H100).
+        return {gpu.uuid: DeviceSample(temperature_celsius=34.0, power_watts=70.0, memory_used_bytes=0)
+                for gpu in self._inventory().gpus}

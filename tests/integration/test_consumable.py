@@ -1,0 +1,100 @@
+"""Consumable GPUs through the real sockets and the HTTP API double: claims sized by what they consumed."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from driver.kubeletplugin.types import ClaimRef
+from driver.simulation.allocator import allocate
+from tests.support.node import DRIVER, NODE, SimulatedNode
+
+PLANS: dict[str, Any] = {"plans": {"c": {"gpus": [
+    {"match": {"minor": 0}, "consumable": {"fallback": {"mps": {"shares": 2}}}}]}}}
+
+
+def allocated_claim(node: SimulatedNode, name: str, memory: str, sms: str, consumed: dict[str, dict[str, int]],
+                    uid: str) -> tuple[ClaimRef, dict[str, Any]]:
+    """A claim the simulated scheduler allocated from the node's published slices."""
+    claim = {"metadata": {"name": name, "namespace": "default", "uid": uid},
+             "spec": {"devices": {"requests": [{"name": "share", "exactly": {
+                 "deviceClassName": f"consumable.{DRIVER}",
+                 "capacity": {"requests": {"memory": memory, "multiprocessors": sms}}}}]}}}
+    done = allocate(claim, node.api.slices(DRIVER, NODE), DRIVER, set(), consumed)
+    node.api.put_claim(done)
+    [result] = done["status"]["allocation"]["devices"]["results"]
+    return ClaimRef(namespace="default", name=name, uid=uid), result
+
+
+def test_differently_sized_claims_share_one_gpu_with_their_own_limits() -> None:
+    node = SimulatedNode("demo", plans=PLANS, plan="c")
+    try:
+        node.start()
+        node.wait_for_devices(["gpu-0-shared", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mig-1g10gb-6",
+                               "gpu-2"])
+        [device] = [d for d in node.devices() if d["name"] == "gpu-0-shared"]
+        assert device["allowMultipleAllocations"] is True
+        assert device["capacity"]["multiprocessors"]["requestPolicy"]["validRange"] == {
+            "min": "2", "max": "132", "step": "1"}
+
+        consumed: dict[str, dict[str, int]] = {}
+        small, small_result = allocated_claim(node, "small", "10Gi", "33", consumed, str(uuid.uuid4()))
+        large, large_result = allocated_claim(node, "large", "20Gi", "66", consumed, str(uuid.uuid4()))
+        assert small_result["device"] == large_result["device"] == "gpu-0-shared"
+        answers = node.prepare(small, large)
+        for ref, result in ((small, small_result), (large, large_result)):
+            answer = answers[ref.uid]
+            assert answer.error is None, answer.error
+            assert [d.share_id for d in answer.devices] == [result["shareID"]]
+        env = {ref.name: json.loads(node.cdi_spec(ref.uid).read_text())["devices"][0]["containerEdits"]["env"]
+               for ref in (small, large)}
+        for name, percent, mib in (("small", 25, 10240), ("large", 50, 20480)):
+            assert {f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percent}",
+                    f"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0={mib}M"} <= set(env[name])
+        # Each claim's own daemon got its limits as defaults, so the container cannot raise them.
+        commands = [" ".join([e["cmd"], *e["args"]]) for e in node.journal() if "cmd" in e]
+        for wanted in ("set_default_active_thread_percentage 25", "set_default_device_pinned_mem_limit 0 10240M",
+                       "set_default_active_thread_percentage 50", "set_default_device_pinned_mem_limit 0 20480M"):
+            assert wanted in commands
+        assert len([e for e in node.journal() if e.get("event") == "start"]) == 2
+
+        # An allocation past the GPU's capacity (the scheduler's double allocation) is refused at prepare.
+        over = ClaimRef(namespace="default", name="over", uid=str(uuid.uuid4()))
+        node.api.put_claim({"metadata": {"name": "over", "namespace": "default", "uid": over.uid},
+                            "spec": {"devices": {"requests": []}},
+                            "status": {"allocation": {"devices": {"config": [], "results": [{
+                                "request": "share", "driver": DRIVER, "pool": NODE, "device": "gpu-0-shared",
+                                "shareID": "00000000-0000-0000-0000-0000000000cc",
+                                "consumedCapacity": {"memory": "60Gi", "multiprocessors": "2"}}]}}}})
+        error = node.prepare(over)[over.uid].error
+        assert error is not None and "memory: 60Gi asked, 30Gi held by 2 other claim(s)" in error
+
+        # Killed with its checkpoint corrupt, the driver rebuilds both shares from the CDI specs and still counts them.
+        node.kill9()
+        (node.state_dir / "checkpoint.json").write_text("{not json")
+        node.restart()
+        node.wait_for_devices(["gpu-0-shared", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mig-1g10gb-6",
+                               "gpu-2"])
+        rebuilt = {c["name"]: c["devices"][0] for c in node.checkpoint()["claims"].values()}
+        assert (rebuilt["large"]["consumed_memory_bytes"], rebuilt["large"]["consumed_multiprocessors"]) == (
+            20 << 30, 66)
+        assert node.prepare(small)[small.uid].error is None
+        error = node.prepare(over)[over.uid].error
+        assert error is not None and "would be overcommitted" in error
+        assert node.unprepare(small) == {small.uid: None}
+        assert node.prepare(over)[over.uid].error is not None  # 60 + 20 > 79 GiB even without small
+        assert sorted(c["uid"] for c in node.checkpoint()["claims"].values()) == [large.uid]
+    finally:
+        node.close()
+
+
+def test_without_consumable_capacity_the_plan_falls_back() -> None:
+    node = SimulatedNode("demo", plans=PLANS, plan="c", minor_version=34)
+    try:
+        node.start()
+        node.wait_for_devices(["gpu-0-mps-0", "gpu-0-mps-1", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4",
+                               "gpu-1-mig-1g10gb-6", "gpu-2"])
+        assert any("publishing the plan's fallback" in str(line.get("msg")) for line in node.log())
+    finally:
+        node.close()

@@ -1,0 +1,163 @@
+"""Device health: injected GPU events become taints, the kubelet's health stream, refusals and metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from driver.simulation.kubelethealth import HealthWatch, allocated_resources_status
+from tests.support.node import DRIVER, NODE, SimulatedNode, wait_until
+
+PLANS: dict[str, Any] = {"plans": {"mps": {"gpus": [{"match": {"product": "NVIDIA L4"}, "mps": {"shares": 2}}]}}}
+MIG = ["gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mig-1g10gb-6"]
+SHARES = ["gpu-2-mps-0", "gpu-2-mps-1"]
+ALL = ["gpu-0", *MIG, *SHARES]
+TAINT_KEY = f"{DRIVER}/unhealthy"
+
+
+def inject(node: SimulatedNode, **event: Any) -> None:
+    with node.events_file.open("a") as handle:
+        handle.write(json.dumps(event) + "\n")
+
+
+def taints(node: SimulatedNode) -> dict[str, list[dict[str, Any]]]:
+    return {d["name"]: d.get("taints", []) for d in node.devices()}
+
+
+def tainted(node: SimulatedNode) -> dict[str, str]:
+    return {name: t[0]["value"] for name, t in taints(node).items() if t}
+
+
+def stream_health(watch: HealthWatch) -> dict[str, str]:
+    """What the kubelet knows of each published device ("none" before the first message)."""
+    reported = {name: watch.device(NODE, name) for name in ALL}
+    return {name: (h.health if h else "none") for name, h in reported.items()}
+
+
+def gpu_uuid(node: SimulatedNode, minor: int) -> str:
+    gpu = node.inventory.gpu_by_minor(minor)
+    assert gpu is not None
+    return gpu.uuid
+
+
+def start(node: SimulatedNode, *extra: str) -> None:
+    node.start(*extra, env={"TESSERA_SIM_EVENTS": str(node.events_file)})
+    node.wait_for_devices(ALL, timeout=30)
+
+
+def metrics(node: SimulatedNode) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """(sample name, sorted labels without OpenTelemetry's scope labels) -> value."""
+    started = next(e for e in node.log() if e.get("msg") == "driver started")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{started['http_port']}/metrics", timeout=10).read().decode()
+    return {(sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if not k.startswith("otel_")))):
+            sample.value for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def new_node(minor_version: int = 36) -> SimulatedNode:
+    node = SimulatedNode("demo", plans=PLANS, plan="mps", minor_version=minor_version)
+    return node
+
+
+def test_critical_xid_taints_every_device_of_the_gpu_and_recovery_clears_it() -> None:
+    node = new_node()
+    try:
+        start(node)
+        watch = node.kubelet.watch_health()
+        try:
+            assert watch.api_version == "v1.DRAResourceHealth"
+            # At connect: every published device, healthy.
+            wait_until(lambda: set(stream_health(watch).values()) == {"Healthy"}, 5, "all devices healthy at connect")
+            inject(node, uuid=gpu_uuid(node, 0), xid=13)  # an application error: ignored
+            inject(node, uuid=gpu_uuid(node, 1), xid=79)  # fallen off the bus: the GPU and all its MIG devices
+            inject(node, uuid=gpu_uuid(node, 2), xid=48)  # double-bit ECC: the GPU's shares
+            expected = {**dict.fromkeys(MIG, "xid-79"), **dict.fromkeys(SHARES, "xid-48")}
+            wait_until(lambda: tainted(node) == expected, 2, f"taints {expected} (have {tainted(node)})")
+            taint = taints(node)["gpu-1-mig-1g10gb-6"][0]
+            assert taint["key"] == TAINT_KEY and taint["effect"] == "NoSchedule"
+            wait_until(lambda: stream_health(watch) == {"gpu-0": "Healthy", **dict.fromkeys(MIG + SHARES, "Unhealthy")},
+                       5, "the health stream to report the change")
+            mig = watch.device(NODE, "gpu-1-mig-3g40gb-0")
+            assert mig is not None and "XID 79" in mig.message and mig.timeout_s == 30
+            status = allocated_resources_status(watch, DRIVER, "gpu", [(NODE, "gpu-2-mps-1", ())])
+            assert status["resources"][0]["health"] == "Unhealthy" and "XID 48" in status["resources"][0]["message"]
+            assert status["resources"][0]["resourceID"] == f"{DRIVER}/{NODE}/gpu-2-mps-1"
+
+            inject(node, uuid=gpu_uuid(node, 1), recovered=True)
+            wait_until(lambda: tainted(node) == dict.fromkeys(SHARES, "xid-48"), 5, "gpu-1's taints to go")
+            wait_until(lambda: stream_health(watch)["gpu-1-mig-2g20gb-4"] == "Healthy", 5, "MIG healthy again")
+            samples = metrics(node)
+            assert samples[("tessera_gpu_xid_errors_total", (("xid", "13"),))] == 1.0
+            assert samples[("tessera_gpu_xid_errors_total", (("xid", "79"),))] == 1.0
+            health = {labels["device"]: (value, labels["reason"]) for (name, label_items), value in samples.items()
+                      if name == "tessera_device_healthy" for labels in [dict(label_items)]}
+            assert health == {"gpu-0": (1.0, ""), **dict.fromkeys(MIG, (1.0, "")),
+                              **dict.fromkeys(SHARES, (0.0, "xid-48"))}
+            gpus = {gpu_uuid(node, minor) for minor in (0, 1, 2)}
+            for reading in ("temperature_celsius", "power_watts", "memory_used_bytes"):
+                named = f"tessera_gpu_{reading}"
+                assert {dict(labels)["gpu_uuid"] for name, labels in samples if name == named} == gpus
+        finally:
+            watch.close()
+    finally:
+        node.close()
+
+
+def test_lost_gpu_refuses_new_claims_keeps_prepared_ones_and_streams_v1alpha1() -> None:
+    node = new_node()
+    try:
+        start(node, "--health-taint-effect", "NoExecute")
+        prepared = node.claim("before", [("gpu", "gpu-0")])
+        node.prepare_ok(prepared)
+        watch = node.kubelet.watch_health("v1alpha1.DRAResourceHealth")
+        try:
+            wait_until(lambda: stream_health(watch)["gpu-0"] == "Healthy", 5, "gpu-0 healthy at connect")
+            inject(node, uuid=gpu_uuid(node, 0), lost=True)
+            wait_until(lambda: tainted(node) == {"gpu-0": "gpu-lost"}, 2, "gpu-0 tainted as lost")
+            assert taints(node)["gpu-0"][0]["effect"] == "NoExecute"
+            wait_until(lambda: stream_health(watch)["gpu-0"] == "Unhealthy", 5, "stream says gpu-0 unhealthy")
+            reported = watch.device(NODE, "gpu-0")
+            assert reported is not None and "gpu-lost" in reported.message
+
+            refused = node.claim("after", [("gpu", "gpu-0")])
+            answer = node.prepare(refused)[refused.uid]
+            assert answer.error is not None and "gpu-0 (gpu-lost" in answer.error and "unhealthy" in answer.error
+            assert not node.cdi_spec(refused.uid).exists()
+            # The claim prepared before the failure stays prepared; a repeated prepare returns it.
+            assert node.checkpoint()["claims"][prepared.uid]["phase"] == "PrepareCompleted"
+            node.prepare_ok(prepared)
+            done = subprocess.run([sys.executable, "-m", "driver", "inspect", "--json", "--plugins-dir",
+                                   str(node.work / "plugins"), "--cdi-root", str(node.cdi_dir)],
+                                  capture_output=True, text=True, timeout=30)
+            report = json.loads(done.stdout)
+            assert report["device_health"]["gpu-0"]["health"] == "Unhealthy"
+            assert report["device_health"]["gpu-2-mps-0"]["health"] == "Healthy"
+            [claim] = report["claims"]
+            assert claim["devices"][0]["health"] == "Unhealthy"
+            assert done.returncode == 1 and any("device gpu-0 is unhealthy" in p for p in report["problems"])
+        finally:
+            watch.close()
+    finally:
+        node.close()
+
+
+def test_taints_are_not_sent_to_a_server_without_device_taints() -> None:
+    node = new_node(minor_version=35)
+    try:
+        start(node)
+        watch = node.kubelet.watch_health()
+        try:
+            inject(node, uuid=gpu_uuid(node, 0), xid=94)
+            wait_until(lambda: stream_health(watch)["gpu-0"] == "Unhealthy", 5, "stream says gpu-0 unhealthy")
+            # The publish that carries a health change happens before the stream hears of it, and the
+            # API double stores taints whatever its version: none there means none were sent.
+            assert tainted(node) == {}
+            assert any("device taints are NOT published" in str(e.get("msg")) for e in node.log())
+        finally:
+            watch.close()
+    finally:
+        node.close()

@@ -1,0 +1,372 @@
+"""Device health: XID table, event rule, device mapping and taints, the monitor, NVML and simulated sources."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from driver.gpu.claimplan import check_device_health
+from driver.gpu.devices import make_view
+from driver.gpu.errors import PrepareError
+from driver.gpu.health.model import EventKind, HealthEvent, apply_event
+from driver.gpu.health.monitor import HealthMonitor
+from driver.gpu.health.nvmlsource import NO_INSTANCE, NvmlHealthSource
+from driver.gpu.health.published import taint_key, taints_decision, unhealthy_devices, with_taints
+from driver.gpu.health.xids import XID_TABLE, XidImpact, classify_xid, parse_ignored_xids
+from driver.gpu.sharing import GpuShares
+from driver.simulation.discovery import SimulatedDiscovery
+from driver.simulation.healthevents import SimulatedHealthEvents, parse_line
+
+DRIVER = "gpu.tessera.dev"
+
+
+@pytest.fixture
+def inventory() -> Any:
+    return SimulatedDiscovery("demo", "node-1").discover()
+
+
+def gpu(inventory: Any, minor: int) -> Any:
+    found = inventory.gpu_by_minor(minor)
+    assert found is not None
+    return found
+
+
+# --- XIDs --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("xid", [13, 31, 43])
+def test_application_xids_leave_the_device_healthy(xid: int) -> None:
+    assert not classify_xid(xid).makes_unhealthy
+    assert XID_TABLE[xid].impact is XidImpact.APPLICATION
+
+
+@pytest.mark.parametrize("xid", [48, 63, 64, 74, 79, 92, 94, 95])
+def test_device_xids_make_it_unhealthy(xid: int) -> None:
+    verdict = classify_xid(xid)
+    assert verdict.makes_unhealthy and f"XID {xid}" in verdict.why
+
+
+def test_unknown_xids_count_as_device_errors_and_the_operator_can_ignore_any() -> None:
+    assert classify_xid(9999).makes_unhealthy
+    assert not classify_xid(79, ignored={79}).makes_unhealthy
+    assert "ignored by the operator" in classify_xid(79, ignored={79}).why
+
+
+def test_ignored_xids_parse_and_name_a_bad_entry() -> None:
+    assert parse_ignored_xids(" 74, 79,,") == {74, 79}
+    assert parse_ignored_xids("") == frozenset()
+    with pytest.raises(ValueError, match="entry 1 '7x'"):
+        parse_ignored_xids("74,7x")
+
+
+# --- the event rule -----------------------------------------------------------------------------
+
+
+def test_events_mark_unhealthy_keep_the_first_reason_and_recovery_clears_mig_children() -> None:
+    health = apply_event({}, HealthEvent("MIG-a", EventKind.XID, xid=94, parent_uuid="GPU-1"), (), now=5.0)
+    assert health["MIG-a"].reason == "xid-94" and health["MIG-a"].since == 5.0
+    health = apply_event(health, HealthEvent("MIG-a", EventKind.LOST), (), now=6.0)
+    assert health["MIG-a"].reason == "xid-94"
+    health = apply_event(health, HealthEvent("GPU-2", EventKind.DOUBLE_BIT_ECC), (), now=7.0)
+    assert apply_event(health, HealthEvent("GPU-2", EventKind.XID, xid=13), (), now=8.0) == health
+    recovered = apply_event(health, HealthEvent("GPU-1", EventKind.RECOVERED), (), now=9.0)
+    assert set(recovered) == {"GPU-2"} and recovered["GPU-2"].reason == "ecc-double-bit"
+
+
+def test_the_monitor_counts_every_xid_and_tells_listeners_only_of_changes() -> None:
+    monitor = HealthMonitor(ignored_xids={74}, clock=lambda: 1.0)
+    heard: list[set[str]] = []
+    monitor.add_listener(lambda health: heard.append(set(health)))
+    for xid in (13, 74, 79, 79):
+        monitor.handle(HealthEvent("GPU-1", EventKind.XID, xid=xid))
+    assert monitor.xid_counts() == {13: 1, 74: 1, 79: 2}
+    assert heard == [{"GPU-1"}]
+    monitor.handle(HealthEvent("GPU-1", EventKind.RECOVERED))
+    assert heard == [{"GPU-1"}, set()] and monitor.health() == {}
+
+
+# --- published devices --------------------------------------------------------------------------
+
+
+def test_health_reaches_the_whole_gpu_its_mig_devices_and_its_shares(inventory: Any) -> None:
+    shares = GpuShares(strategy="TimeSlicing", count=2, memory_bytes_per_share=1 << 30)
+    view = make_view(inventory, {gpu(inventory, 2).uuid: shares})
+    mig = gpu(inventory, 1).mig_instances[0]
+    health = apply_event({}, HealthEvent(gpu(inventory, 2).uuid, EventKind.LOST), (), now=1.0)
+    health = apply_event(health, HealthEvent(mig.uuid, EventKind.XID, xid=95, parent_uuid=gpu(inventory, 1).uuid),
+                         (), now=2.0)
+    health = apply_event(health, HealthEvent(gpu(inventory, 0).uuid, EventKind.XID, xid=79), (), now=3.0)
+    unhealthy = unhealthy_devices(view.targets, health)
+    assert {name: c.reason for name, c in unhealthy.items()} == {
+        "gpu-0": "xid-79", "gpu-1-mig-3g40gb-0": "xid-95", "gpu-2-ts-0": "gpu-lost", "gpu-2-ts-1": "gpu-lost"}
+
+    tainted = with_taints(view.devices, unhealthy, DRIVER, "NoExecute")
+    by_name = {d.name: d for d in tainted}
+    assert [t.model_dump() for t in by_name["gpu-2-ts-1"].taints] == [
+        {"key": taint_key(DRIVER), "value": "gpu-lost", "effect": "NoExecute", "time_added": None}]
+    assert by_name["gpu-1-mig-2g20gb-4"].taints == []
+    # Healthy again: the taint goes, other taints stay untouched.
+    assert all(not d.taints for d in with_taints(tainted, {}, DRIVER, "NoSchedule"))
+
+
+def test_taints_only_go_to_servers_that_support_them() -> None:
+    assert taints_decision("auto", 37)[0] and taints_decision("auto", 36)[0]
+    published, why = taints_decision("auto", 35)
+    assert not published and "DRADeviceTaints" in why and "--device-taints=always" in why
+    assert taints_decision("always", 34)[0]
+    assert not taints_decision("never", 37)[0]
+
+
+def test_prepare_refuses_a_new_claim_on_an_unhealthy_device(inventory: Any) -> None:
+    view = make_view(inventory, {})
+    plan = SimpleNamespace(targets=(view.targets["gpu-0"], view.targets["gpu-2"]))
+    check_device_health(plan, {"gpu-1-mig-1g10gb-6": "xid-79: ..."})  # type: ignore[arg-type]
+    with pytest.raises(PrepareError, match=r"device gpu-2 \(gpu-lost: fell off\) is unhealthy"):
+        check_device_health(plan, {"gpu-2": "gpu-lost: fell off"})  # type: ignore[arg-type]
+
+
+# --- NVML source (pynvml faked with the names and numbers of nvml.h) ----------------------------
+
+
+class FakeNvmlError(Exception):
+    def __init__(self, value: int):
+        super().__init__(f"NVML error {value}")
+        self.value = value
+
+
+class FakeNvml:
+    NVMLError = FakeNvmlError
+    NVML_ERROR_TIMEOUT = 10
+    NVML_ERROR_NOT_FOUND = 6
+    NVML_ERROR_GPU_IS_LOST = 15
+    NVML_TEMPERATURE_GPU = 0
+    NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230
+    nvmlEventTypeDoubleBitEccError = 0x2
+    nvmlEventTypeXidCriticalError = 0x8
+    nvmlEventTypeGpuUnavailableError = 0x4000
+    nvmlEventTypeGpuRecoveryAction = 0x8000
+
+    def __init__(self, uuids: list[str]):
+        self.uuids = uuids
+        self.events: list[Any] = []
+        self.lost: set[str] = set()
+        self.recovery_action: dict[str, int] = {}
+        self.remap: dict[str, tuple[int, int]] = {}
+        self.registered: dict[str, int] = {}
+        self.calls: list[str] = []
+        self.stop = threading.Event()
+        self.waits_left = 0
+
+    def nvmlInit(self) -> None:
+        self.calls.append("init")
+
+    def nvmlShutdown(self) -> None:
+        self.calls.append("shutdown")
+
+    def nvmlEventSetCreate(self) -> str:
+        return "set"
+
+    def nvmlEventSetFree(self, event_set: str) -> None:
+        self.calls.append("free")
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:
+        if uuid not in self.uuids:
+            raise FakeNvmlError(self.NVML_ERROR_NOT_FOUND)
+        return f"h:{uuid}"
+
+    def nvmlDeviceGetUUID(self, handle: str) -> str:
+        return handle.removeprefix("h:")
+
+    def nvmlDeviceGetSupportedEventTypes(self, handle: str) -> int:
+        return 0x8 | 0x2  # no GPU-unavailable or recovery-action events on this "driver"
+
+    def nvmlDeviceRegisterEvents(self, handle: str, types: int, event_set: str) -> None:
+        self.registered[handle.removeprefix("h:")] = types
+
+    def nvmlEventSetWait_v2(self, event_set: str, timeout_ms: int) -> Any:
+        self.waits_left -= 1
+        if self.waits_left <= 0:
+            self.stop.set()
+        if not self.events:
+            raise FakeNvmlError(self.NVML_ERROR_TIMEOUT)
+        return self.events.pop(0)
+
+    def nvmlDeviceGetTemperature(self, handle: str, sensor: int) -> int:
+        if handle.removeprefix("h:") in self.lost:
+            raise FakeNvmlError(self.NVML_ERROR_GPU_IS_LOST)
+        return 41
+
+    def nvmlDeviceGetPowerUsage(self, handle: str) -> int:
+        return 123456  # milliwatts
+
+    def nvmlDeviceGetMemoryInfo(self, handle: str) -> Any:
+        return SimpleNamespace(used=5 << 30)
+
+    def nvmlDeviceGetRemappedRows(self, handle: str) -> tuple[int, int, int, int]:
+        pending, failed = self.remap.get(handle.removeprefix("h:"), (0, 0))
+        return 0, 1, pending, failed
+
+    def nvmlDeviceGetFieldValues(self, handle: str, fields: list[int]) -> list[Any]:
+        action = self.recovery_action.get(handle.removeprefix("h:"), 0)
+        return [SimpleNamespace(nvmlReturn=0, value=SimpleNamespace(uiVal=action))]
+
+
+def event(uuid: str, kind: int, data: int = 0, gi: int = NO_INSTANCE, ci: int = NO_INSTANCE) -> Any:
+    return SimpleNamespace(device=f"h:{uuid}", eventType=kind, eventData=data, gpuInstanceId=gi, computeInstanceId=ci)
+
+
+def run_source(source: NvmlHealthSource, nvml: FakeNvml, waits: int) -> list[HealthEvent]:
+    """Run the source until it has waited for events ``waits`` times (each fake wait returns at once)."""
+    seen: list[HealthEvent] = []
+    nvml.stop = threading.Event()
+    nvml.waits_left = waits
+    source.run(seen.append, nvml.stop)
+    return seen
+
+
+def test_nvml_events_map_to_the_mig_device_of_their_gpu_instance(inventory: Any) -> None:
+    whole, migged = gpu(inventory, 0), gpu(inventory, 1)
+    mig = migged.mig_instances[1]
+    nvml = FakeNvml([g.uuid for g in inventory.gpus])
+    nvml.events = [event(migged.uuid, 0x8, 94, gi=mig.gi_id, ci=mig.ci_id), event(whole.uuid, 0x8, 13),
+                   event(whole.uuid, 0x2)]
+    source = NvmlHealthSource(nvml, lambda: inventory, poll_interval=3600)
+    seen = run_source(source, nvml, 4)
+    assert [(e.uuid, e.kind, e.xid, e.parent_uuid) for e in seen] == [
+        (mig.uuid, EventKind.XID, 94, migged.uuid), (whole.uuid, EventKind.XID, 13, None),
+        (whole.uuid, EventKind.DOUBLE_BIT_ECC, None, None)]
+    assert nvml.registered[whole.uuid] == 0x8 | 0x2  # only the supported types
+    assert nvml.calls == ["init", "free", "shutdown"]
+
+
+def test_polling_reports_a_lost_gpu_once_its_recovery_and_the_recovery_action(inventory: Any) -> None:
+    uuid = gpu(inventory, 0).uuid
+    nvml = FakeNvml([g.uuid for g in inventory.gpus])
+    source = NvmlHealthSource(nvml, lambda: inventory, poll_interval=0)
+    nvml.lost.add(uuid)
+    assert [(e.uuid, e.kind) for e in run_source(source, nvml, 2)] == [(uuid, EventKind.LOST)]
+    nvml.lost.clear()
+    nvml.recovery_action[uuid] = 1
+    seen = run_source(source, nvml, 2)
+    assert [(e.kind, e.detail) for e in seen] == [(EventKind.RECOVERED, "the GPU answers NVML again"),
+                                                  (EventKind.RECOVERY_ACTION, "GPU reset")]
+    nvml.recovery_action[uuid] = 0
+    assert [e.kind for e in run_source(source, nvml, 1)] == [EventKind.RECOVERED]
+    nvml.remap[uuid] = (1, 0)
+    assert [(e.kind, e.detail) for e in run_source(source, nvml, 1)] == [
+        (EventKind.ROW_REMAPPING, "a GPU reset is needed to apply it")]
+    assert run_source(source, nvml, 1) == []  # reported once
+    nvml.remap[uuid] = (0, 0)
+    assert [e.kind for e in run_source(source, nvml, 1)] == [EventKind.RECOVERED]
+    sample = source.sample()[uuid]
+    assert (sample.temperature_celsius, sample.power_watts, sample.memory_used_bytes) == (41.0, 123.456, 5 << 30)
+
+
+# --- simulated events ---------------------------------------------------------------------------
+
+
+def test_simulated_event_lines_are_checked() -> None:
+    assert parse_line('{"uuid": "GPU-1", "xid": 79}', "f line 1").kind() is EventKind.XID
+    assert parse_line('{"uuid": "GPU-1", "recovered": true}', "f line 1").kind() is EventKind.RECOVERED
+    with pytest.raises(ValueError, match="f line 3: not a health event"):
+        parse_line('{"uuid": "GPU-1", "xid": 79, "lost": true}', "f line 3")
+    with pytest.raises(ValueError, match="f line 4"):
+        parse_line("{not json", "f line 4")
+
+
+def test_the_simulated_source_follows_the_file_and_skips_bad_lines(tmp_path: Any, inventory: Any) -> None:
+    path = tmp_path / "events.jsonl"
+    mig = gpu(inventory, 1).mig_instances[0]
+    seen: list[HealthEvent] = []
+    stop = threading.Event()
+    source = SimulatedHealthEvents(path, lambda: inventory)
+    thread = threading.Thread(target=source.run, args=(seen.append, stop))
+    thread.start()
+    try:
+        path.write_text(f'garbage\n{{"uuid": "{mig.uuid}", "xid": 94}}\n{{"uuid": "GPU-x", "lost": tr')
+        deadline = threading.Event()
+        for _ in range(100):
+            if seen:
+                break
+            deadline.wait(0.05)
+        with path.open("a") as handle:
+            handle.write('ue}\n')
+        for _ in range(100):
+            if len(seen) == 2:
+                break
+            deadline.wait(0.05)
+    finally:
+        stop.set()
+        thread.join()
+    assert [(e.uuid, e.kind, e.parent_uuid) for e in seen] == [
+        (mig.uuid, EventKind.XID, gpu(inventory, 1).uuid), ("GPU-x", EventKind.LOST, None)]
+
+
+# --- the node's health as the driver uses it ----------------------------------------------------
+
+
+def test_node_health_feeds_board_report_taints_and_refusals(tmp_path: Any, inventory: Any) -> None:
+    from driver.gpu.health.node import NodeHealth
+    from driver.gpu.health.report import add_to_inspect
+    from driver.kubeletplugin.healthservice import Health, HealthBoard
+
+    clock = {"now": 100.0}
+    monitor = HealthMonitor(clock=lambda: clock["now"])
+    board = HealthBoard()
+    node = NodeHealth(monitor, board, driver_name=DRIVER, pool_name="node-1", taint_effect="NoSchedule",
+                      report_path=tmp_path / "health.json", clock=lambda: clock["now"])
+    view = make_view(inventory, {})
+    node.update_board(view)
+    first = board.current()
+    assert {e.health for e in first} == {Health.HEALTHY} and {e.updated_at for e in first} == {100.0}
+    clock["now"] = 130.0
+    node.update_board(view)
+    assert board.current() == first  # nothing changed: the same list, the same times
+
+    monitor.handle(HealthEvent(gpu(inventory, 0).uuid, EventKind.XID, xid=79))
+    node.update_board(view)
+    by_name = {e.device: e for e in board.current()}
+    assert by_name["gpu-0"].health is Health.UNHEALTHY and by_name["gpu-0"].updated_at == 130.0
+    assert by_name["gpu-0"].message.startswith("xid-79: XID 79") and by_name["gpu-2"].updated_at == 100.0
+    assert node.problems(view) == {"gpu-0": by_name["gpu-0"].message}
+    assert all(not d.taints for d in node.devices(view))  # taints are off until the server supports them
+    node.taints_enabled = True
+    assert [d.name for d in node.devices(view) if d.taints] == ["gpu-0"]
+
+    report: dict[str, Any] = {"claims": [{"claim": "ns/c", "devices": [{"device": "gpu-0"}]}], "problems": []}
+    add_to_inspect(report, tmp_path / "health.json")
+    assert report["device_health"]["gpu-0"]["health"] == "Unhealthy"
+    assert report["claims"][0]["devices"][0]["health"] == "Unhealthy"
+    assert "claim ns/c: device gpu-0 is unhealthy" in report["problems"][0]
+
+
+def test_a_failed_source_makes_every_device_unknown_not_healthy(inventory: Any) -> None:
+    from driver.gpu.health.node import NodeHealth
+    from driver.kubeletplugin.healthservice import Health, HealthBoard
+
+    class Broken:
+        def describe(self) -> str:
+            return "broken source"
+
+        def run(self, emit: Any, stop: threading.Event) -> None:
+            raise RuntimeError("NVML went away")
+
+    monitor = HealthMonitor()
+    node = NodeHealth(monitor, HealthBoard(), driver_name=DRIVER, pool_name="node-1", taint_effect="NoSchedule")
+    view = make_view(inventory, {})
+    heard = threading.Event()
+
+    def listener(_health: Any) -> None:
+        node.update_board(view)
+        heard.set()
+
+    monitor.add_listener(listener)
+    monitor.start(Broken())
+    assert heard.wait(10)
+    monitor.stop()
+    entries = node.board.current()
+    assert {e.health for e in entries} == {Health.UNKNOWN}
+    assert "broken source failed: NVML went away" in entries[0].message
