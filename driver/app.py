@@ -36,7 +36,7 @@ from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.multiuser import MultiUserProbe, probe_gpu, single_user_gpus
 from driver.gpu.runtime.computemode import ComputeModes
 from driver.gpu.runtime.timeslice import TimeSlicer
-from driver.gpu.sharing import SharingLayout
+from driver.gpu.sharelayout import SharingLayout
 from driver.gpu.sharingplan import PlanError, load_plans, resolve_layout, select_plan
 from driver.gpu.state import DeviceState, StatePaths
 from driver.gpu.targets import NodeView

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cdi.atomicfile import write_atomic
 from driver.gpu.mps.model import MpsDaemonRecord
 from driver.gpu.runtime.computemode import ComputeMode
-from driver.gpu.sharing import GpuShares, TimeSliceInterval
+from driver.gpu.sharelayout import GpuShares, TimeSliceInterval
 from driver.kubeletplugin.types import PreparedDevice
 
 log = logging.getLogger(__name__)

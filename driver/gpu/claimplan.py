@@ -21,7 +21,7 @@ from driver.gpu.consumable import ConsumedShare, consumed_share
 from driver.gpu.errors import PrepareError
 from driver.gpu.mps.model import MpsDaemonSpec, multi_user_capable
 from driver.gpu.runtime.computemode import exclusive_gpus
-from driver.gpu.sharing import TimeSliceInterval
+from driver.gpu.sharelayout import TimeSliceInterval
 from driver.gpu.targets import DeviceTarget, NodeView
 from driver.kubeletplugin.claimmodel import DeviceRequestAllocationResult, ResourceClaim
 

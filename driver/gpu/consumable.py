@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from driver.gpu.claimconfig.quantity import parse_quantity
 from driver.gpu.discovery.inventory import GpuInfo
 from driver.gpu.errors import PrepareError
-from driver.gpu.sharing import ConsumablePolicy, Enforcement
+from driver.gpu.sharelayout import ConsumablePolicy, Enforcement
 from driver.units import GIB
 
 # Whole GiB: MPS takes pinned limits in whole MiB and shows them rounded down to whole G from 1 GiB on

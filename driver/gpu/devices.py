@@ -20,7 +20,7 @@ from driver.gpu.devicenames import (
 )
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.mps.model import multi_user_capable
-from driver.gpu.sharing import ConsumablePolicy, GpuShares, SharingLayout
+from driver.gpu.sharelayout import ConsumablePolicy, GpuShares, SharingLayout
 from driver.gpu.targets import DeviceTarget, NodeView
 from driver.kubeletplugin.slicelimits import MAX_ATTRIBUTES_AND_CAPACITIES, MAX_STRING_ATTRIBUTE_BYTES
 from driver.kubeletplugin.slicemodel import (

@@ -17,7 +17,7 @@ import cdi
 from driver.gpu.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord, TimeSliceRecord
 from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.claimplan import is_plan_daemon
-from driver.gpu.sharing import GpuShares
+from driver.gpu.sharelayout import GpuShares
 from driver.kubeletplugin.types import PreparedDevice
 
 log = logging.getLogger(__name__)

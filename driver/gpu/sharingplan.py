@@ -4,7 +4,7 @@ Operators write named plans in one YAML file (Helm renders it into a ConfigMap m
 ``/etc/tessera/sharing-plans.yaml``); a node label (default ``gpu.tessera.dev/sharing-plan``)
 names the plan a node uses. This module parses the file strictly (:func:`load_plans`), picks the
 node's plan (:func:`select_plan`) and resolves it against the node's GPUs into a
-:class:`~driver.gpu.sharing.SharingLayout` (:func:`resolve_layout`). A bad plan stops the driver
+:class:`~driver.gpu.sharelayout.SharingLayout` (:func:`resolve_layout`). A bad plan stops the driver
 at start, so every error names the file, the entry and the GPU.
 """
 
@@ -23,7 +23,7 @@ from cdi.yamlload import load_yaml
 from driver.gpu.claimconfig.api import ByteQuantity, describe_validation_error
 from driver.gpu.consumable import KernelMemoryLimits, build_policy, kernel_memory_limits
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
-from driver.gpu.sharing import GpuShares, SharingLayout, TimeSliceInterval
+from driver.gpu.sharelayout import GpuShares, SharingLayout, TimeSliceInterval
 from driver.units import MIB
 
 DEFAULT_PLANS_PATH = Path("/etc/tessera/sharing-plans.yaml")

@@ -53,7 +53,7 @@ from driver.gpu.runtime.interfaces import ComputeModeControl, MpsDaemons, TimeSl
 from driver.gpu.runtime.sharing import SharingRuntime
 from driver.gpu.runtime.timeslice import TimeSliceError
 from driver.gpu.sharecheck import check_shares_fit
-from driver.gpu.sharing import SharingLayout
+from driver.gpu.sharelayout import SharingLayout
 from driver.gpu.targets import NodeView, merge_layout
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.nodelock import LockTimeout, NodeLock

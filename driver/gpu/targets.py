@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
-from driver.gpu.sharing import GpuShares, SharingLayout
+from driver.gpu.sharelayout import GpuShares, SharingLayout
 from driver.kubeletplugin.slicemodel import Device
 
 

@@ -21,7 +21,7 @@ from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsError
 from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
 from driver.gpu.runtime.timeslice import TimeSliceError
-from driver.gpu.sharing import GpuShares, TimeSliceInterval
+from driver.gpu.sharelayout import GpuShares, TimeSliceInterval
 from driver.gpu.state import DeviceState, StatePaths
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import ClaimRef, Deadline

@@ -9,7 +9,7 @@ import pytest
 from driver.gpu.claimplan import is_plan_daemon, plan_claim
 from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
-from driver.gpu.sharing import GpuShares
+from driver.gpu.sharelayout import GpuShares
 from driver.gpu.targets import NodeView
 from driver.simulation.discovery import SimulatedDiscovery
 from tests.support.statenode import DRIVER, POOL, claim, gpu_config

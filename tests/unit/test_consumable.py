@@ -18,7 +18,7 @@ from driver.gpu.consumable import (
 from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.errors import PrepareError
-from driver.gpu.sharing import Enforcement, GpuShares
+from driver.gpu.sharelayout import Enforcement, GpuShares
 from driver.gpu.sharingplan import PlanError, SharingPlan, SharingPlans, resolve_layout
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.simulation.allocator import AllocationError, allocate

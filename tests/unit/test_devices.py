@@ -14,7 +14,7 @@ from driver.gpu.devices import (
     semver_from_nvidia,
 )
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
-from driver.gpu.sharing import GpuShares, SharingLayout
+from driver.gpu.sharelayout import GpuShares, SharingLayout
 from driver.kubeletplugin.slicelimits import limits_for
 from driver.kubeletplugin.slicemodel import Device
 from driver.kubeletplugin.slicevalidation import validate_devices

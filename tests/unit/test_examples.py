@@ -319,7 +319,7 @@ def test_device_classes_of_another_driver_name_select_only_that_drivers_devices(
 def published_devices() -> dict[str, Obj]:
     """What the driver itself publishes for a simulated node, converted to the CEL `device` shape."""
     from driver.gpu.devices import make_view
-    from driver.gpu.sharing import GpuShares
+    from driver.gpu.sharelayout import GpuShares
     from driver.gpu.sharingplan import SharingPlans, resolve_layout
     from driver.simulation.discovery import SimulatedNode, build_inventory
 

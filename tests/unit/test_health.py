@@ -16,7 +16,7 @@ from driver.gpu.health.monitor import HealthMonitor
 from driver.gpu.health.nvmlsource import NO_INSTANCE, NvmlHealthSource
 from driver.gpu.health.published import taint_key, taints_decision, unhealthy_devices, with_taints
 from driver.gpu.health.xids import XID_TABLE, XidImpact, classify_xid, parse_ignored_xids
-from driver.gpu.sharing import GpuShares
+from driver.gpu.sharelayout import GpuShares
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.healthevents import SimulatedHealthEvents, parse_line
 

@@ -6,7 +6,7 @@ import threading
 
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
 from driver.gpu.mps.multiuser import MultiUserProbe, plan_mps_gpus, probe_gpu, single_user_gpus
-from driver.gpu.sharing import GpuShares
+from driver.gpu.sharelayout import GpuShares
 from driver.units import GIB
 
 

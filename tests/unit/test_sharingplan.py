@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
-from driver.gpu.sharing import GpuShares
+from driver.gpu.sharelayout import GpuShares
 from driver.gpu.sharingplan import (
     PlanError,
     SharingPlan,

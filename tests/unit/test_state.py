@@ -22,7 +22,7 @@ from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsError
 from driver.gpu.runtime.timeslice import TimeSliceError
-from driver.gpu.sharing import TimeSliceInterval
+from driver.gpu.sharelayout import TimeSliceInterval
 from driver.gpu.state import DeviceState
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.units import GIB

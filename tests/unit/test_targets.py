@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
-from driver.gpu.sharing import GpuShares, SharingLayout
+from driver.gpu.sharelayout import GpuShares, SharingLayout
 from driver.gpu.targets import DeviceTarget, merge_layout
 from driver.units import GIB
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from driver.gpu.runtime.timeslice import TimeSliceError, TimeSlicer
-from driver.gpu.sharing import TIMESLICE_VALUES, TimeSliceInterval
+from driver.gpu.sharelayout import TIMESLICE_VALUES, TimeSliceInterval
 from tests.support.processes import install_standin
 
 GPU_A = "GPU-11111111-2222-3333-4444-555555555555"

@@ -30,7 +30,7 @@ from driver.gpu.claimcdi.hostfs import (
 from driver.gpu.claimcdi.toolkit import ToolkitEdits
 from driver.gpu.errors import PrepareError
 from driver.gpu.mps.model import MpsDaemonRecord, client_edits
-from driver.gpu.sharing import GpuShares
+from driver.gpu.sharelayout import GpuShares
 
 CDI_CLASS = "claim"
 MPS_CONTAINER_PIPE_DIR = "/tmp/nvidia-mps"

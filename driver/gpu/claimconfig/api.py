@@ -21,7 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import ErrorDetails
 
 from driver.gpu.claimconfig.quantity import parse_quantity
-from driver.gpu.sharing import TimeSliceInterval
+from driver.gpu.sharelayout import TimeSliceInterval
 from driver.units import MIB
 
 API_VERSION: Final = "gpu.tessera.dev/v1alpha1"

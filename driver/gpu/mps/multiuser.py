@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.mps.model import multi_user_capable
-from driver.gpu.sharing import SharingLayout
+from driver.gpu.sharelayout import SharingLayout
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
 from driver.gpu.runtime.computemode import ComputeMode
-from driver.gpu.sharing import TimeSliceInterval
+from driver.gpu.sharelayout import TimeSliceInterval
 from driver.kubeletplugin.types import Deadline
 
 

@@ -26,7 +26,7 @@ from driver.gpu.claimplan import ClaimPlan
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
 from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
 from driver.gpu.runtime.interfaces import ComputeModeControl, MpsDaemons, TimeSlices
-from driver.gpu.sharing import TimeSliceInterval
+from driver.gpu.sharelayout import TimeSliceInterval
 from driver.kubeletplugin.types import Deadline
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
-from driver.gpu.sharing import TIMESLICE_VALUES, TimeSliceInterval
+from driver.gpu.sharelayout import TIMESLICE_VALUES, TimeSliceInterval
 from driver.kubeletplugin.types import Deadline
 
 log = logging.getLogger(__name__)
