@@ -80,6 +80,9 @@ class ClaimRecord(_Record):
     exclusive_gpus: list[str] = Field(default_factory=list)
     cdi_spec_file: str
     updated_at: str = ""
+    # The pods the claim was reserved for at prepare (status.reservedFor): their processes' GPU
+    # usage is this claim's. Empty in checkpoints written before it was recorded.
+    pod_uids: list[str] = Field(default_factory=list)
 
     @property
     def gpu_uuids(self) -> set[str]:

@@ -173,6 +173,10 @@ class DeviceState:
     def prepare(self, claim: ResourceClaim, deadline: Deadline | None = None) -> list[PreparedDevice]:
         deadline = deadline or Deadline.after(DEFAULT_PREPARE_DEADLINE)
         uid = claim.metadata.uid
+        # Refused before anything starts: a node that cannot give containers libcuda would otherwise
+        # start a daemon and change a compute mode only to roll them back at the CDI step.
+        if self.toolkit.readiness_problem is not None and claim.results_for(self.driver_name):
+            raise PrepareError(self.toolkit.readiness_problem)
         try:
             for _ in range(_RESERVE_ATTEMPTS):
                 plan, view, gpus = self._plan(claim)

@@ -58,8 +58,16 @@ class AllocationResult(_ServerObject):
     devices: DeviceAllocationResult | None = None
 
 
+class ResourceClaimConsumerReference(_ServerObject):
+    resource: str
+    name: str
+    uid: str
+    api_group: str = Field(default="", alias="apiGroup")
+
+
 class ResourceClaimStatus(_ServerObject):
     allocation: AllocationResult | None = None
+    reserved_for: list[ResourceClaimConsumerReference] = Field(default_factory=list, alias="reservedFor")
 
 
 class ResourceClaim(_ServerObject):
@@ -70,6 +78,11 @@ class ResourceClaim(_ServerObject):
     def allocation(self) -> DeviceAllocationResult | None:
         alloc = self.status.allocation
         return alloc.devices if alloc is not None else None
+
+    @property
+    def pod_uids(self) -> list[str]:
+        """The pods the claim is reserved for (core group ``pods``): whose processes use its devices."""
+        return [r.uid for r in self.status.reserved_for if r.resource == "pods" and r.api_group == ""]
 
     def results_for(self, driver_name: str) -> list[DeviceRequestAllocationResult]:
         alloc = self.allocation

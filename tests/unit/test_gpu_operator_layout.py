@@ -297,3 +297,4 @@ def test_a_prepare_through_device_state_follows_the_driver_libraries_rule(node: 
     cp = node.store.load()
     assert cp.claims == {} and cp.mps_daemons == {} and cp.compute_modes == {} and node.cdi_files() == []
     assert node.mps.daemon_ids_on_disk() == [] and node.modes.modes.get(gpu, ComputeMode.DEFAULT) == ComputeMode.DEFAULT
+    assert node.mps.started() == [], "refused before any daemon was started, not rolled back afterwards"
