@@ -1,4 +1,4 @@
-"""build_claim_spec: spec-level edits from the toolkit plus control nodes, device entries, annotations, version."""
+"""build_claim_spec_file: spec-level edits from the toolkit plus control nodes, device entries, annotations, version."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import cdi
 from driver.gpu.claimcdi.assemble import (
     ClaimIdentity,
     DeviceEdits,
-    build_claim_spec,
     build_claim_spec_file,
     cdi_device_name,
 )
@@ -47,7 +46,7 @@ def _build(**overrides: Any) -> cdi.Spec:
                             "control_nodes": [{"path": p} for p in CONTROL],
                             "annotation_prefix": "gpu.tessera.dev"}
     args.update(overrides)
-    return build_claim_spec(**args)
+    return build_claim_spec_file(**args).spec
 
 
 def _spec_edits(spec: cdi.Spec) -> dict[str, Any]:

@@ -37,6 +37,7 @@ class DeviceEdits:
     env: list[str] = field(default_factory=list)
     mounts: list[dict[str, Any]] = field(default_factory=list)
     annotations: dict[str, str] = field(default_factory=dict)
+    hooks: list[dict[str, Any]] = field(default_factory=list)
 
 
 def cdi_device_name(claim_uid: str, device_name: str) -> str:
@@ -49,22 +50,6 @@ class ClaimSpecFile:
 
     spec: cdi.Spec
     text: str
-
-
-def build_claim_spec(
-    *,
-    kind: str,
-    claim: ClaimIdentity,
-    devices: list[DeviceEdits],
-    common_edits: dict[str, Any] | None,
-    control_nodes: list[dict[str, Any]],
-    annotation_prefix: str,
-    annotations: dict[str, str] | None = None,
-) -> cdi.Spec:
-    """The claim's spec with ``cdiVersion`` set to the minimum its content needs (see :func:`build_claim_spec_file`)."""
-    return build_claim_spec_file(kind=kind, claim=claim, devices=devices, common_edits=common_edits,
-                                 control_nodes=control_nodes, annotation_prefix=annotation_prefix,
-                                 annotations=annotations).spec
 
 
 def build_claim_spec_file(
@@ -123,6 +108,8 @@ def _device_wire(claim_uid: str, device: DeviceEdits) -> dict[str, Any]:
         edits["deviceNodes"] = list(device.device_nodes)
     if device.mounts:
         edits["mounts"] = list(device.mounts)
+    if device.hooks:
+        edits["hooks"] = list(device.hooks)
     wire: dict[str, Any] = {"name": cdi_device_name(claim_uid, device.device_name), "containerEdits": edits}
     if device.annotations:
         wire["annotations"] = dict(sorted(device.annotations.items()))
