@@ -20,8 +20,9 @@ import kubernetes.client
 
 from driver import nodelayout
 from driver.config import Settings
+from driver.gpu import kernelmemory
 from driver.gpu.claimcdi.toolkit import toolkit_spec_changed
-from driver.gpu.consumable import consumable_supported
+from driver.gpu.consumable import KernelMemoryLimits, consumable_supported
 from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import Discovery, NodeInventory
 from driver.gpu.driver import GpuDriver
@@ -29,6 +30,8 @@ from driver.gpu.health.monitor import HealthMonitor
 from driver.gpu.health.node import NodeHealth
 from driver.gpu.health.published import taints_decision
 from driver.gpu.health.report import HEALTH_FILE
+from driver.gpu.health.usagereport import USAGE_FILE
+from driver.gpu.health.usagewatch import ClaimUsageWatch
 from driver.gpu.health.xids import parse_ignored_xids
 from driver.gpu.mps.hostclient import MpsHostLauncher
 from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
@@ -40,7 +43,7 @@ from driver.gpu.sharelayout import SharingLayout
 from driver.gpu.sharingplan import PlanError, load_plans, resolve_layout, select_plan
 from driver.gpu.state import DeviceState, StatePaths
 from driver.gpu.targets import NodeView
-from driver.healthsource import open_health_source
+from driver.healthsource import open_health_source, open_process_source
 from driver.kubeletplugin.healthservice import HealthBoard
 from driver.kubeletplugin.helper import Helper, HttpEndpoint, TelemetryNames
 from driver.kubeletplugin.helper import start as start_plugin
@@ -66,6 +69,7 @@ class PlanSource:
     settings: Settings
     api: kubernetes.client.ApiClient
     minor_version: int | None = None  # the API server's, read once when a plan first needs it
+    kernel: KernelMemoryLimits | None = None  # kernel memory limits, detected at start and every rescan
 
     def desired_layout(self, inventory: NodeInventory) -> SharingLayout:
         path = self.settings.sharing_plans
@@ -80,7 +84,20 @@ class PlanSource:
         if self.minor_version is None and any(entry.consumable is not None for entry in plan.gpus):
             self.minor_version = server_minor_version(self.api)
         supported = consumable_supported(self.minor_version or 0, plans.consumableCapacityGate)
-        return resolve_layout(plan, inventory, name, consumable_supported=supported)
+        return resolve_layout(plan, inventory, name, consumable_supported=supported,
+                              kernel=self.detect_kernel_memory(inventory))
+
+    def detect_kernel_memory(self, inventory: NodeInventory) -> KernelMemoryLimits:
+        """Re-read at every call (a driver upgrade or a new toolkit can add it); logged when it changes."""
+        s = self.settings
+        candidates = (s.nvidia_cdi_spec,) if s.nvidia_cdi_spec else nodelayout.toolkit_candidates(s)
+        spec = next((p for p in candidates if p.is_file()), None)
+        kernel = kernelmemory.detect(s.host_root, inventory.driver_version, spec)
+        if kernel != self.kernel:
+            log.info("kernel-enforced GPU memory limits for consumable shares: %s",
+                     "available" if kernel.available else "not available", extra={"reason": kernel.reason})
+        self.kernel = kernel
+        return kernel
 
 
 def state_paths(settings: Settings) -> StatePaths:
@@ -146,6 +163,9 @@ class DriverApp:
                                  report_path=settings.state_dir / HEALTH_FILE)
         self.health_source = open_health_source(settings, lambda: self.state.view.inventory, os.environ)
         self.state.device_problems = lambda: self.health.problems(self.state.view)
+        self.usage = ClaimUsageWatch(open_process_source(settings, lambda: self.state.view.inventory, os.environ),
+                                     self.state.ledger.read, lambda: self.state.view,
+                                     report_path=settings.state_dir / USAGE_FILE)
         self._publish_lock = threading.Lock()
 
     def _registration_failed(self, error: str) -> None:
@@ -240,6 +260,8 @@ class DriverApp:
         self.health.monitor.add_listener(lambda _health: self._publish_on_health_change())
         self.publish(self.state.view)
         self.health.monitor.start(self.health_source)
+        self.usage.register_metrics(self.helper.telemetry)
+        self.usage.start()
 
     def run(self) -> int:
         settings = self.settings
@@ -278,6 +300,7 @@ class DriverApp:
         # Slices stay published: during a rolling update the other pod keeps serving them, and
         # after a real removal the kubelet wipes them 30 s after the sockets are gone.
         self.health.monitor.stop()
+        self.usage.stop()
         if self._helper is not None:
             self._helper.stop()
         # A probe still running has a throwaway daemon to stop; it is bounded by the manager's timeouts.

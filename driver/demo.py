@@ -39,12 +39,14 @@ from driver.demoargs import (
     parse_options,
     share_mode,
 )
+from driver.demohealth import show_failure_and_recovery
 from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.kubeletplugin.types import ClaimRef
 from driver.simulation.allocator import AllocationError, allocate, claim_from_template
 from driver.simulation.apiserver import FakeApiServer
 from driver.simulation.discovery import SimulatedDiscovery, available_layouts
+from driver.simulation.healthevents import EVENTS_ENV
 from driver.simulation.hostroot import SimulatedHost, build_host_root
 from driver.simulation.kubelet import KubeletEmulator
 from driver.simulation.leftovers import processes_with_env, stop_processes
@@ -105,14 +107,15 @@ def _node_args(work: Path, layout: str, host: SimulatedHost, cdi_dir: Path, plan
 
 
 @contextmanager
-def _driver_process(work: Path, kubeconfig: Path, node_args: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+def _driver_process(work: Path, kubeconfig: Path, node_args: list[str],
+                    extra_env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
     args = [sys.executable, "-m", "driver", "run", *node_args,
             "--kubeconfig", str(kubeconfig), "--registrar-dir", str(work / "plugins_registry"),
             "--http-port", "0", "--log-format", "text"]
     (work / "tmp").mkdir(exist_ok=True)
     token = uuid.uuid4().hex
     env = dict(os.environ, TMPDIR=str(work / "tmp"), TESSERA_SIM_NVIDIA_SMI_LOG=str(work / "nvidia-smi-calls.jsonl"),
-               **{RUN_TOKEN_ENV: token})
+               **{RUN_TOKEN_ENV: token}, **extra_env)
     with open(work / "driver.log", "wb") as log:
         # A session of its own: a terminal's Ctrl-C reaches only the demo, which then stops the driver
         # with SIGTERM (its clean shutdown) and in order, instead of both dying at once.
@@ -222,6 +225,8 @@ def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, w
                 _say(f"      env {env}")
             for mount in edits.get("mounts", []):
                 _say(f"      mount {mount['hostPath']} -> {mount['containerPath']}")
+            for hook in edits.get("hooks", []):
+                _say(f"      {hook['hookName']} hook {' '.join(hook['args'])}")
         common = spec_json.get("containerEdits", {})
         _say(f"    common to the claim: {len(common.get('mounts', []))} driver library/binary mounts, "
              f"{len(common.get('hooks', []))} hooks, control nodes "
@@ -258,7 +263,9 @@ def run_demo(options: DemoOptions, mode: ShareMode = "mps") -> int:
         kubeconfig = api.kube_config(work / "kubeconfig")
         layout_name = Path(options.layout).name if "/" in options.layout else options.layout
         node_args = _node_args(work, options.layout, host, cdi_dir, plans)
-        with _driver_process(work, kubeconfig, node_args) as proc:
+        events = work / "health-events.jsonl"  # SIMULATION: GPU health events (--health)
+        extra_env = {EVENTS_ENV: str(events)} if options.health else {}
+        with _driver_process(work, kubeconfig, node_args, extra_env) as proc:
             _heading(f"1. The driver registers with the kubelet (simulated node '{layout_name}': "
                      f"{discovery.description or f'{len(inventory.gpus)} GPUs'})")
             registered = kubelet.wait_for_plugin(DEFAULT_DRIVER_NAME, timeout=30)
@@ -281,6 +288,11 @@ def run_demo(options: DemoOptions, mode: ShareMode = "mps") -> int:
 
             _heading("4. `python -m driver inspect` on the node")
             _say(_run_inspect(node_args))
+
+            if options.health:
+                _heading("4b. A GPU fails and recovers (--health)")
+                show_failure_and_recovery(api=api, kubelet=kubelet, driver=DEFAULT_DRIVER_NAME, node=NODE,
+                                          inventory=inventory, events=events, log=work / "driver.log", say=_say)
 
             if options.keep_prepared:
                 _heading("5. The claims stay prepared (--keep-prepared)")

@@ -36,6 +36,7 @@ class DemoOptions:
     workdir: Path | None
     keep_prepared: bool
     examples: tuple[Path, ...]
+    health: bool = False
 
 
 def build_parser(layouts: Sequence[str]) -> argparse.ArgumentParser:
@@ -56,6 +57,9 @@ def build_parser(layouts: Sequence[str]) -> argparse.ArgumentParser:
                         help="a YAML file with ResourceClaims or ResourceClaimTemplates to prepare; repeatable. A "
                              "bare name is looked up in examples/resourceclaims/ "
                              f"(default: {', '.join(DEFAULT_EXAMPLES)})")
+    parser.add_argument("--health", action="store_true",
+                        help="also fail a GPU and recover it while the claims are prepared: the taints appearing and "
+                             "going, the kubelet's health stream and the health metrics")
     return parser
 
 
@@ -72,7 +76,8 @@ def parse_options(argv: Sequence[str], layouts: Sequence[str]) -> DemoOptions:
         raise DemoArgsError("--keep-prepared needs --workdir DIR: the prepared claims' files are left there")
     examples = tuple(resolve_example(text) for text in args.example or default_examples())
     workdir = Path(args.workdir).resolve() if args.workdir is not None else None
-    return DemoOptions(layout=layout, workdir=workdir, keep_prepared=args.keep_prepared, examples=examples)
+    return DemoOptions(layout=layout, workdir=workdir, keep_prepared=args.keep_prepared, examples=examples,
+                       health=args.health)
 
 
 def default_examples() -> tuple[str, ...]:

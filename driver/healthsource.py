@@ -1,4 +1,4 @@
-"""Choose the device health source: NVML on real nodes, the simulation's event file with ``--simulate``."""
+"""Choose the device health and process sources: NVML on real nodes, the simulation's files with ``--simulate``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 from driver.config import Settings
 from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.health.processes import ProcessSource
 from driver.gpu.health.sampling import SampledHealthSource
 
 
@@ -23,3 +24,18 @@ def open_health_source(settings: Settings, inventory: Callable[[], NodeInventory
     from driver.gpu.health.nvmlsource import NvmlHealthSource
 
     return NvmlHealthSource(pynvml, inventory)
+
+
+def open_process_source(settings: Settings, inventory: Callable[[], NodeInventory],
+                        environ: Mapping[str, str]) -> ProcessSource:
+    """Where each GPU process and its pod come from, for per-claim usage."""
+    if settings.simulate:
+        from driver.simulation.processes import PROCESSES_ENV, SimulatedProcesses
+
+        path = environ.get(PROCESSES_ENV)
+        return SimulatedProcesses(Path(path) if path else None)
+    import pynvml
+
+    from driver.gpu.health.processes import NvmlProcesses
+
+    return NvmlProcesses(pynvml, inventory, settings.host_root)

@@ -11,13 +11,16 @@ from typing import Any
 import cdi
 from driver import nodelayout
 from driver.config import Settings
-from driver.gpu.checkpoint import Checkpoint, CheckpointStore
+from driver.gpu.checkpoint import Checkpoint, CheckpointStore, PreparedDeviceRecord
 from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.health.report import HEALTH_FILE, render_health
 from driver.gpu.health.report import add_to_inspect as add_health_to_inspect
+from driver.gpu.health.usagereport import USAGE_FILE, render_usage
+from driver.gpu.health.usagereport import add_to_inspect as add_usage_to_inspect
 from driver.gpu.mps.hostclient import MpsHostLauncher
 from driver.gpu.mps.proc import is_same_process
 from driver.gpu.runtime.computemode import ComputeMode
+from driver.units import GIB
 
 
 def collect(settings: Settings) -> dict[str, Any]:
@@ -43,7 +46,8 @@ def collect(settings: Settings) -> dict[str, Any]:
             "updated": record.updated_at,
             "devices": [{"device": d.device.device_name, "kind": d.kind, "gpu": d.gpu_uuid, "mig": d.mig_uuid,
                          "requests": d.device.request_names, "cdi_ids": d.device.cdi_device_ids,
-                         "share_id": d.device.share_id, "mps_daemon": d.mps_daemon_id} for d in record.devices],
+                         "share_id": d.device.share_id, "mps_daemon": d.mps_daemon_id,
+                         "consumed": _consumed(d)} for d in record.devices],
             "cdi_spec": str(spec_path), "cdi_spec_present": spec_path.exists(),
             "timeslice": record.timeslice.model_dump() if record.timeslice else None,
             "exclusive_gpus": list(record.exclusive_gpus),
@@ -72,6 +76,15 @@ def collect(settings: Settings) -> dict[str, Any]:
     if cp.plan_timeslices:
         report["plan_timeslices"] = dict(cp.plan_timeslices)
     return report
+
+
+def _consumed(dev: PreparedDeviceRecord) -> dict[str, Any] | None:
+    """What a consumable share took of its GPU, as the checkpoint recorded it at prepare."""
+    if dev.consumed_memory_bytes is None or dev.consumed_multiprocessors is None:
+        return None
+    memory = dev.consumed_memory_bytes
+    shown = f"{memory // GIB}Gi" if memory % GIB == 0 else f"{memory} bytes"
+    return {"memory": shown, "memory_bytes": memory, "multiprocessors": dev.consumed_multiprocessors}
 
 
 def mps_daemons_run_by(settings: Settings) -> str:
@@ -117,6 +130,8 @@ def render_text(report: dict[str, Any]) -> str:
             extra = f" mig={dev['mig']}" if dev["mig"] else ""
             extra += f" mps-daemon={dev['mps_daemon']}" if dev["mps_daemon"] else ""
             extra += f" share-id={dev['share_id']}" if dev["share_id"] else ""
+            consumed = dev.get("consumed")
+            extra += f" consumed={consumed['memory']},{consumed['multiprocessors']} SMs" if consumed else ""
             lines.append(f"    {dev['device']:<28} {dev['kind']:<9} requests={','.join(dev['requests']) or '*'} "
                          f"gpu={dev['gpu']}{extra}")
             for cdi_id in dev["cdi_ids"]:
@@ -142,6 +157,7 @@ def render_text(report: dict[str, Any]) -> str:
                f"SM count not published: {gpu['multiprocessors_missing'] or 'unknown'}")
         lines.append(f"GPU {gpu['minor']} {gpu['uuid']} {gpu['product']}: {sms}")
     lines.extend(render_health(report))
+    lines.extend(render_usage(report))
     for orphan in report["orphan_cdi_specs"]:
         lines.append(f"orphan CDI spec (no checkpoint entry; removed at next driver start): {orphan}")
     for note in report.get("notes", []):
@@ -185,4 +201,5 @@ def build_report(settings: Settings) -> dict[str, Any]:
     if problem is not None:
         report["problems"].append(problem)
     add_health_to_inspect(report, settings.state_dir / HEALTH_FILE)
+    add_usage_to_inspect(report, settings.state_dir / USAGE_FILE)
     return report

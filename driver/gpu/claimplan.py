@@ -84,6 +84,8 @@ class ClaimPlan:
     timeslice: PlannedTimeSlice | None
     # Device name -> what the claim consumed of it, for each consumable device it holds.
     consumed: tuple[tuple[str, ConsumedShare], ...] = ()
+    # The pods the claim is reserved for: whose GPU processes are metered as this claim's.
+    pod_uids: tuple[str, ...] = ()
 
     @property
     def gpu_uuids(self) -> list[str]:
@@ -123,7 +125,7 @@ def plan_claim(claim: ResourceClaim, *, driver_name: str, pool_name: str, view: 
     _check_one_mps_daemon(daemons)
     return ClaimPlan(uid=uid, namespace=claim.metadata.namespace, name=claim.metadata.name, results=tuple(results),
                      targets=tuple(targets), daemons=tuple(daemons), timeslice=_timeslice(targets, groups),
-                     consumed=tuple(consumed.items()))
+                     consumed=tuple(consumed.items()), pod_uids=tuple(claim.pod_uids))
 
 
 def _consumed(results: Sequence[DeviceRequestAllocationResult], targets: Sequence[DeviceTarget],

@@ -41,24 +41,16 @@ def consumable_supported(minor_version: int, gate_enabled: bool) -> bool:
 
 @dataclass(frozen=True)
 class KernelMemoryLimits:
-    """Whether this node can hard-limit a container's device memory in the kernel."""
+    """Whether this node can hard-limit a container's device memory in the kernel
+    (detected by :mod:`driver.gpu.kernelmemory`); ``hook_path``: the toolkit's ``nvidia-cdi-hook``."""
 
     available: bool
     reason: str
+    hook_path: str | None = None
 
 
-def kernel_memory_limits() -> KernelMemoryLimits:
-    """Not detected: the driver never claims ``kernel`` enforcement yet.
-
-    Real detection (future work, needs an R615+ node to check against) would require all of: MPS v3
-    (driver R615 / CUDA 13.4), cgroup v2 with the ``dmem`` controller (kernel 6.14+) listed in
-    ``/sys/fs/cgroup/cgroup.controllers``, NVML ``nvmlDeviceSetMemoryLimits_v1`` present in the
-    driver's libnvidia-ml, and the NVIDIA Container Toolkit's ``apply-cuda-memory-limits`` CDI hook
-    (nvidia-gpu reference 6.3). Until each is checked on such a node, publishing ``kernel`` would be
-    a claim nothing backs.
-    """
-    return KernelMemoryLimits(False, "MPS v3 memory partitioning detection is not implemented; "
-                                     "memory is enforced by MPS per process")
+# What a caller that detected nothing gets: never a claim of ``kernel`` that nothing backs.
+UNDETECTED = KernelMemoryLimits(False, "kernel memory limits were not detected on this node")
 
 
 # --- policy --------------------------------------------------------------------------------------
@@ -107,7 +99,8 @@ def build_policy(gpu: GpuInfo, *, memory_min: int | None, memory_default: int | 
         memory_max_bytes=mem_max, memory_default_bytes=mem_default,
         multiprocessors=total_sms, multiprocessors_min=sm_min, multiprocessors_step=step,
         multiprocessors_max=sm_max, multiprocessors_default=sm_default,
-        memory_enforcement=Enforcement.KERNEL if kernel.available else Enforcement.MPS_PER_PROCESS)
+        memory_enforcement=Enforcement.KERNEL if kernel.available else Enforcement.MPS_ADVISORY,
+        memory_limit_hook=kernel.hook_path if kernel.available else None)
 
 
 def _on_grid(field: str, value: int, low: int, step: int, high: int, unit: str) -> None:

@@ -24,8 +24,13 @@ class Enforcement(StrEnum):
 
     NONE = "none"  # an entitlement only: nothing stops a workload from exceeding it
     MPS_PER_PROCESS = "mps-per-process"  # MPS enforces it on each client process
+    # MPS caps each client process, but the GPU stays in compute mode DEFAULT (several daemons serve
+    # it, and EXCLUSIVE_PROCESS admits one MPS server), so a process that does not reach its daemon
+    # runs without MPS and outside the limit (nvidia-cuda-mps-control(1)): it holds for cooperating
+    # workloads, not against a tenant who bypasses MPS on purpose.
+    MPS_ADVISORY = "mps-advisory"
     # The kernel enforces it for every process of the container's cgroup (MPS v3 memory partitioning,
-    # dmem controller). Published only where detection found it; see consumable.kernel_memory_limits.
+    # dmem controller). Published only where detection found it; see driver/gpu/kernelmemory.py.
     KERNEL = "kernel"
 
 
@@ -51,7 +56,9 @@ class ConsumablePolicy(BaseModel):
     multiprocessors_step: int = Field(gt=0)
     multiprocessors_max: int = Field(gt=0)
     multiprocessors_default: int = Field(gt=0)
-    memory_enforcement: Enforcement = Enforcement.MPS_PER_PROCESS
+    memory_enforcement: Enforcement = Enforcement.MPS_ADVISORY
+    # With kernel enforcement: the toolkit's nvidia-cdi-hook that sets each claim's limit (kernelmemory.py).
+    memory_limit_hook: str | None = None
 
 
 class GpuShares(BaseModel):
@@ -94,6 +101,8 @@ class GpuShares(BaseModel):
 
     @property
     def compute_enforcement(self) -> Enforcement:
+        if self.consumable is not None:
+            return Enforcement.MPS_ADVISORY
         return Enforcement.NONE if self.strategy == "TimeSlicing" else Enforcement.MPS_PER_PROCESS
 
 

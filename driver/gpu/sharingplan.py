@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cdi.yamlload import load_yaml
 from driver.gpu.claimconfig.api import ByteQuantity, describe_validation_error
-from driver.gpu.consumable import KernelMemoryLimits, build_policy, kernel_memory_limits
+from driver.gpu.consumable import UNDETECTED, KernelMemoryLimits, build_policy
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
 from driver.gpu.sharelayout import GpuShares, SharingLayout, TimeSliceInterval
 from driver.units import MIB
@@ -233,7 +233,7 @@ def resolve_layout(plan: SharingPlan, inventory: NodeInventory, plan_name: str |
     """
     layout: SharingLayout = {}
     problems: list[str] = []
-    kernel = kernel or kernel_memory_limits()
+    kernel = kernel or UNDETECTED
     for gpu in inventory.gpus:
         index, entry = _first_match(plan, gpu)
         if entry is None or entry.whole:

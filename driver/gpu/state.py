@@ -262,7 +262,8 @@ class DeviceState:
     def _started_record(self, plan: ClaimPlan) -> ClaimRecord:
         uid = plan.uid
         record = ClaimRecord(uid=uid, namespace=plan.namespace, name=plan.name, phase=ClaimPhase.PREPARE_STARTED,
-                             cdi_spec_file=self.names.spec_file_name(uid), updated_at=now())
+                             cdi_spec_file=self.names.spec_file_name(uid), updated_at=now(),
+                             pod_uids=list(plan.pod_uids))
         daemon_of = {name: d.daemon_id for d in plan.daemons for name in d.device_names}
         consumed = dict(plan.consumed)
         for result, target in zip(plan.results, plan.targets, strict=True):

@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 
 SIMULATED_DRIVER_VERSION = "580.95.05"
 SIMULATED_CUDA_DRIVER_VERSION = "13.0"
+# A node with kernel memory limits (layout option kernelMemoryLimits) runs an R615 driver with CUDA 13.4,
+# the first with MPS v3 memory partitioning (nvidia-gpu reference 6.3); the build number is made up.
+SIMULATED_R615_DRIVER_VERSION = "615.10.01"
+SIMULATED_R615_CUDA_DRIVER_VERSION = "13.4"
 DEFAULT_LAYOUT = "demo"
 _LAYOUTS_FILE = "layouts.yaml"
 _UUID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://gpu.tessera.dev/simulation")
@@ -52,6 +56,9 @@ class SimulatedNode(BaseModel):
     description: str = ""
     # How the driver is installed, which decides where the host tree keeps it (hostroot.py).
     driver_layout: Literal["host", "gpu-operator"] = Field(default="host", alias="driverLayout")
+    # True: the node can hard-limit a container's GPU memory (R615 driver, cgroup v2 with dmem, a
+    # toolkit with the apply-cuda-memory-limits hook); hostroot.py builds the host tree to match.
+    kernel_memory_limits: bool = Field(default=False, alias="kernelMemoryLimits")
     gpus: tuple[SimulatedGpu, ...] = ()
 
 
@@ -185,6 +192,9 @@ def build_inventory(label: str, node: SimulatedNode, node_name: str) -> NodeInve
                 else (),
             )
         )
+    if node.kernel_memory_limits:
+        return NodeInventory(driver_version=SIMULATED_R615_DRIVER_VERSION,
+                             cuda_driver_version=SIMULATED_R615_CUDA_DRIVER_VERSION, gpus=tuple(gpus))
     return NodeInventory(
         driver_version=SIMULATED_DRIVER_VERSION, cuda_driver_version=SIMULATED_CUDA_DRIVER_VERSION, gpus=tuple(gpus)
     )

@@ -54,6 +54,11 @@ OPERATOR_SPEC_NAME = "management.nvidia.com-gpu.yaml"
 # name this binary (the operator's MIG manager defaults to the same path: NVIDIA mig-parted,
 # cmd/nvidia-mig-manager, DefaultNvidiaCDIHookPath).
 OPERATOR_CTK_HOOK = "/usr/local/nvidia/toolkit/nvidia-cdi-hook"
+# The host's root cgroup on a cgroup v2 node lists its controllers here; the kernel's dmem controller
+# (Linux 6.14+) is what MPS v3 memory partitioning needs (nvidia-gpu reference 6.3).
+CGROUP_CONTROLLERS = "sys/fs/cgroup/cgroup.controllers"
+CGROUP_V2_CONTROLLERS = ("cpuset", "cpu", "io", "memory", "hugetlb", "pids", "rdma", "misc")
+KERNEL_MEMORY_DRIVER_MAJOR = 615
 
 
 @dataclass(frozen=True)
@@ -154,12 +159,37 @@ def _common_edits(inventory: NodeInventory, binaries: Sequence[str], driver_root
     }
 
 
+def kernel_memory_node(inventory: NodeInventory) -> bool:
+    """Whether the simulated host has what MPS v3 memory partitioning needs: modelled as every R615+
+    node (the simulated layout's ``kernelMemoryLimits`` picks that driver), so one option sets all."""
+    head = (inventory.driver_version or "0").split(".", 1)[0]
+    return head.isdigit() and int(head) >= KERNEL_MEMORY_DRIVER_MAJOR
+
+
+def _memory_limits_hook(gpu_uuid: str) -> dict[str, Any]:
+    # A toolkit with PR #2075 adds this hook per GPU (pkg/nvcdi, the cudaMemoryLimits
+    # discoverer: hookCreator.Create("apply-cuda-memory-limits", driver root, uuid)); runtimes run it at
+    # createRuntime, as the toolkit's own tests show it in a container's config.json.
+    return {"hookName": "createRuntime", "path": CTK_HOOK,
+            "args": ["nvidia-cdi-hook", "apply-cuda-memory-limits", "--driver-root", "/", "--gpu-id", gpu_uuid],
+            "env": ["NVIDIA_CTK_DEBUG=false"]}
+
+
 def toolkit_spec(inventory: NodeInventory, binaries: Sequence[str] = ("nvidia-smi",)) -> dict[str, Any]:
     """A minimal NVIDIA Container Toolkit CDI spec (kind ``nvidia.com/gpu``) for the simulated node.
 
     ``binaries`` are the names under ``/usr/bin`` it mounts, as the toolkit mounts those present.
+    On a kernel-memory node (:func:`kernel_memory_node`) each GPU's device carries the toolkit's
+    ``apply-cuda-memory-limits`` hook.
     """
     gpus = sorted(inventory.gpus, key=lambda g: g.index)
+    kernel = kernel_memory_node(inventory)
+
+    def gpu_edits(gpu_minor: int, gpu_uuid: str) -> dict[str, Any]:
+        edits: dict[str, Any] = {"deviceNodes": [gpu_node(gpu_minor)]}
+        if kernel:
+            edits["hooks"] = [_memory_limits_hook(gpu_uuid)]
+        return edits
 
     def gpu_node(minor: int) -> dict[str, Any]:
         # A fresh dict each time: shared ones would be written as YAML anchors and aliases.
@@ -172,7 +202,7 @@ def toolkit_spec(inventory: NodeInventory, binaries: Sequence[str] = ("nvidia-sm
         "kind": "nvidia.com/gpu",
         "devices": [
             {"name": "all", "containerEdits": {"deviceNodes": [gpu_node(gpu.minor) for gpu in gpus]}},
-            *({"name": str(gpu.index), "containerEdits": {"deviceNodes": [gpu_node(gpu.minor)]}} for gpu in gpus),
+            *({"name": str(gpu.index), "containerEdits": gpu_edits(gpu.minor, gpu.uuid)} for gpu in gpus),
         ],
         "containerEdits": {
             "env": common["env"],
@@ -280,6 +310,9 @@ def build_host_root(root: Path, inventory: NodeInventory, layout: DriverLayout =
         for mig in gpu.mig_instances:
             write_mig_capability_proc(root, gpu.minor, mig.gi_id, mig.ci_id)
     _write(root / "proc" / "devices", _proc_devices())
+    # A cgroup v2 host; the dmem controller only where the node models kernel memory limits.
+    dmem = ("dmem",) if kernel_memory_node(inventory) else ()
+    _write(root / CGROUP_CONTROLLERS, " ".join((*CGROUP_V2_CONTROLLERS, *dmem)) + "\n")
 
     # Placeholders for the libraries the toolkit spec mounts, so its host paths exist in the tree.
     for library in _driver_files(inventory.driver_version or "0.0.0"):

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import uuid
 from typing import Any
 
+import grpc
+
 from driver.kubeletplugin.types import ClaimRef
 from driver.simulation.allocator import allocate
-from tests.support.node import DRIVER, NODE, SimulatedNode
+from tests.support.node import DRIVER, NODE, SimulatedNode, pid_alive, wait_until
 
 PLANS: dict[str, Any] = {"plans": {"c": {"gpus": [
     {"match": {"minor": 0}, "consumable": {"fallback": {"mps": {"shares": 2}}}}]}}}
@@ -96,5 +100,46 @@ def test_without_consumable_capacity_the_plan_falls_back() -> None:
         node.wait_for_devices(["gpu-0-mps-0", "gpu-0-mps-1", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4",
                                "gpu-1-mig-1g10gb-6", "gpu-2"])
         assert any("publishing the plan's fallback" in str(line.get("msg")) for line in node.log())
+    finally:
+        node.close()
+
+
+def test_kill_9_mid_prepare_of_a_share_rolls_back_its_daemon_and_a_retry_prepares_it_with_the_kernel_limit() -> None:
+    # The R615 layout also shows detection end to end: the device says `kernel` and the spec carries the hook.
+    node = SimulatedNode("kernel-memory", plans=PLANS, plan="c")
+    try:
+        node.start(env={"TESSERA_SIM_MPS_FAIL": "hang"})  # the daemon stand-in never answers: prepare blocks
+        node.wait_for_devices(["gpu-0-shared", "gpu-1"])
+        [device] = [d for d in node.devices() if d["name"] == "gpu-0-shared"]
+        assert device["attributes"]["memoryLimitEnforcement"] == {"string": "kernel"}
+        ref, result = allocated_claim(node, "share", "10Gi", "33", {}, str(uuid.uuid4()))
+
+        def prepare_until_killed() -> None:
+            with contextlib.suppress(grpc.RpcError):  # the driver dies under this call
+                node.prepare(ref)
+
+        thread = threading.Thread(target=prepare_until_killed, daemon=True)
+        thread.start()
+        wait_until(lambda: any(e.get("event") == "start" for e in node.journal()), what="the share's daemon to start")
+        wait_until(lambda: node.checkpoint()["claims"].get(ref.uid, {}).get("phase") == "PrepareStarted",
+                   what="PrepareStarted in the checkpoint")
+        [daemon_pid] = {e["pid"] for e in node.journal() if e.get("event") == "start"}
+        node.kill9()
+        thread.join(timeout=30)
+        assert pid_alive(daemon_pid), "the half-started daemon outlived the driver"
+
+        node.restart(env={"TESSERA_SIM_MPS_FAIL": ""})
+        wait_until(lambda: not pid_alive(daemon_pid), what="the share's leaked daemon to be stopped")
+        assert ref.uid not in node.checkpoint()["claims"] and node.checkpoint()["mps_daemons"] == {}
+        assert node.cdi_files() == [] and list((node.state_dir / "mps").glob("share-*")) == []
+
+        answer = node.prepare_ok(ref)  # the kubelet's retry
+        assert [d.share_id for d in answer.devices] == [result["shareID"]]
+        edits = json.loads(node.cdi_spec(ref.uid).read_text())["devices"][0]["containerEdits"]
+        assert [h["args"][1:] for h in edits["hooks"]] == [
+            ["apply-cuda-memory-limits", "--driver-root", "/", "--gpu-id", node.inventory.gpus[0].uuid]]
+        assert {"NVIDIA_GPU_MEMORY_REQUEST=10240", "NVIDIA_GPU_MEMORY_LIMIT=10240"} <= set(edits["env"])
+        assert node.unprepare(ref) == {ref.uid: None}
+        assert node.checkpoint()["mps_daemons"] == {}
     finally:
         node.close()

@@ -66,8 +66,8 @@ def test_the_plan_publishes_one_device_with_request_policies_and_enforcement() -
         "default": "2", "validRange": {"min": "2", "max": "132", "step": "1"}}}
     attrs = wire["attributes"]
     assert attrs["type"] == {"string": "consumable"} and attrs["sharingStrategy"] == {"string": "Consumable"}
-    assert attrs["memoryLimitEnforcement"] == {"string": "mps-per-process"}
-    assert attrs["computeLimitEnforcement"] == {"string": "mps-per-process"}
+    assert attrs["memoryLimitEnforcement"] == {"string": "mps-advisory"}
+    assert attrs["computeLimitEnforcement"] == {"string": "mps-advisory"}
     assert "gpu-0" not in view.targets and view.targets["gpu-0-shared"].kind == "consumable"
     assert slice_errors({"spec": {"driver": DRIVER, "pool": {"name": POOL, "resourceSliceCount": 1},
                                   "nodeName": "n", "devices": [wire]}}, None, 36) == []
@@ -76,7 +76,7 @@ def test_the_plan_publishes_one_device_with_request_policies_and_enforcement() -
 def test_kernel_enforcement_is_published_only_where_detected() -> None:
     kernel = layout(kernel=KernelMemoryLimits(True, "test"))[H100.uuid]
     assert kernel.memory_enforcement == Enforcement.KERNEL
-    assert layout()[H100.uuid].memory_enforcement == Enforcement.MPS_PER_PROCESS
+    assert layout()[H100.uuid].memory_enforcement == Enforcement.MPS_ADVISORY
 
 
 def test_plan_steps_and_defaults_are_checked_against_the_gpu() -> None:

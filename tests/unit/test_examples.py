@@ -181,10 +181,16 @@ SAMPLE_DEVICES: dict[str, Obj] = {
         timeSliceInterval="Short",
         **T4,
     ),
-    # A consumable H100 (one device, many claims by capacity); memory enforced by MPS per process.
+    # A consumable H100 (one device, many claims by capacity); MPS limits, advisory (compute mode DEFAULT).
     "consumable-share": {
         **tessera_device("consumable", "81559Mi", parentUUID="GPU-6", sharingStrategy="Consumable",
-                         memoryLimitEnforcement="mps-per-process", computeLimitEnforcement="mps-per-process", **H100),
+                         memoryLimitEnforcement="mps-advisory", computeLimitEnforcement="mps-advisory", **H100),
+        "allowMultipleAllocations": True,
+    },
+    # The same on a node where MPS v3 memory partitioning makes memory a kernel-enforced limit.
+    "consumable-share-kernel": {
+        **tessera_device("consumable", "81559Mi", parentUUID="GPU-7", sharingStrategy="Consumable",
+                         memoryLimitEnforcement="kernel", computeLimitEnforcement="mps-advisory", **H100),
         "allowMultipleAllocations": True,
     },
     "other-driver-h100": {
@@ -204,9 +210,9 @@ EXPECTED_SELECTION: dict[str, set[str]] = {
     "timeslice-share-from-plan.yaml": {"timeslice-share"},
     "gpu-mps-per-claim.yaml": WHOLE_GPUS,
     "gpu-timeslicing-interval.yaml": WHOLE_GPUS,
-    "consumable-share-small.yaml": {"consumable-share"},
-    "consumable-share-large.yaml": {"consumable-share"},
-    "consumable-share-kernel-memory.yaml": set(),  # no node detects kernel memory limits yet
+    "consumable-share-small.yaml": {"consumable-share", "consumable-share-kernel"},
+    "consumable-share-large.yaml": {"consumable-share", "consumable-share-kernel"},
+    "consumable-share-kernel-memory.yaml": {"consumable-share-kernel"},  # only where the kernel enforces memory
 }
 EXPECTED_SHARING: dict[str, str] = {"gpu-mps-per-claim.yaml": "MPS", "gpu-timeslicing-interval.yaml": "TimeSlicing"}
 
@@ -306,7 +312,7 @@ def test_default_device_classes_split_tessera_devices_by_type(default_classes: d
         f"mig.{DRIVER}": {"mig-1g10gb", "mig-3g40gb"},
         f"mps.{DRIVER}": {"mps-share"},
         f"timeslice.{DRIVER}": {"timeslice-share"},
-        f"consumable.{DRIVER}": {"consumable-share"},
+        f"consumable.{DRIVER}": {"consumable-share", "consumable-share-kernel"},
     }
 
 
@@ -318,6 +324,7 @@ def test_device_classes_of_another_driver_name_select_only_that_drivers_devices(
 
 def published_devices() -> dict[str, Obj]:
     """What the driver itself publishes for a simulated node, converted to the CEL `device` shape."""
+    from driver.gpu import kernelmemory
     from driver.gpu.devices import make_view
     from driver.gpu.sharelayout import GpuShares
     from driver.gpu.sharingplan import SharingPlans, resolve_layout
@@ -332,10 +339,14 @@ def published_devices() -> dict[str, Obj]:
                 {"model": "A100-40GB"},
                 {"model": "L4"},
                 {"model": "H100-80GB"},
+                {"model": "H100-80GB"},
             ]
         }
     )
     inventory = build_inventory("examples test node", node, "node-1")
+    # gpu-6 as on a node where kernel memory limits were detected (R615, cgroup v2 with dmem, the hook).
+    kernel = kernelmemory.check("615.10.01", "cpu memory dmem", "/usr/bin/nvidia-cdi-hook")
+    assert kernel.available, kernel.reason
     gib = 1 << 30
     layout = {
         inventory.gpus[2].uuid: GpuShares(
@@ -346,6 +357,9 @@ def published_devices() -> dict[str, Obj]:
         ),
         **resolve_layout(SharingPlans.model_validate({"plans": {"c": {"gpus": [
             {"match": {"uuid": inventory.gpus[5].uuid}, "consumable": {}}]}}}).plans["c"], inventory, "c"),
+        **resolve_layout(SharingPlans.model_validate({"plans": {"c": {"gpus": [
+            {"match": {"uuid": inventory.gpus[6].uuid}, "consumable": {}}]}}}).plans["c"], inventory, "c",
+            kernel=kernel),
     }
     devices: dict[str, Obj] = {}
     for device in make_view(inventory, layout).devices:
@@ -369,9 +383,9 @@ def test_examples_select_what_the_driver_publishes(default_classes: dict[str, li
         "mig-by-profile.yaml": {"gpu-1-mig-1g10gb-0"},
         "mps-share-from-plan.yaml": {f"gpu-2-mps-{k}" for k in range(4)},
         "timeslice-share-from-plan.yaml": {f"gpu-3-ts-{k}" for k in range(4)},
-        "consumable-share-small.yaml": {"gpu-5-shared"},
-        "consumable-share-large.yaml": {"gpu-5-shared"},
-        "consumable-share-kernel-memory.yaml": set(),
+        "consumable-share-small.yaml": {"gpu-5-shared", "gpu-6-shared"},
+        "consumable-share-large.yaml": {"gpu-5-shared", "gpu-6-shared"},
+        "consumable-share-kernel-memory.yaml": {"gpu-6-shared"},
     }
     for name in EXPECTED_SELECTION:
         expressions = request_selectors(name, default_classes)

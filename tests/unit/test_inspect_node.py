@@ -150,6 +150,25 @@ def test_timeslice_and_plan_timeslices_are_shown(settings: Settings) -> None:
     assert f"time slice Long on {GPU0}" in render_text(report)
 
 
+def test_each_consumable_share_shows_what_it_consumed(settings: Settings) -> None:
+    small = _record("u-small", "small", device="gpu-0-shared", daemon="share-0123456789ab")
+    large = _record("u-large", "large", device="gpu-0-shared", daemon="share-ba9876543210")
+    small.devices[0] = small.devices[0].model_copy(update={
+        "kind": "consumable", "consumed_memory_bytes": 10 << 30, "consumed_multiprocessors": 33})
+    large.devices[0] = large.devices[0].model_copy(update={
+        "kind": "consumable", "consumed_memory_bytes": (20 << 30) + 1, "consumed_multiprocessors": 66})
+    _store(settings).save(Checkpoint(claims={"u-small": small, "u-large": large, "u-gpu": _record("u-gpu", "g")}))
+    report = collect(settings)
+    consumed = {c["uid"]: c["devices"][0]["consumed"] for c in report["claims"]}
+    assert consumed == {"u-small": {"memory": "10Gi", "memory_bytes": 10 << 30, "multiprocessors": 33},
+                        "u-large": {"memory": f"{(20 << 30) + 1} bytes", "memory_bytes": (20 << 30) + 1,
+                                    "multiprocessors": 66},
+                        "u-gpu": None}
+    text = render_text(report)
+    assert "consumed=10Gi,33 SMs" in text and f"consumed={(20 << 30) + 1} bytes,66 SMs" in text
+    assert text.count("consumed=") == 2
+
+
 def test_inspect_json_is_parseable(settings: Settings) -> None:
     _store(settings).save(Checkpoint(claims={"u1": _record("u1", "c")}))
     data = json.loads(inspect(settings, as_json=True))

@@ -29,6 +29,7 @@ from driver.gpu.claimcdi.hostfs import (
 )
 from driver.gpu.claimcdi.toolkit import ToolkitEdits
 from driver.gpu.errors import PrepareError
+from driver.gpu.kernelmemory import hook_edits
 from driver.gpu.mps.model import MpsDaemonRecord, client_edits
 from driver.gpu.sharelayout import GpuShares
 
@@ -114,7 +115,15 @@ def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[st
         env.extend(edits.env)
         mounts.extend({"hostPath": str(h), "containerPath": c, "options": list(o)} for h, c, o in edits.mounts)
         annotations[names.annotation("mps-daemon")] = dev.mps_daemon_id
-    return assemble.DeviceEdits(dev.device.device_name, nodes, env, mounts, annotations)
+    hooks: list[dict[str, object]] = []
+    policy = shares.consumable if shares is not None else None
+    if dev.kind == "consumable" and policy is not None and policy.memory_limit_hook and dev.consumed_memory_bytes:
+        # The claim's memory as the hard limit of its containers' cgroups (MPS v3 memory partitioning).
+        hook, hook_env = hook_edits(policy.memory_limit_hook, str(src.driver_root_on_host), dev.gpu_uuid,
+                                    dev.consumed_memory_bytes)
+        hooks.append(hook)
+        env.extend(hook_env)
+    return assemble.DeviceEdits(dev.device.device_name, nodes, env, mounts, annotations, hooks)
 
 
 # Devices whose GPU's published form (the layout entry) goes into the spec, so a rebuilt checkpoint

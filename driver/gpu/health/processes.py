@@ -1,0 +1,102 @@
+"""The GPUs' processes on real nodes: NVML's per-process memory and SM use, and each process's pod.
+
+Memory: ``nvmlDeviceGetComputeRunningProcesses`` and, for MPS clients (which the first lists only
+as the MPS server), ``nvmlDeviceGetMPSComputeRunningProcesses`` (nvml.h); each entry carries the
+pid, ``usedGpuMemory`` (pynvml gives None for NVML_VALUE_NOT_AVAILABLE) and, on a MIG-enabled
+GPU, the GPU and compute instance it runs in. SM use: ``nvmlDeviceGetProcessUtilization`` (the
+samples since a timestamp; ``smUtil`` in percent), not supported on every GPU: then None.
+The pod: ``<host root>/proc/<pid>/cgroup`` (NVML answers host PIDs, so the plugin needs the host's
+/proc there: hostPID, or the host root mounted with its /proc).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.health.nvmlsource import mig_uuid_for
+from driver.gpu.health.usage import ProcessUsage, pod_uid_from_cgroup
+
+log = logging.getLogger(__name__)
+
+# Utilisation samples from the last few seconds: NVML keeps a short buffer of them per process.
+_UTILISATION_WINDOW_S = 5.0
+
+
+class ProcessSource(Protocol):
+    def processes(self) -> list[ProcessUsage]:
+        """Every process on the node's GPUs now, with its pod where it has one."""
+        ...
+
+    def describe(self) -> str: ...
+
+
+def read_pod_uid(host_root: Path, pid: int) -> str | None:
+    try:
+        return pod_uid_from_cgroup((host_root / "proc" / str(pid) / "cgroup").read_text())
+    except OSError:
+        return None  # gone since NVML listed it, or not visible from here
+
+
+class NvmlProcesses:
+    """A :class:`ProcessSource` over NVML (``nvml``: the pynvml module, initialised by the health source)."""
+
+    def __init__(self, nvml: Any, inventory: Callable[[], NodeInventory], host_root: Path,
+                 clock: Callable[[], float] = time.time):
+        self._nvml = nvml
+        self._inventory = inventory
+        self._host_root = host_root
+        self._clock = clock
+
+    def describe(self) -> str:
+        return f"NVML processes, pods from {self._host_root / 'proc'}"
+
+    def processes(self) -> list[ProcessUsage]:
+        nvml = self._nvml
+        found: list[ProcessUsage] = []
+        for gpu in self._inventory().gpus:
+            try:
+                handle = nvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+            except nvml.NVMLError:
+                continue
+            sm = self._sm_by_pid(handle)
+            seen: set[tuple[int, str]] = set()
+            for entry in self._running(handle):
+                pid = int(entry.pid)
+                uuid = mig_uuid_for(gpu, int(getattr(entry, "gpuInstanceId", 0xFFFFFFFF)),
+                                    int(getattr(entry, "computeInstanceId", 0xFFFFFFFF))) or gpu.uuid
+                if (pid, uuid) in seen:
+                    continue
+                seen.add((pid, uuid))
+                memory = entry.usedGpuMemory
+                found.append(ProcessUsage(pid=pid, uuid=uuid, memory_bytes=None if memory is None else int(memory),
+                                          sm_percent=sm.get(pid), pod_uid=read_pod_uid(self._host_root, pid)))
+        return found
+
+    def _running(self, handle: Any) -> list[Any]:
+        nvml = self._nvml
+        entries: list[Any] = []
+        for name in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses"):
+            try:
+                entries.extend(getattr(nvml, name)(handle))
+            except (nvml.NVMLError, AttributeError) as err:
+                log.debug("cannot list a GPU's processes", extra={"call": name, "reason": str(err)})
+        return entries
+
+    def _sm_by_pid(self, handle: Any) -> dict[int, float]:
+        nvml = self._nvml
+        since = int((self._clock() - _UTILISATION_WINDOW_S) * 1_000_000)  # NVML timestamps are in microseconds
+        try:
+            samples = nvml.nvmlDeviceGetProcessUtilization(handle, since)
+        except (nvml.NVMLError, AttributeError):
+            return {}  # not supported on this GPU, or no samples in the window
+        latest: dict[int, tuple[int, float]] = {}
+        for sample in samples:
+            pid, stamp = int(sample.pid), int(sample.timeStamp)
+            if pid not in latest or stamp > latest[pid][0]:
+                latest[pid] = (stamp, float(sample.smUtil))
+        return {pid: value for pid, (_stamp, value) in latest.items()}

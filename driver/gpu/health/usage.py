@@ -1,0 +1,117 @@
+"""Per-claim GPU usage: the GPU's processes attributed to the claims prepared for their pods.
+
+Pure logic. A process belongs to a claim when its pod (from its cgroup) is one the claim was
+reserved for at prepare and it runs on one of the claim's devices (the GPU, or the MIG device by
+its UUID). Each claim device's usage is set against what it is entitled to: the whole GPU or MIG
+device's memory, an MPS share's pinned memory limit and active thread percentage, a consumable
+share's consumed memory, or a time-slice share's equal part of the GPU (1/count of its memory
+and SMs), which nothing enforces: time slicing only shares the GPU's time, every process still
+sees all of its memory (NVIDIA GPU sharing docs, "Time-Slicing": "no memory or fault-isolation").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from driver.gpu.checkpoint import ClaimRecord, PreparedDeviceRecord
+from driver.gpu.sharelayout import GpuShares
+from driver.gpu.targets import DeviceTarget
+
+# A pod's cgroup path names its UID: cgroupfs "/kubepods/burstable/pod<uid>/<container>", the systemd
+# driver "kubepods-burstable-pod<uid with '_' for '-'>.slice" (kubelet cgroup_manager_linux.go naming).
+_POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12})")
+
+
+@dataclass(frozen=True)
+class ProcessUsage:
+    """One process on one GPU or MIG device (``uuid``), as NVML reports it."""
+
+    pid: int
+    uuid: str  # the GPU's UUID, or the MIG device's for a process inside a GPU instance
+    memory_bytes: int | None = None  # None: NVML cannot tell (e.g. without permission on Windows/WSL)
+    sm_percent: float | None = None  # None: no utilisation sample for it
+    pod_uid: str | None = None  # None: not a pod's process (or its cgroup could not be read)
+
+
+@dataclass(frozen=True)
+class ClaimDeviceUsage:
+    namespace: str
+    claim: str
+    device: str
+    kind: str
+    pids: tuple[int, ...]
+    memory_bytes: int
+    memory_limit_bytes: int | None  # the limit (enforced) or entitlement (not), None when unknown
+    sm_percent: float | None  # None when no process had a sample
+    sm_limit_percent: float | None
+    enforced: bool  # whether something holds the processes to the limit (MIG, MPS), or only agreement
+
+    @property
+    def over_memory(self) -> bool:
+        return self.memory_limit_bytes is not None and self.memory_bytes > self.memory_limit_bytes
+
+    @property
+    def over_sm(self) -> bool:
+        return (self.sm_percent is not None and self.sm_limit_percent is not None
+                and self.sm_percent > self.sm_limit_percent)
+
+    @property
+    def over_entitlement(self) -> list[str]:
+        """What the processes use beyond an entitlement nothing enforces ("memory", "sm")."""
+        if self.enforced:
+            return []
+        return [what for what, over in (("memory", self.over_memory), ("sm", self.over_sm)) if over]
+
+
+def pod_uid_from_cgroup(text: str) -> str | None:
+    """The pod UID in a ``/proc/<pid>/cgroup`` file, None for a process outside any pod."""
+    for line in text.splitlines():
+        match = _POD_UID.search(line.rsplit(":", 1)[-1])
+        if match:
+            return match.group(1).replace("_", "-")
+    return None
+
+
+def _entitlement(record: PreparedDeviceRecord, target: DeviceTarget | None,
+                 shares: GpuShares | None) -> tuple[int | None, float | None, bool]:
+    """(memory bytes, SM percent, enforced) a claim's device is entitled to."""
+    whole = target.memory_bytes if target is not None else None
+    if record.kind in ("gpu", "mig"):
+        return whole, 100.0, True
+    if record.kind == "consumable":
+        gpu = target.gpu if target is not None else None
+        sm = None
+        if record.consumed_multiprocessors is not None and gpu is not None and gpu.multiprocessors:
+            sm = 100.0 * record.consumed_multiprocessors / gpu.multiprocessors
+        return record.consumed_memory_bytes, sm, True
+    if shares is None:
+        return None, None, record.kind == "mps"
+    if record.kind == "mps":
+        sm_limit = float(shares.active_thread_percentage) if shares.active_thread_percentage else None
+        return shares.memory_bytes_per_share, sm_limit, True
+    return shares.memory_bytes_per_share, 100.0 / shares.count, False
+
+
+def claim_usage(claims: Iterable[ClaimRecord], processes: Iterable[ProcessUsage],
+                targets: Mapping[str, DeviceTarget], layout: Mapping[str, GpuShares]) -> list[ClaimDeviceUsage]:
+    """Usage of every prepared claim's devices (zero where none of its pods' processes run)."""
+    by_pod_and_uuid: dict[tuple[str, str], list[ProcessUsage]] = {}
+    for process in processes:
+        if process.pod_uid is not None:
+            by_pod_and_uuid.setdefault((process.pod_uid, process.uuid), []).append(process)
+    usage = []
+    for record in sorted(claims, key=lambda r: (r.namespace, r.name)):
+        for device in record.devices:
+            uuid = device.mig_uuid or device.gpu_uuid
+            found = [p for pod in record.pod_uids for p in by_pod_and_uuid.get((pod, uuid), [])]
+            samples = [p.sm_percent for p in found if p.sm_percent is not None]
+            memory, sm, enforced = _entitlement(device, targets.get(device.device.device_name),
+                                                layout.get(device.gpu_uuid))
+            usage.append(ClaimDeviceUsage(
+                namespace=record.namespace, claim=record.name, device=device.device.device_name, kind=device.kind,
+                pids=tuple(sorted(p.pid for p in found)), memory_bytes=sum(p.memory_bytes or 0 for p in found),
+                memory_limit_bytes=memory, sm_percent=sum(samples) if samples else None, sm_limit_percent=sm,
+                enforced=enforced))
+    return usage

@@ -1,0 +1,216 @@
+"""Per-claim GPU usage: pods from cgroups, processes attributed to claims, entitlements, the watch and inspect."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from driver.gpu.checkpoint import ClaimRecord, PreparedDeviceRecord
+from driver.gpu.devices import make_view
+from driver.gpu.health.processes import NvmlProcesses, read_pod_uid
+from driver.gpu.health.usage import ProcessUsage, claim_usage, pod_uid_from_cgroup
+from driver.gpu.health.usagereport import USAGE_FILE, add_to_inspect, render_usage
+from driver.gpu.health.usagewatch import ClaimUsageWatch
+from driver.gpu.targets import DeviceTarget, NodeView
+from driver.kubeletplugin.claimmodel import ResourceClaim
+from driver.kubeletplugin.types import PreparedDevice
+from driver.simulation.processes import SimulatedProcesses, parse_processes
+from driver.units import GIB
+from tests.support.statenode import Node, claim, mps_shares, ts_shares
+
+POD_A = "0f3c8a52-1b2d-4e5f-8a9b-0c1d2e3f4a5b"
+POD_B = "11111111-2222-4333-8444-555555555555"
+
+
+def test_pod_uid_from_cgroupfs_v1_and_systemd_v2_paths() -> None:
+    v1 = f"12:memory:/kubepods/burstable/pod{POD_A}/0123abcd\n11:cpu:/kubepods/burstable/pod{POD_A}/0123abcd\n"
+    v2 = ("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod"
+          f"{POD_A.replace('-', '_')}.slice/cri-containerd-0123abcd.scope\n")
+    assert pod_uid_from_cgroup(v1) == POD_A
+    assert pod_uid_from_cgroup(v2) == POD_A
+    assert pod_uid_from_cgroup("0::/system.slice/sshd.service\n") is None
+
+
+def test_read_pod_uid_reads_the_host_proc_and_tolerates_a_gone_process(tmp_path: Path) -> None:
+    (tmp_path / "proc" / "42").mkdir(parents=True)
+    (tmp_path / "proc" / "42" / "cgroup").write_text(f"0::/kubepods/pod{POD_B}/c1\n")
+    assert read_pod_uid(tmp_path, 42) == POD_B
+    assert read_pod_uid(tmp_path, 43) is None
+
+
+def test_claim_records_the_pods_it_is_reserved_for_and_old_checkpoints_load() -> None:
+    parsed = ResourceClaim.model_validate({
+        "metadata": {"name": "c", "namespace": "ns", "uid": "u"},
+        "status": {"reservedFor": [{"resource": "pods", "name": "p", "uid": POD_A},
+                                   {"resource": "jobs", "apiGroup": "batch", "name": "j", "uid": POD_B}]}})
+    assert parsed.pod_uids == [POD_A]
+    old = ClaimRecord.model_validate({"uid": "u", "namespace": "ns", "name": "c", "phase": "PrepareCompleted",
+                                      "cdi_spec_file": "x.json"})
+    assert old.pod_uids == []
+
+
+def reserved(c: ResourceClaim, *pods: str) -> ResourceClaim:
+    data = c.model_dump(by_alias=True)
+    data["status"]["reservedFor"] = [{"resource": "pods", "name": f"pod-{p[:4]}", "uid": p} for p in pods]
+    return ResourceClaim.model_validate(data)
+
+
+def shared_node(node: Node) -> tuple[Any, NodeView]:
+    state = node.state()
+    view, _ = state.apply_layout(make_view(node.inventory, {}), {node.uuid(0): mps_shares(2),
+                                                                  node.uuid(2): ts_shares(2)})
+    return state, view
+
+
+def test_prepare_records_pod_uids_and_usage_is_set_against_each_share(node: Node) -> None:
+    state, view = shared_node(node)
+    state.prepare(reserved(claim("u1", "gpu-0-mps-0", name="mps-claim"), POD_A))
+    state.prepare(reserved(claim("u2", "gpu-2-ts-0", name="ts-claim"), POD_B))
+    state.prepare(reserved(claim("u3", "gpu-1-mig-1g10gb-6", name="mig-claim"), POD_A))
+    cp = state.ledger.read()
+    assert cp.claims["u1"].pod_uids == [POD_A]
+    mig_uuid = view.targets["gpu-1-mig-1g10gb-6"].cuda_uuid
+    processes = [
+        ProcessUsage(pid=10, uuid=node.uuid(0), memory_bytes=3 * GIB, sm_percent=20.0, pod_uid=POD_A),
+        ProcessUsage(pid=11, uuid=node.uuid(0), memory_bytes=GIB, sm_percent=None, pod_uid=POD_A),
+        ProcessUsage(pid=20, uuid=node.uuid(2), memory_bytes=12 * GIB, sm_percent=70.0, pod_uid=POD_B),
+        ProcessUsage(pid=30, uuid=mig_uuid, memory_bytes=GIB, pod_uid=POD_A),
+        ProcessUsage(pid=40, uuid=node.uuid(0), memory_bytes=5 * GIB, pod_uid=None),  # not a pod's
+        ProcessUsage(pid=41, uuid=node.uuid(2), memory_bytes=5 * GIB, pod_uid=POD_A),  # not that claim's pod
+    ]
+    usage = {u.claim: u for u in claim_usage(cp.claims.values(), processes, view.targets, cp.layout)}
+    mps, ts, mig = usage["mps-claim"], usage["ts-claim"], usage["mig-claim"]
+    assert (mps.pids, mps.memory_bytes, mps.sm_percent) == ((10, 11), 4 * GIB, 20.0)
+    assert (mps.memory_limit_bytes, mps.sm_limit_percent, mps.enforced) == (10 * GIB, 50.0, True)
+    assert mps.over_entitlement == []
+    assert (ts.pids, ts.memory_limit_bytes, ts.sm_limit_percent, ts.enforced) == ((20,), 10 * GIB, 50.0, False)
+    assert ts.over_entitlement == ["memory", "sm"]
+    assert mig.pids == (30,) and mig.memory_limit_bytes == view.targets["gpu-1-mig-1g10gb-6"].memory_bytes
+
+
+def test_a_claim_without_processes_reports_zero_not_nothing(node: Node) -> None:
+    state, view = shared_node(node)
+    state.prepare(reserved(claim("u1", "gpu-0-mps-1"), POD_A))
+    cp = state.ledger.read()
+    [u] = claim_usage(cp.claims.values(), [], view.targets, cp.layout)
+    assert (u.pids, u.memory_bytes, u.sm_percent, u.over_entitlement) == ((), 0, None, [])
+
+
+def test_simulated_processes_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "procs.json"
+    source = SimulatedProcesses(path)
+    assert source.processes() == []  # no file yet: nothing runs
+    path.write_text(json.dumps([{"uuid": "GPU-a", "pid": 7, "pod_uid": POD_A, "memory_bytes": 5, "sm_percent": 9}]))
+    assert source.processes() == [ProcessUsage(pid=7, uuid="GPU-a", memory_bytes=5, sm_percent=9.0, pod_uid=POD_A)]
+    path.write_text('[{"uuid": "GPU-a", "pid": 0}]')
+    with caplog.at_level(logging.ERROR):
+        assert source.processes() == []
+        assert source.processes() == []
+    assert len([r for r in caplog.records if "simulated GPU processes" in r.message]) == 1
+    with pytest.raises(ValueError, match=r"x: not a process list \(entry 0.pid: Input should be greater than 0\)"):
+        parse_processes('[{"uuid": "GPU-a", "pid": -1}]', "x")
+
+
+class FakeNvml:
+    """pynvml's process calls as nvml.h documents them (pid, usedGpuMemory, instance ids; smUtil samples)."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, gpu_uuid: str, running: list[Any], mps: list[Any], samples: list[Any] | None) -> None:
+        self.gpu_uuid, self.running, self.mps, self.samples = gpu_uuid, running, mps, samples
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str:
+        if uuid != self.gpu_uuid:
+            raise self.NVMLError("not found")
+        return uuid
+
+    def nvmlDeviceGetComputeRunningProcesses(self, _handle: str) -> list[Any]:
+        return self.running
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, _handle: str) -> list[Any]:
+        return self.mps
+
+    def nvmlDeviceGetProcessUtilization(self, _handle: str, _since: int) -> list[Any]:
+        if self.samples is None:
+            raise self.NVMLError("Not Supported")
+        return self.samples
+
+
+def proc(pid: int, memory: int | None, gi: int = 0xFFFFFFFF, ci: int = 0xFFFFFFFF) -> Any:
+    return SimpleNamespace(pid=pid, usedGpuMemory=memory, gpuInstanceId=gi, computeInstanceId=ci)
+
+
+def test_nvml_processes_map_mig_instances_dedup_mps_and_take_the_latest_sample(node: Node) -> None:
+    gpu = node.inventory.gpu_by_minor(1)
+    assert gpu is not None
+    mig = gpu.mig_instances[0]
+    (node.host / "proc" / "5").mkdir(parents=True)
+    (node.host / "proc" / "5" / "cgroup").write_text(f"0::/kubepods/pod{POD_A}/c\n")
+    samples = [SimpleNamespace(pid=5, timeStamp=1, smUtil=10), SimpleNamespace(pid=5, timeStamp=2, smUtil=30)]
+    nvml = FakeNvml(gpu.uuid, [proc(5, 2 * GIB, mig.gi_id, mig.ci_id), proc(6, None)], [proc(5, 2 * GIB, mig.gi_id)],
+                    samples)
+    found = NvmlProcesses(nvml, lambda: node.inventory, node.host).processes()
+    assert found == [ProcessUsage(pid=5, uuid=mig.uuid, memory_bytes=2 * GIB, sm_percent=30.0, pod_uid=POD_A),
+                     ProcessUsage(pid=6, uuid=gpu.uuid, memory_bytes=None, sm_percent=None, pod_uid=None)]
+    nvml.samples = None  # utilisation not supported: memory still reported
+    assert [p.sm_percent for p in NvmlProcesses(nvml, lambda: node.inventory, node.host).processes()] == [None, None]
+
+
+def test_watch_logs_once_when_over_an_unenforced_entitlement_and_inspect_shows_it(
+        node: Node, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state, view = shared_node(node)
+    state.prepare(reserved(claim("u2", "gpu-2-ts-0", name="ts-claim"), POD_B))
+    procs = tmp_path / "procs.json"
+    procs.write_text(json.dumps([{"uuid": node.uuid(2), "pid": 20, "pod_uid": POD_B, "memory_bytes": 12 * GIB}]))
+    clock = iter(range(0, 100, 5))
+    watch = ClaimUsageWatch(SimulatedProcesses(procs), state.ledger.read, lambda: view,
+                            report_path=tmp_path / USAGE_FILE, clock=lambda: float(next(clock)))
+    with caplog.at_level(logging.INFO):
+        watch.usage()
+        watch.usage()
+        procs.write_text("[]")
+        watch.usage()
+    messages = [r.message for r in caplog.records if "entitlement" in r.message]
+    assert messages == ["a claim's processes use more than its share's entitlement, which nothing enforces",
+                        "a claim's processes are back within their share's entitlement"]
+    procs.write_text(json.dumps([{"uuid": node.uuid(2), "pid": 20, "pod_uid": POD_B, "memory_bytes": 12 * GIB}]))
+    watch.usage()
+    report: dict[str, Any] = {"claims": [{"claim": "default/ts-claim", "devices": [{"device": "gpu-2-ts-0"}]}],
+                              "problems": []}
+    add_to_inspect(report, tmp_path / USAGE_FILE)
+    usage = report["claims"][0]["devices"][0]["usage"]
+    assert usage["pids"] == [20] and usage["over_entitlement"] == ["memory"] and not usage["enforced"]
+    assert report["device_usage"]["gpu-2-ts-0"]["claims"] == ["default/ts-claim"]
+    text = "\n".join(render_usage(report))
+    assert "default/ts-claim gpu-2-ts-0: memory 12288MiB of 10240MiB entitled" in text
+    assert "OVER ENTITLEMENT (memory)" in text
+
+
+def test_inspect_names_an_unreadable_usage_file(tmp_path: Path) -> None:
+    (tmp_path / USAGE_FILE).write_text("{")
+    report: dict[str, Any] = {"claims": [], "problems": []}
+    add_to_inspect(report, tmp_path / USAGE_FILE)
+    assert report["problems"] and USAGE_FILE in report["problems"][0]
+    assert render_usage(report) == []
+
+
+def test_a_consumable_share_is_held_to_what_it_consumed_and_going_over_is_not_an_unenforced_excess(
+        node: Node) -> None:
+    gpu = node.inventory.gpu_by_minor(0)
+    assert gpu is not None and gpu.multiprocessors == 132
+    device = PreparedDeviceRecord(
+        device=PreparedDevice(request_names=["r"], pool_name="p", device_name="gpu-0-shared", cdi_device_ids=[]),
+        kind="consumable", gpu_uuid=gpu.uuid, gpu_minor=0, consumed_memory_bytes=4 * GIB, consumed_multiprocessors=33)
+    record = ClaimRecord(uid="u", namespace="ns", name="c", phase="PrepareCompleted", cdi_spec_file="x",
+                         devices=[device], pod_uids=[POD_A])
+    targets = {"gpu-0-shared": DeviceTarget(name="gpu-0-shared", kind="consumable", gpu=gpu)}
+    [u] = claim_usage([record], [ProcessUsage(pid=1, uuid=gpu.uuid, memory_bytes=5 * GIB, pod_uid=POD_A)],
+                      targets, {})
+    assert (u.memory_limit_bytes, u.sm_limit_percent, u.enforced) == (4 * GIB, 25.0, True)
+    assert u.over_memory and u.over_entitlement == []  # MPS holds it to the limit: no unenforced excess
