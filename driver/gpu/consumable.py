@@ -71,8 +71,8 @@ def build_policy(gpu: GpuInfo, *, memory_min: int | None, memory_default: int | 
                          "capacity; consumable GPUs need libcuda on the node to count SMs")
     total_mem, total_sms = gpu.memory_bytes, gpu.multiprocessors
     mem_min = GIB if memory_min is None else memory_min
-    if mem_min % MEMORY_STEP_BYTES:
-        raise ValueError(f"consumable.memoryMin must be a whole number of GiB, got {mem_min} bytes")
+    if mem_min % MEMORY_STEP_BYTES or mem_min < MEMORY_STEP_BYTES:
+        raise ValueError(f"consumable.memoryMin must be a whole number of GiB, at least 1Gi, got {mem_min} bytes")
     if mem_min + MEMORY_STEP_BYTES > total_mem:
         raise ValueError(f"consumable.memoryMin {mem_min // GIB} GiB plus one 1 GiB step is more than the "
                          f"GPU's {total_mem} bytes")

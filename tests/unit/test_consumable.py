@@ -86,6 +86,8 @@ def test_plan_steps_and_defaults_are_checked_against_the_gpu() -> None:
     assert (policy.memory_max_bytes, policy.multiprocessors_max, policy.multiprocessors_default) == (79 * GIB, 132, 32)
     with pytest.raises(PlanError, match=r"memoryMin must be a whole number of GiB"):
         layout({"memoryMin": "1500Mi"})
+    with pytest.raises(PlanError, match=r"memoryMin must be a whole number of GiB, at least 1Gi, got 0 bytes$"):
+        layout({"memoryMin": "0"})
     with pytest.raises(PlanError, match=r"multiprocessorsDefault 7 SMs is not one of 4, 8, \.\.\. 132"):
         layout({"multiprocessorsStep": 4, "multiprocessorsMin": 4, "multiprocessorsDefault": 7})
     with pytest.raises(PlanError, match=r"multiprocessorsMin 1 is less than 2"):

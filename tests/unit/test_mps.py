@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from driver.gpu.mps.launch import LocalLauncher
+from driver.gpu.mps.launch import DaemonLaunch, LaunchedDaemon, LocalLauncher
 from driver.gpu.mps.manager import _KILL_WAIT_S, _TERM_GRACE_S, MpsManager
 from driver.gpu.mps.model import (
     MpsDaemonRecord,
@@ -699,3 +699,17 @@ def test_record_written_before_shm_and_multi_user_were_recorded_loads() -> None:
     del stored["shm_dir"], stored["spec"]["multi_user"]
     loaded = MpsDaemonRecord.model_validate(stored)
     assert loaded.shm_dir is None and loaded.spec.multi_user is False
+
+
+def test_a_launcher_answering_with_another_shm_dir_is_refused_and_its_daemon_stopped(sim: Sim) -> None:
+    # Clients get the answered directory read-write at /dev/shm: a launcher (the MPS host, over a
+    # socket) must not be able to point them anywhere but the directory the manager asked for.
+    class Elsewhere(LocalLauncher):
+        def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
+            launched = super().launch(request)
+            return LaunchedDaemon(pid=launched.pid, shm_dir=sim.top / "elsewhere")
+
+    manager = MpsManager(sim.root, sim.base, Elsewhere(sim.root), shm_dir=sim.top / "shm", ready_timeout=20.0)
+    with pytest.raises(MpsError, match="requested"):
+        manager.start(LIMITED)
+    _assert_nothing_left(sim, CLAIM_ID)

@@ -145,6 +145,9 @@ def test_pipe_dir_too_long_for_the_control_socket_is_refused(base: Path) -> None
      b' "sneaky": 1}}', "launch.visible_devices: List should have at least 1 item"),
     (b'{"version": 1, "launch": {"daemon_id": "a", "pipe_dir": "/p", "log_dir": "/l", "visible_devices": ["GPU-1"],'
      b' "sneaky": 1}}', "launch.sneaky: Extra inputs are not permitted"),
+    (b"[" * 5000, "invalid request: not JSON"),
+    (b'{"version": 1, "launch": {"daemon_id": "plan-0123456789ab", "pipe_dir": "/p\\u0000x", "log_dir": "/l",'
+     b' "visible_devices": ["GPU-1"]}}', "pipe_dir '/p\\x00x' contains a NUL character"),
 ])
 def test_malformed_requests_get_a_one_line_error(base: Path, raw: bytes, expected: str) -> None:
     reply = host_for(base, base).answer(raw)
@@ -239,3 +242,23 @@ def test_a_socket_in_a_shared_sticky_directory_is_refused_and_the_directory_keep
     with pytest.raises(HostError, match="shared"):
         open_listener(shared / "host.sock")
     assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
+
+
+def test_a_failing_accept_does_not_end_the_host(base: Path) -> None:
+    host = host_for(base, base)
+
+    class _Listener:
+        calls = 0
+
+        def settimeout(self, _timeout: float) -> None:
+            pass
+
+        def accept(self) -> tuple[socket.socket, object]:
+            self.calls += 1
+            if self.calls == 2:
+                host.stop()
+            raise OSError(24, "Too many open files")
+
+    listener = _Listener()
+    host.serve(listener)  # type: ignore[arg-type]
+    assert listener.calls == 2  # the first failure was survived; only stop() ended the loop

@@ -19,7 +19,6 @@ import errno
 import json
 import os
 import re
-import shutil
 import stat
 import time
 from dataclasses import dataclass
@@ -78,14 +77,55 @@ def clear_dir(path: Path) -> None:
     Entries are judged by ``lstat``: a symlink is unlinked, never followed, so whatever a tenant
     planted cannot make this remove files elsewhere.
     """
-    with os.scandir(path) as entries:
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                # rmtree refuses a symlink at the top and never follows one below it.
-                shutil.rmtree(entry.path)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(entry.path)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        pending = _clear_fd(fd)
+        queued, hoisted = set(pending), 0
+        while pending:
+            name = pending.pop()
+            queued.discard(name)
+            # Tenants write here (shm/): a tree nested past the recursion limit made shutil.rmtree raise
+            # RecursionError, so a subdirectory's subdirectories are moved up here, not descended into.
+            try:
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:  # swapped for a symlink or a file since it was listed: unlink that
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                os.unlink(name, dir_fd=fd)
+                continue
+            try:
+                for child in _clear_fd(sub):
+                    while True:
+                        hoisted += 1
+                        target = f".tessera-rm-{hoisted}"
+                        if target in queued:
+                            continue
+                        try:
+                            os.rename(child, target, src_dir_fd=sub, dst_dir_fd=fd)
+                            break
+                        except OSError as exc:  # a tenant's entry has that name: try the next one
+                            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                                raise
+                    pending.append(target)
+                    queued.add(target)
+            finally:
+                os.close(sub)
+            os.rmdir(name, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _clear_fd(fd: int) -> list[str]:
+    """Unlink everything in ``fd`` but directories (symlinks are unlinked, never followed); their names."""
+    with os.scandir(fd) as entries:
+        found = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+    for name, is_dir in found:
+        if not is_dir:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=fd)
+    return [name for name, is_dir in found if is_dir]
 
 
 def remove_daemon_dir(daemon_dir: Path) -> None:
@@ -100,7 +140,8 @@ def remove_daemon_dir(daemon_dir: Path) -> None:
                 if exc.errno != errno.EBUSY:
                     raise
                 return  # still mounted: the launcher that mounted it unmounts it, and removes the rest later
-        shutil.rmtree(daemon_dir)
+        clear_dir(daemon_dir)
+        daemon_dir.rmdir()
     except FileNotFoundError:
         pass
     except OSError as exc:
@@ -135,8 +176,10 @@ def restart_delay(state: RestartState, base: float, cap: float, now: float | Non
     now = time.time() if now is None else now
     if state.count == 0 or now - state.last_at > 2 * cap:
         return 0.0
-    wait = min(base * 2 ** (state.count - 1), cap)
-    return float(max(state.last_at + wait - now, 0.0))
+    # The exponent is bounded: a daemon that keeps crashing counts past 1000 in days, and float(2**1024)
+    # overflows. ``cap`` also bounds the result: a wall clock set back leaves ``last_at`` in the future.
+    wait = min(base * 2.0 ** min(state.count - 1, 64), cap)
+    return float(min(max(state.last_at + wait - now, 0.0), wait))
 
 
 def next_restart_state(state: RestartState, cap: float, now: float) -> RestartState:

@@ -69,6 +69,8 @@ def check_launch(request: DaemonLaunch, mps_dir: Path) -> None:
 
 def _check_dir_inside(name: str, path: Path, base: Path) -> None:
     text = str(path)
+    if "\0" in text:  # the OS calls below would raise ValueError: refuse it as the bad field it is
+        raise LaunchRefused(f"{name} {text!r} contains a NUL character")
     if not path.is_absolute():
         raise LaunchRefused(f"{name} {text!r} must be an absolute path")
     if os.path.normpath(text) != text:

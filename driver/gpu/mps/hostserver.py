@@ -58,6 +58,7 @@ CONTROL_COMM = CONTROL_BINARY[:15]
 CONTROL_SOCKET_NAME = "control"  # what the daemon binds in its pipe directory
 _POLL_S = 0.02
 _LOG_TAIL_BYTES = 2000
+_ACCEPT_RETRY_S = 0.5
 
 
 # -- the daemons --------------------------------------------------------------------------------
@@ -271,7 +272,8 @@ class MpsHost:
         """The reply to one request line; never raises for a bad request."""
         try:
             request = HostRequest.model_validate(json.loads(raw))
-        except ValueError as exc:  # ValidationError and JSONDecodeError are both ValueErrors
+        except (ValueError, RecursionError) as exc:  # ValidationError and JSONDecodeError are ValueErrors;
+            # RecursionError: JSON nested deeper than the parser's stack, still just a bad request.
             why = _one_line(exc) if isinstance(exc, ValidationError) else f"not JSON: {exc}"
             return HostReply(error=f"invalid request: {why}")
         try:
@@ -304,6 +306,12 @@ class MpsHost:
             try:
                 conn, _ = listener.accept()
             except TimeoutError:
+                continue
+            except OSError as exc:
+                # EMFILE, ENFILE, ENOBUFS...: transient. Leaving the loop would end the host and with
+                # it every daemon and its clients' CUDA contexts.
+                log.warning("MPS host could not accept a connection; retrying", extra={"reason": str(exc)})
+                self._stop.wait(_ACCEPT_RETRY_S)
                 continue
             threading.Thread(target=self._serve_connection, args=(conn,), daemon=True, name="mps-host-conn").start()
 

@@ -221,6 +221,10 @@ class MpsManager:
                                    visible_devices=spec.gpu_uuids, multi_user=spec.multi_user,
                                    shm_dir=daemon_dir / "shm")
             launched = self.launcher.launch(request)
+            if launched.shm_dir not in (None, request.shm_dir):
+                # Clients get this directory read-write at /dev/shm: only the one asked for will do.
+                raise MpsError(f"the launcher answered with /dev/shm {launched.shm_dir}, not the requested "
+                               f"{request.shm_dir} or none")
             started = self._identify(launched.pid, pipe_dir, deadline)
             self._wait_until_ready(pipe_dir, log_dir, started, deadline)
             self._apply_limits(spec, pipe_dir, log_dir, deadline)

@@ -1,0 +1,56 @@
+"""MPS daemon directories (driver/gpu/mps/dirs.py): the restart backoff arithmetic and removing what tenants left."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from driver.gpu.mps.dirs import RestartState, next_restart_state, remove_daemon_dir, restart_delay
+
+BASE, CAP = 2.0, 300.0
+
+
+def test_the_delay_doubles_per_restart_up_to_the_cap() -> None:
+    now = 1_000_000.0
+    delays = [restart_delay(RestartState(count, now), BASE, CAP, now) for count in (0, 1, 2, 3, 9, 10)]
+    assert delays == [0.0, 2.0, 4.0, 8.0, 300.0, 300.0]
+
+
+def test_a_daemon_that_crashed_for_days_still_gets_a_delay_not_an_overflow() -> None:
+    # Each restart waits at most CAP, less than the 2 x CAP that counts as stable, so the count keeps growing.
+    state, now = RestartState(0, 0.0), 1_000_000.0
+    for _ in range(1100):
+        now += CAP
+        state = next_restart_state(state, CAP, now)
+    assert state.count == 1100
+    assert restart_delay(state, BASE, CAP, now + 1) == CAP - 1
+
+
+def test_a_wall_clock_set_back_defers_a_restart_by_at_most_the_cap() -> None:
+    now = 1_000_000.0
+    recorded_a_day_ahead = RestartState(count=1, last_at=now + 86_400)
+    assert restart_delay(recorded_a_day_ahead, BASE, CAP, now) <= BASE
+    assert restart_delay(RestartState(count=20, last_at=now + 86_400), BASE, CAP, now) <= CAP
+
+
+def test_a_tree_nested_past_the_recursion_limit_is_removed_without_following_links(tmp_path: Path) -> None:
+    outside = tmp_path / "precious"
+    outside.write_text("keep me")
+    daemon_dir = tmp_path / "plan-0123456789ab"
+    shm = daemon_dir / "shm"
+    shm.mkdir(parents=True)
+    fd = os.open(shm, os.O_RDONLY)
+    try:  # a tenant's tree in its /dev/shm, deeper than Python's recursion limit (1000)
+        for depth in range(1500):
+            os.mkdir("d", dir_fd=fd)
+            if depth == 700:
+                os.symlink(outside, "link", dir_fd=fd)
+                os.symlink(tmp_path, "dirlink", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    finally:
+        os.close(fd)
+    remove_daemon_dir(daemon_dir)
+    assert not daemon_dir.exists()
+    assert outside.read_text() == "keep me"
