@@ -17,6 +17,7 @@ import cdi
 from driver.gpu.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord, TimeSliceRecord
 from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.claimplan import is_plan_daemon
+from driver.gpu.runtime.computemode import ComputeMode
 from driver.gpu.sharelayout import GpuShares
 from driver.kubeletplugin.types import PreparedDevice
 
@@ -35,6 +36,11 @@ def rebuild_checkpoint(cdi_root: Path, names: CdiNames, pool_name: str, updated_
             continue
         cp.claims[record.uid] = record
         cp.layout.update(layout)
+        # The modes before the daemons are lost with the file: take DEFAULT (the mode a node boots
+        # with), as recovery does. Without a record, the last unprepare would leave the GPU in
+        # EXCLUSIVE_PROCESS for good when the file is rebuilt while the driver runs.
+        for uuid in record.exclusive_gpus:
+            cp.compute_modes.setdefault(uuid, ComputeMode.DEFAULT)
     log.warning("checkpoint rebuilt from CDI specs", extra={"claims": sorted(cp.claims)})
     return cp
 

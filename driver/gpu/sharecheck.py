@@ -1,4 +1,5 @@
-"""The prepare-time re-check of consumable GPUs: the claim's shares fit next to the prepared ones.
+"""The prepare-time re-checks against prepared claims: no device (or GPU in another form) taken twice,
+and consumable shares fit next to the prepared ones.
 
 The scheduler counts consumed capacity first; this second line refuses a share when the GPU's
 prepared claims (the checkpoint) would then consume more than its capacity, or when a claim holds
@@ -10,6 +11,7 @@ from __future__ import annotations
 from driver.gpu.checkpoint import Checkpoint
 from driver.gpu.claimplan import ClaimPlan
 from driver.gpu.consumable import ConsumedShare, HeldShare, check_fits
+from driver.gpu.errors import PrepareError
 
 
 def check_shares_fit(cp: Checkpoint, plan: ClaimPlan) -> None:
@@ -34,3 +36,23 @@ def check_shares_fit(cp: Checkpoint, plan: ClaimPlan) -> None:
                 else:
                     held.append(HeldShare(label, None))
         check_fits(name, wanted, held, policy)
+
+
+def check_no_overlap(cp: Checkpoint, plan: ClaimPlan) -> None:
+    """PrepareError unless every device of ``plan`` but consumable shares is free of other claims."""
+    for other in cp.claims.values():
+        if other.uid == plan.uid:
+            continue
+        taken = {d.device.device_name for d in other.devices}
+        # A GPU held in another form (whole next to a share, MPS next to time-slice shares): possible
+        # when a view is stale, e.g. the other pod of a rolling update re-published the GPU.
+        forms = {(d.gpu_uuid, d.kind) for d in other.devices}
+        for t in plan.targets:
+            if t.kind == "consumable":  # shares of a consumable GPU: check_shares_fit
+                continue
+            other_form = any(g == t.gpu.uuid and (k != t.kind or k == "gpu") for g, k in forms)
+            if t.name in taken or other_form:
+                raise PrepareError(
+                    f"device {t.name!r} (or its GPU in another form) is already prepared for claim "
+                    f"{other.namespace}/{other.name} ({other.uid}); the allocation is stale, delete the pod "
+                    "so its claim is allocated again")

@@ -52,7 +52,7 @@ from driver.gpu.runtime.gpulocks import GpuBusy, GpuLocks
 from driver.gpu.runtime.interfaces import ComputeModeControl, MpsDaemons, TimeSlices
 from driver.gpu.runtime.sharing import SharingRuntime
 from driver.gpu.runtime.timeslice import TimeSliceError
-from driver.gpu.sharecheck import check_shares_fit
+from driver.gpu.sharecheck import check_no_overlap, check_shares_fit
 from driver.gpu.sharelayout import SharingLayout
 from driver.gpu.targets import NodeView, merge_layout
 from driver.kubeletplugin.claimmodel import ResourceClaim
@@ -223,7 +223,7 @@ class DeviceState:
             record: ClaimRecord | None = None
             if existing is None:
                 check_device_health(plan, self.device_problems())
-                _check_overlap(cp, plan)
+                check_no_overlap(cp, plan)
                 check_shares_fit(cp, plan)
                 record = self._started_record(plan)
                 cp.claims[uid] = record
@@ -244,8 +244,12 @@ class DeviceState:
             return [d.device for d in existing.devices]
         if existing is not None:
             log.info("rolling back an interrupted prepare before retrying it", extra={"claim_uid": uid})
-            self.undo(existing)
-            self.ledger.commit(lambda c: c.claims.pop(uid, None))
+            try:
+                self.undo(existing)
+                self.ledger.commit(lambda c: c.claims.pop(uid, None))
+            except Exception as exc:
+                # The record stays: the next retry or the next start rolls back again.
+                raise _user_error(exc) from exc
             return None
         assert record is not None
         try:
@@ -295,7 +299,10 @@ class DeviceState:
             log.exception("rolling back a failed prepare failed too; it is retried later",
                           extra={"claim_uid": record.uid})
             return
-        self.ledger.commit(lambda c: c.claims.pop(record.uid, None))
+        try:
+            self.ledger.commit(lambda c: c.claims.pop(record.uid, None))
+        except Exception:  # the record left is handled by the next prepare or start; the user gets the cause
+            log.exception("forgetting a rolled-back prepare failed", extra={"claim_uid": record.uid})
 
     def write_cdi(self, record: ClaimRecord, cp: Checkpoint) -> None:
         spec = claim_spec_file(self.cdi_sources, record, cp.mps_daemons, cp.layout)
@@ -342,7 +349,7 @@ class DeviceState:
         cp = self.ledger.read()
         restarted: list[str] = []
         for daemon_id in sorted(cp.mps_daemons):
-            users = [r for r in cp.claims.values() if daemon_id in (*r.owned_mps_daemons, *r.shared_mps_daemons)]
+            users = [r for r in cp.claims.values() if _uses_daemon(r, daemon_id)]
             gpus = sorted({g for r in users for g in r.gpu_uuids})
             if not gpus:
                 continue  # an orphan: stopped at the next start
@@ -353,7 +360,7 @@ class DeviceState:
                     restarted.append(daemon_id)
                     current = self.ledger.read()
                     for record in current.claims.values():
-                        if daemon_id in (*record.owned_mps_daemons, *record.shared_mps_daemons):
+                        if _uses_daemon(record, daemon_id):
                             self.write_cdi(record, current)
             except Exception as exc:
                 log.error("checking an MPS daemon failed; retried at the next rescan",
@@ -368,16 +375,11 @@ class DeviceState:
         return recover(self)
 
 
-def _check_overlap(cp: Checkpoint, plan: ClaimPlan) -> None:
-    for other in cp.claims.values():
-        if other.uid == plan.uid:
-            continue
-        taken = {d.device.device_name for d in other.devices}
-        for t in plan.targets:
-            if t.name in taken and t.kind != "consumable":  # shares of a consumable GPU: check_shares_fit
-                raise PrepareError(
-                    f"device {t.name!r} is already prepared for claim {other.namespace}/{other.name} "
-                    f"({other.uid}); the allocation is stale, delete the pod so its claim is allocated again")
+def _uses_daemon(record: ClaimRecord, daemon_id: str) -> bool:
+    """Whether prepared claim ``record`` is served by ``daemon_id``. A PrepareStarted record is a failed
+    prepare whose rollback is to be retried: reviving its daemon or spec would undo that rollback."""
+    return record.phase == ClaimPhase.PREPARE_COMPLETED and daemon_id in (*record.owned_mps_daemons,
+                                                                          *record.shared_mps_daemons)
 
 
 def _complete(cp: Checkpoint, uid: str) -> None:
@@ -393,6 +395,6 @@ def _user_error(exc: Exception) -> Exception:
     if isinstance(exc, DeadlineExceeded):
         return PrepareError(f"{exc}; the claim's work was rolled back, the kubelet will retry")
     if isinstance(exc, MpsError | TimeSliceError | ComputeModeError | HostFsError | ConfigError | LockTimeout
-                  | GpuBusy):
+                  | GpuBusy | OSError):
         return PrepareError(str(exc))
     return exc

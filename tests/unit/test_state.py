@@ -157,7 +157,7 @@ def test_cdi_write_failure_after_daemon_start_rolls_everything_back(node: Node,
 
     monkeypatch.setattr(cdi, "write_spec_text", refuse)  # driver.gpu.state calls cdi.write_spec_text
     state = node.state()
-    with pytest.raises(OSError, match="no space left"):
+    with pytest.raises(PrepareError, match="no space left"):
         state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
     [daemon_id] = node.mps.started()
     assert node.mps.stopped_after_start(daemon_id)

@@ -242,6 +242,12 @@ class SharingRuntime:
     def set_plan_timeslice(self, uuid: str, interval: TimeSliceInterval | None) -> bool:
         """Apply the plan's time slice to one GPU (None: reset it), recorded once done; False if it failed."""
         if interval is None:
+            if any(r.timeslice is not None and uuid in r.timeslice.gpu_uuids
+                   for r in self._ledger.read().claims.values()):
+                # A claim on the GPU, published whole again, set its own time slice (a reset left to
+                # a later rescan comes after it): keep the claim's, forget only the plan's record.
+                self._ledger.commit(lambda cp: cp.plan_timeslices.pop(uuid, None))
+                return True
             done = self._best_effort(f"resetting the time slice of GPU {uuid}", partial(self.timeslicer.reset, [uuid]))
             if done:
                 self._ledger.commit(lambda cp: cp.plan_timeslices.pop(uuid, None))
