@@ -120,9 +120,12 @@ def _remove_orphan_files(state: DeviceState) -> list[str]:
     for tmp in state.paths.cdi_root.glob(f".{state.names.spec_prefix}*.tmp"):
         tmp.unlink(missing_ok=True)
         removed.append(f"temporary file {tmp.name}")
-    for tmp in state.paths.state_dir.glob(".checkpoint.json.*.tmp"):
-        tmp.unlink(missing_ok=True)
-        removed.append(f"temporary file {tmp.name}")
+    # Checkpoint writes hold only the node lock: without it, this could delete the temporary file of
+    # the other plugin pod's write in progress during a rolling update.
+    with state.node_lock.held():
+        for tmp in state.paths.state_dir.glob(".checkpoint.json.*.tmp"):
+            tmp.unlink(missing_ok=True)
+            removed.append(f"temporary file {tmp.name}")
     return removed
 
 
