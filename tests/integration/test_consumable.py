@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
 import uuid
 from typing import Any
 
-import grpc
-
 from driver.kubeletplugin.types import ClaimRef
 from driver.simulation.allocator import allocate
-from tests.support.node import DRIVER, NODE, SimulatedNode, pid_alive, wait_until
+from tests.support.node import DRIVER, NODE, SimulatedNode, kill_9_while_daemon_starts, pid_alive, wait_until
 
 PLANS: dict[str, Any] = {"plans": {"c": {"gpus": [
     {"match": {"minor": 0}, "consumable": {"fallback": {"mps": {"shares": 2}}}}]}}}
@@ -114,19 +110,7 @@ def test_kill_9_mid_prepare_of_a_share_rolls_back_its_daemon_and_a_retry_prepare
         assert device["attributes"]["memoryLimitEnforcement"] == {"string": "kernel"}
         ref, result = allocated_claim(node, "share", "10Gi", "33", {}, str(uuid.uuid4()))
 
-        def prepare_until_killed() -> None:
-            with contextlib.suppress(grpc.RpcError):  # the driver dies under this call
-                node.prepare(ref)
-
-        thread = threading.Thread(target=prepare_until_killed, daemon=True)
-        thread.start()
-        wait_until(lambda: any(e.get("event") == "start" for e in node.journal()), what="the share's daemon to start")
-        wait_until(lambda: node.checkpoint()["claims"].get(ref.uid, {}).get("phase") == "PrepareStarted",
-                   what="PrepareStarted in the checkpoint")
-        [daemon_pid] = {e["pid"] for e in node.journal() if e.get("event") == "start"}
-        node.kill9()
-        thread.join(timeout=30)
-        assert pid_alive(daemon_pid), "the half-started daemon outlived the driver"
+        daemon_pid = kill_9_while_daemon_starts(node, ref)
 
         node.restart(env={"TESSERA_SIM_MPS_FAIL": ""})
         wait_until(lambda: not pid_alive(daemon_pid), what="the share's leaked daemon to be stopped")

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
 
-import grpc
-
-from tests.support.node import SimulatedNode, gpu_config, pid_alive, wait_until
+from tests.support.node import SimulatedNode, gpu_config, kill_9_while_daemon_starts, pid_alive, wait_until
 
 
 def test_restart_keeps_prepared_claims(node: SimulatedNode) -> None:
@@ -52,19 +48,7 @@ def test_kill_9_in_the_middle_of_prepare_is_rolled_back_at_restart(node: Simulat
     # the PrepareStarted record and a live daemon exist when the driver is killed.
     node.start(env={"TESSERA_SIM_MPS_FAIL": "hang"})
     ref = node.claim("c", [("gpu", "gpu-0")], configs=[gpu_config(strategy="MPS")])
-    def prepare_until_killed() -> None:
-        with contextlib.suppress(grpc.RpcError):  # the driver dies under this call
-            node.prepare(ref)
-
-    thread = threading.Thread(target=prepare_until_killed, daemon=True)
-    thread.start()
-    wait_until(lambda: any(e.get("event") == "start" for e in node.journal()), what="the daemon to start")
-    wait_until(lambda: node.checkpoint()["claims"].get(ref.uid, {}).get("phase") == "PrepareStarted",
-               what="PrepareStarted in the checkpoint")
-    [daemon_pid] = {e["pid"] for e in node.journal() if e.get("event") == "start"}
-    node.kill9()
-    thread.join(timeout=30)
-    assert pid_alive(daemon_pid), "the half-started daemon outlived the driver"
+    daemon_pid = kill_9_while_daemon_starts(node, ref)
 
     node.restart(env={"TESSERA_SIM_MPS_FAIL": ""})
     wait_until(lambda: not pid_alive(daemon_pid), what="the leaked daemon to be stopped")

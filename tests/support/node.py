@@ -8,6 +8,7 @@ stand-in ``nvidia-smi`` / ``nvidia-cuda-mps-control`` executables.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,12 +16,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
 import yaml
 
 from driver.config import DEFAULT_PLAN_LABEL
@@ -43,6 +46,28 @@ def wait_until(condition: Callable[[], bool], timeout: float = 15.0, what: str =
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def kill_9_while_daemon_starts(node: SimulatedNode, ref: ClaimRef) -> int:
+    """Prepare ``ref`` and kill -9 the driver once its MPS daemon runs and the claim is PrepareStarted.
+
+    The node must have been started with ``TESSERA_SIM_MPS_FAIL=hang``, so the prepare blocks in the
+    daemon's readiness wait. Returns the daemon's pid, which must have outlived the driver.
+    """
+    def prepare_until_killed() -> None:
+        with contextlib.suppress(grpc.RpcError):  # the driver dies under this call
+            node.prepare(ref)
+
+    thread = threading.Thread(target=prepare_until_killed, daemon=True)
+    thread.start()
+    wait_until(lambda: any(e.get("event") == "start" for e in node.journal()), what="the daemon to start")
+    wait_until(lambda: node.checkpoint()["claims"].get(ref.uid, {}).get("phase") == "PrepareStarted",
+               what="PrepareStarted in the checkpoint")
+    [daemon_pid] = {e["pid"] for e in node.journal() if e.get("event") == "start"}
+    node.kill9()
+    thread.join(timeout=30)
+    assert pid_alive(daemon_pid), "the half-started daemon outlived the driver"
+    return int(daemon_pid)
 
 
 def pid_alive(pid: int) -> bool:
