@@ -267,14 +267,19 @@ def mps_share_latency(repeats: int) -> tuple[list[float], list[float]]:
             node.start(*PRODUCTION_RESCAN)
             node.wait_for_devices([f"gpu-0-mps-{k}" for k in range(8)])
             refs = [node.claim(f"share-{k}", [("share", f"gpu-0-mps-{k}")]) for k in range(8)]
-            for k, ref in enumerate(refs):
-                started = time.perf_counter()
-                node.prepare_ok(ref)
-                (first if k == 0 else following).append(time.perf_counter() - started)
-            node.unprepare(*refs)
+            _time_prepares(node, refs, first, following)
         finally:
             node.close()
     return first, following
+
+
+def _time_prepares(node: SimulatedNode, refs: list[ClaimRef], first: list[float], following: list[float]) -> None:
+    """Prepare ``refs`` one after another, timing the first apart from the rest, then unprepare them."""
+    for k, ref in enumerate(refs):
+        started = time.perf_counter()
+        node.prepare_ok(ref)
+        (first if k == 0 else following).append(time.perf_counter() - started)
+    node.unprepare(*refs)
 
 
 def consumable_share_latency(repeats: int, claims: int = 4) -> tuple[list[float], list[float]]:
@@ -303,11 +308,7 @@ def consumable_share_latency(repeats: int, claims: int = 4) -> tuple[list[float]
                         "shareID": str(uuid.uuid4()),
                         "consumedCapacity": {"memory": "2Gi", "multiprocessors": "8"}}]}}}})
                 refs.append(ref)
-            for k, ref in enumerate(refs):
-                started = time.perf_counter()
-                node.prepare_ok(ref)
-                (first if k == 0 else following).append(time.perf_counter() - started)
-            node.unprepare(*refs)
+            _time_prepares(node, refs, first, following)
         finally:
             node.close()
     return first, following
