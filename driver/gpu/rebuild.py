@@ -4,7 +4,8 @@ Every spec the driver writes carries annotations naming its claim and, per devic
 the checkpoint held about it: kind, GPU, MIG instance, request names, share ID, the share layout
 of its GPU and its MPS daemon; the claim's time slice is a spec-level annotation. So running
 workloads keep their specs, their daemons and their GPUs' published form; only daemon PIDs are
-lost, and unprepare still stops those daemons through their directories. The compute modes
+lost: the next prepare that needs such a daemon adopts it (its limits read back), and unprepare
+still stops those daemons through their directories. The compute modes
 the GPUs had before their daemons are lost too; recovery then takes them as DEFAULT.
 """
 

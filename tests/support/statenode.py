@@ -69,6 +69,11 @@ class FakeMps:
         self.running.pop(record.spec.daemon_id, None)
         return self.start(record.spec)
 
+    def adopt(self, spec: MpsDaemonSpec) -> MpsDaemonRecord | None:
+        self.calls.append(("adopt", spec.daemon_id))
+        running = self.running.get(spec.daemon_id)
+        return running if running is not None and running.spec == spec else None
+
     def stop(self, record: MpsDaemonRecord) -> None:
         self.calls.append(("stop", record.spec.daemon_id))
         self.running.pop(record.spec.daemon_id, None)

@@ -713,3 +713,16 @@ def test_a_launcher_answering_with_another_shm_dir_is_refused_and_its_daemon_sto
     with pytest.raises(MpsError, match="requested"):
         manager.start(LIMITED)
     _assert_nothing_left(sim, CLAIM_ID)
+
+
+def test_a_running_daemon_without_a_record_is_adopted_only_with_its_limits(anyd: Sim) -> None:
+    started = anyd.manager().start(LIMITED)
+    # A new manager, as after a checkpoint rebuilt from CDI specs: no record, only the directory.
+    adopted = anyd.manager().adopt(LIMITED)
+    assert adopted is not None
+    assert (adopted.pid, adopted.process_start_time, adopted.pipe_dir) == (
+        started.pid, started.process_start_time, started.pipe_dir)
+    other_limits = LIMITED.model_copy(update={"active_thread_percentage": 41})
+    assert anyd.manager().adopt(other_limits) is None, "a daemon with other limits is not the one wanted"
+    anyd.manager().stop(started)
+    assert anyd.manager().adopt(LIMITED) is None

@@ -618,3 +618,18 @@ def test_a_claim_with_an_mps_daemon_records_its_intent_before_starting_it(node: 
     monkeypatch.setattr(node.mps, "start", start)
     state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
     assert phases == ["PrepareStarted"]
+
+
+def test_a_shared_daemon_whose_record_was_lost_with_the_checkpoint_is_adopted_not_restarted(node: Node) -> None:
+    gpu = node.uuid(0)
+    first = node.state()
+    first.apply_layout(make_view(node.inventory, {}), {gpu: mps_shares(2)})
+    first.prepare(claim("u1", "gpu-0-mps-0"))
+    [daemon_id] = node.mps.started()
+    pid = node.mps.running[daemon_id].pid
+    (node.paths.state_dir / "checkpoint.json").write_text("{garbage")
+    restarted = node.state()
+    assert restarted.recover().rebuilt_from_cdi
+    restarted.prepare(claim("u2", "gpu-0-mps-1"))  # the second share of the GPU the first one's daemon serves
+    assert node.mps.started() == [daemon_id], "u1's clients keep their daemon"
+    assert node.mps.running[daemon_id].pid == pid and not node.mps.stopped_after_start(daemon_id)

@@ -154,6 +154,29 @@ class MpsManager:
         self._stop_process(record.pipe_dir, record.log_dir, None)
         return self._start(record.spec, keep_dirs_on_failure=True, timeout=timeout)
 
+    def adopt(self, spec: MpsDaemonSpec) -> MpsDaemonRecord | None:
+        """A record for the one live daemon in ``spec``'s directory if its limits read back as ``spec``'s,
+        else None. For daemons whose record was lost with a corrupt checkpoint: their clients keep
+        their daemon instead of losing it to a restart."""
+        daemon_dir = self.daemon_dir(spec.daemon_id)
+        pipe_dir, log_dir = daemon_dir / "pipe", daemon_dir / "log"
+        running = find_daemons(pipe_dir)
+        if len(running) != 1:
+            return None
+        try:
+            self._check_limits(spec, pipe_dir, log_dir, Deadline.after(self.ready_timeout, "adoption"))
+        except MpsError as exc:
+            log.info("found a daemon without a record but not with the expected limits; not adopting it",
+                     extra={"daemon_id": spec.daemon_id, "reason": str(exc)})
+            return None
+        pid, process_start_time = running[0]
+        shm = daemon_dir / "shm"  # present only when the launcher gave the daemon a /dev/shm of its own
+        log.info("adopted an MPS control daemon that had no record", extra={"daemon_id": spec.daemon_id, "pid": pid})
+        return MpsDaemonRecord(spec=spec, pid=pid, pipe_dir=pipe_dir, log_dir=log_dir,
+                               started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                               process_start_time=process_start_time,
+                               shm_dir=shm if shm.is_dir() and not shm.is_symlink() else self.shm_dir)
+
     def stop(self, record: MpsDaemonRecord) -> None:
         """Quit the daemon, fall back to SIGTERM then SIGKILL, and remove its directories.
 
@@ -286,9 +309,16 @@ class MpsManager:
     def _apply_limits(self, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path, deadline: Deadline) -> None:
         """Set each limit and read it back: the daemon accepts invalid values silently (it prints
         nothing, or the old value), so only the read-back shows whether it took one."""
+        self._check_limits(spec, pipe_dir, log_dir, deadline, set_first=True)
+
+    def _check_limits(self, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path, deadline: Deadline,
+                      set_first: bool = False) -> None:
+        """Read every limit of ``spec`` back from the daemon (each set just before, with ``set_first``);
+        MpsError names the first that differs."""
         if spec.active_thread_percentage is not None:
-            self.control.set(pipe_dir, log_dir, f"set_default_active_thread_percentage {spec.active_thread_percentage}",
-                      deadline)
+            if set_first:
+                self.control.set(pipe_dir, log_dir,
+                                 f"set_default_active_thread_percentage {spec.active_thread_percentage}", deadline)
             answer = self.control.send(pipe_dir, log_dir, "get_default_active_thread_percentage", deadline)
             try:
                 taken = abs(float(answer) - spec.active_thread_percentage) < 0.01
@@ -298,9 +328,10 @@ class MpsManager:
                 raise MpsError(f"default active thread percentage reads back as {answer!r}, "
                                f"expected {spec.active_thread_percentage}")
         for ordinal, mib in spec.pinned_limits_mib():
-            # The ordinal within the daemon's CUDA_VISIBLE_DEVICES: measured, a UUID here is not
-            # taken (get prints nothing; the log says "No default pinned memory limit set").
-            self.control.set(pipe_dir, log_dir, f"set_default_device_pinned_mem_limit {ordinal} {mib}M", deadline)
+            if set_first:
+                # The ordinal within the daemon's CUDA_VISIBLE_DEVICES: measured, a UUID here is not
+                # taken (get prints nothing; the log says "No default pinned memory limit set").
+                self.control.set(pipe_dir, log_dir, f"set_default_device_pinned_mem_limit {ordinal} {mib}M", deadline)
             answer = self.control.send(pipe_dir, log_dir, f"get_default_device_pinned_mem_limit {ordinal}", deadline)
             if not pinned_limit_taken(answer, mib):
                 shown = f"{mib // 1024}G" if mib >= 1024 else f"{mib}M"

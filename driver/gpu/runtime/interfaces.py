@@ -31,6 +31,11 @@ class MpsDaemons(Protocol):
         """The recorded daemon if it runs, else a restarted one with the same limits."""
         ...
 
+    def adopt(self, spec: MpsDaemonSpec) -> MpsDaemonRecord | None:
+        """A record for a live daemon of ``spec`` that has none (lost with the checkpoint), if its limits
+        read back as ``spec``'s."""
+        ...
+
     def stop(self, record: MpsDaemonRecord) -> None:
         """Stop the daemon and remove its directories; a daemon already gone is fine."""
         ...

@@ -120,6 +120,8 @@ class SharingRuntime:
                 # share prepare would cost a process spawn each time.
                 return existing
             record = self.mps.ensure_running(existing, _left(deadline))
+        elif existing is None and not fresh and (adopted := self.mps.adopt(spec)) is not None:
+            record = adopted  # its record was lost with a corrupt checkpoint: its clients keep it
         else:
             if existing is not None:
                 self.mps.stop(existing)
