@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -123,32 +123,20 @@ def _message(status: DeviceHealthStatus) -> str:
     return text if len(text) <= MAX_MESSAGE_CHARS else text[:MAX_MESSAGE_CHARS - 3] + "..."
 
 
-class _V1Servicer:
-    def __init__(self, board: HealthBoard):
-        self._board = board
+class _Servicer:
+    """NodeWatchResources for one API version: v1 and v1alpha1 have the same messages in their own modules."""
 
-    def NodeWatchResources(self, request: drahealth_v1_pb2.NodeWatchResourcesRequest,
-                           context: grpc.ServicerContext) -> Iterator[drahealth_v1_pb2.NodeWatchResourcesResponse]:
-        pb = drahealth_v1_pb2
+    def __init__(self, board: HealthBoard, pb: Any, status: Mapping[Health, int]):
+        self._board = board
+        self._pb = pb
+        self._status = status
+
+    def NodeWatchResources(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        pb = self._pb
         for devices in self._board.stream(context.is_active):
             yield pb.NodeWatchResourcesResponse(devices=[pb.DeviceHealth(
                 device=pb.DeviceIdentifier(pool_name=d.pool, device_name=d.device),
-                health=_V1_STATUS[d.health], last_updated_time=int(d.updated_at),
-                health_check_timeout_seconds=self._board.timeout_s, message=_message(d)) for d in devices])
-
-
-class _V1Alpha1Servicer:
-    def __init__(self, board: HealthBoard):
-        self._board = board
-
-    def NodeWatchResources(
-            self, request: drahealth_v1alpha1_pb2.NodeWatchResourcesRequest,
-            context: grpc.ServicerContext) -> Iterator[drahealth_v1alpha1_pb2.NodeWatchResourcesResponse]:
-        pb = drahealth_v1alpha1_pb2
-        for devices in self._board.stream(context.is_active):
-            yield pb.NodeWatchResourcesResponse(devices=[pb.DeviceHealth(
-                device=pb.DeviceIdentifier(pool_name=d.pool, device_name=d.device),
-                health=_V1ALPHA1_STATUS[d.health], last_updated_time=int(d.updated_at),
+                health=self._status[d.health], last_updated_time=int(d.updated_at),
                 health_check_timeout_seconds=self._board.timeout_s, message=_message(d)) for d in devices])
 
 
@@ -160,5 +148,7 @@ _V1ALPHA1_STATUS = {Health.UNKNOWN: drahealth_v1alpha1_pb2.UNKNOWN, Health.HEALT
 
 def add_health_services(server: grpc.Server, board: HealthBoard) -> None:
     """Serve both health APIs on ``server``; advertise :data:`HEALTH_SERVICE_VERSIONS` in GetInfo."""
-    drahealth_v1_pb2_grpc.add_DRAResourceHealthServicer_to_server(_V1Servicer(board), server)
-    drahealth_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(_V1Alpha1Servicer(board), server)
+    drahealth_v1_pb2_grpc.add_DRAResourceHealthServicer_to_server(
+        _Servicer(board, drahealth_v1_pb2, _V1_STATUS), server)
+    drahealth_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(
+        _Servicer(board, drahealth_v1alpha1_pb2, _V1ALPHA1_STATUS), server)
