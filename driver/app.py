@@ -23,6 +23,7 @@ from driver.config import Settings
 from driver.gpu import kernelmemory
 from driver.gpu.claimcdi.toolkit import toolkit_spec_changed
 from driver.gpu.consumable import KernelMemoryLimits, consumable_supported
+from driver.gpu.daemonwatch import DaemonWatcher, MpsReports
 from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import Discovery, NodeInventory
 from driver.gpu.driver import GpuDriver
@@ -33,17 +34,19 @@ from driver.gpu.health.report import HEALTH_FILE
 from driver.gpu.health.usagereport import USAGE_FILE
 from driver.gpu.health.usagewatch import ClaimUsageWatch
 from driver.gpu.health.xids import parse_ignored_xids
+from driver.gpu.mps.hostcheck import default_tools
 from driver.gpu.mps.hostclient import MpsHostLauncher
 from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.multiuser import MultiUserProbe, probe_gpu, single_user_gpus
-from driver.gpu.runtime.computemode import ComputeModes
+from driver.gpu.mps.shmmount import ShmTmpfs
 from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.sharelayout import SharingLayout
 from driver.gpu.sharingplan import PlanError, load_plans, resolve_layout, select_plan
 from driver.gpu.state import DeviceState, StatePaths
 from driver.gpu.targets import NodeView
 from driver.healthsource import open_health_source, open_process_source
+from driver.kubeletplugin.events import EventRecorder
 from driver.kubeletplugin.healthservice import HealthBoard
 from driver.kubeletplugin.helper import Helper, HttpEndpoint, TelemetryNames
 from driver.kubeletplugin.helper import start as start_plugin
@@ -111,8 +114,9 @@ def state_paths(settings: Settings) -> StatePaths:
 def choose_launcher(settings: Settings) -> DaemonLauncher:
     """The MPS host when one is configured (daemons outlive this process), else children of this process."""
     if settings.mps_host_socket is not None:
-        return MpsHostLauncher(settings.mps_host_socket)
-    return LocalLauncher(settings.driver_root)
+        return MpsHostLauncher(settings.mps_host_socket, shm_size=settings.mps_shm_size)
+    shm = ShmTmpfs(settings.mps_shm_size, "--mps-shm-tmpfs", default_tools()) if settings.mps_shm_tmpfs else None
+    return LocalLauncher(settings.driver_root, shm=shm)
 
 
 class DriverApp:
@@ -148,11 +152,19 @@ class DriverApp:
         # the published mpsMultiUser attribute say single-user, the answer that hides nothing.
         self.multi_user = MultiUserProbe(self.mps.supports_multi_user)
         self._single_user_gpus: tuple[str, ...] = ()
+        compute_modes = nodelayout.open_compute_modes(settings)  # NVML (or its simulation double), once
         self.state = DeviceState(
             driver_name=settings.driver_name, pool_name=settings.node_name, paths=paths,
             toolkit=nodelayout.load_toolkit(settings), mps=self.mps,
-            timeslicer=TimeSlicer(settings.driver_root), compute_modes=ComputeModes(settings.driver_root),
+            timeslicer=TimeSlicer(settings.driver_root, compute_modes), compute_modes=compute_modes,
             view=make_view(inventory, {}), mps_multi_user=False)
+        # Tenants that change or stop a shared MPS daemon: counted, logged and told to each claim's owner
+        # as an Event (posted from the recorder's thread, never inside a prepare).
+        self.events = EventRecorder(self.api, controller=f"{settings.driver_name}/kubelet-plugin",
+                                    instance=settings.node_name)
+        self.mps_reports = MpsReports(self.events)
+        self.state.sharing.reports = self.mps_reports
+        self.daemon_watch = DaemonWatcher(self.state, settings.mps_limit_check_interval)
         self.state.recover()
         view, _deferred = self.state.apply_layout(make_view(inventory, {}), desired)
 
@@ -163,6 +175,7 @@ class DriverApp:
                                  report_path=settings.state_dir / HEALTH_FILE)
         self.health_source = open_health_source(settings, lambda: self.state.view.inventory, os.environ)
         self.state.device_problems = lambda: self.health.problems(self.state.view)
+        self.state.device_taints = lambda: self.health.taints(self.state.view)
         self.usage = ClaimUsageWatch(open_process_source(settings, lambda: self.state.view.inventory, os.environ),
                                      self.state.ledger.read, lambda: self.state.view,
                                      report_path=settings.state_dir / USAGE_FILE)
@@ -275,6 +288,9 @@ class DriverApp:
         self.helper.telemetry.observe_gauge("prepared_claims", "Claims prepared on this node",
                                             lambda: float(self.state.prepared_count()))
         self._start_health()
+        self.mps_reports.register_metrics(self.helper.telemetry)
+        self.events.start()
+        self.daemon_watch.start()
         log.info("driver started", extra={"driver": self.settings.driver_name, "node": self.settings.node_name,
                                           "http_port": self.helper.http_port,
                                           "dra_socket": str(self.helper.dra_socket),
@@ -301,6 +317,9 @@ class DriverApp:
         # after a real removal the kubelet wipes them 30 s after the sockets are gone.
         self.health.monitor.stop()
         self.usage.stop()
+        # A check in progress is bounded by the MPS timeouts; then the queued Events get a moment to go out.
+        self.daemon_watch.stop(self.mps.ready_timeout + self.mps.command_timeout)
+        self.events.stop(timeout=2.0)
         if self._helper is not None:
             self._helper.stop()
         # A probe still running has a throwaway daemon to stop; it is bounded by the manager's timeouts.

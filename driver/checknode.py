@@ -3,8 +3,8 @@
 Run it first on a new node, in the plugin pod (``docs/operations.md``, "Checking a new node").
 It takes the same settings as ``run`` and checks, in order: NVML and every GPU and MIG device;
 the device root and the device nodes; the NVIDIA Container Toolkit's CDI spec and ``libcuda`` in
-it; ``libcuda`` under the driver root; ``nvidia-smi``; each GPU's compute mode (read only: the
-check changes nothing on any GPU); and MPS end to end (``driver/checkmps.py``). The exit status
+it; ``libcuda`` under the driver root; ``nvidia-smi``; each GPU's compute mode (read through NVML,
+as the driver does; the check changes nothing on any GPU); and MPS end to end (``driver/checkmps.py``). The exit status
 is 1 if any check failed. A check that cannot run here is SKIPPED with the reason.
 
 With ``--simulate`` and no host root of its own, it builds a throwaway simulated host tree
@@ -38,7 +38,7 @@ from driver.gpu.claimcdi.toolkit import load_toolkit_edits, toolkit_spec_candida
 from driver.gpu.discovery.cudarun import LIBCUDA, find_libcuda
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
-from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError, ComputeModes
+from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
 from driver.units import GIB
 
 log = logging.getLogger(__name__)
@@ -193,24 +193,28 @@ def classify_compute_mode(uuid: str, mode: ComputeMode) -> tuple[bool, str]:
                    f"undo with `nvidia-smi -i {uuid} -c DEFAULT` (as root) if nothing on the node set it on purpose")
 
 
-def compute_mode_checks(roots: NodeRoots, inventory: NodeInventory | None) -> tuple[dict[str, str], list[CheckResult]]:
-    """Read only. MIG-enabled GPUs are skipped: MIG allows no mode but DEFAULT."""
+def compute_mode_checks(settings: Settings, roots: NodeRoots,
+                        inventory: NodeInventory | None) -> tuple[dict[str, str], list[CheckResult]]:
+    """Read only, through NVML as the driver reads them. MIG-enabled GPUs are skipped: MIG allows only DEFAULT."""
     modes: dict[str, str] = {}
     lines: list[CheckResult] = []
-    reader = ComputeModes(roots.driver_root)
-    for gpu in inventory.gpus if inventory else ():
-        check = f"compute mode GPU {gpu.minor}"
-        if gpu.mig_enabled:
-            lines.append(ok(check, "MIG enabled: compute mode is DEFAULT and cannot be changed"))
-            continue
-        try:
-            mode = reader.get(gpu.uuid)
-        except ComputeModeError as exc:
-            lines.append(fail(check, str(exc)))
-            continue
-        modes[gpu.uuid] = mode.value
-        good, meaning = classify_compute_mode(gpu.uuid, mode)
-        lines.append(ok(check, meaning) if good else fail(check, meaning))
+    reader = nodelayout.open_compute_modes(settings, roots.driver_root)
+    try:
+        for gpu in inventory.gpus if inventory else ():
+            check = f"compute mode GPU {gpu.minor}"
+            if gpu.mig_enabled:
+                lines.append(ok(check, "MIG enabled: compute mode is DEFAULT and cannot be changed"))
+                continue
+            try:
+                mode = reader.get(gpu.uuid)
+            except ComputeModeError as exc:
+                lines.append(fail(check, str(exc)))
+                continue
+            modes[gpu.uuid] = mode.value
+            good, meaning = classify_compute_mode(gpu.uuid, mode)
+            lines.append(ok(check, meaning) if good else fail(check, meaning))
+    finally:
+        reader.close()
     return modes, lines
 
 
@@ -221,7 +225,7 @@ def check_node(settings: Settings, mps_device: str | None = None) -> NodeReport:
         results += _guarded("toolkit CDI spec", lambda: toolkit_checks(settings, roots))
         results += _guarded("libcuda", lambda: libcuda_check(roots))
         results += _guarded("nvidia-smi", lambda: nvidia_smi_check(roots))
-        modes, lines = compute_mode_checks(roots, inventory)
+        modes, lines = compute_mode_checks(settings, roots, inventory)
         results += lines
         if inventory is None:
             results.append(skipped("MPS", "no GPU inventory (see the NVML line)"))

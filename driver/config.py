@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from driver.gpu.health.xids import parse_ignored_xids
+from driver.gpu.mps.model import DEFAULT_SHM_SIZE
+from driver.gpu.mps.shmmount import parse_shm_size
 from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, KUBELET_PREPARE_TIMEOUT
 
 DEFAULT_DRIVER_NAME = "gpu.tessera.dev"
@@ -39,9 +41,16 @@ class Settings(BaseModel):
     sharing_plans: Path | None = None
     sharing_plan_label: str = DEFAULT_PLAN_LABEL
     mps_host_socket: Path | None = None
+    # Each MPS daemon's own /dev/shm tmpfs (docs/sharing.md, "/dev/shm"): the size where the plan or
+    # the claim names none, and whether the plugin's own launcher mounts one (the MPS host has --shm-tmpfs).
+    mps_shm_size: int = DEFAULT_SHM_SIZE
+    mps_shm_tmpfs: bool = False
     simulate: str | None = None
     http_port: int = Field(default=8080, ge=0, le=65535)
     rescan_interval: float = Field(default=30.0, gt=0)
+    # Tenants can change a shared daemon's limits: they are read back this often (docs/sharing.md,
+    # "Limits are watched"); at most 10 s, what the driver promises.
+    mps_limit_check_interval: float = Field(default=5.0, gt=0, le=10)
     prepare_deadline: float = DEFAULT_PREPARE_DEADLINE
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
@@ -55,6 +64,11 @@ class Settings(BaseModel):
     def _xid_list(cls, value: str) -> str:
         parse_ignored_xids(value)  # raises ValueError naming the bad entry
         return value
+
+    @field_validator("mps_shm_size", mode="before")
+    @classmethod
+    def _shm_size(cls, value: object) -> object:
+        return parse_shm_size(value) if isinstance(value, str) else value
 
     @field_validator("driver_name")
     @classmethod
@@ -113,9 +127,17 @@ _FLAGS: list[tuple[str, str, str, str]] = [
     ("--mps-host-socket", "mps_host_socket", "MPS_HOST_SOCKET",
      "socket of the MPS host (python -m driver mps-host) that runs MPS daemons outside this process; "
      "unset: daemons are this process's children"),
+    ("--mps-shm-size", "mps_shm_size", "MPS_SHM_SIZE",
+     "size of each MPS daemon's own /dev/shm tmpfs where the sharing plan or the claim names none "
+     "(64Mi to 1Ti; default 1Gi)"),
+    ("--mps-shm-tmpfs", "mps_shm_tmpfs", "MPS_SHM_TMPFS",
+     "true: without the MPS host, mount a tmpfs of its own as each MPS daemon's /dev/shm (needs CAP_SYS_ADMIN; "
+     "with the MPS host, its --shm-tmpfs does this)"),
     ("--simulate", "simulate", "TESSERA_SIMULATE", "SIMULATION: use a simulated GPU node layout (name or file)"),
     ("--http-port", "http_port", "HTTP_PORT", "port for /metrics, /healthz and /readyz (0 = any)"),
     ("--rescan-interval", "rescan_interval", "RESCAN_INTERVAL", "seconds between GPU and sharing-plan rescans"),
+    ("--mps-limit-check-interval", "mps_limit_check_interval", "MPS_LIMIT_CHECK_INTERVAL",
+     "seconds between read-backs of every MPS daemon's limits (changes are reverted; at most 10)"),
     ("--prepare-deadline", "prepare_deadline", "PREPARE_DEADLINE",
      "seconds one prepare call may take before its work is rolled back and the claim fails "
      "(< 45, the kubelet's limit)"),

@@ -115,6 +115,7 @@ def _driver_process(work: Path, kubeconfig: Path, node_args: list[str],
     (work / "tmp").mkdir(exist_ok=True)
     token = uuid.uuid4().hex
     env = dict(os.environ, TMPDIR=str(work / "tmp"), TESSERA_SIM_NVIDIA_SMI_LOG=str(work / "nvidia-smi-calls.jsonl"),
+               TESSERA_SIM_NVML_LOG=str(work / NVML_CALLS),
                **{RUN_TOKEN_ENV: token}, **extra_env)
     with open(work / "driver.log", "wb") as log:
         # A session of its own: a terminal's Ctrl-C reaches only the demo, which then stops the driver
@@ -169,6 +170,9 @@ def _print_slices(slices: list[dict[str, Any]]) -> None:
             _say(f"  {d['name']:<24} {kind:<10} {what:<28} {memory:<10} {details}")
 
 
+NVML_CALLS = "nvml-calls.jsonl"  # what the driver asked the simulated NVML (driver/simulation/nvmlcompute.py)
+
+
 def _show_mps_commands(work: Path, spec_json: dict[str, Any]) -> None:
     daemons = {ann for dev in spec_json.get("devices", [])
                for key, ann in (dev.get("annotations") or {}).items() if key.endswith("/mps-daemon")}
@@ -180,6 +184,13 @@ def _show_mps_commands(work: Path, spec_json: dict[str, Any]) -> None:
         for line in log.read_text().splitlines():
             entry = json.loads(line)
             _say(f"    {' '.join([entry['cmd'], *entry.get('args', [])])}")
+    nvml_log = work / NVML_CALLS
+    if daemons and nvml_log.exists():
+        # Compute modes go through NVML in the driver's process (SIMULATION: the NVML double records them).
+        calls = [json.loads(line) for line in nvml_log.read_text().splitlines() if line.strip()]
+        _say("  compute-mode calls the driver made through NVML so far (SIMULATION double):")
+        for call in calls:
+            _say(f"    {call['call']} {call['uuid']}{' ' + call['mode'] if 'mode' in call else ''}")
 
 
 def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, work: Path, cdi_dir: Path,

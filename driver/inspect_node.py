@@ -18,6 +18,8 @@ from driver.gpu.health.report import add_to_inspect as add_health_to_inspect
 from driver.gpu.health.usagereport import USAGE_FILE, render_usage
 from driver.gpu.health.usagereport import add_to_inspect as add_usage_to_inspect
 from driver.gpu.mps.hostclient import MpsHostLauncher
+from driver.gpu.mps.identity import foreign_processes
+from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
 from driver.gpu.mps.proc import is_same_process
 from driver.gpu.runtime.computemode import ComputeMode
 from driver.units import GIB
@@ -47,10 +49,11 @@ def collect(settings: Settings) -> dict[str, Any]:
             "devices": [{"device": d.device.device_name, "kind": d.kind, "gpu": d.gpu_uuid, "mig": d.mig_uuid,
                          "requests": d.device.request_names, "cdi_ids": d.device.cdi_device_ids,
                          "share_id": d.device.share_id, "mps_daemon": d.mps_daemon_id,
-                         "consumed": _consumed(d)} for d in record.devices],
+                         "consumed": _consumed(d), "admin_access": d.admin_access} for d in record.devices],
             "cdi_spec": str(spec_path), "cdi_spec_present": spec_path.exists(),
             "timeslice": record.timeslice.model_dump() if record.timeslice else None,
             "exclusive_gpus": list(record.exclusive_gpus),
+            "mps_clients": record.mps_clients, "mps_enforcement": record.mps_enforcement,
         })
         if not spec_path.exists() and record.phase.value == "PrepareCompleted":
             report["problems"].append(f"claim {record.uid}: CDI spec {spec_path} is missing (the driver re-creates "
@@ -68,6 +71,7 @@ def collect(settings: Settings) -> dict[str, Any]:
             report["problems"].append(f"MPS daemon {daemon_id} (pid {daemon.pid}) is not running and {len(users)} "
                                       "claim(s) use it: their MPS clients fail until the driver restarts it (at its "
                                       "next rescan, if the plugin is running)")
+    add_foreign_processes(report, settings, cp)
     report["compute_modes"] = recorded_compute_modes(cp)
     known = {r.cdi_spec_file for r in cp.claims.values()}
     for path in cdi.list_specs(settings.cdi_root, CdiNames(settings.driver_name).spec_prefix):
@@ -85,6 +89,27 @@ def _consumed(dev: PreparedDeviceRecord) -> dict[str, Any] | None:
     memory = dev.consumed_memory_bytes
     shown = f"{memory // GIB}Gi" if memory % GIB == 0 else f"{memory} bytes"
     return {"memory": shown, "memory_bytes": memory, "multiprocessors": dev.consumed_multiprocessors}
+
+
+def add_foreign_processes(report: dict[str, Any], settings: Settings, cp: Checkpoint | None) -> None:
+    """Processes that look like MPS daemons of this driver (its pipe directories in their environment)
+    but that it did not start: the driver ignores them; an operator wants to know who runs them."""
+    recorded = {} if cp is None else {i: (d.pid, d.process_start_time) for i, d in cp.mps_daemons.items()}
+    found = foreign_processes(settings.state_dir / "mps", recorded, mps_launcher(settings))
+    report["foreign_mps_processes"] = [{"pid": f.pid, "uid": f.uid, "euid": f.euid, "daemon_id": f.daemon_id,
+                                        "pipe_dir": str(f.pipe_dir)} for f in found]
+    if found:
+        pids = ", ".join(str(f.pid) for f in found[:10]) + (", ..." if len(found) > 10 else "")
+        report["problems"].append(
+            f"{len(found)} foreign process(es) name a Tessera MPS pipe directory (pid {pids}): they look like MPS "
+            "daemons but this driver did not start them; it ignores them. Find out who runs them (a tenant?)")
+
+
+def mps_launcher(settings: Settings) -> DaemonLauncher:
+    """The launcher the plugin with these settings uses, to tell its daemons from look-alikes."""
+    if settings.mps_host_socket is not None:
+        return MpsHostLauncher(settings.mps_host_socket)
+    return LocalLauncher(settings.driver_root)
 
 
 def mps_daemons_run_by(settings: Settings) -> str:
@@ -132,10 +157,15 @@ def render_text(report: dict[str, Any]) -> str:
             extra += f" share-id={dev['share_id']}" if dev["share_id"] else ""
             consumed = dev.get("consumed")
             extra += f" consumed={consumed['memory']},{consumed['multiprocessors']} SMs" if consumed else ""
+            # Shared with the claims that hold the device: nothing set up for it, nothing limits it.
+            extra += " admin-access (shared for monitoring: no MPS, no limits)" if dev.get("admin_access") else ""
             lines.append(f"    {dev['device']:<28} {dev['kind']:<9} requests={','.join(dev['requests']) or '*'} "
                          f"gpu={dev['gpu']}{extra}")
             for cdi_id in dev["cdi_ids"]:
                 lines.append(f"      cdi: {cdi_id}")
+        if claim.get("mps_clients"):
+            # Who the claim's MPS daemon admitted at prepare, and so how its limits hold (docs/sharing.md, "Tenants").
+            lines.append(f"    mps clients {claim['mps_clients']}: limits {claim['mps_enforcement']}")
         if claim["timeslice"]:
             ts = claim["timeslice"]
             lines.append(f"    time slice {ts['interval']} on {', '.join(ts['gpu_uuids'])}")
@@ -156,6 +186,13 @@ def render_text(report: dict[str, Any]) -> str:
                f"{gpu['multiprocessors']} SMs" if gpu["multiprocessors"] is not None else
                f"SM count not published: {gpu['multiprocessors_missing'] or 'unknown'}")
         lines.append(f"GPU {gpu['minor']} {gpu['uuid']} {gpu['product']}: {sms}")
+    foreign = report.get("foreign_mps_processes", [])
+    if foreign:
+        lines.append(f"{len(foreign)} foreign process(es) naming a Tessera pipe directory (not started by this driver; "
+                     "ignored by it)")
+        for f in foreign:
+            lines.append(f"- pid={f['pid']} uid={f['uid']} euid={f['euid']} daemon dir {f['daemon_id']} "
+                         f"(pipe {f['pipe_dir']})")
     lines.extend(render_health(report))
     lines.extend(render_usage(report))
     for orphan in report["orphan_cdi_specs"]:
@@ -195,6 +232,8 @@ def inspect(settings: Settings, as_json: bool) -> str:
 
 def build_report(settings: Settings) -> dict[str, Any]:
     report = collect(settings)
+    if "foreign_mps_processes" not in report:  # no checkpoint to read: look-alikes are still worth showing
+        add_foreign_processes(report, settings, None)
     report["node_driver"], problems = nodelayout.describe(settings)
     report["problems"].extend(problems)
     report["gpus"], problem = discovered_gpus(settings)

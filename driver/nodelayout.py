@@ -1,5 +1,6 @@
 """The node as the settings describe it: where its GPUs are discovered (NVML, or the simulated node
-of ``--simulate``), where it keeps the NVIDIA driver (device root, toolkit spec).
+of ``--simulate``), how compute modes are read and set (NVML, or the simulated node's NVML double),
+where it keeps the NVIDIA driver (device root, toolkit spec).
 
 Shared by ``run`` (discovery, state paths, toolkit edits, readiness), ``inspect`` and the node
 self-check, so all three see the node the same way. This is the one place that picks the
@@ -9,6 +10,8 @@ simulation: nothing under ``driver/gpu`` imports it.
 from __future__ import annotations
 
 import logging
+import os
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -16,6 +19,7 @@ from driver.config import Settings
 from driver.gpu.claimcdi.hostfs import DeviceRoot, driver_root_host_path, find_device_root
 from driver.gpu.claimcdi.toolkit import ToolkitEdits, load_toolkit_edits, toolkit_spec_candidates
 from driver.gpu.discovery.inventory import Discovery
+from driver.gpu.runtime.computemode import NvmlComputeModes
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +38,22 @@ def open_discovery(settings: Settings, node_name: str) -> Discovery:
     from driver.gpu.discovery.nvml import NvmlDiscovery
 
     return NvmlDiscovery(driver_root=settings.driver_root)
+
+
+def open_compute_modes(settings: Settings, driver_root: Path | None = None) -> NvmlComputeModes:
+    """Compute modes through NVML in this process, its library from the driver root (``driver_root``
+    overrides the settings' for check-node's own simulated tree); on the simulated node, the NVML double
+    that keeps the stand-ins' state file."""
+    root = settings.driver_root if driver_root is None else driver_root
+    if settings.simulate:
+        from driver.simulation.nvmlcompute import SimulatedNvml
+
+        return NvmlComputeModes(SimulatedNvml.for_driver_root(root, os.environ))
+    import pynvml
+
+    from driver.gpu.discovery.nvml import load_nvml_from_driver_root
+
+    return NvmlComputeModes(pynvml, load_library=partial(load_nvml_from_driver_root, root))
 
 
 def toolkit_candidates(settings: Settings) -> tuple[Path, ...]:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cdi.atomicfile import write_atomic
 from driver.gpu.mps.model import MpsDaemonRecord
 from driver.gpu.runtime.computemode import ComputeMode
-from driver.gpu.sharelayout import GpuShares, TimeSliceInterval
+from driver.gpu.sharelayout import Enforcement, GpuShares, MpsClients, TimeSliceInterval
 from driver.kubeletplugin.types import PreparedDevice
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,9 @@ class PreparedDeviceRecord(_Record):
     # exactly that and the prepare of the GPU's next claim re-checks its capacity.
     consumed_memory_bytes: int | None = None
     consumed_multiprocessors: int | None = None
+    # Admin access (Kubernetes' adminAccess): a device other claims may hold too, for monitoring. Its
+    # claim changes nothing on it and is in no other claim's way. False in older checkpoints.
+    admin_access: bool = False
 
 
 class TimeSliceRecord(_Record):
@@ -83,10 +86,20 @@ class ClaimRecord(_Record):
     # The pods the claim was reserved for at prepare (status.reservedFor): their processes' GPU
     # usage is this claim's. Empty in checkpoints written before it was recorded.
     pod_uids: list[str] = Field(default_factory=list)
+    # Who the claim's MPS daemon admitted at prepare, and how its limits hold for them (tenancy.py).
+    # None: the claim has no MPS daemon, or the checkpoint was written before clients were checked.
+    mps_clients: MpsClients | None = None
+    mps_enforcement: Enforcement | None = None
 
     @property
     def gpu_uuids(self) -> set[str]:
         return {d.gpu_uuid for d in self.devices}
+
+    @property
+    def held_gpu_uuids(self) -> set[str]:
+        """GPUs whose published form the claim depends on: its admin-access devices depend on none
+        (their CDI edits are the device nodes only), so a monitoring claim never pins a GPU's form."""
+        return {d.gpu_uuid for d in self.devices if not d.admin_access}
 
 
 class Checkpoint(_Record):

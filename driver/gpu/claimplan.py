@@ -5,13 +5,15 @@ that name, picks the winning opaque config per device, and derives the MPS daemo
 full specs), the time slice and the GPUs whose compute mode changes. Every refusal a user can
 fix (a stale allocation, an invalid config, a combination MPS cannot serve) is raised here, as
 a :class:`PrepareError` naming the claim's devices, so a refused claim never starts anything.
+A result with admin access (``adminAccess: true``, a device other claims hold, for monitoring)
+resolves to its device and nothing else: no config, daemon, time slice or consumed capacity.
 Pure functions over the node view; no I/O.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from driver.gpu.claimcdi.edits import MPS_CONTAINER_PIPE_DIR
@@ -21,7 +23,7 @@ from driver.gpu.consumable import ConsumedShare, consumed_share
 from driver.gpu.errors import PrepareError
 from driver.gpu.mps.model import MpsDaemonSpec, multi_user_capable
 from driver.gpu.runtime.computemode import exclusive_gpus
-from driver.gpu.sharelayout import TimeSliceInterval
+from driver.gpu.sharelayout import MpsClients, TimeSliceInterval
 from driver.gpu.targets import DeviceTarget, NodeView
 from driver.kubeletplugin.claimmodel import DeviceRequestAllocationResult, ResourceClaim
 
@@ -56,6 +58,9 @@ class PlannedDaemon:
     # False for a consumable share's daemon: several claims' MPS servers share its GPU, and
     # EXCLUSIVE_PROCESS would let only the first server create a context.
     exclusive: bool = True
+    # Who may be its client (driver/gpu/tenancy.py checks nonRoot at every prepare). A consumable share's
+    # daemon admits any: the GPU stays in DEFAULT, so its limits are advisory whoever the client is.
+    clients: MpsClients = "any"
 
     @property
     def daemon_id(self) -> str:
@@ -93,6 +98,11 @@ class ClaimPlan:
         return sorted({t.gpu.uuid for t in self.targets})
 
     @property
+    def held_targets(self) -> list[DeviceTarget]:
+        """The devices the claim holds: all but those of admin-access results, which other claims hold too."""
+        return [t for r, t in zip(self.results, self.targets, strict=True) if not r.admin_access]
+
+    @property
     def has_runtime(self) -> bool:
         """Whether the claim starts or changes anything besides its CDI spec."""
         return bool(self.daemons) or self.timeslice is not None
@@ -109,22 +119,25 @@ def plan_claim(claim: ResourceClaim, *, driver_name: str, pool_name: str, view: 
     if not results:
         return None
     targets = [_target_for(r, view, pool_name) for r in results]
+    # Admin-access results look at devices other claims hold: no config, daemon, time slice or capacity of theirs.
+    held = [(r, t) for r, t in zip(results, targets, strict=True) if not r.admin_access]
+    held_results, held_targets = [r for r, _ in held], [t for _, t in held]
     kind_by_device = {t.name: t.kind for t in targets}
     try:
-        groups = group_by_config(resolve_configs(claim.configs_for(driver_name), results,
+        groups = group_by_config(resolve_configs(claim.configs_for(driver_name), held_results,
                                                  lambda r: kind_by_device[r.device], whole_gpu_class=driver_name))
     except ConfigError as exc:
         raise PrepareError(f"invalid opaque configuration: {exc}") from exc
-    _check_share_multiplicity(targets, whole_gpu_class=driver_name)
+    _check_share_multiplicity(held_targets, whole_gpu_class=driver_name)
     uid = claim.metadata.uid
-    consumed = _consumed(results, targets, driver_name)
-    daemons = (_plan_daemons(targets, multi_user) + _claim_daemons(uid, targets, groups)
-               + _share_daemons(uid, targets, consumed))
+    consumed = _consumed(held_results, held_targets, driver_name)
+    daemons = (_plan_daemons(held_targets, multi_user) + _claim_daemons(uid, held_targets, groups)
+               + _share_daemons(uid, held_targets, consumed))
     by_name = {t.name: t for t in targets}
     _check_one_cuda_process_can_see([by_name[n] for d in daemons for n in d.device_names])
     _check_one_mps_daemon(daemons)
     return ClaimPlan(uid=uid, namespace=claim.metadata.namespace, name=claim.metadata.name, results=tuple(results),
-                     targets=tuple(targets), daemons=tuple(daemons), timeslice=_timeslice(targets, groups),
+                     targets=tuple(targets), daemons=tuple(daemons), timeslice=_timeslice(held_targets, groups),
                      consumed=tuple(consumed.items()), pod_uids=tuple(claim.pod_uids))
 
 
@@ -153,19 +166,10 @@ def _share_daemons(uid: str, targets: Sequence[DeviceTarget],
             continue
         spec = MpsDaemonSpec(daemon_id=share_daemon_id(uid), gpu_uuids=[t.gpu.uuid],
                              active_thread_percentage=share.active_thread_percentage,
-                             pinned_memory_limits={t.gpu.uuid: share.memory_bytes})
+                             pinned_memory_limits={t.gpu.uuid: share.memory_bytes},
+                             shm_size=t.shares.shm_size_bytes if t.shares is not None else None)
         daemons.append(PlannedDaemon(spec, shared=False, device_names=(t.name,), exclusive=False))
     return daemons
-
-
-def check_device_health(plan: ClaimPlan, problems: Mapping[str, str]) -> None:
-    """Refuse a new claim on an unhealthy device (``problems``: device name -> why); prepared claims are not checked."""
-    bad = [f"{t.name} ({problems[t.name]})" for t in plan.targets if t.name in problems]
-    if bad:
-        raise PrepareError(
-            f"device {', '.join(bad)} is unhealthy, so the claim is not prepared on it; the device is tainted where "
-            "the cluster supports device taints: delete the pod so its claim is allocated again, or wait until "
-            "the device recovers (the kubelet retries)")
 
 
 def _target_for(result: DeviceRequestAllocationResult, view: NodeView, pool_name: str) -> DeviceTarget:
@@ -213,8 +217,10 @@ def _plan_daemons(targets: Sequence[DeviceTarget], multi_user: bool) -> list[Pla
         spec = MpsDaemonSpec(daemon_id=plan_daemon_id(gpu_uuid), gpu_uuids=[gpu_uuid],
                              active_thread_percentage=s.active_thread_percentage,
                              pinned_memory_limits={gpu_uuid: s.memory_bytes_per_share},
-                             multi_user=multi_user and multi_user_capable(gpu.cuda_compute_capability))
-        daemons.append(PlannedDaemon(spec, shared=True, device_names=tuple(t.name for t in shares)))
+                             multi_user=multi_user and multi_user_capable(gpu.cuda_compute_capability),
+                             shm_size=s.shm_size_bytes)
+        daemons.append(PlannedDaemon(spec, shared=True, device_names=tuple(t.name for t in shares),
+                                     clients=s.mps_clients))
     return daemons
 
 
@@ -235,8 +241,10 @@ def _claim_daemons(uid: str, targets: Sequence[DeviceTarget], groups: ConfigGrou
             raise PrepareError(f"invalid opaque configuration: {exc}") from exc
         spec = MpsDaemonSpec(daemon_id=claim_daemon_id(uid, index), gpu_uuids=uuids,
                              active_thread_percentage=limits.active_thread_percentage if limits else None,
-                             pinned_memory_limits=dict(limits.pinned_memory_bytes) if limits else {})
-        daemons.append(PlannedDaemon(spec, shared=False, device_names=tuple(t.name for t in group)))
+                             pinned_memory_limits=dict(limits.pinned_memory_bytes) if limits else {},
+                             shm_size=sharing.mpsConfig.shmSize if sharing.mpsConfig else None)
+        daemons.append(PlannedDaemon(spec, shared=False, device_names=tuple(t.name for t in group),
+                                     clients=sharing.mpsConfig.clients if sharing.mpsConfig else "any"))
     return daemons
 
 

@@ -171,8 +171,8 @@ def _shares(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, mps_multi
         **_parent_attributes(inventory, gpu),
         "sharingStrategy": string_attr(shares.strategy),
         "shareCount": int_attr(shares.count),
-        "memoryLimitEnforcement": string_attr(shares.memory_enforcement.value),
-        "computeLimitEnforcement": string_attr(shares.compute_enforcement.value),
+        "memoryLimitEnforcement": string_attr(shares.memory_enforcement(inventory.driver_version).value),
+        "computeLimitEnforcement": string_attr(shares.compute_enforcement(inventory.driver_version).value),
     }
     if shares.strategy == "MPS" and shares.active_thread_percentage is not None:
         common["activeThreadPercentage"] = int_attr(shares.active_thread_percentage)
@@ -201,8 +201,8 @@ def _consumable(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, polic
         **_parent_attributes(inventory, gpu),
         "sharingStrategy": string_attr(shares.strategy),
         # Each claim gets its own MPS daemon whose defaults are its consumed amounts (docs/sharing.md).
-        "memoryLimitEnforcement": string_attr(shares.memory_enforcement.value),
-        "computeLimitEnforcement": string_attr(shares.compute_enforcement.value),
+        "memoryLimitEnforcement": string_attr(shares.memory_enforcement(inventory.driver_version).value),
+        "computeLimitEnforcement": string_attr(shares.compute_enforcement(inventory.driver_version).value),
     }
     capacity = {
         "memory": DeviceCapacity(value=quantity_from_bytes(policy.memory_bytes), request_policy=CapacityRequestPolicy(

@@ -11,9 +11,20 @@ fails those past the cgroup's hard limit (``dmem.max``). It needs (nvidia-gpu re
   ``nvidia-cdi-hook apply-cuda-memory-limits --driver-root <root> --gpu-id <uuid>``
   (nvidia-container-toolkit PR #2075, merged 2026-09;
   cmd/nvidia-cdi-hook/apply-cuda-memory-limits/apply-cuda-memory-limits.go). It runs as a
-  ``createRuntime`` hook, reads ``NVIDIA_GPU_MEMORY_REQUEST`` and ``NVIDIA_GPU_MEMORY_LIMIT``
-  (whole MiB, both required, request <= limit) from the container's OCI spec and calls
-  ``SetMemoryLimits_v1`` on the container's cgroup for each ``--gpu-id``.
+  ``createRuntime`` hook, reads ``NVIDIA_GPU_MEMORY_REQUESTS`` and ``NVIDIA_GPU_MEMORY_LIMITS``, or
+  where those are absent ``NVIDIA_GPU_MEMORY_REQUEST`` and ``NVIDIA_GPU_MEMORY_LIMIT`` (whole MiB, both
+  required, request <= limit) from the container's OCI spec and calls ``SetMemoryLimits_v1`` on the
+  container's cgroup for each ``--gpu-id``.
+
+One pair of values per container, not per GPU: the plural names are the same single number (parsed with
+``ParseUint``), looked up first, not a per-GPU list. So (1) the driver sets both forms, each to the claim's
+memory, so that a same-named variable from elsewhere in the pod spec cannot take precedence by being the
+plural one; and (2) two consumable claims in **one container** collide: the container gets one of the
+claims' values (the last CDI device's, as the runtime merges them) and every hook applies it to its own GPU.
+A claim never carries two such devices (claimplan refuses a consumable device held twice, and shares of two
+GPUs need two MPS daemons, which one claim cannot have), but two claims can end up in one container and the
+driver, which prepares claims one at a time, cannot see containers: :func:`warn_if_shared_pod` logs when two
+such claims are reserved for one pod, and docs/sharing.md tells users not to put two in one container.
 
 The toolkit is taken to have the hook when its CDI spec (the one this driver copies driver edits
 from) already names ``apply-cuda-memory-limits`` in a hook: that proves the installed
@@ -23,13 +34,18 @@ ingredient is missing publishes ``mps-advisory`` and says which one is missing.
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import cdi
+from driver.gpu.checkpoint import Checkpoint, ClaimRecord
 from driver.gpu.consumable import KernelMemoryLimits
+from driver.gpu.sharelayout import GpuShares
+
+log = logging.getLogger(__name__)
 
 MIN_DRIVER_MAJOR = 615
 HOOK_SUBCOMMAND = "apply-cuda-memory-limits"
@@ -38,6 +54,9 @@ CGROUP_CONTROLLERS = Path("sys/fs/cgroup/cgroup.controllers")  # under the host 
 DMEM_CONTROLLER = "dmem"
 MEMORY_REQUEST_ENV = "NVIDIA_GPU_MEMORY_REQUEST"
 MEMORY_LIMIT_ENV = "NVIDIA_GPU_MEMORY_LIMIT"
+# What the hook looks up first (the same single value, not a per-GPU list).
+MEMORY_REQUESTS_ENV = "NVIDIA_GPU_MEMORY_REQUESTS"
+MEMORY_LIMITS_ENV = "NVIDIA_GPU_MEMORY_LIMITS"
 
 
 def check(driver_version: str | None, cgroup_controllers: str | None, hook_path: str | None) -> KernelMemoryLimits:
@@ -97,7 +116,37 @@ def hook_edits(hook_path: str, driver_root_on_host: str, gpu_uuid: str, memory_b
     mib = str(memory_bytes >> 20)
     hook = {"hookName": HOOK_STAGE, "path": hook_path,
             "args": ["nvidia-cdi-hook", HOOK_SUBCOMMAND, "--driver-root", driver_root_on_host, "--gpu-id", gpu_uuid]}
-    return hook, [f"{MEMORY_REQUEST_ENV}={mib}", f"{MEMORY_LIMIT_ENV}={mib}"]
+    names = (MEMORY_REQUESTS_ENV, MEMORY_LIMITS_ENV, MEMORY_REQUEST_ENV, MEMORY_LIMIT_ENV)
+    return hook, [f"{name}={mib}" for name in names]
+
+
+def hooked_devices(record: ClaimRecord, layout: Mapping[str, GpuShares]) -> list[str]:
+    """The claim's devices whose CDI edits carry the memory-limit hook (the rule of ``claimcdi/edits.py``)."""
+    hooked: list[str] = []
+    for dev in record.devices:
+        shares = layout.get(dev.gpu_uuid)
+        policy = shares.consumable if shares is not None else None
+        if dev.kind == "consumable" and policy is not None and policy.memory_limit_hook and dev.consumed_memory_bytes:
+            hooked.append(dev.device.device_name)
+    return hooked
+
+
+def warn_if_shared_pod(record: ClaimRecord, cp: Checkpoint) -> list[str]:
+    """Log (and return the uids of) the other prepared claims with the memory-limit hook that are reserved
+    for one of ``record``'s pods: if one container uses both, the hook gives both GPUs one claim's memory."""
+    pods = set(record.pod_uids)
+    if not pods or not hooked_devices(record, cp.layout):
+        return []
+    others = sorted((c for c in cp.claims.values() if c.uid != record.uid and pods & set(c.pod_uids)
+                     and hooked_devices(c, cp.layout)), key=lambda c: c.uid)
+    for other in others:
+        log.warning("two claims with kernel-enforced GPU memory are reserved for one pod: if one container uses "
+                    "both, NVIDIA's apply-cuda-memory-limits hook applies one claim's memory to both claims' GPUs "
+                    "(it reads one NVIDIA_GPU_MEMORY_LIMIT per container); give each claim its own container",
+                    extra={"claim": f"{record.namespace}/{record.name}", "claim_uid": record.uid,
+                           "other_claim": f"{other.namespace}/{other.name}", "other_claim_uid": other.uid,
+                           "pod_uids": sorted(pods & set(other.pod_uids))})
+    return [c.uid for c in others]
 
 
 def _hooks(wire: dict[str, Any]) -> Iterator[dict[str, Any]]:

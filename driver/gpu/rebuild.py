@@ -1,8 +1,8 @@
 """Rebuild the checkpoint from the CDI specs on disk, after the checkpoint was found corrupt.
 
 Every spec the driver writes carries annotations naming its claim and, per device, everything
-the checkpoint held about it: kind, GPU, MIG instance, request names, share ID, the share layout
-of its GPU and its MPS daemon; the claim's time slice is a spec-level annotation. So running
+the checkpoint held about it: kind, GPU, MIG instance, request names, share ID, admin access, the
+share layout of its GPU and its MPS daemon; the claim's time slice is a spec-level annotation. So running
 workloads keep their specs, their daemons and their GPUs' published form; only daemon PIDs are
 lost: the next prepare that needs such a daemon adopts it (its limits read back), and unprepare
 still stops those daemons through their directories. The compute modes
@@ -72,7 +72,8 @@ def _claim_from_spec(path: Path, names: CdiNames, pool_name: str,
                                   share_id=dann.get(names.annotation("share-id"))),
             kind=dann[names.annotation("kind")], gpu_uuid=gpu_uuid,
             gpu_minor=int(dann[names.annotation("gpu-minor")]), mig_uuid=dann.get(names.annotation("mig-uuid")),
-            mig_gi_id=gi, mig_ci_id=ci, mps_daemon_id=daemon))
+            mig_gi_id=gi, mig_ci_id=ci, mps_daemon_id=daemon,
+            admin_access=dann.get(names.annotation("admin-access")) == "true"))
         consumed = dann.get(names.annotation("consumed"))  # "<memory bytes>,<SMs>" of a consumable share
         if consumed:
             memory, sms = (int(x) for x in consumed.split(","))

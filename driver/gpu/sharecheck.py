@@ -1,5 +1,5 @@
 """The prepare-time re-checks against prepared claims: no device (or GPU in another form) taken twice,
-and consumable shares fit next to the prepared ones.
+and consumable shares fit next to the prepared ones. Admin-access devices take part in neither.
 
 The scheduler counts consumed capacity first; this second line refuses a share when the GPU's
 prepared claims (the checkpoint) would then consume more than its capacity, or when a claim holds
@@ -26,7 +26,7 @@ def check_shares_fit(cp: Checkpoint, plan: ClaimPlan) -> None:
             if other.uid == plan.uid:
                 continue
             for d in other.devices:
-                if d.gpu_uuid != target.gpu.uuid:
+                if d.gpu_uuid != target.gpu.uuid or d.admin_access:  # admin access consumes nothing
                     continue
                 label = f"{other.namespace}/{other.name}"
                 if d.kind == "consumable" and d.consumed_memory_bytes is not None \
@@ -39,15 +39,19 @@ def check_shares_fit(cp: Checkpoint, plan: ClaimPlan) -> None:
 
 
 def check_no_overlap(cp: Checkpoint, plan: ClaimPlan) -> None:
-    """PrepareError unless every device of ``plan`` but consumable shares is free of other claims."""
+    """PrepareError unless every device of ``plan`` but consumable shares is free of other claims.
+
+    Devices with admin access are shared by design: never refused, and never in the way of others."""
+    held_targets = plan.held_targets
     for other in cp.claims.values():
         if other.uid == plan.uid:
             continue
-        taken = {d.device.device_name for d in other.devices}
+        held = [d for d in other.devices if not d.admin_access]
+        taken = {d.device.device_name for d in held}
         # A GPU held in another form (whole next to a share, MPS next to time-slice shares): possible
         # when a view is stale, e.g. the other pod of a rolling update re-published the GPU.
-        forms = {(d.gpu_uuid, d.kind) for d in other.devices}
-        for t in plan.targets:
+        forms = {(d.gpu_uuid, d.kind) for d in held}
+        for t in held_targets:
             if t.kind == "consumable":  # shares of a consumable GPU: check_shares_fit
                 continue
             other_form = any(g == t.gpu.uuid and (k != t.kind or k == "gpu") for g, k in forms)

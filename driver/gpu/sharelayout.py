@@ -34,6 +34,38 @@ class Enforcement(StrEnum):
     KERNEL = "kernel"
 
 
+# Who may be a client of an MPS daemon (plan entry ``mps.clients``, per-claim ``mpsConfig.clients``):
+# ``nonRoot``: only claims none of whose pods' containers may run as host UID 0 (checked at prepare,
+# ``driver/gpu/tenancy.py``); ``any``: every claim, whose root processes can then change or stop the
+# daemon, so its limits are advisory.
+MpsClients = Literal["nonRoot", "any"]
+
+# The first driver branch whose MPS control daemon refuses settings from UIDs other than root and
+# the user who started it. Measured with NVIDIA's binaries (docs/sharing.md "NVIDIA's daemon, as
+# measured"; nvidia-gpu reference 6.6): 550.163 refuses ("Insufficient privileges for UID 65534"),
+# 535.261 took set_default_active_thread_percentage from UID 65534. Branches in between were not
+# measured and count as accepting.
+FIRST_BRANCH_GUARDING_MPS_CONTROL = 550
+
+
+def mps_control_guarded(driver_version: str | None) -> bool:
+    """Whether the node's MPS control daemon refuses control commands from non-root UIDs (False if unknown)."""
+    major = (driver_version or "").strip().split(".", 1)[0]
+    return major.isdigit() and int(major) >= FIRST_BRANCH_GUARDING_MPS_CONTROL
+
+
+def mps_enforcement(clients: MpsClients, driver_version: str | None, exclusive: bool = True) -> Enforcement:
+    """How an MPS daemon's limits hold for the clients it admits.
+
+    Per process only where no client can change or stop the daemon (non-root clients, and a daemon
+    that refuses non-root control) and none can run beside it (``exclusive``: its GPU is in
+    EXCLUSIVE_PROCESS); advisory otherwise.
+    """
+    if exclusive and clients == "nonRoot" and mps_control_guarded(driver_version):
+        return Enforcement.MPS_PER_PROCESS
+    return Enforcement.MPS_ADVISORY
+
+
 class ConsumablePolicy(BaseModel):
     """The request policies of a consumable GPU (one device, ``allowMultipleAllocations: true``).
 
@@ -78,6 +110,11 @@ class GpuShares(BaseModel):
     # Two shares of one GPU in one claim buy nothing unless the operator says otherwise.
     allow_multiple_shares_per_claim: bool = False
     consumable: ConsumablePolicy | None = None
+    # MPS: who may share the GPU's daemon (the plan entry's mps.clients; its default too).
+    mps_clients: MpsClients = "nonRoot"
+    # MPS and Consumable: bytes of each daemon's own /dev/shm tmpfs (the plan daemon's, or each claim's
+    # share daemon's); None: the node's --mps-shm-size.
+    shm_size_bytes: int | None = None
 
     @model_validator(mode="after")
     def _form(self) -> GpuShares:
@@ -93,17 +130,20 @@ class GpuShares(BaseModel):
     def device_type(self) -> str:
         return {"MPS": "mps", "TimeSlicing": "timeslice", "Consumable": "consumable"}[self.strategy]
 
-    @property
-    def memory_enforcement(self) -> Enforcement:
+    def memory_enforcement(self, driver_version: str | None) -> Enforcement:
+        """How the memory limit holds on a node with NVIDIA driver ``driver_version`` (None: unknown)."""
         if self.consumable is not None:
             return self.consumable.memory_enforcement
-        return Enforcement.MPS_PER_PROCESS if self.strategy == "MPS" else Enforcement.NONE
+        if self.strategy == "MPS":
+            return mps_enforcement(self.mps_clients, driver_version)
+        return Enforcement.NONE
 
-    @property
-    def compute_enforcement(self) -> Enforcement:
+    def compute_enforcement(self, driver_version: str | None) -> Enforcement:
         if self.consumable is not None:
             return Enforcement.MPS_ADVISORY
-        return Enforcement.NONE if self.strategy == "TimeSlicing" else Enforcement.MPS_PER_PROCESS
+        if self.strategy == "MPS":
+            return mps_enforcement(self.mps_clients, driver_version)
+        return Enforcement.NONE
 
 
 # Resolved plan: GPU UUID -> shares. GPUs absent from the mapping are published whole.

@@ -23,7 +23,8 @@ from cdi.yamlload import load_yaml
 from driver.gpu.claimconfig.api import ByteQuantity, describe_validation_error
 from driver.gpu.consumable import UNDETECTED, KernelMemoryLimits, build_policy
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
-from driver.gpu.sharelayout import GpuShares, SharingLayout, TimeSliceInterval
+from driver.gpu.mps.model import check_shm_size
+from driver.gpu.sharelayout import GpuShares, MpsClients, SharingLayout, TimeSliceInterval
 from driver.units import MIB
 
 DEFAULT_PLANS_PATH = Path("/etc/tessera/sharing-plans.yaml")
@@ -88,12 +89,23 @@ class MpsShares(_PlanObject):
     shares: int
     activeThreadPercentage: int | None = None  # default floor(100 / shares)
     pinnedMemoryLimit: ByteQuantity | None = None  # per share; default GPU memory / shares
+    # Who may hold a share: nonRoot refuses, at prepare, claims whose pods could run as host root (and so
+    # control the daemon all shares of the GPU go through); any admits them, and the limits are advisory.
+    clients: MpsClients = "nonRoot"
+    # The GPU's daemon's own /dev/shm tmpfs, which every share's containers use with it: size it for
+    # all the shares. Default: the node's --mps-shm-size.
+    shmSize: ByteQuantity | None = None
 
     @field_validator("shares")
     @classmethod
     def _shares_range(cls, value: int) -> int:
         _between(2, 48, value)
         return value
+
+    @field_validator("shmSize")
+    @classmethod
+    def _shm_size_range(cls, value: int | None) -> int | None:
+        return None if value is None else check_shm_size(value)
 
     @field_validator("activeThreadPercentage")
     @classmethod
@@ -137,6 +149,13 @@ class ConsumableShares(_PlanObject):
     multiprocessorsMin: int | None = None  # default the fewest SMs worth 1 percent of the GPU's threads
     multiprocessorsDefault: int | None = None  # default multiprocessorsMin
     fallback: ConsumableFallback | None = None  # where the API server lacks consumable capacity; None: whole
+    # Each claim's own daemon's /dev/shm tmpfs; default the node's --mps-shm-size.
+    shmSize: ByteQuantity | None = None
+
+    @field_validator("shmSize")
+    @classmethod
+    def _shm_size_range(cls, value: int | None) -> int | None:
+        return None if value is None else check_shm_size(value)
 
 
 class PlanEntry(_PlanObject):
@@ -282,7 +301,7 @@ def _shares_for(entry: PlanEntry, gpu: GpuInfo, consumable_supported: bool,
                                   multiprocessors_step=c.multiprocessorsStep, multiprocessors_min=c.multiprocessorsMin,
                                   multiprocessors_default=c.multiprocessorsDefault, kernel=kernel)
             return GpuShares(strategy="Consumable", count=1, memory_bytes_per_share=policy.memory_bytes,
-                             consumable=policy)
+                             consumable=policy, shm_size_bytes=c.shmSize)
         fallback = c.fallback or ConsumableFallback()
         if fallback.mps is None and fallback.timeSlicing is None:
             return None
@@ -308,6 +327,8 @@ def _mps_shares(mps: MpsShares, gpu: GpuInfo, allow_multiple: bool) -> GpuShares
         ),
         memory_bytes_per_share=per_share,
         allow_multiple_shares_per_claim=allow_multiple,
+        mps_clients=mps.clients,
+        shm_size_bytes=mps.shmSize,
     )
 
 

@@ -33,16 +33,17 @@ from driver.gpu.checkpoint import (
     CheckpointStore,
     ClaimPhase,
     ClaimRecord,
-    PreparedDeviceRecord,
-    TimeSliceRecord,
 )
 from driver.gpu.claimcdi.edits import CdiNames, CdiSources, claim_spec_file
 from driver.gpu.claimcdi.hostfs import HostFsError
 from driver.gpu.claimcdi.toolkit import ToolkitEdits
 from driver.gpu.claimconfig.api import ConfigError
-from driver.gpu.claimplan import ClaimPlan, check_device_health, plan_claim
+from driver.gpu.claimplan import ClaimPlan, plan_claim
+from driver.gpu.claimrecord import started_record
 from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
+from driver.gpu.healthgate import DeviceTaints, check_device_health
+from driver.gpu.kernelmemory import warn_if_shared_pod
 from driver.gpu.ledger import NodeLedger
 from driver.gpu.mps.model import MpsError
 from driver.gpu.rebuild import rebuild_checkpoint
@@ -55,6 +56,7 @@ from driver.gpu.runtime.timeslice import TimeSliceError
 from driver.gpu.sharecheck import check_no_overlap, check_shares_fit
 from driver.gpu.sharelayout import SharingLayout
 from driver.gpu.targets import NodeView, merge_layout
+from driver.gpu.tenancy import check_clients, client_rules
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.nodelock import LockTimeout, NodeLock
 from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, ClaimRef, Deadline, DeadlineExceeded, PreparedDevice
@@ -66,6 +68,9 @@ RESCAN_GPU_WAIT = 1.0
 # How long an unprepare waits for its GPUs (a prepare on them is bounded by its own deadline).
 UNPREPARE_GPU_WAIT = DEFAULT_PREPARE_DEADLINE + 10.0
 _RESERVE_ATTEMPTS = 3
+# Stopping a failed prepare's daemons, after its 30 s deadline, before the kubelet's 45 s; once spent,
+# a daemon still gets SIGKILL (proc.StopPlan), never left running.
+ROLLBACK_BUDGET_S = 8.0
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,7 @@ class DeviceState:
         self.mps_multi_user = mps_multi_user
         # Published device name -> why it is unhealthy; new claims on those are refused (set by the app).
         self.device_problems: Callable[[], Mapping[str, str]] = dict
+        self.device_taints: Callable[[], DeviceTaints] = dict  # a claim may tolerate them
         self.driver_name = driver_name
         self.pool_name = pool_name
         self.paths = paths
@@ -143,7 +149,7 @@ class DeviceState:
         """
         with self.node_lock.held():
             cp = self.ledger.load_locked()
-            busy = {uuid for rec in cp.claims.values() for uuid in rec.gpu_uuids}
+            busy = {uuid for rec in cp.claims.values() for uuid in rec.held_gpu_uuids}
             effective, deferred = merge_layout(self.view.layout, desired, busy)
             new_view = make_view(view.inventory, effective, self.mps_multi_user)
             if cp.layout != effective:  # rescans mostly change nothing: no write then
@@ -182,6 +188,9 @@ class DeviceState:
                 plan, view, gpus = self._plan(claim)
                 if plan is None:
                     return []
+                # Every call, a claim already prepared included: the kubelet sends it again after its own
+                # restart, with the pods then reserved. Before any lock or side effect: it reads pods.
+                check_clients(claim, plan, deadline)
                 with self.gpu_locks.held(gpus, deadline.remaining(), f"preparing claim {uid}"):
                     devices = self._prepare_holding(claim, gpus, deadline, (view, plan))
                 if devices is not None:
@@ -220,12 +229,16 @@ class DeviceState:
             existing = cp.claims.get(uid)
             if plan is None or sorted(set(plan.gpu_uuids) | (existing.gpu_uuids if existing else set())) != gpus:
                 return None
+            if client_rules(plan) != client_rules(planned_plan):
+                return None  # the plan's clients setting changed since the pods were checked: check again
             record: ClaimRecord | None = None
             if existing is None:
-                check_device_health(plan, self.device_problems())
+                check_device_health(plan, self.device_problems(), self.device_taints())
                 check_no_overlap(cp, plan)
                 check_shares_fit(cp, plan)
-                record = self._started_record(plan)
+                record = started_record(plan, self.names, self.pool_name, self.view.inventory.driver_version,
+                                        now())
+                warn_if_shared_pod(record, cp)  # kernel memory limits: one value per container (kernelmemory.py)
                 cp.claims[uid] = record
                 # Visible at once (to rescans and to the other pod of a rolling update, which read
                 # the file under the node lock) but without the directory fsync, so a power failure
@@ -245,7 +258,7 @@ class DeviceState:
         if existing is not None:
             log.info("rolling back an interrupted prepare before retrying it", extra={"claim_uid": uid})
             try:
-                self.undo(existing)
+                self.undo(existing, deadline)
                 self.ledger.commit(lambda c: c.claims.pop(uid, None))
             except Exception as exc:
                 # The record stays: the next retry or the next start rolls back again.
@@ -263,36 +276,9 @@ class DeviceState:
             raise _user_error(exc) from exc
         return [d.device for d in record.devices]
 
-    def _started_record(self, plan: ClaimPlan) -> ClaimRecord:
-        uid = plan.uid
-        record = ClaimRecord(uid=uid, namespace=plan.namespace, name=plan.name, phase=ClaimPhase.PREPARE_STARTED,
-                             cdi_spec_file=self.names.spec_file_name(uid), updated_at=now(),
-                             pod_uids=list(plan.pod_uids))
-        daemon_of = {name: d.daemon_id for d in plan.daemons for name in d.device_names}
-        consumed = dict(plan.consumed)
-        for result, target in zip(plan.results, plan.targets, strict=True):
-            device = PreparedDevice(request_names=[result.base_request], pool_name=self.pool_name,
-                                    device_name=target.name, cdi_device_ids=[self.names.device_id(uid, target.name)],
-                                    share_id=result.share_id)
-            mig = target.mig
-            record.devices.append(PreparedDeviceRecord(
-                device=device, kind=target.kind, gpu_uuid=target.gpu.uuid, gpu_minor=target.gpu.minor,
-                mig_uuid=mig.uuid if mig else None, mig_gi_id=mig.gi_id if mig else None,
-                mig_ci_id=mig.ci_id if mig else None, mps_daemon_id=daemon_of.get(target.name)))
-            if (share := consumed.get(target.name)) is not None:
-                record.devices[-1].consumed_memory_bytes = share.memory_bytes
-                record.devices[-1].consumed_multiprocessors = share.multiprocessors
-        for daemon in plan.daemons:
-            (record.shared_mps_daemons if daemon.shared else record.owned_mps_daemons).append(daemon.daemon_id)
-            record.exclusive_gpus.extend(g for g in daemon.exclusive_gpus if g not in record.exclusive_gpus)
-        if plan.timeslice is not None:
-            record.timeslice = TimeSliceRecord(gpu_uuids=list(plan.timeslice.gpu_uuids),
-                                               interval=plan.timeslice.interval)
-        return record
-
     def _roll_back_failed_prepare(self, record: ClaimRecord) -> None:
         try:
-            self.undo(record)
+            self.undo(record, Deadline.after(ROLLBACK_BUDGET_S))
         except Exception:
             # Keep the PrepareStarted record: the next prepare of this claim, or the next start,
             # retries the rollback. The user still gets the original error.
@@ -336,16 +322,16 @@ class DeviceState:
             self.undo(current)
             self.ledger.commit(lambda c: c.claims.pop(ref.uid, None))
 
-    def undo(self, record: ClaimRecord) -> None:
-        """Reverse everything ``record`` may have done; each step is idempotent. GPU locks held."""
+    def undo(self, record: ClaimRecord, deadline: Deadline | None = None) -> None:
+        """Reverse everything ``record`` may have done (stops within ``deadline``); idempotent. GPU locks held."""
         cdi.remove_spec(self.paths.cdi_root, record.cdi_spec_file)
-        self.sharing.release_claim(record)
+        self.sharing.release_claim(record, deadline)
 
     # ----------------------------------------------------------------------------- rescans
 
-    def check_daemons(self) -> list[str]:
-        """Restart MPS daemons that died since the last check (called on every rescan), each under its
-        GPUs' locks; a GPU busy with a prepare is checked at the next rescan."""
+    def check_daemons(self, limits: bool = False) -> list[str]:
+        """Restart MPS daemons that died since the last check (each rescan; with ``limits`` also revert limits
+        a client changed: ``daemonwatch.py``), each under its GPUs' locks; a busy GPU is checked next time."""
         cp = self.ledger.read()
         restarted: list[str] = []
         for daemon_id in sorted(cp.mps_daemons):
@@ -355,7 +341,7 @@ class DeviceState:
                 continue  # an orphan: stopped at the next start
             try:
                 with self.gpu_locks.held(gpus, RESCAN_GPU_WAIT, f"checking MPS daemon {daemon_id}"):
-                    if not self.sharing.check_daemon(daemon_id):
+                    if not self.sharing.check_daemon(daemon_id, limits):
                         continue
                     restarted.append(daemon_id)
                     current = self.ledger.read()

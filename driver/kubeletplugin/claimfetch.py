@@ -20,6 +20,8 @@ from pydantic import ValidationError
 
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.kubeclient import KubeApiError, send
+from driver.kubeletplugin.podfetch import PodFetcher
+from driver.kubeletplugin.podsecurity import PodReader
 from driver.kubeletplugin.types import ClaimRef
 
 # The kubelet gives a whole prepare call 45 s and a claim read must leave most of that to the
@@ -54,9 +56,11 @@ class ClaimFetcher:
     """
 
     def __init__(self, api: kubernetes.client.ApiClient, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
-                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, pods: PodReader | None = None):
+        """``pods``: how claims read their reserved pods (default: a ``PodFetcher`` on ``api``)."""
         self._api = api
         self._timeouts = (connect_timeout_s, read_timeout_s)
+        self._pods = pods if pods is not None else PodFetcher(api, connect_timeout_s, read_timeout_s)
 
     def fetch(self, ref: ClaimRef) -> ResourceClaim:
         """GET the claim and check it is the one the kubelet means and that it is allocated."""
@@ -69,7 +73,7 @@ class ClaimFetcher:
                 f"ResourceClaim {ref.namespace}/{ref.name}: the API server returned an object this driver "
                 f"cannot read ({_describe(err)}); check that the cluster serves resource.k8s.io/v1"
             ) from err
-        return check_claim(ref, claim)
+        return check_claim(ref, claim).with_pod_reader(self._pods)
 
     def _read(self, ref: ClaimRef) -> bytes:
         path = (f"/apis/resource.k8s.io/v1/namespaces/{quote(ref.namespace, safe='')}"

@@ -6,9 +6,12 @@ models, which drop fields newer than the client and differ between client versio
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from driver.kubeletplugin.podsecurity import PodReader, PodsUnreadable, ReservedPods
 
 
 class _ServerObject(BaseModel):
@@ -34,12 +37,24 @@ class DeviceAllocationConfiguration(_ServerObject):
     opaque: OpaqueDeviceConfiguration | None = None
 
 
+class DeviceToleration(_ServerObject):
+    """A toleration copied from the request into its allocation result (``tolerations``)."""
+
+    key: str = ""
+    operator: str = "Equal"  # Exists | Equal (the API's default); anything else tolerates nothing
+    value: str = ""
+    effect: str = ""  # empty: every effect
+    toleration_seconds: int | None = Field(default=None, alias="tolerationSeconds")
+
+
 class DeviceRequestAllocationResult(_ServerObject):
     request: str
     driver: str
     pool: str
     device: str
+    # True: a device other claims may hold, handed out for monitoring (namespaces labelled for admin access).
     admin_access: bool | None = Field(default=None, alias="adminAccess")
+    tolerations: list[DeviceToleration] = Field(default_factory=list)
     share_id: str | None = Field(default=None, alias="shareID")
     consumed_capacity: dict[str, str] | None = Field(default=None, alias="consumedCapacity")
 
@@ -70,9 +85,61 @@ class ResourceClaimStatus(_ServerObject):
     reserved_for: list[ResourceClaimConsumerReference] = Field(default_factory=list, alias="reservedFor")
 
 
+class _LazyPods:
+    """A claim's pod reader and what it read. Equal to any other, so a claim's equality stays its fields'."""
+
+    def __init__(self) -> None:
+        self.reader: PodReader | None = None
+        self.found: ReservedPods | None = None
+        self.mutex = threading.Lock()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _LazyPods)
+
+    def __hash__(self) -> int:
+        return 0
+
+
 class ResourceClaim(_ServerObject):
     metadata: ObjectMeta
     status: ResourceClaimStatus = Field(default_factory=ResourceClaimStatus)
+    # Set by the claim source (ClaimFetcher) so a driver can read the claim's pods when it needs them.
+    _pods: _LazyPods = PrivateAttr(default_factory=lambda: _LazyPods())
+
+    def with_pod_reader(self, reader: PodReader) -> ResourceClaim:
+        """This claim, able to read its reserved pods through ``reader`` (see :meth:`reserved_pods`)."""
+        self._pods.reader = reader
+        return self
+
+    def reserved_pods(self, timeout_s: float) -> ReservedPods:
+        """The pods in ``status.reservedFor``, read from the API server on first use, then kept.
+
+        Lazy, so a driver that never asks costs nothing. A claim reserved for no pod gives an empty
+        answer without a request; one that names pods but came from a source that cannot read
+        them raises :class:`PodsUnreadable`, as does a failed read.
+        """
+        lazy = self._pods
+        with lazy.mutex:
+            if lazy.found is not None:
+                return lazy.found
+            refs = [(self.metadata.namespace, r.name, r.uid) for r in self.status.reserved_for
+                    if r.resource == "pods" and r.api_group == ""]
+            if not refs:
+                lazy.found = ReservedPods()
+            elif lazy.reader is None:
+                raise PodsUnreadable("this claim source cannot read the pods the claim is reserved for")
+            else:
+                lazy.found = lazy.reader.read_pods(refs, timeout_s)
+            return lazy.found
+            refs = [(self.metadata.namespace, r.name, r.uid) for r in self.status.reserved_for
+                    if r.resource == "pods" and r.api_group == ""]
+            if not refs:
+                self._reserved_pods = ReservedPods()
+            elif self._pod_reader is None:
+                raise PodsUnreadable("this claim source cannot read the pods the claim is reserved for")
+            else:
+                self._reserved_pods = self._pod_reader.read_pods(refs, timeout_s)
+            return self._reserved_pods
 
     @property
     def allocation(self) -> DeviceAllocationResult | None:

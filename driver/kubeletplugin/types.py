@@ -11,6 +11,14 @@ from pydantic import BaseModel, ConfigDict
 
 from driver.kubeletplugin.claimmodel import ResourceClaim
 
+# Who will use a claim's devices: ``ResourceClaim.reserved_pods(timeout_s)`` reads the pods in its
+# ``status.reservedFor`` on first use (one GET per pod, RBAC ``get`` on pods), and
+# ``ReservedPods.host_root()`` names every container that may run as UID 0 on the host, why, and
+# the field to set (``podsecurity.py``). What a driver makes of that is its own decision.
+from driver.kubeletplugin.podsecurity import HostRootContainer as HostRootContainer
+from driver.kubeletplugin.podsecurity import PodsUnreadable as PodsUnreadable
+from driver.kubeletplugin.podsecurity import ReservedPods as ReservedPods
+
 
 @dataclass(frozen=True)
 class ClaimRef:

@@ -1,7 +1,9 @@
 """SIMULATION: a minimal stand-in for the scheduler's allocator, for the demo and tests.
 
 A real cluster's scheduler evaluates DeviceClass and request CEL selectors in full. This one
-understands only what the examples need (a DeviceClass of this driver, ``count``, and selectors
+understands only what the examples need (a DeviceClass of this driver, ``count`` or
+``allocationMode: All``, ``adminAccess`` (devices other claims hold, nothing taken), ``tolerations``
+copied into the results, and selectors
 that are conjunctions of ``device.attributes['<domain>'].<attr> == '<value>'``,
 ``device.attributes['<domain>'].<attr>.startsWith('<prefix>')`` and
 ``device.capacity['<domain>'].<name>.compareTo(quantity('<q>')) <op> 0``) and refuses anything else
@@ -131,23 +133,36 @@ def allocate(claim: Obj, slices: list[Obj], driver_name: str, taken: set[str],
         if wanted_type is None:
             raise AllocationError(f"request {request['name']!r}: unknown DeviceClass {exact['deviceClassName']!r}")
         requested = (exact.get("capacity") or {}).get("requests") or {}
-        for _ in range(int(exact.get("count", 1))):
+        admin = exact.get("adminAccess") is True  # sees devices other claims hold; takes and consumes nothing
+        every = exact.get("allocationMode") == "All"
+        chosen: set[str] = set()
+        for _ in range(len(devices) if every else int(exact.get("count", 1))):
             choice = None
             for pool, d in devices:
-                if d["name"] in taken or _attribute(d, "type") != wanted_type or \
-                        not _matches(d, driver_name, exact.get("selectors", [])):
+                again = d["name"] in chosen if admin or every else False  # `taken` does it for the others
+                if (d["name"] in taken and not admin) or again or _attribute(d, "type") != wanted_type \
+                        or not _matches(d, driver_name, exact.get("selectors", [])):
                     continue
-                amounts = _share_amounts(d, requested) if d.get("allowMultipleAllocations") else None
-                if d.get("allowMultipleAllocations") and (
+                amounts = _share_amounts(d, requested) if d.get("allowMultipleAllocations") and not admin else None
+                if d.get("allowMultipleAllocations") and not admin and (
                         amounts is None or not _fits(d, amounts, consumed.get(d["name"], {}))):
                     continue
                 choice = (pool, d, amounts)
                 break
+            if choice is None and every and chosen:
+                break
             if choice is None:
                 raise AllocationError(f"request {request['name']!r}: no free {wanted_type} device matches")
             pool, device, amounts = choice
+            chosen.add(device["name"])
             result: Obj = {"request": request["name"], "driver": driver_name, "pool": pool, "device": device["name"]}
-            if amounts is None:
+            if exact.get("tolerations"):
+                result["tolerations"] = list(exact["tolerations"])
+            if admin:
+                result["adminAccess"] = True
+                if device.get("allowMultipleAllocations"):
+                    result["shareID"] = str(uuid.uuid4())
+            elif amounts is None:
                 taken.add(device["name"])
             else:
                 used = consumed.setdefault(device["name"], {})

@@ -19,8 +19,10 @@ if TYPE_CHECKING:
 DEFAULT_WATCH_SECONDS = 1800
 ROUTES = (
     re.compile(r"^/api/v1/(?P<plural>nodes)(?:/(?P<name>[^/]+))?$"),
+    re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>pods)(?:/(?P<name>[^/]+))?$"),
     re.compile(r"^/apis/resource\.k8s\.io/v1/(?P<plural>resourceslices|deviceclasses|resourceclaims)"
                r"(?:/(?P<name>[^/]+))?$"),
+    re.compile(r"^/apis/events\.k8s\.io/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>events)(?:/(?P<name>[^/]+))?$"),
     re.compile(r"^/apis/resource\.k8s\.io/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>resourceclaims)"
                r"(?:/(?P<name>[^/]+)(?:/(?P<sub>status))?)?$"),
 )
@@ -108,7 +110,7 @@ def handler_for(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                              "goVersion": "go1.25.0", "compiler": "gc", "platform": "linux/amd64"}
             resource, namespace, name, sub = self._route(path)
             ns = namespace or ""
-            read_only = resource.plural == "nodes"
+            read_only = resource.plural in ("nodes", "pods")  # tests put pods with put_pod
             if name is None:
                 if method == "GET":
                     return 200, api.list_objects(resource.plural, namespace, self._selector(resource, query))

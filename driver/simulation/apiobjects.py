@@ -15,6 +15,11 @@ Obj = dict[str, Any]
 
 _GROUP = "resource.k8s.io"
 RESOURCE_API = f"{_GROUP}/v1"
+EVENTS_API = "events.k8s.io/v1"
+# events.k8s.io/v1 Event limits (k8s.io/kubernetes pkg/apis/core/validation/events.go).
+_EVENT_NOTE_MAX = 1024
+_EVENT_FIELD_MAX = 128
+_QUALIFIED_NAME = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _ATTRIBUTE_VALUE_FIELDS = ("int", "bool", "string", "version", "ints", "bools", "strings", "versions")
 _NODE_SELECTION_FIELDS = ("nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection")
@@ -35,6 +40,9 @@ RESOURCES = {
                   ("metadata.name", "spec.driver", "spec.nodeName", "spec.pool.name")),
         Resource("resourceclaims", "ResourceClaim", RESOURCE_API, True, ("metadata.name", "metadata.namespace")),
         Resource("deviceclasses", "DeviceClass", RESOURCE_API, False, ("metadata.name",)),
+        Resource("pods", "Pod", "v1", True, ("metadata.name", "metadata.namespace")),
+        Resource("events", "Event", EVENTS_API, True,
+                 ("metadata.name", "metadata.namespace", "regarding.name", "regarding.uid", "reason", "type")),
     )
 }
 
@@ -115,7 +123,28 @@ def dig(obj: Any, path: tuple[str, ...]) -> Any:
 
 
 def group_of(resource: Resource) -> str:
-    return _GROUP if "/" in resource.api_version else ""
+    return resource.api_version.split("/")[0] if "/" in resource.api_version else ""
+
+
+def event_errors(obj: Obj, namespace: str) -> list[tuple[str, str]]:
+    """(field, problem) pairs for the rules the API server applies to a new events.k8s.io/v1 Event."""
+    errors: list[tuple[str, str]] = []
+    if not obj.get("eventTime"):
+        errors.append(("eventTime", "Required value"))
+    if obj.get("type") not in ("Normal", "Warning"):
+        errors.append(("type", f"Unsupported value: {obj.get('type')!r}: supported values: \"Normal\", \"Warning\""))
+    if not _QUALIFIED_NAME.fullmatch(str(obj.get("reportingController") or "")):
+        errors.append(("reportingController", "Invalid value: must be a qualified name"))
+    for field in ("reportingInstance", "action", "reason"):
+        value = str(obj.get(field) or "")
+        if not value or len(value) > _EVENT_FIELD_MAX:
+            errors.append((field, f"Invalid value: must be 1 to {_EVENT_FIELD_MAX} characters"))
+    if len(str(obj.get("note") or "")) > _EVENT_NOTE_MAX:
+        errors.append(("note", f"Too long: may not be more than {_EVENT_NOTE_MAX} bytes"))
+    regarding = obj.get("regarding") or {}
+    if regarding.get("namespace", namespace) != namespace:
+        errors.append(("regarding.namespace", "Invalid value: does not match event.namespace"))
+    return errors
 
 
 def check_kind(resource: Resource, obj: Obj) -> None:

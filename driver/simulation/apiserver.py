@@ -3,7 +3,8 @@
 It serves just what a DRA node plugin and its tests use, well enough for the real
 ``kubernetes`` Python client end to end: ``/version``, Nodes (read), ResourceSlices (list,
 watch, create with ``generateName``, get, replace, delete with preconditions, delete
-collection), ResourceClaims (namespaced CRUD and ``/status``) and DeviceClasses. Objects are
+collection), ResourceClaims (namespaced CRUD and ``/status``), DeviceClasses and Pods (read; tests put
+them with ``put_pod``). Objects are
 kept as plain dicts, so no field is ever dropped unless a test asks for it
 (``dropped_device_fields``, which imitates a server with a feature gate off).
 
@@ -13,15 +14,14 @@ This module is the store; the rules, resources and selectors are in ``apiobjects
 side (routes, watch streams) in ``apihttp.py``.
 
 Tests drive it with helpers (``add_node``, ``slices``, ``put_claim``, ``wipe_slices``,
-``reject_next_slice_writes``, ``expire_watch_history``) and inspect ``requests``: one
+``reject_next_slice_writes``, ``expire_watch_history``, ``put_pod``) and inspect ``requests``: one
 ``(verb, path)`` per request, where verb is the HTTP method, or ``WATCH`` for a watch.
 
-Manual use: ``python -m driver.simulation.apiserver --port 8001 [--node node-1]``.
+Manual use: ``python -m driver.simulation.apiserverrun --port 8001 [--node node-1]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import random
@@ -43,6 +43,7 @@ from driver.simulation.apiobjects import (
     ApiError,
     Obj,
     check_kind,
+    event_errors,
     group_of,
     invalid_error,
     slice_errors,
@@ -159,6 +160,10 @@ class FakeApiServer:
                      and (node is None or s["spec"].get("nodeName") == node)]
         return sorted(found, key=lambda s: str(s["metadata"]["name"]))
 
+    def events(self, namespace: str | None = None) -> list[Obj]:
+        """Posted events.k8s.io Events (copies)."""
+        return list(self.list_objects("events", namespace, lambda _obj: True)["items"])
+
     def claims(self) -> list[Obj]:
         """Every ResourceClaim, status included (copies)."""
         with self._cond:
@@ -186,6 +191,21 @@ class FakeApiServer:
 
     def delete_claim(self, namespace: str, name: str) -> None:
         self.delete_object("resourceclaims", namespace, name, preconditions={})
+
+    def put_pod(self, pod: Obj) -> Obj:
+        """Create or replace a Pod (clients may only read pods here); a new ``metadata.uid`` re-creates it."""
+        body = copy.deepcopy(pod)
+        body.setdefault("apiVersion", "v1")
+        body.setdefault("kind", "Pod")
+        meta = body.setdefault("metadata", {})
+        namespace = meta.setdefault("namespace", "default")
+        with self._cond:
+            if (namespace, meta.get("name", "")) in self._store["pods"]:
+                self.delete_object("pods", namespace, meta["name"], preconditions={})
+            return self.create_object("pods", namespace, body)
+
+    def delete_pod(self, namespace: str, name: str) -> None:
+        self.delete_object("pods", namespace, name, preconditions={})
 
     def wipe_slices(self, node: str) -> int:
         """Delete every slice of a node, as the kubelet does; returns how many were deleted."""
@@ -239,6 +259,8 @@ class FakeApiServer:
                 raise ApiError(409, "AlreadyExists", f'{plural}.{group_of(resource)} "{name}" already exists')
             if plural == "resourceslices":
                 self._admit_slice(obj, old=None)
+            if plural == "events" and (errors := event_errors(obj, namespace)):
+                raise invalid_error(resource, name, errors)
             if resource.namespaced:
                 meta["namespace"] = namespace
             meta.setdefault("uid", str(uuid.uuid4()))
@@ -393,24 +415,3 @@ class FakeApiServer:
                 return
             if not pending and not write({}):
                 return
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Kubernetes API server double (test support, in memory)")
-    parser.add_argument("--port", type=int, default=8001)
-    parser.add_argument("--minor-version", type=int, default=36, help="Kubernetes 1.<minor> to pretend to be")
-    parser.add_argument("--node", action="append", default=[], help="create a Node with this name (repeatable)")
-    args = parser.parse_args(argv)
-    server = FakeApiServer(minor_version=args.minor_version)
-    url = server.start(port=args.port)
-    for node in args.node:
-        server.add_node(node)
-    print(f"fake Kubernetes API server (test double) listening on {url}", flush=True)
-    try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        server.stop()
-
-
-if __name__ == "__main__":
-    main()

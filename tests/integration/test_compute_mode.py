@@ -1,8 +1,11 @@
-"""Compute mode around MPS on the simulated node, through the kubelet's gRPC calls and a driver crash."""
+"""Compute mode around MPS on the simulated node, through the kubelet's gRPC calls and a driver crash.
+
+The driver reads and sets it through NVML in its own process; on the simulated node that is the NVML double
+(driver/simulation/nvmlcompute.py), which records every call, and no `nvidia-smi -c` runs.
+"""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,6 +13,7 @@ import pytest
 
 from tests.support.node import DRIVER, SimulatedNode
 
+DEVICES = ["gpu-0", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mig-1g10gb-6", "gpu-2-mps-0", "gpu-2-mps-1"]
 PLANS: dict[str, Any] = {"plans": {"mps": {"gpus": [{"match": {"product": "NVIDIA L4"},
                                                     "mps": {"shares": 2, "pinnedMemoryLimit": "4Gi"}}]}}}
 MIG_MPS = {"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": {
@@ -26,10 +30,13 @@ def mps_node() -> Iterator[SimulatedNode]:
 
 
 def compute_mode(node: SimulatedNode, uuid: str) -> str:
-    """What the nvidia-smi stand-in holds for the GPU (DEFAULT until something set it)."""
-    path = node.work / "nvidia-smi-state.json"
-    state: dict[str, dict[str, str]] = json.loads(path.read_text()) if path.exists() else {}
-    return state.get(uuid, {}).get("compute_mode", "DEFAULT")
+    """What the simulated NVML (and the stand-ins, from the same file) holds for the GPU (DEFAULT until set)."""
+    return node.compute_mode(uuid)
+
+
+def nvidia_smi_compute_mode_calls(node: SimulatedNode) -> list[list[str]]:
+    """nvidia-smi runs that read or set a compute mode: none since the driver uses NVML in its own process."""
+    return [c for c in node.nvidia_smi_calls() if "-c" in c or any(a.startswith("--query-gpu") for a in c)]
 
 
 def test_an_mps_share_holds_exclusive_process_across_a_crash_and_two_mig_devices_are_refused(
@@ -55,3 +62,37 @@ def test_an_mps_share_holds_exclusive_process_across_a_crash_and_two_mig_devices
     assert mps_node.unprepare(share) == {share.uid: None}
     assert compute_mode(mps_node, l4) == "DEFAULT"
     assert mps_node.checkpoint()["compute_modes"] == {}
+
+
+def test_compute_mode_goes_through_nvml_in_the_driver_and_never_through_nvidia_smi(mps_node: SimulatedNode) -> None:
+    l4 = next(g.uuid for g in mps_node.inventory.gpus if g.minor == 2)
+    mps_node.start()
+    mps_node.wait_for_devices(DEVICES)
+    first, second = mps_node.claim("first", [("s", "gpu-2-mps-0")]), mps_node.claim("second", [("s", "gpu-2-mps-1")])
+    mps_node.prepare_ok(first)
+    mps_node.prepare_ok(second)
+    asked = [(c["call"], c.get("mode")) for c in mps_node.nvml_calls() if c["uuid"] == l4]
+    # The first share reads the mode (to restore it later) and sets EXCLUSIVE_PROCESS; the second finds it held.
+    assert asked == [("nvmlDeviceGetComputeMode", None), ("nvmlDeviceSetComputeMode", "EXCLUSIVE_PROCESS")]
+    assert compute_mode(mps_node, l4) == "EXCLUSIVE_PROCESS"
+
+    assert mps_node.unprepare(first) == {first.uid: None}
+    assert compute_mode(mps_node, l4) == "EXCLUSIVE_PROCESS", "the second share's daemon still serves the GPU"
+    assert mps_node.unprepare(second) == {second.uid: None}
+    assert [c.get("mode") for c in mps_node.nvml_calls() if c["uuid"] == l4][-1] == "DEFAULT"
+    assert compute_mode(mps_node, l4) == "DEFAULT"
+    assert nvidia_smi_compute_mode_calls(mps_node) == []
+
+
+def test_a_compute_mode_nvml_refuses_fails_the_claim_with_nvmls_error_and_leaves_nothing(
+        mps_node: SimulatedNode) -> None:
+    l4 = next(g.uuid for g in mps_node.inventory.gpus if g.minor == 2)
+    mps_node.start(env={"TESSERA_SIM_NVML_FAIL": f"nvmlDeviceSetComputeMode {l4}"})
+    mps_node.wait_for_devices(DEVICES)
+    share = mps_node.claim("share", [("s", "gpu-2-mps-0")])
+    error = mps_node.prepare(share)[share.uid].error or ""
+    assert f"nvmlDeviceSetComputeMode EXCLUSIVE_PROCESS for {l4} failed: NVML error 999: Unknown Error" in error
+    cp = mps_node.checkpoint()
+    assert cp["claims"] == {} and cp["compute_modes"] == {} and cp["mps_daemons"] == {}
+    assert mps_node.cdi_files() == [] and compute_mode(mps_node, l4) == "DEFAULT"
+    assert nvidia_smi_compute_mode_calls(mps_node) == []

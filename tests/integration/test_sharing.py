@@ -61,11 +61,11 @@ def test_mps_share_limits_applied_before_readiness_and_one_daemon_per_gpu(mps_no
     second = mps_node.claim("second", [("share", "gpu-2-mps-3")])
     mps_node.prepare_ok(first)
     [pid] = daemon_starts(mps_node)
-    # Readiness first (the daemon answers), then each limit set and read back, all before prepare returns.
+    # Readiness first (the daemon answers), then the limits set and read back, all before prepare returns.
     assert commands(mps_node, pid) == [
         "get_default_active_thread_percentage",
-        "set_default_active_thread_percentage 25", "get_default_active_thread_percentage",
-        "set_default_device_pinned_mem_limit 0 4096M", "get_default_device_pinned_mem_limit 0"]
+        "set_default_active_thread_percentage 25", "set_default_device_pinned_mem_limit 0 4096M",
+        "get_default_active_thread_percentage", "get_default_device_pinned_mem_limit 0"]
 
     spec = json.loads(mps_node.cdi_spec(first.uid).read_text())
     edits = spec["devices"][0]["containerEdits"]
@@ -150,11 +150,11 @@ def test_per_claim_time_slicing_is_set_at_prepare_and_reset_at_unprepare(node: S
     ref = node.claim("c", [("gpu", "gpu-0")], configs=[gpu_config(
         strategy="TimeSlicing", timeSlicingConfig={"interval": "Long"})])
     node.prepare_ok(ref)
-    assert node.nvidia_smi_calls() == [["-i", uuid, "-c", "DEFAULT"],
-                                       ["compute-policy", "-i", uuid, "--set-timeslice", "3"]]
+    # nvidia-smi only for the slice (NVML has no call for it); the compute mode, already DEFAULT, is read via NVML.
+    assert node.nvidia_smi_calls() == [["compute-policy", "-i", uuid, "--set-timeslice", "3"]]
+    assert [(c["call"], c["uuid"]) for c in node.nvml_calls()] == [("nvmlDeviceGetComputeMode", uuid)]
     assert node.unprepare(ref) == {ref.uid: None}
-    assert node.nvidia_smi_calls()[2:] == [["compute-policy", "-i", uuid, "--set-timeslice", "0"],
-                                           ["-i", uuid, "-c", "DEFAULT"]]
+    assert node.nvidia_smi_calls()[1:] == [["compute-policy", "-i", uuid, "--set-timeslice", "0"]]
 
 
 def test_failing_nvidia_smi_is_a_clear_claim_error(node: SimulatedNode) -> None:

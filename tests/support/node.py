@@ -75,8 +75,11 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+    try:  # the process may go between the two looks: reading a vanished /proc entry raises ESRCH
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 class SimulatedNode:
@@ -123,6 +126,22 @@ class SimulatedNode:
     @property
     def nvidia_smi_log(self) -> Path:
         return self.work / "nvidia-smi.jsonl"
+
+    @property
+    def nvml_log(self) -> Path:
+        """What the driver asked the simulated NVML (driver/simulation/nvmlcompute.py), one JSON object a line."""
+        return self.work / "nvml-calls.jsonl"
+
+    def nvml_calls(self) -> list[dict[str, Any]]:
+        if not self.nvml_log.exists():
+            return []
+        return [json.loads(line) for line in self.nvml_log.read_text().splitlines() if line.strip()]
+
+    def compute_mode(self, uuid: str) -> str:
+        """The GPU's compute mode as the simulated NVML and the stand-ins hold it (DEFAULT until set)."""
+        path = self.work / "nvidia-smi-state.json"
+        state: dict[str, dict[str, str]] = json.loads(path.read_text()) if path.exists() else {}
+        return state.get(uuid, {}).get("compute_mode", "DEFAULT")
 
     def cdi_spec(self, claim_uid: str) -> Path:
         return self.cdi_dir / f"k8s.gpu.tessera.dev-claim_{claim_uid}.json"
@@ -176,6 +195,7 @@ class SimulatedNode:
         return dict(os.environ, TMPDIR=str(tmp), TESSERA_SIM_MPS_JOURNAL=str(self.mps_journal),
                     TESSERA_SIM_NVIDIA_SMI_LOG=str(self.nvidia_smi_log),
                     TESSERA_SIM_NVIDIA_SMI_STATE=str(self.work / "nvidia-smi-state.json"),
+                    TESSERA_SIM_NVML_LOG=str(self.nvml_log),
                     **(env or {}))
 
     @property
@@ -280,21 +300,45 @@ class SimulatedNode:
 
     def claim(self, name: str, devices: Sequence[tuple[str, str]], *, configs: Sequence[dict[str, Any]] = (),
               namespace: str = "default", share_ids: dict[str, str] | None = None, pool: str = NODE,
-              allocated: bool = True) -> ClaimRef:
-        """Create a ResourceClaim allocated to ``devices`` (pairs of request, device name)."""
+              allocated: bool = True, pods: Sequence[dict[str, Any]] = (), admin_access: bool = False,
+              tolerations: Sequence[dict[str, Any]] = (),
+              consumed: dict[str, dict[str, str]] | None = None) -> ClaimRef:
+        """Create a ResourceClaim allocated to ``devices`` (pairs of request, device name).
+
+        ``pods`` (e.g. from :func:`pod`) are put on the API server and the claim is reserved for them.
+        ``admin_access`` and ``tolerations`` go into every result, as the scheduler copies them from the
+        request; ``consumed``: device name -> its ``consumedCapacity``.
+        """
         uid = str(uuid.uuid4())
         results = []
         for request, device in devices:
             result: dict[str, Any] = {"request": request, "driver": DRIVER, "pool": pool, "device": device}
             if share_ids and device in share_ids:
                 result["shareID"] = share_ids[device]
+            if consumed and device in consumed:
+                result["consumedCapacity"] = consumed[device]
+            if admin_access:
+                result["adminAccess"] = True
+            if tolerations:
+                result["tolerations"] = list(tolerations)
             results.append(result)
         claim: dict[str, Any] = {"metadata": {"name": name, "namespace": namespace, "uid": uid},
                                  "spec": {"devices": {"requests": []}}}
         if allocated:
             claim["status"] = {"allocation": {"devices": {"results": results, "config": list(configs)}}}
         self.api.put_claim(claim)
-        return ClaimRef(namespace=namespace, name=name, uid=uid)
+        ref = ClaimRef(namespace=namespace, name=name, uid=uid)
+        for p in pods:
+            self.reserve(ref, p)
+        return ref
+
+    def reserve(self, ref: ClaimRef, pod_object: dict[str, Any]) -> None:
+        """Put ``pod_object`` (in the claim's namespace) and add it to the claim's ``status.reservedFor``."""
+        stored = self.api.put_pod({**pod_object, "metadata": {**pod_object["metadata"], "namespace": ref.namespace}})
+        claim = next(c for c in self.api.claims() if c["metadata"]["uid"] == ref.uid)
+        claim.setdefault("status", {}).setdefault("reservedFor", []).append(
+            {"resource": "pods", "name": stored["metadata"]["name"], "uid": stored["metadata"]["uid"]})
+        self.api.put_claim(claim)
 
     def prepare(self, *refs: ClaimRef) -> dict[str, PrepareAnswer]:
         """Prepare through the kubelet stand-in, which checks each answer's share IDs against the claim's."""
@@ -312,6 +356,22 @@ class SimulatedNode:
 
     def unprepare(self, *refs: ClaimRef) -> dict[str, str | None]:
         return self.kubelet.unprepare(list(refs))
+
+
+def pod(name: str, *, pod_security: dict[str, Any] | None = None,
+        containers: Sequence[tuple[str, dict[str, Any] | None]] = (("main", None),),
+        **spec: Any) -> dict[str, Any]:
+    """A Pod object: its pod-level securityContext, containers as (name, securityContext), other spec fields."""
+    body: dict[str, Any] = {**spec, "containers": [
+        {"name": n, "image": "cuda", **({"securityContext": sc} if sc is not None else {})} for n, sc in containers]}
+    if pod_security is not None:
+        body["securityContext"] = pod_security
+    return {"metadata": {"name": name, "uid": str(uuid.uuid4())}, "spec": body}
+
+
+# A pod-level securityContext that runs as a non-root user, and a container's that cannot become root.
+NON_ROOT = {"runAsNonRoot": True, "runAsUser": 1000}
+NO_ESCALATION = {"allowPrivilegeEscalation": False}
 
 
 def gpu_config(**sharing: Any) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from driver.gpu.checkpoint import CheckpointStore
 from driver.gpu.claimcdi.toolkit import load_toolkit_edits
 from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.mps.limits import LimitDrift
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsError
 from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
 from driver.gpu.runtime.timeslice import TimeSliceError
@@ -45,6 +46,8 @@ class FakeMps:
         self.calls: list[tuple[str, str]] = []
         self.fail_start = False
         self.on_disk: list[str] = []
+        self.drift: dict[str, list[LimitDrift]] = {}  # found by the next verify_limits of that daemon
+        self.verified: list[str] = []
         self._next_pid = 1000
 
     def start(self, spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
@@ -62,23 +65,29 @@ class FakeMps:
         current = self.running.get(record.spec.daemon_id)
         return current is not None and current.pid == record.pid
 
-    def ensure_running(self, record: MpsDaemonRecord, timeout: float | None = None) -> MpsDaemonRecord:
+    def ensure_running(self, record: MpsDaemonRecord, timeout: float | None = None,
+                       retry_stopped: bool = False) -> MpsDaemonRecord:
         self.calls.append(("ensure_running", record.spec.daemon_id))
         if self.process_running(record):
             return record
         self.running.pop(record.spec.daemon_id, None)
         return self.start(record.spec)
 
-    def adopt(self, spec: MpsDaemonSpec) -> MpsDaemonRecord | None:
+    def verify_limits(self, record: MpsDaemonRecord, timeout: float | None = None) -> list[LimitDrift]:
+        """The drift a test put in ``drift`` for this daemon (once); reads are counted in ``verified``."""
+        self.verified.append(record.spec.daemon_id)
+        return self.drift.pop(record.spec.daemon_id, [])
+
+    def adopt(self, spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord | None:
         self.calls.append(("adopt", spec.daemon_id))
         running = self.running.get(spec.daemon_id)
         return running if running is not None and running.spec == spec else None
 
-    def stop(self, record: MpsDaemonRecord) -> None:
+    def stop(self, record: MpsDaemonRecord, timeout: float | None = None) -> None:
         self.calls.append(("stop", record.spec.daemon_id))
         self.running.pop(record.spec.daemon_id, None)
 
-    def stop_by_id(self, daemon_id: str) -> None:
+    def stop_by_id(self, daemon_id: str, timeout: float | None = None) -> None:
         self.calls.append(("stop_by_id", daemon_id))
         self.running.pop(daemon_id, None)
 
@@ -117,7 +126,7 @@ class FakeTimeSlicer:
 
 @dataclass
 class FakeComputeModes:
-    """Stands in for ComputeModes: each GPU's mode (DEFAULT until set); ``fail_set`` names a GPU that refuses."""
+    """Stands in for NvmlComputeModes: each GPU's mode (DEFAULT until set); ``fail_set`` names a GPU that refuses."""
 
     modes: dict[str, ComputeMode] = field(default_factory=dict)
     sets: list[tuple[str, ComputeMode]] = field(default_factory=list)

@@ -207,3 +207,19 @@ def test_claim_from_template_copies_the_spec_and_gets_a_fresh_uid() -> None:
     assert first["metadata"]["name"] == "pod-gpu" and first["metadata"]["namespace"] == "team-a"
     assert first["spec"] == template["spec"]["spec"]
     assert first["metadata"]["uid"] != second["metadata"]["uid"]
+
+
+def test_admin_access_sees_every_device_others_hold_and_takes_none() -> None:
+    request = _request("watch", DRIVER)
+    tolerations = [{"key": f"{DRIVER}/unhealthy", "operator": "Exists"}]
+    request["exactly"].update(adminAccess=True, allocationMode="All", tolerations=tolerations)
+    taken = {"gpu-0"}
+    results = _results(allocate(_claim(request), _slices(), DRIVER, taken))
+    assert [(r["device"], r["adminAccess"]) for r in results] == [("gpu-0", True), ("gpu-2", True)]
+    assert all(r["tolerations"] == tolerations for r in results) and taken == {"gpu-0"}
+    # Without admin access, All takes what is free and marks it taken.
+    every = _request("all", DRIVER)
+    every["exactly"]["allocationMode"] = "All"
+    assert [r["device"] for r in _results(allocate(_claim(every), _slices(), DRIVER, taken))] == ["gpu-2"]
+    assert taken == {"gpu-0", "gpu-2"} and "adminAccess" not in _results(allocate(_claim(every), _slices(), DRIVER,
+                                                                                   set()))[0]

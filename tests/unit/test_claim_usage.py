@@ -21,6 +21,7 @@ from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import PreparedDevice
 from driver.simulation.processes import SimulatedProcesses, parse_processes
 from driver.units import GIB
+from tests.support.pods import NonRootPods
 from tests.support.statenode import Node, claim, mps_shares, ts_shares
 
 POD_A = "0f3c8a52-1b2d-4e5f-8a9b-0c1d2e3f4a5b"
@@ -57,7 +58,7 @@ def test_claim_records_the_pods_it_is_reserved_for_and_old_checkpoints_load() ->
 def reserved(c: ResourceClaim, *pods: str) -> ResourceClaim:
     data = c.model_dump(by_alias=True)
     data["status"]["reservedFor"] = [{"resource": "pods", "name": f"pod-{p[:4]}", "uid": p} for p in pods]
-    return ResourceClaim.model_validate(data)
+    return ResourceClaim.model_validate(data).with_pod_reader(NonRootPods())
 
 
 def shared_node(node: Node) -> tuple[Any, NodeView]:
@@ -162,6 +163,33 @@ def test_nvml_processes_map_mig_instances_dedup_mps_and_take_the_latest_sample(n
     assert [p.sm_percent for p in NvmlProcesses(nvml, lambda: node.inventory, node.host).processes()] == [None, None]
 
 
+class OldDriverNvml(FakeNvml):
+    """A driver without the _v3 process calls: pynvml's unversioned calls raise its NVMLLibraryMismatchError."""
+
+    class NVMLLibraryMismatchError(Exception):  # pynvml's is a plain Exception, not an NVMLError
+        pass
+
+    def nvmlDeviceGetComputeRunningProcesses(self, _handle: str) -> list[Any]:
+        raise self.NVMLLibraryMismatchError("Unversioned function called and the pyNVML version does not match")
+
+    def nvmlDeviceGetMPSComputeRunningProcesses(self, _handle: str) -> list[Any]:
+        raise self.NVMLLibraryMismatchError("Unversioned function called and the pyNVML version does not match")
+
+    def nvmlDeviceGetComputeRunningProcesses_v2(self, _handle: str) -> list[Any]:
+        return self.running
+
+    def nvmlDeviceGetMPSComputeRunningProcesses_v2(self, _handle: str) -> list[Any]:
+        return self.mps
+
+
+def test_nvml_processes_fall_back_to_v2_on_a_driver_without_the_v3_calls(node: Node) -> None:
+    gpu = node.inventory.gpu_by_minor(0)
+    assert gpu is not None
+    nvml = OldDriverNvml(gpu.uuid, [proc(7, GIB)], [proc(8, GIB)], None)
+    found = NvmlProcesses(nvml, lambda: node.inventory, node.host).processes()
+    assert [(p.pid, p.memory_bytes) for p in found] == [(7, GIB), (8, GIB)]
+
+
 def test_watch_logs_once_when_over_an_unenforced_entitlement_and_inspect_shows_it(
         node: Node, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     state, view = shared_node(node)
@@ -200,7 +228,7 @@ def test_inspect_names_an_unreadable_usage_file(tmp_path: Path) -> None:
     assert render_usage(report) == []
 
 
-def test_a_consumable_share_is_held_to_what_it_consumed_and_going_over_is_not_an_unenforced_excess(
+def test_a_consumable_share_is_entitled_to_what_it_consumed_and_as_its_limits_are_advisory_going_over_shows(
         node: Node) -> None:
     gpu = node.inventory.gpu_by_minor(0)
     assert gpu is not None and gpu.multiprocessors == 132
@@ -212,5 +240,6 @@ def test_a_consumable_share_is_held_to_what_it_consumed_and_going_over_is_not_an
     targets = {"gpu-0-shared": DeviceTarget(name="gpu-0-shared", kind="consumable", gpu=gpu)}
     [u] = claim_usage([record], [ProcessUsage(pid=1, uuid=gpu.uuid, memory_bytes=5 * GIB, pod_uid=POD_A)],
                       targets, {})
-    assert (u.memory_limit_bytes, u.sm_limit_percent, u.enforced) == (4 * GIB, 25.0, True)
-    assert u.over_memory and u.over_entitlement == []  # MPS holds it to the limit: no unenforced excess
+    # Its GPU stays in compute mode DEFAULT, so a process that skips its daemon is not held (mps-advisory).
+    assert (u.memory_limit_bytes, u.sm_limit_percent, u.enforced) == (4 * GIB, 25.0, False)
+    assert u.over_memory and u.over_entitlement == ["memory"]

@@ -91,6 +91,15 @@ def test_non_positive_rescan_interval_is_rejected() -> None:
     assert _error_fields(info.value) == {"rescan_interval"}
 
 
+@pytest.mark.parametrize("interval", ["0", "10.5"])
+def test_the_mps_limit_check_interval_keeps_the_10s_promise(interval: str) -> None:
+    assert parse_settings([], {}).mps_limit_check_interval == 5.0
+    assert parse_settings([], {"MPS_LIMIT_CHECK_INTERVAL": "10"}).mps_limit_check_interval == 10.0
+    with pytest.raises(ValidationError) as info:
+        parse_settings(["--mps-limit-check-interval", interval], {})
+    assert _error_fields(info.value) == {"mps_limit_check_interval"}
+
+
 def test_every_problem_is_reported_at_once() -> None:
     with pytest.raises(ValidationError) as info:
         parse_settings(["--log-level", "loud", "--http-port", "99999"], {"DRIVER_NAME": "BAD"})

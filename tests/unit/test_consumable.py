@@ -75,8 +75,8 @@ def test_the_plan_publishes_one_device_with_request_policies_and_enforcement() -
 
 def test_kernel_enforcement_is_published_only_where_detected() -> None:
     kernel = layout(kernel=KernelMemoryLimits(True, "test"))[H100.uuid]
-    assert kernel.memory_enforcement == Enforcement.KERNEL
-    assert layout()[H100.uuid].memory_enforcement == Enforcement.MPS_ADVISORY
+    assert kernel.memory_enforcement(None) == Enforcement.KERNEL
+    assert layout()[H100.uuid].memory_enforcement(None) == Enforcement.MPS_ADVISORY
 
 
 def test_plan_steps_and_defaults_are_checked_against_the_gpu() -> None:

@@ -324,24 +324,18 @@ def test_cdi_root_is_writable_and_the_toolkit_spec_directory_read_only(
     assert not etc_cdi[0].get("readOnly", False)
 
 
-def test_without_the_mps_host_mps_shm_is_one_host_tmpfs_shared_with_the_plugin(custom_objects: list[Obj]) -> None:
-    # With the MPS host (the default) the host's pod mounts it: tests/unit/test_deploy_mpshost.py.
-    for objects, kubelet_dir, driver, size in (
-        (custom_objects, "/var/lib/k0s/kubelet", "gpu.example.org", "512m"),
-    ):
-        shm_dir = f"{kubelet_dir}/plugins/{driver}/mps-shm"
-        container = plugin_container(objects)
-        assert host_path_of_mount(objects, container, "/dev/shm") == shm_dir
-        (init,) = pod_spec(objects)["initContainers"]
-        assert init["securityContext"]["privileged"] is True
-        script = init["command"][-1]
-        assert f'dir="{shm_dir}"' in script
-        assert f"mount -t tmpfs -o size={size}," in script
-        assert 'mountpoint -q "$dir"' in script
-        # The mount must propagate to the host, so the init container's mount covering it is Bidirectional.
-        (propagating,) = [m for m in init["volumeMounts"] if shm_dir.startswith(m["mountPath"] + "/")]
-        assert propagating["mountPropagation"] == "Bidirectional"
-        assert host_path_of_mount(objects, init, propagating["mountPath"]) == propagating["mountPath"]
+def test_without_the_mps_host_the_plugin_mounts_each_daemons_shm_tmpfs_itself(custom_objects: list[Obj]) -> None:
+    # With the MPS host (the default) the host mounts them: tests/unit/test_deploy_mpshost.py.
+    container = plugin_container(custom_objects)
+    assert env_value(container, "MPS_SHM_TMPFS") == "true"
+    assert env_value(container, "MPS_SHM_SIZE") == "512Mi"
+    assert "initContainers" not in pod_spec(custom_objects), "no node-wide tmpfs shared by every tenant"
+    assert "/dev/shm" not in {m["mountPath"] for m in container["volumeMounts"]}
+    # The plugin's tmpfs mounts under its data directory must reach the node, where the runtime
+    # bind-mounts them into client containers.
+    data = "/var/lib/k0s/kubelet/plugins/gpu.example.org"
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == data]
+    assert mount["mountPropagation"] == "Bidirectional" and container["securityContext"]["privileged"] is True
 
 
 def test_simulation_is_opt_in(default_objects: list[Obj], custom_objects: list[Obj]) -> None:
@@ -424,6 +418,8 @@ def test_cluster_role_is_least_privilege(default_objects: list[Obj]) -> None:
         ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update", "patch", "delete"},
         ("resource.k8s.io", "resourceclaims"): {"get"},
         ("", "nodes"): {"get"},
+        ("", "pods"): {"get"},  # the reservedFor pods of a claim on a shared MPS daemon (tenancy check)
+        ("events.k8s.io", "events"): {"create"},  # MpsLimitsReverted on the claims of a retuned daemon
     }
 
 
@@ -495,17 +491,45 @@ def test_network_policy_admits_only_scrapers_to_the_http_port_of_the_plugin_pods
         [rule] = policy["ingress"]
         http_port = plugin_container(objects)["ports"][0]["containerPort"]
         assert rule["ports"] == [{"protocol": "TCP", "port": http_port}]
-        assert rule["from"] == [{"namespaceSelector": {},
-                                 "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
+        assert rule["from"] == [BY_NAME_MONITORING]
     assert plugin_container(custom_objects)["ports"][0]["containerPort"] == 9400
 
 
-def test_network_policy_peers_are_configurable_and_the_policy_optional() -> None:
-    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
-    objects = render_objects({"metrics": {"networkPolicy": {"from": monitoring}}})
-    assert only(objects, "NetworkPolicy")["spec"]["ingress"][0]["from"] == monitoring
-    # No peers: only the node (the kubelet's probes) reaches the pod.
-    closed = only(render_objects({"metrics": {"networkPolicy": {"from": []}}}), "NetworkPolicy")["spec"]
+# The API server sets kubernetes.io/metadata.name to the namespace's name and refuses changes to it,
+# so a tenant cannot put its own namespace into this selector (a pod label it can set on itself).
+BY_NAME_MONITORING = {"namespaceSelector": {"matchExpressions": [
+    {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["monitoring"]}]}}
+
+
+def _selects_only_by_namespace_name(peer: Obj) -> bool:
+    """A peer whose namespaces are picked by their immutable name; a podSelector may only narrow it."""
+    selector = peer.get("namespaceSelector")
+    if not selector or selector.get("matchLabels"):
+        return False
+    return all(e["key"] == "kubernetes.io/metadata.name" and e["operator"] == "In"
+               for e in selector.get("matchExpressions", [])) and bool(selector.get("matchExpressions"))
+
+
+def test_network_policy_selects_scrapers_by_the_immutable_namespace_name_label(default_objects: list[Obj]) -> None:
+    [rule] = only(default_objects, "NetworkPolicy")["spec"]["ingress"]
+    assert rule["from"] and all(_selects_only_by_namespace_name(p) for p in rule["from"])
+    # A pod label (app.kubernetes.io/name: prometheus) in any namespace is what a tenant can set itself.
+    assert all(p["namespaceSelector"] != {} for p in rule["from"])
+
+
+def test_network_policy_namespaces_pods_and_peers_are_configurable_and_the_policy_optional() -> None:
+    spec = only(render_objects({"metrics": {"networkPolicy": {
+        "namespaces": ["monitoring", "prom"], "podSelector": {"matchLabels": {"app": "prometheus"}}}}}),
+        "NetworkPolicy")["spec"]
+    [peer] = spec["ingress"][0]["from"]
+    assert peer["namespaceSelector"]["matchExpressions"][0]["values"] == ["monitoring", "prom"]
+    assert peer["podSelector"] == {"matchLabels": {"app": "prometheus"}}
+    extra = [{"ipBlock": {"cidr": "192.0.2.0/24"}}]
+    spec = only(render_objects({"metrics": {"networkPolicy": {"namespaces": [], "extraPeers": extra}}}),
+                "NetworkPolicy")["spec"]
+    assert spec["ingress"][0]["from"] == extra
+    # No namespaces and no peers: only the node (the kubelet's probes) reaches the pod.
+    closed = only(render_objects({"metrics": {"networkPolicy": {"namespaces": []}}}), "NetworkPolicy")["spec"]
     assert closed["ingress"] == [] and closed["policyTypes"] == ["Ingress"]
     assert not by_kind(render_objects({"metrics": {"networkPolicy": {"enabled": False}}}), "NetworkPolicy")
 
@@ -660,8 +684,13 @@ def test_admission_policy_names_the_custom_driver() -> None:
         ({"driverName": "GPU_Tessera"}, helm_python.HelmValuesError, "/driverName"),
         ({"driverName": "tessera"}, helm_python.HelmValuesError, "/driverName"),
         ({"mps": {"shmSize": "1G"}}, helm_python.HelmValuesError, "/mps/shmSize"),
+        ({"mps": {"shmSize": "512Ki"}}, helm_python.HelmValuesError, "/mps/shmSize"),
         ({"logFormat": "xml"}, helm_python.HelmValuesError, "/logFormat"),
-        ({"metrics": {"networkPolicy": {"from": [{}]}}}, helm_python.HelmValuesError, "/metrics/networkPolicy/from/0"),
+        ({"metrics": {"networkPolicy": {"extraPeers": [{}]}}}, helm_python.HelmValuesError,
+         "/metrics/networkPolicy/extraPeers/0"),
+        ({"metrics": {"networkPolicy": {"namespaces": ["Not_A_Name"]}}}, helm_python.HelmValuesError,
+         "/metrics/networkPolicy/namespaces/0"),
+        ({"metrics": {"networkPolicy": {"from": []}}}, helm_python.HelmValuesError, "from"),
         ({"metrics": {"networkPolicy": {"enable": True}}}, helm_python.HelmValuesError, "enable"),
         ({"extendedResourceName": "gpu"}, helm_python.HelmValuesError, "/extendedResourceName"),
         (

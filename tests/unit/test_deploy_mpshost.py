@@ -87,15 +87,18 @@ def test_with_the_host_the_plugin_neither_mounts_nor_uses_a_dev_shm(default_obje
     assert "/dev/shm" not in {m["mountPath"] for m in plugin_container(default_objects)["volumeMounts"]}
 
 
-def test_private_shm_puts_the_whole_mps_directory_on_a_host_tmpfs(default_objects: list[Obj]) -> None:
-    assert host_args(default_objects)["private_shm"] is True
-    (init,) = host_pod(default_objects)["initContainers"]
-    script = init["command"][-1]
-    assert f'dir="{DATA_DIR}/mps"' in script and 'mountpoint -q "$dir"' in script
-    assert "mount -t tmpfs -o size=1g,mode=0755,nosuid,nodev,noexec" in script
-    (propagating,) = init["volumeMounts"]
-    assert propagating["mountPath"] == DATA_DIR and propagating["mountPropagation"] == "Bidirectional"
-    assert "/dev/shm" not in {m["mountPath"] for m in host_container(default_objects)["volumeMounts"]}
+def test_private_shm_gives_each_daemon_a_tmpfs_of_its_own_mounted_by_the_host(default_objects: list[Obj]) -> None:
+    args = host_args(default_objects)
+    assert args["private_shm"] is True and args["shm_tmpfs"] is True
+    # No tmpfs over the whole MPS directory: the driver's own files (restart records, logs, pipe
+    # directories) stay on the node's disk, which tenants cannot write.
+    assert "initContainers" not in host_pod(default_objects)
+    mounts = {m["mountPath"]: m for m in host_container(default_objects)["volumeMounts"]}
+    assert mounts[f"{DATA_DIR}/mps"]["mountPropagation"] == "Bidirectional"
+    assert host_container(default_objects)["securityContext"]["privileged"] is True  # Bidirectional needs it
+    assert "/dev/shm" not in mounts
+    assert env_value(plugin_container(default_objects), "MPS_SHM_SIZE") == "1Gi"
+    assert "shm_size" in args and args["shm_size"] is not None
 
 
 def test_without_private_shm_the_shared_tmpfs_is_the_hosts_dev_shm() -> None:
@@ -132,7 +135,8 @@ def test_disabling_the_host_restores_daemons_in_the_plugin() -> None:
     objects = render_objects({"mps": {"host": {"enabled": False}}})
     assert [o for o in objects if o["kind"] == "DaemonSet" and o["metadata"]["name"].endswith("mps-host")] == []
     assert "MPS_HOST_SOCKET" not in {e["name"] for e in plugin_container(objects)["env"]}
-    assert [c["name"] for c in pod_spec(objects)["initContainers"]] == ["mps-shm"]
+    assert "initContainers" not in pod_spec(objects)
+    assert env_value(plugin_container(objects), "MPS_SHM_TMPFS") == "true"
 
 
 def test_host_without_host_pid_is_a_render_error_naming_the_value() -> None:

@@ -213,6 +213,7 @@ EXPECTED_SELECTION: dict[str, set[str]] = {
     "consumable-share-small.yaml": {"consumable-share", "consumable-share-kernel"},
     "consumable-share-large.yaml": {"consumable-share", "consumable-share-kernel"},
     "consumable-share-kernel-memory.yaml": {"consumable-share-kernel"},  # only where the kernel enforces memory
+    "gpu-admin-access-monitoring.yaml": WHOLE_GPUS,
 }
 EXPECTED_SHARING: dict[str, str] = {"gpu-mps-per-claim.yaml": "MPS", "gpu-timeslicing-interval.yaml": "TimeSlicing"}
 
@@ -282,7 +283,8 @@ def test_example_pods_use_its_one_claim(name: str) -> None:
     reference = "resourceClaimTemplateName" if claim["kind"] == "ResourceClaimTemplate" else "resourceClaimName"
     pods = [o for o in objects if o["kind"] == "Pod"]
     assert pods
-    assert {o["kind"] for o in objects} == {claim["kind"], "Pod"}
+    # A Namespace only where admin access needs its label (test_the_admin_access_example_...).
+    assert {o["kind"] for o in objects} - {"Namespace"} == {claim["kind"], "Pod"}
     for pod in pods:
         pod_claims = {c["name"]: c for c in pod["spec"]["resourceClaims"]}
         assert [c[reference] for c in pod_claims.values()] == [claim["metadata"]["name"]]
@@ -290,6 +292,19 @@ def test_example_pods_use_its_one_claim(name: str) -> None:
             assert {c["name"] for c in container["resources"]["claims"]} <= set(pod_claims)
     for request in claim_spec(claim)["devices"]["requests"]:
         assert request["name"] in ("gpu", "mig", "share")
+
+
+def test_the_admin_access_example_runs_in_a_namespace_labelled_for_it() -> None:
+    objects = load("gpu-admin-access-monitoring.yaml")
+    (namespace,) = [o for o in objects if o["kind"] == "Namespace"]
+    assert namespace["metadata"]["labels"]["resource.kubernetes.io/admin-access"] == "true"
+    claim = the_claim(objects)
+    (request,) = claim_spec(claim)["devices"]["requests"]
+    assert request["exactly"]["adminAccess"] is True
+    assert {o["metadata"].get("namespace") for o in objects if o["kind"] != "Namespace"} == {
+        namespace["metadata"]["name"]}
+    assert all(o["kind"] != "Namespace" for name in EXPECTED_SELECTION if name != "gpu-admin-access-monitoring.yaml"
+               for o in load(name)), "only admin access needs a namespace of its own"
 
 
 def test_two_containers_or_two_pods_share_the_claim_where_the_example_says_so() -> None:

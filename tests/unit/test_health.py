@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from driver.gpu.claimplan import check_device_health
 from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
 from driver.gpu.health.model import EventKind, HealthEvent, apply_event
@@ -16,6 +16,7 @@ from driver.gpu.health.monitor import HealthMonitor
 from driver.gpu.health.nvmlsource import NO_INSTANCE, NvmlHealthSource
 from driver.gpu.health.published import taint_key, taints_decision, unhealthy_devices, with_taints
 from driver.gpu.health.xids import XID_TABLE, XidImpact, classify_xid, parse_ignored_xids
+from driver.gpu.healthgate import check_device_health
 from driver.gpu.sharelayout import GpuShares
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.healthevents import SimulatedHealthEvents, parse_line
@@ -74,6 +75,11 @@ def test_events_mark_unhealthy_keep_the_first_reason_and_recovery_clears_mig_chi
     assert apply_event(health, HealthEvent("GPU-2", EventKind.XID, xid=13), (), now=8.0) == health
     recovered = apply_event(health, HealthEvent("GPU-1", EventKind.RECOVERED), (), now=9.0)
     assert set(recovered) == {"GPU-2"} and recovered["GPU-2"].reason == "ecc-double-bit"
+    # A recovery from one condition leaves a device unhealthy for another.
+    other = HealthEvent("GPU-2", EventKind.RECOVERED, clears="recovery-action")
+    assert apply_event(health, other, (), now=9.0) == health
+    same = HealthEvent("GPU-2", EventKind.RECOVERED, clears="ecc-double-bit")
+    assert "GPU-2" not in apply_event(health, same, (), now=9.0)
 
 
 def test_the_monitor_counts_every_xid_and_tells_listeners_only_of_changes() -> None:
@@ -254,13 +260,52 @@ def test_polling_reports_a_lost_gpu_once_its_recovery_and_the_recovery_action(in
     assert [(e.kind, e.detail) for e in seen] == [(EventKind.RECOVERED, "the GPU answers NVML again"),
                                                   (EventKind.RECOVERY_ACTION, "GPU reset")]
     nvml.recovery_action[uuid] = 0
-    assert [e.kind for e in run_source(source, nvml, 1)] == [EventKind.RECOVERED]
-    nvml.remap[uuid] = (1, 0)
-    assert [(e.kind, e.detail) for e in run_source(source, nvml, 1)] == [
-        (EventKind.ROW_REMAPPING, "a GPU reset is needed to apply it")]
+    assert [(e.kind, e.clears) for e in run_source(source, nvml, 1)] == [(EventKind.RECOVERED, "recovery-action")]
+    nvml.remap[uuid] = (0, 1)
+    assert [(e.kind, e.detail) for e in run_source(source, nvml, 1)] == [(EventKind.ROW_REMAPPING, "remapping failed")]
     assert run_source(source, nvml, 1) == []  # reported once
     nvml.remap[uuid] = (0, 0)
-    assert [e.kind for e in run_source(source, nvml, 1)] == [EventKind.RECOVERED]
+    assert [(e.kind, e.clears) for e in run_source(source, nvml, 1)] == [(EventKind.RECOVERED, "row-remapping")]
+    sample = source.sample()[uuid]
+    assert (sample.temperature_celsius, sample.power_watts, sample.memory_used_bytes) == (41.0, 123.456, 5 << 30)
+
+
+def test_a_pending_row_remap_leaves_the_gpu_healthy_and_is_logged_once(
+        inventory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # NVIDIA's memory-error guide: with a remap pending, unaffected work runs and new work may start.
+    uuid = gpu(inventory, 0).uuid
+    nvml = FakeNvml([g.uuid for g in inventory.gpus])
+    source = NvmlHealthSource(nvml, lambda: inventory, poll_interval=0)
+    nvml.remap[uuid] = (1, 0)
+    with caplog.at_level(logging.INFO, logger="driver.gpu.health.nvmlsource"):
+        assert run_source(source, nvml, 2) == []
+        nvml.remap[uuid] = (0, 0)
+        assert run_source(source, nvml, 1) == []
+    assert [r.message for r in caplog.records if "row remap" in r.message] == [
+        "a memory row remap is pending on a GPU: it applies at the next GPU reset; running and new work is "
+        "unaffected until then, so the GPU stays schedulable",
+        "no memory row remap pending on the GPU any more"]
+
+
+def test_a_recovery_action_event_reads_the_action_and_leaves_an_xid_79_gpu_unhealthy(inventory: Any) -> None:
+    # nvml.h: eventData is 0 for every event but an XID's, so it says nothing about the recovery action.
+    uuid = gpu(inventory, 0).uuid
+    nvml = FakeNvml([g.uuid for g in inventory.gpus])
+    nvml.events = [event(uuid, 0x8, 79), event(uuid, 0x8000, 0)]
+    nvml.recovery_action[uuid] = 1  # NVML asks for a GPU reset
+    source = NvmlHealthSource(nvml, lambda: inventory, poll_interval=3600)
+    seen = run_source(source, nvml, 3)
+    # The first poll may see the action before its event arrives: reported once either way, never RECOVERED.
+    assert sorted((e.kind, e.xid or 0, e.detail) for e in seen) == [(EventKind.RECOVERY_ACTION, 0, "GPU reset"),
+                                                                    (EventKind.XID, 79, "")]
+    health: dict[str, Any] = {}
+    for e in seen:
+        health = apply_event(health, e, (), now=1.0)
+    nvml.recovery_action[uuid] = 0  # the action is done (or withdrawn): its own reason goes, the XID's stays
+    nvml.events = [event(uuid, 0x8000, 0)]
+    for e in run_source(source, nvml, 2):
+        health = apply_event(health, e, (), now=2.0)
+    assert health[uuid].reason == "xid-79"
     sample = source.sample()[uuid]
     assert (sample.temperature_celsius, sample.power_watts, sample.memory_used_bytes) == (41.0, 123.456, 5 << 30)
 

@@ -21,13 +21,14 @@ from driver.gpu.checkpoint import (
 from driver.gpu.claimcdi.toolkit import load_toolkit_edits
 from driver.gpu.devices import make_view
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
-from driver.gpu.runtime.computemode import ComputeMode, ComputeModes
+from driver.gpu.runtime.computemode import ComputeMode
 from driver.gpu.state import DeviceState, StatePaths
 from driver.inspect_node import collect, inspect, render_text
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import PreparedDevice
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import build_host_root
+from tests.support.statenode import FakeComputeModes
 
 GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
 MIG = "MIG-11111111-1111-1111-1111-111111111111"
@@ -185,7 +186,7 @@ def test_state_prepared_by_the_driver_reads_back(settings: Settings, tmp_path: P
         paths=StatePaths(state_dir=settings.state_dir, cdi_root=settings.cdi_root, host_root=host, mps_shm_dir=None),
         toolkit=load_toolkit_edits(host / "etc" / "cdi" / "nvidia.yaml"),
         mps=None, timeslicer=None,  # type: ignore[arg-type]  # a whole GPU without sharing needs neither
-        view=make_view(inventory, {}), compute_modes=ComputeModes(tmp_path))
+        view=make_view(inventory, {}), compute_modes=FakeComputeModes())
     state.prepare(ResourceClaim.model_validate({
         "metadata": {"name": "train", "namespace": "team-a", "uid": "u1"},
         "status": {"allocation": {"devices": {"results": [

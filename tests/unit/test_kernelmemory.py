@@ -12,6 +12,7 @@ from driver.gpu.consumable import KernelMemoryLimits
 from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.sharingplan import SharingPlans, resolve_layout
+from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import build_host_root
 from driver.units import GIB
@@ -113,7 +114,10 @@ def test_a_kernel_node_puts_the_claims_memory_as_a_hard_limit_hook_in_its_spec(n
         "args": ["nvidia-cdi-hook", "apply-cuda-memory-limits", "--driver-root", "/", "--gpu-id", node.uuid(0)]}]
     env = device_env(spec)
     mib = str(10 * GIB >> 20)
-    assert f"NVIDIA_GPU_MEMORY_REQUEST={mib}" in env and f"NVIDIA_GPU_MEMORY_LIMIT={mib}" in env
+    # Both forms: the hook looks the plural names up first, so a plural one from elsewhere cannot win.
+    assert [e for e in env if e.startswith("NVIDIA_GPU_MEMORY_")] == [
+        f"NVIDIA_GPU_MEMORY_REQUESTS={mib}", f"NVIDIA_GPU_MEMORY_LIMITS={mib}",
+        f"NVIDIA_GPU_MEMORY_REQUEST={mib}", f"NVIDIA_GPU_MEMORY_LIMIT={mib}"]
     # MPS still caps each process too; the kernel limit covers the container's processes together.
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M" in env
     assert spec["devices"][0]["annotations"][f"{DRIVER}/consumed"] == f"{10 * GIB},33"
@@ -143,3 +147,34 @@ def test_the_plugin_detects_at_start_and_again_at_each_rescan(tmp_path: Path, ca
     lines = [r.getMessage() for r in caplog.records if "kernel-enforced" in r.getMessage()]
     assert lines == ["kernel-enforced GPU memory limits for consumable shares: available",
                      "kernel-enforced GPU memory limits for consumable shares: not available"]
+
+
+def reserved(claim: ResourceClaim, *pod_uids: str) -> ResourceClaim:
+    """``claim`` reserved for pods (as the scheduler writes status.reservedFor)."""
+    wire = claim.model_dump(by_alias=True, exclude_none=True)
+    wire["status"]["reservedFor"] = [{"resource": "pods", "name": f"pod-{p}", "uid": p} for p in pod_uids]
+    return ResourceClaim.model_validate(wire)
+
+
+def test_two_kernel_limited_claims_of_one_pod_are_logged_as_a_possible_collision(
+        node: Node, caplog: pytest.LogCaptureFixture) -> None:
+    state = node.state()
+    state.apply_layout(make_view(node.inventory, {}), consumable_layout(node.inventory, KERNEL))
+    with caplog.at_level("WARNING", logger="driver.gpu.kernelmemory"):
+        state.prepare(reserved(shares_claim("a", "10Gi", "33"), "pod-1"))
+        state.prepare(reserved(shares_claim("b", "20Gi", "33"), "pod-2"))  # another pod: nothing to say
+        assert [r for r in caplog.records if r.name == "driver.gpu.kernelmemory"] == []
+        state.prepare(reserved(shares_claim("c", "4Gi", "33"), "pod-1"))
+    [warning] = [r for r in caplog.records if r.name == "driver.gpu.kernelmemory"]
+    assert "one container" in warning.getMessage() and "NVIDIA_GPU_MEMORY_LIMIT" in warning.getMessage()
+    assert (warning.claim_uid, warning.other_claim_uid, warning.pod_uids) == ("c", "a", ["pod-1"])  # type: ignore[attr-defined]
+
+
+def test_without_kernel_limits_claims_of_one_pod_are_not_a_collision(node: Node) -> None:
+    state = node.state()
+    state.apply_layout(make_view(node.inventory, {}), consumable_layout(node.inventory, None))
+    a, b = reserved(shares_claim("a", "10Gi", "33"), "pod-1"), reserved(shares_claim("b", "4Gi", "33"), "pod-1")
+    for claim in (a, b):
+        state.prepare(claim)
+    cp = node.store.load()
+    assert kernelmemory.warn_if_shared_pod(cp.claims["b"], cp) == []

@@ -6,7 +6,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from driver.gpu.mps.dirs import RestartState, next_restart_state, remove_daemon_dir, restart_delay
+from driver.gpu.mps.dirs import RestartState, next_restart_state, remove_daemon_dir, restart_delay, trim_log
 
 BASE, CAP = 2.0, 300.0
 
@@ -60,3 +60,19 @@ def test_a_tree_nested_past_the_recursion_limit_is_removed_without_following_lin
         subprocess.run(["rm", "-rf", str(daemon_dir)], check=False)
     assert not left_behind
     assert outside.read_text() == "keep me"
+
+
+def test_a_daemon_log_past_its_bound_is_emptied_and_the_daemon_keeps_appending(tmp_path: Path) -> None:
+    log = tmp_path / "control.log"
+    daemon = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT)  # as the launchers open it for the daemon
+    try:
+        os.write(daemon, b"x" * 100)
+        assert not trim_log(log, 100)
+        os.write(daemon, b"y")
+        assert trim_log(log, 100)
+        os.write(daemon, b"next line\n")
+    finally:
+        os.close(daemon)
+    assert log.read_text() == "[log emptied by the driver: it passed 100 bytes]\nnext line\n"
+    (tmp_path / "link").symlink_to(log)
+    assert not trim_log(tmp_path / "link", 0), "never through a symlink"

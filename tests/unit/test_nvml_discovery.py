@@ -6,6 +6,7 @@ exceptions a real driver does for unsupported queries, so degradation paths are 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -166,6 +167,8 @@ class FakeNvml:
     NVML_GPU_INSTANCE_PROFILE_COUNT = 0x12
     NVML_COMPUTE_INSTANCE_PROFILE_COUNT = 9
     NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED = 0
+    # The profile enums the driver knows (the library's constant above may be older than the driver).
+    DRIVER_GI_PROFILE_COUNT = 0x12
 
     def __init__(
         self,
@@ -271,7 +274,7 @@ class FakeNvml:
         self._call(f"nvmlDeviceGetGpuInstanceProfileInfo(v{version})", gpu)
         if version == 2 and not self.v2_profile_info:
             raise NVMLError_FunctionNotFound()
-        if profile >= self.NVML_GPU_INSTANCE_PROFILE_COUNT:
+        if profile >= self.DRIVER_GI_PROFILE_COUNT:
             raise NVMLError_InvalidArgument()
         if profile not in gpu.gi_profiles:
             raise NVMLError_NotSupported()
@@ -734,6 +737,22 @@ def test_profiles_are_enumerated_once_per_gpu_per_discover(sysfs: Path) -> None:
     assert fake.calls.count("nvmlDeviceGetGpuInstanceProfileInfo(v2)") == FakeNvml.NVML_GPU_INSTANCE_PROFILE_COUNT
     discovery.discover()  # a new discover sees MIG changes: it asks again
     assert fake.calls.count("nvmlDeviceGetGpuInstanceProfileInfo(v2)") == 2 * FakeNvml.NVML_GPU_INSTANCE_PROFILE_COUNT
+
+
+class OldPynvml(FakeNvml):
+    """nvidia-ml-py 12.560: its COUNT constant stops before the +gfx/-me/+me.all profiles (0xA-0x11),
+    while the driver still answers for them."""
+
+    NVML_GPU_INSTANCE_PROFILE_COUNT = 0xA
+
+
+def test_profiles_past_an_old_pynvml_count_are_enumerated(sysfs: Path) -> None:
+    gpu = h100_mig()
+    # A 1-slice +gfx GPU instance (enum 0xA, 1_SLICE_GFX) where the 1g.10gb one was.
+    gpu.gi_profiles[0xA] = dataclasses.replace(gpu.gi_profiles[0], id=29, name=b"MIG 1g.10gb+gfx")
+    gpu.gis[9].profile_id = 29
+    [info] = discover(OldPynvml([gpu]), sysfs).gpus
+    assert [m.profile for m in info.mig_instances] == ["1g.10gb+gfx", "3g.40gb"]
 
 
 def test_profile_info_falls_back_to_v1(sysfs: Path) -> None:

@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from driver.gpu.devices import make_view
+from driver.gpu.errors import PrepareError
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
+from driver.gpu.state import ROLLBACK_BUDGET_S
 from driver.kubeletplugin.types import Deadline
 from tests.support.statenode import Node, claim, gpu_config, mps_shares
 
 
-@pytest.mark.parametrize("shared", [True, False], ids=["plan-share", "per-claim"])
-def test_the_daemon_start_gets_the_rest_of_the_deadline(node: Node, monkeypatch: pytest.MonkeyPatch,
-                                                         shared: bool) -> None:
+def _timeout_given_to(node: Node, monkeypatch: pytest.MonkeyPatch, method: str, shared: bool) -> float | None:
+    """Prepare a plan share (``shared``) or a per-claim MPS claim under a 7 s deadline; the timeout
+    ``node.mps.<method>`` was called with."""
     timeouts: list[float | None] = []
-    real_start = node.mps.start
+    real = getattr(node.mps, method)
 
-    def start(spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
+    def recording(first: Any, timeout: float | None = None) -> Any:
         timeouts.append(timeout)
-        return real_start(spec, timeout)
+        return real(first, timeout)
 
-    monkeypatch.setattr(node.mps, "start", start)
+    monkeypatch.setattr(node.mps, method, recording)
     state = node.state()
     if shared:
         state.apply_layout(make_view(node.inventory, {}), {node.uuid(0): mps_shares(2)})
@@ -29,4 +33,47 @@ def test_the_daemon_start_gets_the_rest_of_the_deadline(node: Node, monkeypatch:
         wanted = claim("6f0c2d1e-8a4b-4c3d-9e2f-1a0b3c4d5e70", "gpu-0", configs=[gpu_config(strategy="MPS")])
     state.prepare(wanted, Deadline.after(7.0))
     [timeout] = timeouts
+    return timeout
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["plan-share", "per-claim"])
+def test_the_daemon_start_gets_the_rest_of_the_deadline(node: Node, monkeypatch: pytest.MonkeyPatch,
+                                                         shared: bool) -> None:
+    timeout = _timeout_given_to(node, monkeypatch, "start", shared)
     assert timeout is not None and 0 < timeout <= 7.0, "a start may not outlast the prepare's deadline"
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["plan-share", "per-claim"])
+def test_the_stop_before_a_start_gets_the_rest_of_the_deadline(node: Node, monkeypatch: pytest.MonkeyPatch,
+                                                                shared: bool) -> None:
+    # A daemon left by a crash is stopped before the start: a stop that does not end (processes that
+    # ignore SIGTERM) may not outlast the prepare either.
+    timeout = _timeout_given_to(node, monkeypatch, "stop_by_id", shared)
+    assert timeout is not None and 0 < timeout <= 7.0
+
+
+def test_a_prepare_that_runs_out_is_rolled_back_within_a_budget_of_its_own(node: Node,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[str] = []
+    stop_timeouts: list[float | None] = []
+    real_start, real_stop = node.mps.start, node.mps.stop
+
+    def start(spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
+        started.append(spec.daemon_id)
+        return real_start(spec, timeout)
+
+    def stop(record: MpsDaemonRecord, timeout: float | None = None) -> None:
+        stop_timeouts.append(timeout)
+        real_stop(record, timeout)
+
+    monkeypatch.setattr(node.mps, "start", start)
+    monkeypatch.setattr(node.mps, "stop", stop)
+    uid = "6f0c2d1e-8a4b-4c3d-9e2f-1a0b3c4d5e71"
+    # The kubelet gives up once the daemon runs: the rollback comes after the prepare's deadline.
+    deadline = Deadline.after(7.0, is_active=lambda: not started)
+    with pytest.raises(PrepareError, match="rolled back"):
+        node.state().prepare(claim(uid, "gpu-0", configs=[gpu_config(strategy="MPS")]), deadline)
+    [timeout] = stop_timeouts
+    assert timeout is not None and 0 < timeout <= ROLLBACK_BUDGET_S, "bounded, and not the prepare's spent time"
+    assert uid not in node.store.load().claims, "nothing left PrepareStarted"
+    assert node.mps.running == {}

@@ -514,7 +514,7 @@ def test_one_gpu_refusing_a_plan_time_slice_does_not_block_the_others(node: Node
 def test_recovery_survives_a_daemon_that_cannot_be_stopped(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     node.mps.on_disk.append("claim-stuck-0")
 
-    def stuck(daemon_id: str) -> None:
+    def stuck(daemon_id: str, timeout: float | None = None) -> None:
         raise MpsError(f"MPS control daemon {daemon_id} still running after SIGKILL")
 
     monkeypatch.setattr(node.mps, "stop_by_id", stuck)

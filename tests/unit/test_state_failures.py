@@ -26,7 +26,7 @@ def test_a_failing_rollback_of_an_interrupted_prepare_is_the_claims_error(node: 
     cp.claims["u1"].phase = ClaimPhase.PREPARE_STARTED  # what a crash before PrepareCompleted leaves
     node.store.save(cp)
 
-    def stuck(record: MpsDaemonRecord) -> None:
+    def stuck(record: MpsDaemonRecord, timeout: float | None = None) -> None:
         raise MpsError(f"MPS control daemon {record.spec.daemon_id} still running after SIGKILL")
 
     monkeypatch.setattr(node.mps, "stop", stuck)

@@ -1,12 +1,14 @@
 """DeviceState: compute modes around MPS daemons, MIG with MPS, deadlines, and per-GPU locking.
 
 Uses the simulated node and fakes of ``tests/support/statenode.py`` (gpu-0 H100 whole, gpu-1 H100 with MIG,
-gpu-2 L4); the last tests run the nvidia-smi stand-in for real to make one GPU's calls hang.
+gpu-2 L4); the last tests run the nvidia-smi stand-in for real to make one GPU's calls hang, with compute
+modes through the simulated NVML (which keeps them in the stand-in's state file).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import threading
@@ -20,10 +22,11 @@ from driver.gpu.errors import PrepareError
 from driver.gpu.mps.launch import LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
-from driver.gpu.runtime.computemode import ComputeMode, ComputeModes
+from driver.gpu.runtime.computemode import ComputeMode, NvmlComputeModes
 from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.state import DeviceState
 from driver.kubeletplugin.types import Deadline
+from driver.simulation.nvmlcompute import SimulatedNvml
 from tests.support.processes import install_standin
 from tests.support.statenode import DRIVER, POOL, Node, claim, gpu_config, mps_shares, ref
 
@@ -34,6 +37,11 @@ MIG_B = "gpu-1-mig-2g20gb-4"
 def mig_mps_config(*requests: str) -> dict[str, Any]:
     return {"source": "FromClaim", "requests": list(requests), "opaque": {"driver": DRIVER, "parameters": {
         "apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "MigDeviceConfig", "sharing": {"strategy": "MPS"}}}}
+
+
+def nvml_modes(driver_root: Path) -> NvmlComputeModes:
+    """Compute modes as the simulated node's driver has them (driver.nodelayout.open_compute_modes)."""
+    return NvmlComputeModes(SimulatedNvml.for_driver_root(driver_root, os.environ))
 
 
 def wait_for(event: threading.Event, what: str) -> None:
@@ -66,7 +74,7 @@ def test_the_previous_mode_is_recorded_before_the_mode_changes_and_before_the_da
     seen: list[tuple[str, dict[str, ComputeMode]]] = []
     real_set, real_start = node.modes.set, node.mps.start
 
-    def recording_set(uuid: str, mode: ComputeMode, deadline: object = None) -> None:
+    def recording_set(uuid: str, mode: ComputeMode, deadline: Deadline | None = None) -> None:
         seen.append(("set", dict(node.store.load().compute_modes)))
         real_set(uuid, mode, deadline)
 
@@ -265,7 +273,8 @@ def test_two_claims_on_one_gpu_take_turns_and_share_one_plan_daemon(node: Node,
 
 @pytest.fixture
 def smi_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Node, DeviceState, Path]:
-    """A node whose time slices and compute modes go through the real nvidia-smi stand-in."""
+    """A node whose time slices go through the real nvidia-smi stand-in, its compute modes through the
+    simulated NVML, both in the stand-in's state file."""
     node = Node(tmp_path)
     root = tmp_path / "driver-root"
     (root / "usr" / "bin").mkdir(parents=True)
@@ -274,9 +283,12 @@ def smi_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Node, Dev
     monkeypatch.setenv("TESSERA_SIM_NVIDIA_SMI_LOG", str(calls))
     monkeypatch.setenv("TESSERA_SIM_NVIDIA_SMI_STATE", str(tmp_path / "nvidia-smi-state.json"))
     monkeypatch.delenv("TESSERA_SIM_NVIDIA_SMI_FAIL", raising=False)
+    monkeypatch.setenv("TESSERA_SIM_NVML_LOG", str(tmp_path / "nvml-calls.jsonl"))
+    monkeypatch.delenv("TESSERA_SIM_NVML_FAIL", raising=False)
+    modes = nvml_modes(root)
     state = DeviceState(driver_name=DRIVER, pool_name=POOL, paths=node.paths, toolkit=node.toolkit,
-                        mps=node.mps, timeslicer=TimeSlicer(root, timeout=2.0),
-                        view=make_view(node.inventory, {}), lock_timeout=5, compute_modes=ComputeModes(root))
+                        mps=node.mps, timeslicer=TimeSlicer(root, modes, timeout=2.0),
+                        view=make_view(node.inventory, {}), lock_timeout=5, compute_modes=modes)
     return node, state, calls
 
 
@@ -311,17 +323,20 @@ def test_a_hanging_nvidia_smi_on_one_gpu_does_not_hold_up_a_claim_on_another(
     assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_fast.json"]
 
 
-def test_compute_mode_through_the_stand_in_is_read_set_and_restored(smi_node: tuple[Node, DeviceState, Path]) -> None:
+def test_compute_mode_through_the_simulated_nvml_is_read_set_and_restored(
+        smi_node: tuple[Node, DeviceState, Path], tmp_path: Path) -> None:
     node, state, calls = smi_node
     gpu = node.uuid(0)
-    modes = ComputeModes(node.root / "driver-root")
+    modes = nvml_modes(node.root / "driver-root")
     modes.set(gpu, ComputeMode.PROHIBITED)
     state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
     assert modes.get(gpu) == ComputeMode.EXCLUSIVE_PROCESS
     state.unprepare(ref("u1"))
     assert modes.get(gpu) == ComputeMode.PROHIBITED
-    logged = [json.loads(line) for line in calls.read_text().splitlines()]
-    assert ["-i", gpu, "-c", "EXCLUSIVE_PROCESS"] in logged and logged[-2] == ["-i", gpu, "-c", "PROHIBITED"]
+    sets = [c["mode"] for c in SimulatedNvml.for_driver_root(tmp_path, os.environ).calls()
+            if c["call"] == "nvmlDeviceSetComputeMode"]
+    assert sets == ["PROHIBITED", "EXCLUSIVE_PROCESS", "PROHIBITED"]
+    assert not calls.exists(), "no nvidia-smi ran: compute modes go through NVML in the driver's process"
 
 
 def test_turning_on_multi_user_mode_does_not_restart_a_shared_daemon_under_its_claims(node: Node) -> None:
@@ -341,7 +356,7 @@ def test_a_hanging_mps_daemon_on_one_gpu_does_not_hold_up_a_claim_on_another(
         smi_node: tuple[Node, DeviceState, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         request: pytest.FixtureRequest) -> None:
     node, fake_state, _ = smi_node
-    root = fake_state.sharing.timeslicer.driver_root
+    root = node.root / "driver-root"  # the smi_node fixture's driver root
     install_standin("nvidia-cuda-mps-control", root / "usr" / "bin")
     journal = tmp_path / "mps-journal.jsonl"
     monkeypatch.setenv("TESSERA_SIM_MPS_JOURNAL", str(journal))
@@ -353,8 +368,8 @@ def test_a_hanging_mps_daemon_on_one_gpu_does_not_hold_up_a_claim_on_another(
                      ready_timeout=2.0, stop_timeout=0.5)
     state = DeviceState(driver_name=DRIVER, pool_name=POOL, paths=node.paths, toolkit=node.toolkit, mps=mps,
                         timeslicer=fake_state.sharing.timeslicer, view=make_view(node.inventory, {}), lock_timeout=5,
-                        compute_modes=ComputeModes(root))
-    modes = ComputeModes(root)
+                        compute_modes=nvml_modes(root))
+    modes = nvml_modes(root)
     thread, outcome = prepare_in_thread(state, claim("slow", "gpu-0", configs=[gpu_config(strategy="MPS")]))
     started = threading.Event()
 

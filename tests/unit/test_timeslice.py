@@ -1,4 +1,5 @@
-"""TimeSlicer against the simulated nvidia-smi: which commands run, in what order, and rollback."""
+"""TimeSlicer against the simulated nvidia-smi (time slices) and a compute-mode fake (NVML): which commands
+and calls run, in what order, and rollback."""
 
 from __future__ import annotations
 
@@ -9,12 +10,41 @@ from pathlib import Path
 
 import pytest
 
+from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
 from driver.gpu.runtime.timeslice import TimeSliceError, TimeSlicer
 from driver.gpu.sharelayout import TIMESLICE_VALUES, TimeSliceInterval
+from driver.kubeletplugin.types import Deadline
 from tests.support.processes import install_standin
 
 GPU_A = "GPU-11111111-2222-3333-4444-555555555555"
 GPU_B = "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"
+
+
+class Modes:
+    """The NVML compute-mode control as TimeSlicer uses it: each GPU's mode, every change recorded."""
+
+    def __init__(self) -> None:
+        self.modes: dict[str, ComputeMode] = {}
+        self.sets: list[tuple[str, ComputeMode]] = []
+        self.refuse: set[str] = set()
+
+    def get(self, uuid: str, deadline: Deadline | None = None) -> ComputeMode:
+        return self.modes.get(uuid, ComputeMode.DEFAULT)
+
+    def set(self, uuid: str, mode: ComputeMode, deadline: Deadline | None = None) -> None:
+        self.sets.append((uuid, mode))
+        if uuid in self.refuse:
+            raise ComputeModeError(f"nvmlDeviceSetComputeMode {mode.value} for {uuid} failed: NVML error 999")
+        self.modes[uuid] = mode
+
+
+@pytest.fixture
+def modes() -> Modes:
+    return Modes()
+
+
+def slicer(root: Path, modes: Modes | None = None, timeout: float = 10.0) -> TimeSlicer:
+    return TimeSlicer(root, modes if modes is not None else Modes(), timeout=timeout)
 
 
 @pytest.fixture
@@ -45,34 +75,39 @@ def _fake_nvidia_smi(root: Path, body: str) -> None:
 
 
 def _apply_calls(uuid: str, value: int) -> list[list[str]]:
-    return [["-i", uuid, "-c", "DEFAULT"], ["compute-policy", "-i", uuid, "--set-timeslice", str(value)]]
+    return [["compute-policy", "-i", uuid, "--set-timeslice", str(value)]]
 
 
 def _reset_calls(uuid: str) -> list[list[str]]:
-    return [["compute-policy", "-i", uuid, "--set-timeslice", "0"], ["-i", uuid, "-c", "DEFAULT"]]
+    return [["compute-policy", "-i", uuid, "--set-timeslice", "0"]]
 
 
 @pytest.mark.parametrize("interval", ["Default", "Short", "Medium", "Long"])
-def test_apply_sets_compute_mode_then_time_slice_per_gpu(root: Path, interval: TimeSliceInterval) -> None:
-    TimeSlicer(root).apply([GPU_A, GPU_B], interval)
+def test_apply_sets_compute_mode_then_time_slice_per_gpu(root: Path, modes: Modes, interval: TimeSliceInterval) -> None:
+    modes.modes[GPU_B] = ComputeMode.EXCLUSIVE_PROCESS  # left by MPS: time slicing needs DEFAULT
+    slicer(root, modes).apply([GPU_A, GPU_B], interval)
     value = TIMESLICE_VALUES[interval]
+    # One nvidia-smi run per GPU: the compute mode goes through NVML, and only where it is not DEFAULT.
     assert _calls(root) == _apply_calls(GPU_A, value) + _apply_calls(GPU_B, value)
+    assert modes.sets == [(GPU_B, ComputeMode.DEFAULT)]
     assert _state(root)[GPU_B]["timeslice"] == value
+    assert not [c for c in _calls(root) if "-c" in c], "no nvidia-smi -c: NVML sets the compute mode"
 
 
-def test_reset_sets_default_time_slice_and_compute_mode(root: Path) -> None:
-    slicer = TimeSlicer(root)
-    slicer.apply([GPU_A, GPU_B], "Long")
-    slicer.reset([GPU_A, GPU_B])
-    assert _calls(root)[4:] == _reset_calls(GPU_A) + _reset_calls(GPU_B)
-    assert _state(root)[GPU_A] == {"compute_mode": "DEFAULT", "timeslice": 0}
-    assert _state(root)[GPU_B] == {"compute_mode": "DEFAULT", "timeslice": 0}
+def test_reset_sets_default_time_slice_and_compute_mode(root: Path, modes: Modes) -> None:
+    timeslicer = slicer(root, modes)
+    timeslicer.apply([GPU_A, GPU_B], "Long")
+    modes.modes[GPU_A] = ComputeMode.PROHIBITED  # changed behind the driver's back meanwhile
+    timeslicer.reset([GPU_A, GPU_B])
+    assert _calls(root)[2:] == _reset_calls(GPU_A) + _reset_calls(GPU_B)
+    assert modes.sets == [(GPU_A, ComputeMode.DEFAULT)] and modes.get(GPU_A) is ComputeMode.DEFAULT
+    assert _state(root)[GPU_A]["timeslice"] == 0 and _state(root)[GPU_B]["timeslice"] == 0
 
 
 def test_failure_on_second_gpu_rolls_back_the_first(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TESSERA_SIM_NVIDIA_SMI_FAIL", f"{GPU_B} --set-timeslice 2")
     with pytest.raises(TimeSliceError) as caught:
-        TimeSlicer(root).apply([GPU_A, GPU_B], "Medium")
+        slicer(root).apply([GPU_A, GPU_B], "Medium")
     message = str(caught.value)
     assert f"nvidia-smi compute-policy -i {GPU_B} --set-timeslice 2` failed with exit code 3" in message
     assert "injected failure" in message  # the stand-in's stderr
@@ -81,36 +116,37 @@ def test_failure_on_second_gpu_rolls_back_the_first(root: Path, monkeypatch: pyt
     assert _state(root)[GPU_A]["timeslice"] == 0
 
 
-def test_failure_on_first_gpu_touches_nothing_else(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TESSERA_SIM_NVIDIA_SMI_FAIL", f"-i {GPU_A} -c")
-    with pytest.raises(TimeSliceError, match="exit code 3") as caught:
-        TimeSlicer(root).apply([GPU_A, GPU_B], "Short")
+def test_failure_on_first_gpu_touches_nothing_else(root: Path, modes: Modes) -> None:
+    modes.modes[GPU_A] = ComputeMode.EXCLUSIVE_PROCESS
+    modes.refuse.add(GPU_A)
+    with pytest.raises(TimeSliceError, match="NVML error 999") as caught:
+        slicer(root, modes).apply([GPU_A, GPU_B], "Short")
     assert "rolled back" not in str(caught.value)
-    assert _calls(root) == [["-i", GPU_A, "-c", "DEFAULT"]]
+    assert _calls(root) == [] and modes.sets == [(GPU_A, ComputeMode.DEFAULT)]
 
 
 def test_failed_rollback_is_reported_too(root: Path) -> None:
-    # Calls 1-3 succeed (GPU A fully, GPU B's compute mode); every later one fails, rollback included.
+    # Call 1 succeeds (GPU A's slice); every later one fails: GPU B's slice, then A's rollback.
     counter = root.parent / "count"
     _fake_nvidia_smi(root, f"""
 with open({str(counter)!r}, "a") as f:
     f.write("x")
-if len(open({str(counter)!r}).read()) > 3:
+if len(open({str(counter)!r}).read()) > 1:
     print("simulated failure", file=sys.stderr)
     sys.exit(9)
 """)
     with pytest.raises(TimeSliceError) as caught:
-        TimeSlicer(root).apply([GPU_A, GPU_B], "Short")
+        slicer(root).apply([GPU_A, GPU_B], "Short")
     message = str(caught.value)
     assert f"on {GPU_B} failed" in message
     assert f"rollback also failed: {GPU_A}:" in message
-    assert len(counter.read_text()) == 6  # both rollback commands were tried
+    assert len(counter.read_text()) == 3  # the rollback's nvidia-smi was tried
 
 
 def test_reset_tries_every_gpu_before_reporting(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TESSERA_SIM_NVIDIA_SMI_FAIL", f"-i {GPU_A} --set-timeslice")
     with pytest.raises(TimeSliceError) as caught:
-        TimeSlicer(root).reset([GPU_A, GPU_B])
+        slicer(root).reset([GPU_A, GPU_B])
     assert GPU_A in str(caught.value)
     assert GPU_B not in str(caught.value)
     assert _calls(root) == _reset_calls(GPU_A) + _reset_calls(GPU_B)
@@ -128,25 +164,25 @@ def test_reset_tries_every_gpu_before_reporting(root: Path, monkeypatch: pytest.
 )
 def test_bad_gpu_list_is_rejected_before_any_command(root: Path, uuids: list[str], complaint: str) -> None:
     with pytest.raises(TimeSliceError, match=complaint.replace(".", r"\.")):
-        TimeSlicer(root).apply(uuids, "Short")
+        slicer(root).apply(uuids, "Short")
     assert _calls(root) == []
 
 
 def test_unknown_interval_is_rejected(root: Path) -> None:
     with pytest.raises(TimeSliceError, match="'Longest' is not one of Default, Short, Medium, Long"):
-        TimeSlicer(root).apply([GPU_A], "Longest")  # type: ignore[arg-type]
+        slicer(root).apply([GPU_A], "Longest")  # type: ignore[arg-type]
     assert _calls(root) == []
 
 
 def test_missing_nvidia_smi_names_the_driver_root_setting(tmp_path: Path) -> None:
     with pytest.raises(TimeSliceError, match="nvidiaDriverRoot"):
-        TimeSlicer(tmp_path).reset([GPU_A])
+        slicer(tmp_path).reset([GPU_A])
 
 
 def test_hung_nvidia_smi_times_out(root: Path) -> None:
     _fake_nvidia_smi(root, "time.sleep(60)")
     with pytest.raises(TimeSliceError, match=r"did not finish within 0\.2s"):
-        TimeSlicer(root, timeout=0.2).apply([GPU_A], "Short")
+        slicer(root, timeout=0.2).apply([GPU_A], "Short")
 
 
 def test_nvidia_smi_sees_only_the_driver_roots_nvidia_libraries(
@@ -161,7 +197,7 @@ def test_nvidia_smi_sees_only_the_driver_roots_nvidia_libraries(
     (lib64 / "libc.so.6").write_text("the host's libc")
     seen = root.parent / "ld_library_path"
     _fake_nvidia_smi(root, f"open({str(seen)!r}, 'w').write(os.environ.get('LD_LIBRARY_PATH', ''))")
-    TimeSlicer(root).apply([GPU_A], "Short")
+    slicer(root).apply([GPU_A], "Short")
     first = Path(seen.read_text().split(":")[0])
     assert first.parent == tmp_path / "tmp"
     assert sorted(entry.name for entry in first.iterdir()) == ["libnvidia-ml.so.1", "libnvidia-ml.so.580.95.05"]
@@ -169,6 +205,6 @@ def test_nvidia_smi_sees_only_the_driver_roots_nvidia_libraries(
 
 
 def test_default_timeout_keeps_a_prepare_inside_the_kubelet_deadline(tmp_path: Path) -> None:
-    # apply() on one GPU runs two nvidia-smi calls and, on failure, two more to roll back; the
-    # kubelet gives the whole prepare 45 s.
-    assert 4 * TimeSlicer(tmp_path).timeout < 45
+    # apply() on one GPU runs one nvidia-smi call and two NVML calls and, on failure, the same again
+    # to roll back, each bounded alike; the kubelet gives the whole prepare 45 s.
+    assert 4 * slicer(tmp_path).timeout < 45

@@ -3,8 +3,9 @@
 Per device: the GPU's ``/dev/nvidiaN`` (checked to exist, so a fresh node without device nodes
 fails the claim clearly instead of producing a container without a GPU; with a ``hostPath``
 when the node lives under the GPU Operator's driver root, not in the host's ``/dev``), the MIG access
-capability nodes read from ``/proc``, MPS client environment and mounts, and annotations that
-let a person (and a checkpoint rebuild) tell which claim and device a spec belongs to. Per
+capability nodes read from ``/proc``, MPS client environment and mounts (none for an admin-access
+device, which gets its nodes only), and annotations that let a person (and a checkpoint rebuild)
+tell which claim and device a spec belongs to. Per
 claim: the control device nodes and the NVIDIA Container Toolkit's common edits.
 
 Every name derives from the driver name, so two installations under different driver names
@@ -103,6 +104,8 @@ def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[st
                    names.annotation("request"): ",".join(dev.device.request_names)}
     if dev.device.share_id:
         annotations[names.annotation("share-id")] = dev.device.share_id
+    if dev.admin_access:
+        annotations[names.annotation("admin-access")] = "true"
     if dev.consumed_memory_bytes is not None and dev.consumed_multiprocessors is not None:
         annotations[names.annotation("consumed")] = f"{dev.consumed_memory_bytes},{dev.consumed_multiprocessors}"
     if dev.mig_uuid is not None and dev.mig_gi_id is not None and dev.mig_ci_id is not None:
@@ -131,6 +134,12 @@ def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[st
 _SHARE_KINDS = ("mps", "timeslice", "consumable")
 
 
+def _shares_form(dev: PreparedDeviceRecord) -> bool:
+    # An admin-access device gets device nodes only (no MPS settings, no memory hook) and does not pin
+    # its GPU's form (ClaimRecord.held_gpu_uuids).
+    return dev.kind in _SHARE_KINDS and not dev.admin_access
+
+
 def claim_spec(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDaemonRecord],
                layout: Mapping[str, GpuShares]) -> cdi.Spec:
     return claim_spec_file(src, record, daemons, layout).spec
@@ -155,7 +164,7 @@ def claim_spec_file(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, 
     return assemble.build_claim_spec_file(
         kind=names.kind,
         claim=assemble.ClaimIdentity(record.uid, record.namespace, record.name),
-        devices=[device_edits(src, d, daemons, layout.get(d.gpu_uuid) if d.kind in _SHARE_KINDS else None, root)
+        devices=[device_edits(src, d, daemons, layout.get(d.gpu_uuid) if _shares_form(d) else None, root)
                  for d in record.devices],
         common_edits=src.toolkit.edits,
         control_nodes=[root.node(path) for path in control],

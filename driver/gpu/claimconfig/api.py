@@ -21,7 +21,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import ErrorDetails
 
 from driver.gpu.claimconfig.quantity import parse_quantity
-from driver.gpu.sharelayout import TimeSliceInterval
+from driver.gpu.mps.model import check_shm_size
+from driver.gpu.sharelayout import MpsClients, TimeSliceInterval
 from driver.units import MIB
 
 API_VERSION: Final = "gpu.tessera.dev/v1alpha1"
@@ -82,11 +83,22 @@ class MpsConfig(_ApiObject):
     defaultPinnedDeviceMemoryLimit: ByteQuantity | None = None
     # Keys: a device UUID, or a decimal index into the claim's devices sorted by UUID.
     defaultPerDevicePinnedMemoryLimit: Annotated[dict[str, ByteQuantity] | None, BeforeValidator(_device_keys)] = None
+    # Who may use the claim's daemon: any (the default: it serves this claim's pods only, so the limits
+    # bind them only as far as they agree), or nonRoot (pods that could run as host root, and so retune
+    # or stop the daemon, are refused at prepare; docs/sharing.md "Tenants").
+    clients: MpsClients = "any"
+    # The daemon's own /dev/shm tmpfs, shared by the claim's containers; default the node's --mps-shm-size.
+    shmSize: ByteQuantity | None = None
 
     @field_validator("defaultActiveThreadPercentage", mode="after")
     @classmethod
     def _in_range(cls, value: int | None) -> int | None:
         return _percentage(value)
+
+    @field_validator("shmSize", mode="after")
+    @classmethod
+    def _shm_in_range(cls, value: int | None) -> int | None:
+        return None if value is None else check_shm_size(value)
 
 
 class TimeSlicingConfig(_ApiObject):

@@ -18,9 +18,12 @@ from driver.units import MIB
 
 log = logging.getLogger(__name__)
 
-# Loop bounds for profile enumeration when the pynvml in use predates the COUNT constants.
-_GI_PROFILE_COUNT_FALLBACK = 0x12
-_CI_PROFILE_COUNT_FALLBACK = 9
+# Loop bounds for profile enumeration: at least the highest profile enum known (nvml.h / pynvml
+# 13.615: GI 0x12, CI 9), whatever the installed pynvml says. nvidia-ml-py 12.560 has a GI COUNT of
+# 0xA, and looping to it would drop the +gfx, -me and +me.all profiles (0xA-0x11) the driver offers.
+# An enum the driver does not know answers InvalidArgument/NotSupported and is skipped.
+_GI_PROFILE_COUNT_KNOWN = 0x12
+_CI_PROFILE_COUNT_KNOWN = 9
 
 
 @dataclass(frozen=True)
@@ -136,7 +139,7 @@ class MigScan:
         return self._gpu_instances[gi_id]
 
     def _enumerate_gi_profiles(self) -> dict[int, _GiProfile]:
-        count = getattr(self._nvml, "NVML_GPU_INSTANCE_PROFILE_COUNT", _GI_PROFILE_COUNT_FALLBACK)
+        count = max(int(getattr(self._nvml, "NVML_GPU_INSTANCE_PROFILE_COUNT", 0)), _GI_PROFILE_COUNT_KNOWN)
         profiles: dict[int, _GiProfile] = {}
         for enum in range(count):
             info = self._gi_profile_info(enum)
@@ -194,7 +197,7 @@ class MigScan:
 
     def _enumerate_ci_profiles(self, gpu_instance: Any) -> dict[int, _CiShape]:
         nvml = self._nvml
-        count = getattr(nvml, "NVML_COMPUTE_INSTANCE_PROFILE_COUNT", _CI_PROFILE_COUNT_FALLBACK)
+        count = max(int(getattr(nvml, "NVML_COMPUTE_INSTANCE_PROFILE_COUNT", 0)), _CI_PROFILE_COUNT_KNOWN)
         shared = getattr(nvml, "NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED", 0)
         shapes: dict[int, _CiShape] = {}
         for enum in range(count):

@@ -48,6 +48,14 @@ T = TypeVar("T")
 
 NVML_LIBRARY = "libnvidia-ml.so.1"
 
+def end_nvml_session(nvml: Any) -> None:
+    """``nvmlShutdown`` for one caller's session (NVML counts them); a failure is only logged."""
+    try:
+        nvml.nvmlShutdown()
+    except nvml.NVMLError as err:
+        log.warning("NVML shutdown failed", extra={"error": str(err)})
+
+
 class NvmlDiscoveryError(RuntimeError):
     """NVML cannot be used at all (not installed, driver not loaded, device count unavailable)."""
 
@@ -55,6 +63,29 @@ class NvmlDiscoveryError(RuntimeError):
 def load_library_globally(path: Path) -> None:
     """dlopen ``path`` with RTLD_GLOBAL, so a later dlopen of its soname finds it loaded."""
     ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+
+
+def load_nvml_from_driver_root(root: Path, load_library: Callable[[Path], None] = load_library_globally) -> None:
+    """Make pynvml's load by soname find the driver root's ``libnvidia-ml.so.1`` (nothing to do for ``/``).
+
+    Shared by discovery and the compute-mode control (``runtime/computemode.py``); loading twice is harmless.
+    """
+    if root.resolve() == Path("/"):
+        return
+    path = find_driver_library(root, NVML_LIBRARY)
+    if path is None:
+        looked_in = ", ".join(str(root / lib_dir) for lib_dir in LIB_DIRS)
+        raise NvmlDiscoveryError(
+            f"{NVML_LIBRARY} not found under driver root {root} (looked in {looked_in}); set the "
+            "nvidiaDriverRoot Helm value (--driver-root flag) to where the NVIDIA driver is installed"
+        )
+    try:
+        load_library(path)
+    except OSError as err:
+        raise NvmlDiscoveryError(
+            f"cannot load {path} (found for {NVML_LIBRARY} under driver root {root}): {err}"
+        ) from err
+    log.info("loaded NVML from the driver root", extra={"library": str(path)})
 
 
 class NvmlDiscovery:
@@ -91,10 +122,7 @@ class NvmlDiscovery:
         if not self._initialised:
             return
         self._initialised = False
-        try:
-            self._nvml.nvmlShutdown()
-        except self._nvml.NVMLError as err:
-            log.warning("NVML shutdown failed", extra={"error": str(err)})
+        end_nvml_session(self._nvml)
 
     def discover(self) -> NodeInventory:
         self._ensure_initialised()
@@ -127,23 +155,9 @@ class NvmlDiscovery:
         self._initialised = True
 
     def _load_library_from_driver_root(self) -> None:
-        root = self._driver_root
-        if self._library_loaded or root.resolve() == Path("/"):
+        if self._library_loaded:
             return
-        path = find_driver_library(root, NVML_LIBRARY)
-        if path is None:
-            looked_in = ", ".join(str(root / lib_dir) for lib_dir in LIB_DIRS)
-            raise NvmlDiscoveryError(
-                f"{NVML_LIBRARY} not found under driver root {root} (looked in {looked_in}); set the "
-                "nvidiaDriverRoot Helm value (--driver-root flag) to where the NVIDIA driver is installed"
-            )
-        try:
-            self._load_library(path)
-        except OSError as err:
-            raise NvmlDiscoveryError(
-                f"cannot load {path} (found for {NVML_LIBRARY} under driver root {root}): {err}"
-            ) from err
-        log.info("loaded NVML from the driver root", extra={"library": str(path)})
+        load_nvml_from_driver_root(self._driver_root, self._load_library)
         self._library_loaded = True
 
     def _optional(self, what: str, gpu_index: int | None, query: Callable[[], T]) -> T | None:

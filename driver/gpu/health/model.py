@@ -7,7 +7,7 @@ Every source (NVML events and polling on a real node, the simulation's event fil
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from driver.gpu.health.xids import classify_xid
@@ -27,6 +27,8 @@ class HealthEvent:
     """Something that happened to ``uuid`` (a ``GPU-`` or ``MIG-`` UUID).
 
     ``parent_uuid`` is the GPU of a MIG device, so that a GPU's recovery also clears its MIG devices.
+    ``clears`` (RECOVERED only): the one reason this recovery refers to (a GPU that answers again
+    clears ``gpu-lost``, nothing else); None means the device as a whole was recovered (reset).
     """
 
     uuid: str
@@ -34,29 +36,52 @@ class HealthEvent:
     xid: int | None = None
     detail: str = ""
     parent_uuid: str | None = None
+    clears: str | None = None
 
 
 @dataclass(frozen=True)
 class UuidHealth:
-    """An unhealthy GPU or MIG device. ``reason`` is short and label-value shaped (taint value)."""
+    """An unhealthy GPU or MIG device. ``reason`` is short and label-value shaped (taint value).
+
+    ``more``: further ``(reason, message)`` conditions that arose while it was unhealthy; shown
+    only once the first is cleared, so a recovery from one condition never hides another.
+    """
 
     reason: str
     message: str
     since: float
     parent_uuid: str | None = None
+    more: tuple[tuple[str, str], ...] = ()
+
+
+def _clear(health: UuidHealth, reason: str | None) -> UuidHealth | None:
+    """``health`` without ``reason`` (None: every reason); None when nothing is left."""
+    if reason is None:
+        return None
+    if health.reason != reason:
+        return replace(health, more=tuple(m for m in health.more if m[0] != reason))
+    if not health.more:
+        return None
+    (next_reason, next_message), *rest = health.more
+    return replace(health, reason=next_reason, message=next_message, more=tuple(rest))
 
 
 Health = Mapping[str, UuidHealth]  # only unhealthy UUIDs are present
 
 
 def apply_event(health: Health, event: HealthEvent, ignored_xids: Collection[int], now: float) -> dict[str, UuidHealth]:
-    """The health after ``event``; the input is not changed. A device already unhealthy keeps its first reason."""
+    """The health after ``event``; the input is not changed. A device already unhealthy keeps its first
+    reason, and remembers the others until each is cleared."""
     result = dict(health)
     if event.kind is EventKind.RECOVERED:
+        # A recovery from one condition (no recovery action needed any more) says nothing about another
+        # (an XID 79, a double-bit ECC error): only the reason it refers to goes.
         for uuid in [u for u, h in result.items() if u == event.uuid or h.parent_uuid == event.uuid]:
-            del result[uuid]
-        return result
-    if event.uuid in result:
+            left = _clear(result[uuid], event.clears)
+            if left is None:
+                del result[uuid]
+            else:
+                result[uuid] = left
         return result
     if event.kind is EventKind.XID:
         if event.xid is None:
@@ -75,5 +100,9 @@ def apply_event(health: Health, event: HealthEvent, ignored_xids: Collection[int
         reason, message = "recovery-action", "NVML asks for a recovery action"
     if event.detail:
         message = f"{message}: {event.detail}"
-    result[event.uuid] = UuidHealth(reason, message, now, event.parent_uuid)
+    current = result.get(event.uuid)
+    if current is None:
+        result[event.uuid] = UuidHealth(reason, message, now, event.parent_uuid)
+    elif reason != current.reason and reason not in (m[0] for m in current.more):
+        result[event.uuid] = replace(current, more=(*current.more, (reason, message)))
     return result

@@ -14,12 +14,18 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from driver.gpu.health.monitor import HealthMonitor
-from driver.gpu.health.published import DeviceCondition, TaintEffect, unhealthy_devices, with_taints
+from driver.gpu.health.published import (
+    DeviceCondition,
+    TaintEffect,
+    health_taint,
+    unhealthy_devices,
+    with_taints,
+)
 from driver.gpu.health.report import write_report
 from driver.gpu.health.sampling import DeviceSampler
 from driver.gpu.targets import NodeView
 from driver.kubeletplugin.healthservice import DeviceHealthStatus, Health, HealthBoard
-from driver.kubeletplugin.slicemodel import Device
+from driver.kubeletplugin.slicemodel import Device, DeviceTaint
 from driver.kubeletplugin.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -52,6 +58,12 @@ class NodeHealth:
     def problems(self, view: NodeView) -> dict[str, str]:
         """Device name -> why it is unhealthy, for refusing new claims on it."""
         return {name: f"{c.reason}: {c.message}" for name, c in self.unhealthy(view).items()}
+
+    def taints(self, view: NodeView) -> dict[str, list[DeviceTaint]]:
+        """Device name -> the taints it carries while unhealthy, for matching a claim's tolerations. Also
+        while taints are not published: a claim that tolerates them asked for unhealthy devices."""
+        return {name: [health_taint(c, self.driver_name, self.taint_effect)]
+                for name, c in self.unhealthy(view).items()}
 
     def devices(self, view: NodeView) -> list[Device]:
         """The view's devices as they are published: tainted when unhealthy and taints are on."""

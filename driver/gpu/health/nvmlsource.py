@@ -8,8 +8,14 @@ for the MIG device with that GPU (and compute) instance, so only that MIG device
 Polling (every ``poll_interval`` seconds) catches a GPU that stopped answering
 (``NVML_ERROR_GPU_IS_LOST``), NVML's recovery action (``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``:
 a GPU reset, drain or reboot needed) and memory row remapping pending or failed
-(``nvmlDeviceGetRemappedRows``); a GPU that answers again, or whose recovery action or pending
-remap went away after a reset, is reported recovered.
+(``nvmlDeviceGetRemappedRows``); a GPU that answers again, or whose recovery action or failed
+remap went away after a reset, is reported recovered from that condition only.
+
+A recovery-action event carries no action: nvml.h says ``eventData`` "Stores Xid error for the
+device in the event of nvmlEventTypeXidCriticalError, eventData is 0 for any other event". The
+action is read from the field value when the event arrives. A pending row remap is not a fault:
+NVIDIA's memory-error guide says unaffected applications keep running and new work can start until
+the next reset, so it is logged (once), and only a failed remap makes the GPU unhealthy.
 """
 
 from __future__ import annotations
@@ -42,12 +48,12 @@ def event_for(nvml: Any, event_type: int, event_data: int, uuid: str, mig_uuid: 
         return HealthEvent(target, EventKind.DOUBLE_BIT_ECC, parent_uuid=parent)
     if event_type & getattr(nvml, "nvmlEventTypeGpuUnavailableError", 0):
         return HealthEvent(uuid, EventKind.LOST, detail="NVML reported the GPU unavailable")
-    if event_type & getattr(nvml, "nvmlEventTypeGpuRecoveryAction", 0):
-        if event_data == 0:
-            return HealthEvent(uuid, EventKind.RECOVERED, detail="NVML reports no recovery action needed")
-        return HealthEvent(uuid, EventKind.RECOVERY_ACTION, detail=_RECOVERY_ACTION_NAMES.get(
-            int(event_data), f"recovery action {event_data}"))
     return None
+
+
+def is_recovery_action_event(nvml: Any, event_type: int) -> bool:
+    """Whether an NVML event says the GPU's recovery action changed (read the field for the new one)."""
+    return bool(event_type & getattr(nvml, "nvmlEventTypeGpuRecoveryAction", 0))
 
 
 def mig_uuid_for(gpu: GpuInfo | None, gpu_instance_id: int, compute_instance_id: int) -> str | None:
@@ -70,7 +76,8 @@ class NvmlHealthSource:
         self._wait_ms = wait_ms
         self._lost: set[str] = set()
         self._needs_action: set[str] = set()
-        self._remap: set[str] = set()
+        self._remap_pending: set[str] = set()
+        self._remap_failed: set[str] = set()
 
     def describe(self) -> str:
         return "NVML events and polling"
@@ -148,6 +155,9 @@ class NvmlHealthSource:
         except nvml.NVMLError as err:
             log.warning("NVML event for a GPU that cannot be named", extra={"reason": str(err)})
             return
+        if is_recovery_action_event(nvml, int(data.eventType)):
+            self._check_recovery_action(uuid, data.device, emit)
+            return
         gpu = next((g for g in self._inventory().gpus if g.uuid == uuid), None)
         event = event_for(nvml, int(data.eventType), int(data.eventData), uuid,
                           mig_uuid_for(gpu, int(data.gpuInstanceId), int(data.computeInstanceId)))
@@ -168,27 +178,36 @@ class NvmlHealthSource:
                 continue
             if gpu.uuid in self._lost:
                 self._lost.discard(gpu.uuid)
-                emit(HealthEvent(gpu.uuid, EventKind.RECOVERED, detail="the GPU answers NVML again"))
-            self._poll_recovery_action(gpu.uuid, handle, emit)
+                emit(HealthEvent(gpu.uuid, EventKind.RECOVERED, detail="the GPU answers NVML again",
+                                 clears="gpu-lost"))
+            self._check_recovery_action(gpu.uuid, handle, emit)
             self._poll_row_remapping(gpu.uuid, handle, emit)
 
     def _poll_row_remapping(self, uuid: str, handle: Any, emit: Emit) -> None:
-        # nvml.h: a pending remap takes effect at the next GPU reset; a failure means the memory
-        # could not be remapped (NVIDIA's guidance: the GPU needs service).
+        # nvml.h: a pending remap takes effect at the next GPU reset, and the memory-error guide lets
+        # work go on until then; a failure means the memory could not be remapped (the GPU needs service).
         nvml = self._nvml
         try:
             _corrected, _uncorrected, pending, failed = nvml.nvmlDeviceGetRemappedRows(handle)
         except (nvml.NVMLError, AttributeError):
             return  # not supported (pre-Ampere GPUs) or a pynvml without it
-        if (pending or failed) and uuid not in self._remap:
-            self._remap.add(uuid)
-            emit(HealthEvent(uuid, EventKind.ROW_REMAPPING,
-                             detail="remapping failed" if failed else "a GPU reset is needed to apply it"))
-        elif not (pending or failed) and uuid in self._remap:
-            self._remap.discard(uuid)
-            emit(HealthEvent(uuid, EventKind.RECOVERED, detail="no memory row remapping pending any more"))
+        if pending and uuid not in self._remap_pending:
+            self._remap_pending.add(uuid)
+            log.warning("a memory row remap is pending on a GPU: it applies at the next GPU reset; running and "
+                        "new work is unaffected until then, so the GPU stays schedulable", extra={"uuid": uuid})
+        elif not pending and uuid in self._remap_pending:
+            self._remap_pending.discard(uuid)
+            log.info("no memory row remap pending on the GPU any more", extra={"uuid": uuid})
+        if failed and uuid not in self._remap_failed:
+            self._remap_failed.add(uuid)
+            emit(HealthEvent(uuid, EventKind.ROW_REMAPPING, detail="remapping failed"))
+        elif not failed and uuid in self._remap_failed:
+            self._remap_failed.discard(uuid)
+            emit(HealthEvent(uuid, EventKind.RECOVERED, detail="no failed memory row remapping any more",
+                             clears="row-remapping"))
 
-    def _poll_recovery_action(self, uuid: str, handle: Any, emit: Emit) -> None:
+    def _check_recovery_action(self, uuid: str, handle: Any, emit: Emit) -> None:
+        """Read ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` (on its event, and at each poll)."""
         nvml = self._nvml
         field = getattr(nvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
         if field is None:
@@ -206,4 +225,5 @@ class NvmlHealthSource:
                              detail=_RECOVERY_ACTION_NAMES.get(action, f"recovery action {action}")))
         elif action == 0 and uuid in self._needs_action:
             self._needs_action.discard(uuid)
-            emit(HealthEvent(uuid, EventKind.RECOVERED, detail="NVML reports no recovery action needed"))
+            emit(HealthEvent(uuid, EventKind.RECOVERED, detail="NVML reports no recovery action needed",
+                             clears="recovery-action"))

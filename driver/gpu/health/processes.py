@@ -79,12 +79,21 @@ class NvmlProcesses:
 
     def _running(self, handle: Any) -> list[Any]:
         nvml = self._nvml
+        # pynvml's unversioned calls are the _v3 ones behind a check that raises NVMLLibraryMismatchError
+        # (a plain Exception, not an NVMLError) when the driver lacks the _v3 symbol; _v2 then still works.
+        mismatch = getattr(nvml, "NVMLLibraryMismatchError", nvml.NVMLError)
         entries: list[Any] = []
         for name in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses"):
-            try:
-                entries.extend(getattr(nvml, name)(handle))
-            except (nvml.NVMLError, AttributeError) as err:
-                log.debug("cannot list a GPU's processes", extra={"call": name, "reason": str(err)})
+            for call in (name, f"{name}_v2"):
+                try:
+                    entries.extend(getattr(nvml, call)(handle))
+                    break
+                except mismatch as err:
+                    log.debug("this driver lacks a process call's newest version", extra={"call": call,
+                                                                                          "reason": str(err)})
+                except (nvml.NVMLError, AttributeError) as err:
+                    log.debug("cannot list a GPU's processes", extra={"call": call, "reason": str(err)})
+                    break
         return entries
 
     def _sm_by_pid(self, handle: Any) -> dict[int, float]:

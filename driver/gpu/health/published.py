@@ -42,6 +42,11 @@ def taint_key(driver_name: str) -> str:
     return f"{driver_name}/{TAINT_NAME}"
 
 
+def health_taint(condition: DeviceCondition, driver_name: str, effect: TaintEffect) -> DeviceTaint:
+    """The taint an unhealthy device carries (the value is a label value: at most 63 characters)."""
+    return DeviceTaint(key=taint_key(driver_name), value=condition.reason[:63], effect=effect)
+
+
 def with_taints(devices: Sequence[Device], unhealthy: Mapping[str, DeviceCondition], driver_name: str,
                 effect: TaintEffect) -> list[Device]:
     """``devices`` with one taint on each unhealthy one; ``timeAdded`` is left to the server (and kept)."""
@@ -51,7 +56,7 @@ def with_taints(devices: Sequence[Device], unhealthy: Mapping[str, DeviceConditi
         condition = unhealthy.get(device.name)
         kept = [t for t in device.taints if t.key != key]
         if condition is not None:
-            kept.append(DeviceTaint(key=key, value=condition.reason[:63], effect=effect))
+            kept.append(health_taint(condition, driver_name, effect))
         result.append(device if kept == device.taints else device.model_copy(update={"taints": kept}))
     return result
 

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from driver.gpu.checkpoint import ClaimRecord, PreparedDeviceRecord
-from driver.gpu.sharelayout import GpuShares
+from driver.gpu.sharelayout import Enforcement, GpuShares
 from driver.gpu.targets import DeviceTarget
 
 # A pod's cgroup path names its UID: cgroupfs "/kubepods/burstable/pod<uid>/<container>", the systemd
@@ -46,7 +46,9 @@ class ClaimDeviceUsage:
     memory_limit_bytes: int | None  # the limit (enforced) or entitlement (not), None when unknown
     sm_percent: float | None  # None when no process had a sample
     sm_limit_percent: float | None
-    enforced: bool  # whether something holds the processes to the limit (MIG, MPS), or only agreement
+    # Whether something holds the processes to the limit whatever they do (MIG, mps-per-process), or only
+    # their agreement (mps-advisory, entitlements).
+    enforced: bool
 
     @property
     def over_memory(self) -> bool:
@@ -74,9 +76,15 @@ def pod_uid_from_cgroup(text: str) -> str | None:
     return None
 
 
-def _entitlement(record: PreparedDeviceRecord, target: DeviceTarget | None,
+def _entitlement(claim: ClaimRecord, record: PreparedDeviceRecord, target: DeviceTarget | None,
                  shares: GpuShares | None) -> tuple[int | None, float | None, bool]:
-    """(memory bytes, SM percent, enforced) a claim's device is entitled to."""
+    """(memory bytes, SM percent, enforced) a claim's device is entitled to.
+
+    Enforced means it holds against the clients the share admitted: a whole GPU or MIG device, or an
+    MPS share whose daemon none of them can retune or bypass (``mps-per-process``, recorded at
+    prepare by tenancy.py). An advisory MPS limit (clients any, a driver branch whose daemon takes
+    settings from any UID, a consumable share's GPU in DEFAULT mode) and an entitlement are not.
+    """
     whole = target.memory_bytes if target is not None else None
     if record.kind in ("gpu", "mig"):
         return whole, 100.0, True
@@ -85,12 +93,13 @@ def _entitlement(record: PreparedDeviceRecord, target: DeviceTarget | None,
         sm = None
         if record.consumed_multiprocessors is not None and gpu is not None and gpu.multiprocessors:
             sm = 100.0 * record.consumed_multiprocessors / gpu.multiprocessors
-        return record.consumed_memory_bytes, sm, True
+        return record.consumed_memory_bytes, sm, False
+    per_process = record.kind == "mps" and claim.mps_enforcement == Enforcement.MPS_PER_PROCESS
     if shares is None:
-        return None, None, record.kind == "mps"
+        return None, None, per_process
     if record.kind == "mps":
         sm_limit = float(shares.active_thread_percentage) if shares.active_thread_percentage else None
-        return shares.memory_bytes_per_share, sm_limit, True
+        return shares.memory_bytes_per_share, sm_limit, per_process
     return shares.memory_bytes_per_share, 100.0 / shares.count, False
 
 
@@ -107,7 +116,7 @@ def claim_usage(claims: Iterable[ClaimRecord], processes: Iterable[ProcessUsage]
             uuid = device.mig_uuid or device.gpu_uuid
             found = [p for pod in record.pod_uids for p in by_pod_and_uuid.get((pod, uuid), [])]
             samples = [p.sm_percent for p in found if p.sm_percent is not None]
-            memory, sm, enforced = _entitlement(device, targets.get(device.device.device_name),
+            memory, sm, enforced = _entitlement(record, device, targets.get(device.device.device_name),
                                                 layout.get(device.gpu_uuid))
             usage.append(ClaimDeviceUsage(
                 namespace=record.namespace, claim=record.name, device=device.device.device_name, kind=device.kind,

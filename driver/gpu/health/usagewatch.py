@@ -122,4 +122,5 @@ class ClaimUsageWatch:
         telemetry.observe_labelled("claim_gpu_processes", "Processes of a claim's pods on one of its devices",
                                    series(lambda u: len(u.pids)))
         telemetry.observe_labelled("claim_gpu_over_entitlement", "1 while a claim's processes use more memory or "
-                                   "SM than a share entitles them to and nothing enforces it (time slicing)", over)
+                                   "SM than a share entitles them to and nothing enforces it (time slicing, "
+                                   "advisory MPS limits)", over)

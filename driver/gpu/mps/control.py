@@ -11,10 +11,11 @@ import os
 import re
 import stat
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from driver.gpu.mps.model import MpsError
+from driver.gpu.mps.model import MpsError, MpsNoAnswer
 from driver.gpu.mps.proc import CONTROL_BINARY
 from driver.gpu.runtime.binaries import (
     BinaryFailed,
@@ -81,7 +82,7 @@ class MpsControl:
         try:
             return run_binary([str(binary)], env=env, timeout=timeout, stdin_text=command + "\n", label=label).strip()
         except BinaryTimedOut as exc:
-            raise MpsError(f"{label} got no answer {limit}") from exc
+            raise MpsNoAnswer(f"{label} got no answer {limit}") from exc
         except (BinaryFailed, OSError) as exc:
             raise MpsError(str(exc)) from exc
 
@@ -90,6 +91,16 @@ class MpsControl:
         answer = self.send(pipe_dir, log_dir, command, deadline)
         if _REFUSAL.search(answer):
             raise MpsError(f"the daemon refused {command!r}: {answer}")
+
+    def set_all(self, pipe_dir: Path, log_dir: Path, commands: Sequence[str], deadline: Deadline) -> None:
+        """Send ``set_*`` commands through one client, which carries out one command a line (measured with
+        535.261 and 550.163): each spawn costs, and while a daemon starts a tenant may `quit` it. An
+        answer that reads as a refusal has each sent alone again, so the MpsError names the one refused."""
+        answer = self.send(pipe_dir, log_dir, "\n".join(commands), deadline)
+        if _REFUSAL.search(answer):
+            for command in commands:
+                self.set(pipe_dir, log_dir, command, deadline)
+            raise MpsError(f"the daemon refused one of {list(commands)}: {answer}")
 
 
 def _socket_or_absent(path: Path, required: bool) -> bool:

@@ -4,7 +4,7 @@ Layout under the MPS base directory (the driver's own; tenants never see it whol
 
     <base>/<daemon_id>/pipe/           CUDA_MPS_PIPE_DIRECTORY, bind-mounted read-only into clients
     <base>/<daemon_id>/log/            CUDA_MPS_LOG_DIRECTORY (control.log)
-    <base>/<daemon_id>/shm/            a per-daemon /dev/shm, when the launcher can give one
+    <base>/<daemon_id>/shm/            a per-daemon /dev/shm: a tmpfs of its own where the launcher mounts one
     <base>/<daemon_id>/restarts.json   restart backoff state
 
 The shared MPS ``/dev/shm`` directory lives outside ``<base>``, so it can never be taken for a
@@ -27,8 +27,10 @@ from pathlib import Path
 from cdi.atomicfile import write_atomic
 
 # The names the driver gives its daemons (driver/gpu/claimplan.py: plan_daemon_id,
-# claim_daemon_id). Anything else under the base directory is not the driver's to stop or remove.
-DRIVER_DAEMON_DIR_NAME = re.compile(r"^(plan-[0-9a-f]{12}|claim-[0-9a-f]{12}-[0-9]{1,4})$")
+# claim_daemon_id, share_daemon_id; the multi-user probe's in manager.py). Anything else under the
+# base directory is not the driver's to stop or remove.
+DRIVER_DAEMON_DIR_NAME = re.compile(
+    r"^(plan-[0-9a-f]{12}|claim-[0-9a-f]{12}-[0-9]{1,4}|share-[0-9a-f]{12}|probe-multi-user)$")
 RESTART_STATE_NAME = "restarts.json"
 
 
@@ -38,8 +40,8 @@ class DaemonDirError(Exception):
 
 @dataclass(frozen=True)
 class RestartState:
-    count: int  # restarts since the daemon last ran long enough to be called stable
-    last_at: float  # wall-clock time of the latest restart attempt
+    count: int  # failed starts in a row (a daemon a client stopped after a clean start does not count)
+    last_at: float  # wall-clock time of the latest failed start
 
 
 def driver_daemon_ids(base_dir: Path) -> list[str]:
@@ -129,7 +131,8 @@ def _clear_fd(fd: int) -> list[str]:
 
 
 def remove_daemon_dir(daemon_dir: Path) -> None:
-    """Remove a daemon's directory. A mounted per-daemon shm (its launcher's) is emptied and left."""
+    """Remove a daemon's directory. Its launcher unmounts a tmpfs on shm/ first (shmmount.py); one still
+    mounted (the launcher could not) is emptied and the directory left for the next start's sweep."""
     shm = daemon_dir / "shm"
     try:
         if shm.is_dir() and not shm.is_symlink():
@@ -139,7 +142,7 @@ def remove_daemon_dir(daemon_dir: Path) -> None:
             except OSError as exc:
                 if exc.errno != errno.EBUSY:
                     raise
-                return  # still mounted: the launcher that mounted it unmounts it, and removes the rest later
+                return  # still mounted: the sweep at the next start asks the launcher again
         clear_dir(daemon_dir)
         daemon_dir.rmdir()
     except FileNotFoundError:
@@ -169,9 +172,8 @@ def write_restart_state(daemon_dir: Path, state: RestartState) -> None:
 
 
 def restart_delay(state: RestartState, base: float, cap: float, now: float | None = None) -> float:
-    """Seconds to wait before the next restart: 0 for the first, then ``base`` doubling up to ``cap``.
-
-    A daemon whose last restart is more than twice ``cap`` ago counts as stable again.
+    """Seconds to wait before the next start: 0 without failed starts, then ``base`` doubling per failed
+    start up to ``cap`` (``restarts.py``). A failure more than twice ``cap`` ago no longer counts.
     """
     now = time.time() if now is None else now
     if state.count == 0 or now - state.last_at > 2 * cap:
@@ -185,3 +187,35 @@ def restart_delay(state: RestartState, base: float, cap: float, now: float | Non
 def next_restart_state(state: RestartState, cap: float, now: float) -> RestartState:
     count = 0 if now - state.last_at > 2 * cap else state.count
     return RestartState(count=count + 1, last_at=now)
+
+
+def trim_log(path: Path, max_bytes: int) -> bool:
+    """Empty the daemon's log once it passes ``max_bytes``; True if it did. The daemon appends to it
+    (O_APPEND, ``launch.py``), so its next line lands at the new end; the limit watcher's read-backs
+    would otherwise grow it by megabytes a day."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_size <= max_bytes:
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"[log emptied by the driver: it passed {max_bytes} bytes]\n".encode())
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def log_tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of a daemon's log, for an error message (never through a symlink)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
+            found = f.read().splitlines()
+    except OSError:
+        return f"\n(no {path})"
+    tail = "\n".join(found[-lines:])
+    return f"\nlast {min(len(found), lines)} lines of {path}:\n{tail}"

@@ -65,6 +65,14 @@ def check_launch(request: DaemonLaunch, mps_dir: Path) -> None:
     if control > MAX_SOCKET_PATH_BYTES:
         raise LaunchRefused(f"pipe_dir {request.pipe_dir} is too long: its control socket needs {control} bytes, "
                             f"Unix sockets allow {MAX_SOCKET_PATH_BYTES}")
+    # Each directory must be the daemon's own: a request naming another daemon's pipe or shm dir
+    # would start a second daemon there, or hand one daemon's clients another's /dev/shm.
+    daemon_dir = mps_dir / request.daemon_id
+    for name, path, leaf in (("pipe_dir", request.pipe_dir, "pipe"), ("log_dir", request.log_dir, "log"),
+                             ("shm_dir", request.shm_dir, "shm")):
+        if path is not None and path != daemon_dir / leaf:
+            raise LaunchRefused(f"{name} {path} is not {daemon_dir / leaf}, the {leaf} directory of daemon "
+                                f"{request.daemon_id}")
 
 
 def _check_dir_inside(name: str, path: Path, base: Path) -> None:
@@ -98,6 +106,8 @@ def check_config(config: HostConfig) -> None:
         raise HostError(f"--mps-dir {config.mps_dir} must be an absolute path")
     if not config.mode.driver_root.is_dir():
         raise HostError(f"--driver-root {config.mode.driver_root} is not a directory")
+    if config.mode.shm_tmpfs and not config.mode.private_shm:
+        raise HostError("--shm-tmpfs needs --private-shm: each daemon must see its own tmpfs as /dev/shm")
     wrapping = config.mode.chroot or config.mode.private_shm
     tools = [config.tools.unshare, config.tools.sh, config.tools.mount] if wrapping else []
     if config.mode.chroot:

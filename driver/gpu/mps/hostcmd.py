@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from driver.gpu.mps.launch import DaemonLaunch, control_args, control_env
+from driver.gpu.mps.model import DEFAULT_SHM_SIZE
 
 # PATH inside the driver root, where the container's PATH means nothing.
 ROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -58,6 +59,9 @@ class HostMode:
     driver_root: Path
     chroot: bool = False
     private_shm: bool = False
+    # Each daemon's shm directory is a tmpfs of its own that the host mounts (shmmount.py); needs private_shm.
+    shm_tmpfs: bool = False
+    shm_size: int = DEFAULT_SHM_SIZE  # bytes, for a request that names no size (an older plugin's)
 
 
 def binary_inside_root(binary: Path, driver_root: Path) -> str:

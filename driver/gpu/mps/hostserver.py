@@ -45,10 +45,11 @@ from driver.gpu.mps.hostcheck import (
     lstat_mode,
     make_mount_point_in_root,
 )
-from driver.gpu.mps.hostclient import HostReply, HostRequest, encode, read_line
+from driver.gpu.mps.hostclient import HostReleaseRequest, HostReply, HostRequest, NothingSent, encode, read_line
 from driver.gpu.mps.hostcmd import daemon_argv, daemon_env, replied_shm_dir
 from driver.gpu.mps.launch import CONTROL_LOG_NAME, DaemonLaunch, LaunchedDaemon, MpsLaunchError
 from driver.gpu.mps.proc import CONTROL_BINARY
+from driver.gpu.mps.shmmount import ShmTmpfs, answer_release
 from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,11 @@ CONTROL_SOCKET_NAME = "control"  # what the daemon binds in its pipe directory
 _POLL_S = 0.02
 _LOG_TAIL_BYTES = 2000
 _ACCEPT_RETRY_S = 0.5
+# Connections served at once, each by its own thread. A request takes at most the read timeout plus
+# one daemon start; the plugin sends one per daemon start, so more at once is a misbehaving client.
+MAX_CONNECTIONS = 16
+_BUSY_REPLY_TIMEOUT_S = 0.5
+_BUSY_LOG_INTERVAL_S = 10.0
 
 
 # -- the daemons --------------------------------------------------------------------------------
@@ -95,6 +101,10 @@ class DaemonSupervisor:
                 make_mount_point_in_root(self.config)
             except HostError as exc:
                 raise MpsLaunchError(str(exc)) from exc
+        if mode.shm_tmpfs and request.shm_dir is not None:
+            # In the host's own namespace, whose MPS directory volume propagates it to the node, where
+            # the clients' CDI bind mounts resolve; the daemon's namespace, made after, inherits it.
+            ShmTmpfs(mode.shm_size, "--shm-tmpfs").mount(request)
         argv = daemon_argv(request, binary, self.config.mps_dir, mode, self.config.tools)
         env = daemon_env(request, mode, host_env)
         output_path = request.log_dir / CONTROL_LOG_NAME
@@ -263,15 +273,22 @@ def _one_line(exc: ValidationError) -> str:
 
 
 class MpsHost:
-    def __init__(self, config: HostConfig) -> None:
+    def __init__(self, config: HostConfig, max_connections: int = MAX_CONNECTIONS) -> None:
         self.config = config
         self.supervisor = DaemonSupervisor(config)
         self._stop = threading.Event()
+        self.max_connections = max_connections
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._busy_refused = 0
+        self._busy_logged_at = -_BUSY_LOG_INTERVAL_S
 
     def answer(self, raw: bytes) -> HostReply:
         """The reply to one request line; never raises for a bad request."""
         try:
-            request = HostRequest.model_validate(json.loads(raw))
+            data = json.loads(raw)
+            if isinstance(data, dict) and "release" in data:
+                return answer_release(HostReleaseRequest.model_validate(data).release, self.config.mps_dir)
+            request = HostRequest.model_validate(data)
         except (ValueError, RecursionError) as exc:  # ValidationError and JSONDecodeError are ValueErrors;
             # RecursionError: JSON nested deeper than the parser's stack, still just a bad request.
             why = _one_line(exc) if isinstance(exc, ValidationError) else f"not JSON: {exc}"
@@ -295,6 +312,8 @@ class MpsHost:
                     reply = self.answer(read_line(conn))
                 conn.settimeout(self.config.read_timeout)
                 conn.sendall(encode(reply))
+            except NothingSent:
+                log.debug("MPS host connection closed without a request (a plugin learning the host's PID)")
             except (OSError, ValueError) as exc:
                 log.warning("MPS host connection dropped", extra={"reason": str(exc)})
             except Exception:
@@ -313,7 +332,35 @@ class MpsHost:
                 log.warning("MPS host could not accept a connection; retrying", extra={"reason": str(exc)})
                 self._stop.wait(_ACCEPT_RETRY_S)
                 continue
-            threading.Thread(target=self._serve_connection, args=(conn,), daemon=True, name="mps-host-conn").start()
+            if not self._slots.acquire(blocking=False):
+                self._refuse_busy(conn)
+                continue
+            try:
+                threading.Thread(target=self._serve_slot, args=(conn,), daemon=True, name="mps-host-conn").start()
+            except RuntimeError as exc:  # no thread to be had: the client retries
+                self._slots.release()
+                conn.close()
+                log.warning("MPS host could not start a thread for a connection", extra={"reason": str(exc)})
+
+    def _serve_slot(self, conn: socket.socket) -> None:
+        try:
+            self._serve_connection(conn)
+        finally:
+            self._slots.release()
+
+    def _refuse_busy(self, conn: socket.socket) -> None:
+        """Answer at once, from the accepting thread, without reading the request: one line, bounded."""
+        with conn:
+            conn.settimeout(_BUSY_REPLY_TIMEOUT_S)
+            with contextlib.suppress(OSError):
+                conn.sendall(encode(HostReply(error=f"the MPS host is busy: it already serves {self.max_connections} "
+                                                    "connections; retry")))
+        self._busy_refused += 1
+        now = time.monotonic()
+        if now - self._busy_logged_at >= _BUSY_LOG_INTERVAL_S:
+            log.warning("MPS host refused connections: too many at once", extra={
+                "refused": self._busy_refused, "max_connections": self.max_connections})
+            self._busy_logged_at, self._busy_refused = now, 0
 
     def stop(self) -> None:
         self._stop.set()

@@ -21,12 +21,16 @@ import os
 import subprocess
 import threading
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from driver.gpu.mps.proc import CONTROL_BINARY
+from driver.gpu.mps.model import check_shm_size
+from driver.gpu.mps.proc import CONTROL_BINARY, tied_to
 from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary
+
+if TYPE_CHECKING:  # shmmount imports this module
+    from driver.gpu.mps.shmmount import ShmTmpfs
 
 # With -f the daemon writes its log to standard output, not to <log dir>/control.log as -d does
 # (measured, docs/sharing.md); the launcher sends that output to the file -d would have written.
@@ -52,6 +56,13 @@ class DaemonLaunch(BaseModel):
     visible_devices: list[str] = Field(min_length=1)  # CUDA_VISIBLE_DEVICES, GPU-/MIG- UUIDs in order
     multi_user: bool = False
     shm_dir: Path | None = None  # a per-daemon /dev/shm the launcher may give the daemon
+    # Bytes of that /dev/shm where the launcher mounts a tmpfs there; None: the launcher's default.
+    shm_size: int | None = None
+
+    @field_validator("shm_size")
+    @classmethod
+    def _shm_size_range(cls, value: int | None) -> int | None:
+        return None if value is None else check_shm_size(value)
 
 
 class LaunchedDaemon(BaseModel):
@@ -74,6 +85,17 @@ class DaemonLauncher(Protocol):
         """One line for logs and ``inspect``: where daemons run."""
         ...
 
+    def release_shm(self, daemon_id: str, shm_dir: Path) -> None:
+        """Unmount the tmpfs the launcher mounted on ``shm_dir`` (none: nothing to do), once the daemon
+        is stopped for good and its directory is about to go; raise MpsLaunchError."""
+        ...
+
+    def started_here(self, pid: int) -> bool:
+        """Whether this launcher started the live process ``pid`` (its parent is the launching process, or it
+        sits in that process's cgroup). For daemons found in /proc without a record: only these are
+        the driver's; whatever else looks like a daemon is foreign (``identity.py``)."""
+        ...
+
 
 def control_args(request: DaemonLaunch) -> list[str]:
     """The arguments after the binary: foreground, so the launcher knows the PID without a pid file."""
@@ -93,11 +115,26 @@ def control_env(request: DaemonLaunch) -> dict[str, str]:
 class LocalLauncher:
     """Runs the daemon as a child of this process, in its own session, and reaps it when it exits."""
 
-    def __init__(self, driver_root: Path) -> None:
+    def __init__(self, driver_root: Path, shm: ShmTmpfs | None = None) -> None:
+        """``shm``: give each daemon its own tmpfs as /dev/shm (``--mps-shm-tmpfs``); None: the
+        daemons share this process's /dev/shm."""
         self.driver_root = driver_root
+        self.shm = shm
 
     def describe(self) -> str:
-        return f"child processes of the plugin (pid {os.getpid()}), binaries from driver root {self.driver_root}"
+        shm = f", each with its own /dev/shm tmpfs ({self.shm.flag})" if self.shm is not None else ""
+        return (f"child processes of the plugin (pid {os.getpid()}), binaries from driver root "
+                f"{self.driver_root}{shm}")
+
+    def release_shm(self, daemon_id: str, shm_dir: Path) -> None:
+        from driver.gpu.mps.shmmount import release_shm  # shmmount imports this module
+
+        # Also without the setting: a tmpfs an earlier run mounted under it must not outlive the daemon.
+        release_shm(shm_dir, self.shm.flag if self.shm is not None else "--mps-shm-tmpfs")
+
+    def started_here(self, pid: int) -> bool:
+        # A daemon orphaned by a plugin crash is re-parented but stays in the plugin container's cgroup.
+        return tied_to(pid, os.getpid())
 
     def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
         try:
@@ -106,6 +143,13 @@ class LocalLauncher:
         except (BinaryNotFound, BinaryFailed) as exc:
             raise MpsLaunchError(str(exc)) from exc
         env.update(control_env(request))
+        argv = [str(binary), *control_args(request)]
+        shm_dir = None
+        if self.shm is not None and request.shm_dir is not None:
+            # Mounted here, in the namespace the clients' CDI bind mounts resolve in, before the
+            # daemon starts; the daemon gets it as /dev/shm in a mount namespace of its own.
+            shm_dir = self.shm.mount(request)
+            argv = self.shm.wrap(request, binary, self.driver_root)
         output_path = request.log_dir / CONTROL_LOG_NAME
         try:
             # O_NOFOLLOW: the log dir is the driver's, but a link there must still not redirect the output.
@@ -116,7 +160,7 @@ class LocalLauncher:
             # A new session keeps the daemon out of signals aimed at the plugin's process group, and
             # makes it a group leader so stopping it can signal its MPS servers too.
             child = subprocess.Popen(
-                [str(binary), *control_args(request)],
+                argv,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=output,
@@ -128,10 +172,10 @@ class LocalLauncher:
                 umask=0o022,
             )
         except OSError as exc:
-            raise MpsLaunchError(f"could not run {binary}: {exc}") from exc
+            raise MpsLaunchError(f"could not run {argv[0]}: {exc}") from exc
         finally:
             os.close(output)
         # Whoever stops the daemon only signals it and watches /proc; this thread collects its exit
         # status so no zombie is left, however the daemon ends.
         threading.Thread(target=child.wait, name=f"mps-daemon-reaper-{child.pid}", daemon=True).start()
-        return LaunchedDaemon(pid=child.pid, shm_dir=None)
+        return LaunchedDaemon(pid=child.pid, shm_dir=shm_dir)

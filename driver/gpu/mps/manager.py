@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,29 +30,29 @@ from driver.gpu.mps.dirs import (
     clear_dir,
     driver_daemon_ids,
     ensure_real_dir,
-    next_restart_state,
-    read_restart_state,
+    log_tail,
     remove_daemon_dir,
-    restart_delay,
-    write_restart_state,
 )
+from driver.gpu.mps.identity import DaemonIdentity
 from driver.gpu.mps.launch import CONTROL_LOG_NAME, DaemonLaunch, DaemonLauncher, MpsLaunchError
+from driver.gpu.mps.limits import LimitDrift, apply_limits, check_limits, verify_limits
 from driver.gpu.mps.model import (
     MpsDaemonRecord,
     MpsDaemonSpec,
+    MpsDaemonStopped,
     MpsError,
     check_daemon_id,
-    pinned_limit_taken,
 )
 from driver.gpu.mps.proc import (
     CONTROL_BINARY,
+    StopPlan,
     daemon_start_time,
-    find_daemons,
+    end_processes,
     is_same_process,
     read_proc_stat,
-    signal_daemon,
-    wait_for_exit,
 )
+from driver.gpu.mps.restarts import STOPPED_EXIT_WAIT_S, STOPPED_RETRY_S, RestartBackoff, stopped_by_quit
+from driver.gpu.mps.shmmount import release_daemon_shm
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +60,10 @@ LOG_TAIL_LINES = 20
 # sun_path is 108 bytes including the NUL; the daemon binds its sockets inside the pipe dir.
 MAX_SOCKET_PATH_BYTES = 107
 
-_POLL_INTERVAL_S = 0.05
+# NVIDIA's daemon answers 7-12 ms after launch (measured, docs/benchmarks.md): a fixed 50 ms poll
+# spent most of a cold prepare waiting. Checks before the control socket exists cost one lstat.
+_POLL_FIRST_S = 0.002
+_POLL_MAX_S = 0.05
 _TERM_GRACE_S = 2.0
 _KILL_WAIT_S = 3.0
 
@@ -83,13 +85,14 @@ class MpsManager:
     ) -> None:
         """``shm_dir``: the shared MPS /dev/shm host directory, outside ``base_dir``. ``ready_timeout``
         bounds all of :meth:`start`; ``command_timeout`` one control command; ``stop_timeout`` the
-        graceful part of a stop. Restarts of one daemon wait ``restart_backoff`` seconds, doubling
-        per consecutive restart up to ``restart_backoff_cap``."""
+        graceful part of a stop. After a failed start the next waits ``restart_backoff`` seconds, doubling
+        per failed start in a row up to ``restart_backoff_cap`` (``restarts.py``)."""
         if shm_dir is not None and shm_dir.resolve().is_relative_to(base_dir.resolve()):
             raise ValueError(f"the MPS shm directory {shm_dir} must not be inside the MPS daemon directory {base_dir}")
         self.driver_root = driver_root
         self.base_dir = base_dir
         self.launcher = launcher
+        self.identity = DaemonIdentity(launcher)
         self.shm_dir = shm_dir
         self.ready_timeout = ready_timeout
         self.command_timeout = command_timeout
@@ -108,7 +111,7 @@ class MpsManager:
         An existing pipe directory is kept (emptied), so mounts of it stay valid. On failure nothing
         is left running, the directories are gone, and the :class:`MpsError` carries the daemon's log.
         """
-        return self._start(spec, keep_dirs_on_failure=False, timeout=timeout)
+        return self._start_again_if_stopped(spec, False, timeout)
 
     def process_running(self, record: MpsDaemonRecord) -> bool:
         """True if ``record.pid`` is still this record's daemon (PID and process start time). Only /proc
@@ -125,46 +128,58 @@ class MpsManager:
             return False
         return True
 
-    def ensure_running(self, record: MpsDaemonRecord, timeout: float | None = None) -> MpsDaemonRecord:
-        """Adopt the recorded daemon if /proc shows it running; otherwise restart it in the same
-        directories with the same limits, unless it was restarted too recently (MpsError then)."""
+    def ensure_running(self, record: MpsDaemonRecord, timeout: float | None = None,
+                       retry_stopped: bool = False) -> MpsDaemonRecord:
+        """Adopt the recorded daemon if /proc shows it running; otherwise restart it in the same directories
+        with the same limits, within ``timeout`` (or ``ready_timeout``): at once, unless it failed to start
+        before (``restarts.py``). Stopped by a client while it starts: :class:`MpsDaemonStopped`, or with
+        ``retry_stopped`` (a prepare) started again in time; a background check leaves it to its next round."""
         if self.process_running(record):
             return record
-        daemon_dir = self.daemon_dir(record.spec.daemon_id)
-        state = read_restart_state(daemon_dir)
-        now = time.time()
-        delay = restart_delay(state, self.restart_backoff, self.restart_backoff_cap, now)
-        if delay > 0:
-            raise MpsError(
-                f"MPS control daemon {record.spec.daemon_id} is not running; it was restarted {state.count} time(s) "
-                f"in a row, so the next restart is deferred for {delay:.0f}s"
-            )
+        daemon_id = record.spec.daemon_id
+        daemon_dir = self.daemon_dir(daemon_id)
+        deadline = Deadline.after(self.ready_timeout if timeout is None else max(timeout, 0.0), "restart")
+        backoff = RestartBackoff(self.restart_backoff, self.restart_backoff_cap)
+        state = backoff.wait_turn(daemon_id, daemon_dir, deadline)
         try:
             self.base_dir.mkdir(parents=True, exist_ok=True)
             ensure_real_dir(daemon_dir, 0o755)
         except OSError as exc:
-            raise MpsError(f"cannot prepare {daemon_dir} to restart MPS daemon {record.spec.daemon_id}: {exc}") from exc
+            raise MpsError(f"cannot prepare {daemon_dir} to restart MPS daemon {daemon_id}: {exc}") from exc
         log.warning("MPS control daemon is gone; restarting it in the same pipe directory",
-                    extra={"daemon_id": record.spec.daemon_id, "pid": record.pid, "restarts": state.count})
-        # Counted before the attempt, so a daemon that fails to start backs off as one that crashes.
+                    extra={"daemon_id": daemon_id, "pid": record.pid, "failed_starts": state.count})
+        self._stop_process(record.pipe_dir, record.log_dir, None, deadline.remaining())
         try:
-            write_restart_state(daemon_dir, next_restart_state(state, self.restart_backoff_cap, now))
-        except OSError as exc:
-            raise MpsError(f"cannot record the restart of MPS daemon {record.spec.daemon_id}: {exc}") from exc
-        self._stop_process(record.pipe_dir, record.log_dir, None)
-        return self._start(record.spec, keep_dirs_on_failure=True, timeout=timeout)
+            left = None if timeout is None else deadline.remaining()
+            restarted = (self._start_again_if_stopped(record.spec, True, left) if retry_stopped
+                         else self._start(record.spec, keep_dirs_on_failure=True, timeout=left))
+        except MpsDaemonStopped:
+            raise  # a client's doing, not a failure to start: no backoff
+        except MpsError:
+            backoff.done(daemon_dir, state, started=False)
+            raise
+        backoff.done(daemon_dir, state, started=True)
+        return restarted
 
-    def adopt(self, spec: MpsDaemonSpec) -> MpsDaemonRecord | None:
+    def verify_limits(self, record: MpsDaemonRecord, timeout: float | None = None) -> list[LimitDrift]:
+        """Read the running daemon's limits back and set again any that a client changed; returns what was
+        found changed (empty: all as the spec says). :class:`MpsDaemonStopped` if the daemon exited
+        meanwhile (restart it), MpsError if it does not answer or does not take a limit back."""
+        limit = self.ready_timeout if timeout is None else max(min(self.ready_timeout, timeout), 0.0)
+        return verify_limits(self.control, record, Deadline.after(limit, "limit check"))
+
+    def adopt(self, spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord | None:
         """A record for the one live daemon in ``spec``'s directory if its limits read back as ``spec``'s,
         else None. For daemons whose record was lost with a corrupt checkpoint: their clients keep
         their daemon instead of losing it to a restart."""
         daemon_dir = self.daemon_dir(spec.daemon_id)
         pipe_dir, log_dir = daemon_dir / "pipe", daemon_dir / "log"
-        running = find_daemons(pipe_dir)
+        running = self.identity.unrecorded(pipe_dir)
         if len(running) != 1:
             return None
         try:
-            self._check_limits(spec, pipe_dir, log_dir, Deadline.after(self.ready_timeout, "adoption"))
+            limit = self.ready_timeout if timeout is None else max(min(self.ready_timeout, timeout), 0.0)
+            check_limits(self.control, spec, pipe_dir, log_dir, Deadline.after(limit, "adoption"))
         except MpsError as exc:
             log.info("found a daemon without a record but not with the expected limits; not adopting it",
                      extra={"daemon_id": spec.daemon_id, "reason": str(exc)})
@@ -177,25 +192,27 @@ class MpsManager:
                                process_start_time=process_start_time,
                                shm_dir=shm if shm.is_dir() and not shm.is_symlink() else self.shm_dir)
 
-    def stop(self, record: MpsDaemonRecord) -> None:
-        """Quit the daemon, fall back to SIGTERM then SIGKILL, and remove its directories.
+    def stop(self, record: MpsDaemonRecord, timeout: float | None = None) -> None:
+        """Quit the daemon, fall back to SIGTERM then SIGKILL, and remove its directories, within
+        ``timeout`` seconds if given (what is left of a prepare's deadline; SIGKILL is still sent at 0).
 
         A daemon that is already gone is fine. Signals only go to a process /proc shows to be this
         daemon, so a process that reused the PID is never touched.
         """
         known = (record.pid, record.process_start_time) if self.process_running(record) else None
-        self._stop_process(record.pipe_dir, record.log_dir, known)
+        self._stop_process(record.pipe_dir, record.log_dir, known, timeout)
         self._remove(record.pipe_dir.parent)
         log.info("MPS control daemon stopped", extra={"daemon_id": record.spec.daemon_id, "pid": record.pid})
 
-    def stop_by_id(self, daemon_id: str) -> None:
-        """Stop whatever control daemon serves ``base_dir/<daemon_id>/pipe`` (found in /proc) and remove the directory.
+    def stop_by_id(self, daemon_id: str, timeout: float | None = None) -> None:
+        """Stop the driver's daemon serving ``base_dir/<daemon_id>/pipe`` (found in /proc) and remove the
+        directory, within ``timeout`` seconds if given.
 
         For a daemon that has no record: its starter crashed before checkpointing the one
-        :meth:`start` returned.
+        :meth:`start` returned. Only a daemon the launcher started counts (``identity.py``).
         """
         daemon_dir = self.daemon_dir(daemon_id)
-        self._stop_process(daemon_dir / "pipe", daemon_dir / "log", None)
+        self._stop_process(daemon_dir / "pipe", daemon_dir / "log", None, timeout)
         self._remove(daemon_dir)
 
     def daemon_ids_on_disk(self) -> list[str]:
@@ -220,6 +237,22 @@ class MpsManager:
 
     # -- starting -------------------------------------------------------------------------------
 
+    def _start_again_if_stopped(self, spec: MpsDaemonSpec, keep_dirs: bool, timeout: float | None) -> MpsDaemonRecord:
+        # A client of the pipe dir can `quit` the daemon between its launch and its limits: that is
+        # not a failure to start, and another start right away is expected to work.
+        deadline = Deadline.after(self.ready_timeout if timeout is None else max(timeout, 0.0), "start")
+        retry_until: float | None = None
+        while True:
+            try:
+                return self._start(spec, keep_dirs_on_failure=keep_dirs, timeout=timeout)
+            except MpsDaemonStopped as exc:
+                retry_until = retry_until or time.monotonic() + STOPPED_RETRY_S
+                timeout = deadline.remaining()
+                if timeout <= STOPPED_EXIT_WAIT_S or time.monotonic() >= retry_until:
+                    raise
+                log.warning("MPS control daemon was stopped while it started (a client sent quit?); starting it "
+                            "again", extra={"daemon_id": spec.daemon_id, "reason": str(exc).splitlines()[0]})
+
     def _start(self, spec: MpsDaemonSpec, keep_dirs_on_failure: bool, timeout: float | None) -> MpsDaemonRecord:
         daemon_dir = self.daemon_dir(spec.daemon_id)
         pipe_dir, log_dir = daemon_dir / "pipe", daemon_dir / "log"
@@ -229,7 +262,7 @@ class MpsManager:
                 f"MPS pipe directory {pipe_dir} is too long: sockets inside it would need {socket_path_bytes} bytes, "
                 f"Unix sockets allow {MAX_SOCKET_PATH_BYTES}; use a shorter MPS base directory or daemon_id"
             )
-        running = find_daemons(pipe_dir)
+        running = self.identity.unrecorded(pipe_dir)
         if running:
             raise MpsError(
                 f"an MPS control daemon (pid {running[0][0]}) already runs in {pipe_dir}; "
@@ -238,28 +271,31 @@ class MpsManager:
         limit = self.ready_timeout if timeout is None else max(min(self.ready_timeout, timeout), 0.0)
         deadline = Deadline.after(limit, "start")
         started: tuple[int, int] | None = None
+        launched_pid: int | None = None
         try:
             self._prepare_dirs(daemon_dir, pipe_dir, log_dir)
             request = DaemonLaunch(daemon_id=spec.daemon_id, pipe_dir=pipe_dir, log_dir=log_dir,
                                    visible_devices=spec.gpu_uuids, multi_user=spec.multi_user,
-                                   shm_dir=daemon_dir / "shm")
+                                   shm_dir=daemon_dir / "shm", shm_size=spec.shm_size)
             launched = self.launcher.launch(request)
+            launched_pid = launched.pid
             if launched.shm_dir not in (None, request.shm_dir):
                 # Clients get this directory read-write at /dev/shm: only the one asked for will do.
                 raise MpsError(f"the launcher answered with /dev/shm {launched.shm_dir}, not the requested "
                                f"{request.shm_dir} or none")
             started = self._identify(launched.pid, pipe_dir, deadline)
             self._wait_until_ready(pipe_dir, log_dir, started, deadline)
-            self._apply_limits(spec, pipe_dir, log_dir, deadline)
+            apply_limits(self.control, spec, pipe_dir, log_dir, deadline)
         except (MpsError, MpsLaunchError, DaemonDirError, OSError) as exc:
-            tail = _log_tail(log_dir)
-            problem = self._cleanup_after_failure(daemon_dir, started, keep_dirs_on_failure)
+            stopped = stopped_by_quit(log_dir, launched_pid, started)
+            tail = log_tail(log_dir / CONTROL_LOG_NAME, LOG_TAIL_LINES)
+            problem = self._cleanup_after_failure(daemon_dir, started, keep_dirs_on_failure, deadline.remaining())
             served = ",".join(spec.gpu_uuids)
-            raise MpsError(
+            raise (MpsDaemonStopped if stopped else MpsError)(
                 f"starting MPS control daemon {spec.daemon_id} for {served} failed: {exc}{problem}{tail}"
             ) from exc
         except BaseException:
-            self._cleanup_after_failure(daemon_dir, started, keep_dirs_on_failure)
+            self._cleanup_after_failure(daemon_dir, started, keep_dirs_on_failure, deadline.remaining())
             raise
         if launched.shm_dir is None:
             _remove_unused_dir(daemon_dir / "shm")
@@ -282,6 +318,7 @@ class MpsManager:
     def _identify(self, pid: int, pipe_dir: Path, deadline: Deadline) -> tuple[int, int]:
         # Right after the launch /proc may still show an empty command line and environment: the
         # kernel is finishing the exec (seen under load). Look again until the start deadline.
+        pause = _POLL_FIRST_S
         while True:
             start_time = daemon_start_time(pid, pipe_dir)
             if start_time is not None:
@@ -291,10 +328,12 @@ class MpsManager:
                 raise MpsError(f"the daemon (pid {pid}) exited before it became ready")
             if deadline.remaining() <= 0:
                 raise MpsError(f"the launched process {pid} is not {CONTROL_BINARY} serving {pipe_dir}")
-            time.sleep(_POLL_INTERVAL_S)
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
 
     def _wait_until_ready(self, pipe_dir: Path, log_dir: Path, started: tuple[int, int], deadline: Deadline) -> None:
         pid, start_time = started
+        pause = _POLL_FIRST_S
         while True:
             if not is_same_process(pid, start_time):
                 raise MpsError(f"the daemon (pid {pid}) exited before it became ready")
@@ -304,79 +343,47 @@ class MpsManager:
             except MpsError as exc:
                 if deadline.remaining() <= 0:
                     raise MpsError(f"the daemon did not become ready before {deadline.what}: {exc}") from exc
-            time.sleep(_POLL_INTERVAL_S)
-
-    def _apply_limits(self, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path, deadline: Deadline) -> None:
-        """Set each limit and read it back: the daemon accepts invalid values silently (it prints
-        nothing, or the old value), so only the read-back shows whether it took one."""
-        self._check_limits(spec, pipe_dir, log_dir, deadline, set_first=True)
-
-    def _check_limits(self, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path, deadline: Deadline,
-                      set_first: bool = False) -> None:
-        """Read every limit of ``spec`` back from the daemon (each set just before, with ``set_first``);
-        MpsError names the first that differs."""
-        if spec.active_thread_percentage is not None:
-            if set_first:
-                self.control.set(pipe_dir, log_dir,
-                                 f"set_default_active_thread_percentage {spec.active_thread_percentage}", deadline)
-            answer = self.control.send(pipe_dir, log_dir, "get_default_active_thread_percentage", deadline)
-            try:
-                taken = abs(float(answer) - spec.active_thread_percentage) < 0.01
-            except ValueError:
-                taken = False
-            if not taken:
-                raise MpsError(f"default active thread percentage reads back as {answer!r}, "
-                               f"expected {spec.active_thread_percentage}")
-        for ordinal, mib in spec.pinned_limits_mib():
-            if set_first:
-                # The ordinal within the daemon's CUDA_VISIBLE_DEVICES: measured, a UUID here is not
-                # taken (get prints nothing; the log says "No default pinned memory limit set").
-                self.control.set(pipe_dir, log_dir, f"set_default_device_pinned_mem_limit {ordinal} {mib}M", deadline)
-            answer = self.control.send(pipe_dir, log_dir, f"get_default_device_pinned_mem_limit {ordinal}", deadline)
-            if not pinned_limit_taken(answer, mib):
-                shown = f"{mib // 1024}G" if mib >= 1024 else f"{mib}M"
-                raise MpsError(
-                    f"pinned memory limit for device {ordinal} ({spec.gpu_uuids[ordinal]}) reads back as "
-                    f"{answer!r}, expected {mib}M (which the daemon shows as {shown!r})"
-                )
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
 
     # -- stopping -------------------------------------------------------------------------------
 
-    def _cleanup_after_failure(self, daemon_dir: Path, started: tuple[int, int] | None, keep_dirs: bool) -> str:
-        """Stop a half-started daemon; returns a note for the error message if that failed too."""
+    def _cleanup_after_failure(self, daemon_dir: Path, started: tuple[int, int] | None, keep_dirs: bool,
+                               timeout: float) -> str:
+        """Stop a half-started daemon within what is left of the start's deadline (at 0 it is killed at
+        once: it serves nobody yet); returns a note for the error message if that failed too."""
         try:
-            self._stop_process(daemon_dir / "pipe", daemon_dir / "log", started)
+            self._stop_process(daemon_dir / "pipe", daemon_dir / "log", started, timeout)
             if not keep_dirs:
                 self._remove(daemon_dir)
         except MpsError as exc:
             return f"; cleanup also failed: {exc}"
         return ""
 
-    def _stop_process(self, pipe_dir: Path, log_dir: Path, known: tuple[int, int] | None) -> None:
-        # Besides the recorded one, any daemon /proc shows serving this pipe dir (one started by a
-        # driver that crashed before checkpointing it). Never a PID read from the pipe dir.
-        targets = sorted({*([known] if known else []), *find_daemons(pipe_dir)})
+    def _stop_process(self, pipe_dir: Path, log_dir: Path, known: tuple[int, int] | None,
+                      timeout: float | None = None) -> None:
+        # Besides the recorded one, any daemon of this driver's launcher that /proc shows serving this
+        # pipe dir (one started by a driver that crashed before checkpointing it); never a look-alike,
+        # never a PID read from the pipe dir.
+        targets = sorted({*([known] if known else []), *self.identity.unrecorded(pipe_dir)})
         if not targets:
             return
-        deadline = Deadline.after(self.stop_timeout, "stop")
-        quit_delivered = False
+        full = StopPlan(quit_s=self.stop_timeout, term_s=min(self.stop_timeout, _TERM_GRACE_S), kill_s=_KILL_WAIT_S)
+        plan = full if timeout is None else full.within(timeout)
+        deadline = Deadline.after(plan.quit_s, "stop")
+        quit_until: float | None = None
         try:
             self.control.send(pipe_dir, log_dir, "quit", deadline)
-            quit_delivered = True
+            quit_until = deadline.at
         except MpsError as exc:
             log.info("MPS quit not delivered; will signal the daemon", extra={"pipe_dir": str(pipe_dir),
                                                                                "reason": str(exc)})
-        for pid, start_time in targets:
-            exited = quit_delivered and wait_for_exit(pid, start_time, max(deadline.remaining(), 0.0))
-            if not exited:
-                signal_daemon(pid, start_time, signal.SIGTERM)
-                exited = wait_for_exit(pid, start_time, min(self.stop_timeout, _TERM_GRACE_S))
-            if not exited:
-                signal_daemon(pid, start_time, signal.SIGKILL)
-                if not wait_for_exit(pid, start_time, _KILL_WAIT_S):
-                    raise MpsError(f"MPS control daemon pid {pid} is still running after SIGKILL")
+        left = end_processes(targets, quit_until, plan)
+        if left:
+            raise MpsError(f"MPS control daemon pid {left[0]} is still running after SIGKILL")
 
     def _remove(self, daemon_dir: Path) -> None:
+        release_daemon_shm(self.launcher, daemon_dir)  # the launcher's tmpfs on shm/, if any
         try:
             remove_daemon_dir(daemon_dir)
         except DaemonDirError as exc:
@@ -387,15 +394,3 @@ def _remove_unused_dir(path: Path) -> None:
     # Not empty: a tenant of an earlier daemon left files; they go with the daemon's directory.
     with contextlib.suppress(OSError):
         path.rmdir()
-
-
-def _log_tail(log_dir: Path) -> str:
-    control_log = log_dir / CONTROL_LOG_NAME
-    try:
-        fd = os.open(control_log, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return f"\n(no {control_log})"
-    tail = "\n".join(lines[-LOG_TAIL_LINES:])
-    return f"\nlast {min(len(lines), LOG_TAIL_LINES)} lines of {control_log}:\n{tail}"

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from driver.units import MIB
+from driver.units import GIB, MIB, TIB
 
 # MPS multi-user mode needs Volta or newer (dra-driver-nvidia-gpu PR #1153, ensureCapability "7.0").
 MULTI_USER_MIN_COMPUTE_CAPABILITY = (7, 0)
@@ -27,8 +27,34 @@ _DEVICE_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")
 _DISPLAYED_LIMIT = re.compile(r"^(\d+)([MG])$")
 
 
+# Each daemon's own /dev/shm tmpfs (docs/sharing.md, "/dev/shm"). The floor is the 64 MiB that
+# container runtimes give a container's /dev/shm by default, which CUDA workloads are known to run
+# with; the ceiling only catches typos (a tmpfs takes memory as it is written, not at mount).
+SHM_SIZE_MIN = 64 * MIB
+SHM_SIZE_MAX = TIB
+DEFAULT_SHM_SIZE = GIB
+
+
+def check_shm_size(value: int) -> int:
+    """``value`` (bytes) if it is a usable size for a daemon's /dev/shm, else ValueError saying the range."""
+    if not SHM_SIZE_MIN <= value <= SHM_SIZE_MAX:
+        raise ValueError(f"{value} bytes is out of range; expected a quantity from 64Mi to 1Ti")
+    return value
+
+
 class MpsError(Exception):
     """An MPS daemon could not be started, checked or stopped; the message says what and why."""
+
+
+class MpsNoAnswer(MpsError):
+    """A control command got no answer in time. The daemon serves one control client at a time
+    (measured, 535.261 and 550.163): any client that connects to its 0666 ``control`` socket and
+    stays silent holds every other command up."""
+
+
+class MpsDaemonStopped(MpsError):
+    """The daemon had come up (it listened, or answered) and then exited: a client sent ``quit``, say.
+    Unlike a daemon that fails to start, starting it again at once is expected to work."""
 
 
 def check_daemon_id(value: str) -> str:
@@ -79,6 +105,10 @@ class MpsDaemonSpec(BaseModel):
     pinned_memory_limits: dict[str, int] = Field(default_factory=dict)  # GPU UUID -> bytes
     # One MPS server for clients of every UID (NVIDIA's -M) instead of one UID at a time.
     multi_user: bool = False
+    # Bytes of the daemon's own /dev/shm tmpfs, where the launcher mounts one; None (also in records
+    # written before it existed): the node's default, --mps-shm-size. Its range is checked where it is
+    # written (plan, claim, flag), not here: a record must load even if the range changes later.
+    shm_size: int | None = Field(default=None, gt=0)
 
     @field_validator("daemon_id")
     @classmethod

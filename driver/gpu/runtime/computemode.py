@@ -1,56 +1,63 @@
-"""The compute mode of whole GPUs, read and set with the driver root's ``nvidia-smi``.
+"""The compute mode of whole GPUs, read and set through NVML in the driver's own process.
 
-Why it matters for MPS: in the DEFAULT compute mode a CUDA client whose connection to the MPS
-control daemon fails "continues to run as it normally would without MPS" (nvidia-cuda-mps-control(1)),
-that is outside every limit the daemon enforces. In EXCLUSIVE_PROCESS only one context may exist
-on the GPU, the MPS server's, so such a client fails instead. NVIDIA's DRA driver
-(``cmd/gpu-kubelet-plugin/sharing.go``, ``MpsControlDaemon.Start``) and device plugin
+Why it matters for MPS: in the DEFAULT compute mode a CUDA client whose connection to the MPS control daemon fails
+"continues to run as it normally would without MPS" (nvidia-cuda-mps-control(1)), that is outside every limit the
+daemon enforces. In EXCLUSIVE_PROCESS only one context may exist on the GPU, the MPS server's, so such a client fails
+instead. NVIDIA's DRA driver (``cmd/gpu-kubelet-plugin/sharing.go``, ``MpsControlDaemon.Start``) and device plugin
 (``cmd/mps-control-daemon/mps/daemon.go``) set EXCLUSIVE_PROCESS while a daemon serves a GPU.
 
-MIG: on MIG-enabled GPUs the compute mode is DEFAULT and cannot be changed (NVIDIA MIG User
-Guide; NVML answers NOT_SUPPORTED). NVIDIA's DRA driver sets the mode only on full GPUs
-(``PreparedDevices.GpuUUIDs()`` leaves MIG devices out); this driver does the same, see
-:func:`exclusive_gpus`. Commands: ``nvidia-smi -i <uuid> -c EXCLUSIVE_PROCESS|DEFAULT`` (root, not
-persistent across reboots); docs/sharing.md, "Compute mode".
+Why NVML and not ``nvidia-smi -c``: nvidia-smi initialises NVML on every run (hundreds of ms to seconds on a large
+node), and a cold MPS share cost three runs (read, set, later restore). ``nvmlDeviceGetComputeMode`` and
+``nvmlDeviceSetComputeMode`` do the same in this process, on one NVML session opened at first use (NVML counts
+``nvmlInit`` calls, so discovery and the health source keep theirs). nvml.h: setting needs root, "is not persistent
+across reboots" and the mode "always resets to Default"; values ``nvmlComputeMode_t``: DEFAULT 0,
+EXCLUSIVE_THREAD 1 ("Support Removed"), PROHIBITED 2, EXCLUSIVE_PROCESS 3.
+
+MIG: on MIG-enabled GPUs the compute mode is DEFAULT and cannot be changed (NVIDIA MIG User Guide; NVML answers
+NOT_SUPPORTED). NVIDIA's DRA driver sets the mode only on full GPUs (``PreparedDevices.GpuUUIDs()`` leaves MIG
+devices out); this driver does the same, see :func:`exclusive_gpus`. docs/sharing.md, "Compute mode".
+
+A hung call: NVML calls cannot be interrupted, and on a GPU that fell off the bus or a wedged kernel driver one can
+block for minutes inside the driver's ioctl. Each call therefore runs on a daemon thread of its own and the caller
+waits at most ``timeout`` seconds, shortened by the prepare's :class:`Deadline`; a call that overruns fails the
+claim (it is rolled back) and is left to finish in the background. Until it does, further calls for that GPU fail
+at once, naming the stuck call, instead of piling up threads behind it; other GPUs go on. Unlike a hung
+nvidia-smi, such a call cannot be killed: its thread ends with the driver process (a hung GPU needs a reset anyway).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import threading
+from collections.abc import Callable, Iterable
 from enum import StrEnum
-from pathlib import Path
+from typing import Any
 
-from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
+from driver.gpu.discovery.nvml import end_nvml_session
 from driver.kubeletplugin.types import Deadline
 
-NVIDIA_SMI = "nvidia-smi"
+log = logging.getLogger(__name__)
 
 
 class ComputeMode(StrEnum):
-    """The names ``nvidia-smi -c`` takes (nvidia-smi(1), "-c, --compute-mode")."""
+    """The modes the driver reads and sets, by the names nvidia-smi and the checkpoint use."""
 
     DEFAULT = "DEFAULT"
     EXCLUSIVE_PROCESS = "EXCLUSIVE_PROCESS"
     PROHIBITED = "PROHIBITED"
 
 
-# What ``nvidia-smi --query-gpu=compute_mode --format=csv,noheader`` prints for each mode
-# (nvidia-smi --help-query-gpu: "compute_mode ... Default, Exclusive_Process, Prohibited").
-_QUERY_NAMES = {"Default": ComputeMode.DEFAULT, "Exclusive_Process": ComputeMode.EXCLUSIVE_PROCESS,
-                "Prohibited": ComputeMode.PROHIBITED}
+# nvml.h nvmlComputeMode_t (nvidia-ml-py: NVML_COMPUTEMODE_*); EXCLUSIVE_THREAD (1) is "Support Removed".
+NVML_COMPUTE_MODES = {ComputeMode.DEFAULT: 0, ComputeMode.PROHIBITED: 2, ComputeMode.EXCLUSIVE_PROCESS: 3}
+_BY_NVML_VALUE = {value: mode for mode, value in NVML_COMPUTE_MODES.items()}
+NVML_EXCLUSIVE_THREAD = 1
+# nvml.h return codes whose cause the driver can name (nvidia-ml-py: NVML_ERROR_*).
+_HINTS = {3: "; MIG-enabled GPUs keep compute mode DEFAULT", 4: "; setting a compute mode needs root",
+          6: "; no GPU with this UUID (gone since discovery?)", 15: "; the GPU fell off the bus"}
 
 
 class ComputeModeError(Exception):
-    """Reading or setting a compute mode failed; the message has the GPU, the command and its error."""
-
-
-def parse_query(output: str, uuid: str) -> ComputeMode:
-    """The mode in ``nvidia-smi --query-gpu=compute_mode --format=csv,noheader -i <uuid>`` output."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    if len(lines) != 1 or lines[0] not in _QUERY_NAMES:
-        raise ComputeModeError(f"reading the compute mode of {uuid}: expected one of {', '.join(_QUERY_NAMES)} "
-                               f"from nvidia-smi, got {output.strip()!r}")
-    return _QUERY_NAMES[lines[0]]
+    """Reading or setting a compute mode failed; the message has the GPU, the NVML call and NVML's error."""
 
 
 def exclusive_gpus(cuda_uuids: Iterable[str]) -> list[str]:
@@ -61,29 +68,113 @@ def exclusive_gpus(cuda_uuids: Iterable[str]) -> list[str]:
     return sorted({u for u in cuda_uuids if u.startswith("GPU-")})
 
 
-class ComputeModes:
-    """Reads and sets compute modes through ``nvidia-smi`` (needs root on a real node)."""
+def _no_library_to_load() -> None:
+    """The library is already where pynvml finds it (driver root ``/``), or the NVML is simulated."""
 
-    def __init__(self, driver_root: Path, timeout: float = 10.0) -> None:
-        """``timeout`` bounds one nvidia-smi call; a :class:`Deadline` shortens it further."""
-        self.driver_root = driver_root
+
+class NvmlComputeModes:
+    """Reads and sets compute modes with ``nvmlDeviceGetComputeMode``/``nvmlDeviceSetComputeMode``.
+
+    ``nvml`` is the pynvml module (the simulated node passes its NVML double, tests a fake, all with
+    pynvml's names); ``load_library`` makes the driver root's ``libnvidia-ml.so.1`` loadable before
+    the first ``nvmlInit`` (``driver.nodelayout`` passes it). ``timeout`` bounds one call.
+    """
+
+    def __init__(self, nvml: Any, load_library: Callable[[], None] = _no_library_to_load,
+                 timeout: float = 10.0) -> None:
+        self._nvml = nvml
+        self._load_library = load_library
         self.timeout = timeout
+        self._init_lock = threading.Lock()
+        self._initialised = False
+        self._lock = threading.Lock()
+        self._stuck: dict[str, str] = {}  # GPU UUID -> the call still running past its timeout
 
     def get(self, uuid: str, deadline: Deadline | None = None) -> ComputeMode:
-        output = self._run(uuid, deadline, "--query-gpu=compute_mode", "--format=csv,noheader", "-i", uuid)
-        return parse_query(output, uuid)
+        value = self._call(uuid, deadline, "nvmlDeviceGetComputeMode", self._nvml.nvmlDeviceGetComputeMode)
+        mode = _BY_NVML_VALUE.get(int(value))
+        if mode is None:
+            name = "EXCLUSIVE_THREAD, whose support NVML removed" if value == NVML_EXCLUSIVE_THREAD else "unknown"
+            raise ComputeModeError(f"NVML reports compute mode {value} ({name}) for {uuid}; set it to DEFAULT "
+                                   f"(nvidia-smi -i {uuid} -c DEFAULT, as root)")
+        return mode
 
     def set(self, uuid: str, mode: ComputeMode, deadline: Deadline | None = None) -> None:
-        self._run(uuid, deadline, "-i", uuid, "-c", mode.value)
+        value = NVML_COMPUTE_MODES[mode]
+        self._call(uuid, deadline, f"nvmlDeviceSetComputeMode {mode.value}",
+                   lambda handle: self._nvml.nvmlDeviceSetComputeMode(handle, value))
 
-    def _run(self, uuid: str, deadline: Deadline | None, *args: str) -> str:
+    def close(self) -> None:
+        """End this object's NVML session (the others' stay: NVML counts them)."""
+        with self._init_lock:
+            if not self._initialised:
+                return
+            self._initialised = False
+            end_nvml_session(self._nvml)
+
+    def _call(self, uuid: str, deadline: Deadline | None, what: str, op: Callable[[Any], Any]) -> Any:
         if not uuid.startswith("GPU-"):
             raise ComputeModeError(f"{uuid} is not a whole GPU (GPU-... UUID); MIG devices keep compute mode DEFAULT")
         timeout = self.timeout if deadline is None else deadline.bound(self.timeout)
         if timeout <= 0:
-            raise ComputeModeError(f"no time left to run nvidia-smi {' '.join(args)} for {uuid}")
-        try:
-            binary = find_binary(self.driver_root, NVIDIA_SMI)
-            return run_binary([str(binary), *args], env=driver_env(self.driver_root), timeout=timeout)
-        except (BinaryNotFound, BinaryFailed) as exc:
-            raise ComputeModeError(f"compute mode of {uuid}: {exc}") from exc
+            raise ComputeModeError(f"no time left to call NVML {what} for {uuid}")
+        with self._lock:
+            stuck = self._stuck.get(uuid)
+        if stuck is not None:
+            raise ComputeModeError(f"{what} for {uuid} not tried: NVML has not returned from {stuck} for this GPU, "
+                                   "which overran its timeout (a hung GPU or NVIDIA driver; see the kernel log)")
+
+        def work() -> Any:
+            self._ensure_initialised()
+            return op(self._nvml.nvmlDeviceGetHandleByUUID(uuid))
+
+        return self._bounded(uuid, what, work, timeout)
+
+    def _bounded(self, uuid: str, what: str, work: Callable[[], Any], timeout: float) -> Any:
+        outcome: list[tuple[bool, Any]] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome.append((True, work()))
+            except BaseException as exc:  # handed to the caller, which raises it in its own thread
+                outcome.append((False, exc))
+            with self._lock:
+                done.set()
+                if self._stuck.get(uuid) == what:
+                    del self._stuck[uuid]
+                    log.warning("a stuck NVML compute-mode call returned", extra={"gpu_uuid": uuid, "call": what})
+
+        threading.Thread(target=run, name=f"nvml-compute-mode {uuid}", daemon=True).start()
+        done.wait(timeout)
+        with self._lock:
+            if not done.is_set():
+                self._stuck[uuid] = what
+                raise ComputeModeError(f"NVML did not return from {what} for {uuid} within {timeout:.1f} s (a hung "
+                                       "GPU or NVIDIA driver); the call goes on in the background and this GPU's "
+                                       "compute mode is not touched until it returns")
+        ok, value = outcome[0]
+        if ok:
+            return value
+        if isinstance(value, self._nvml.NVMLError):
+            code = getattr(value, "value", None)
+            hint = _HINTS.get(code, "") if isinstance(code, int) else ""
+            raise ComputeModeError(f"{what} for {uuid} failed: NVML error {code}: {value}{hint}") from value
+        if isinstance(value, ComputeModeError):
+            raise value
+        raise ComputeModeError(f"{what} for {uuid} failed: {type(value).__name__}: {value}") from value
+
+    def _ensure_initialised(self) -> None:
+        with self._init_lock:
+            if self._initialised:
+                return
+            try:
+                self._load_library()
+            except (RuntimeError, OSError) as exc:
+                raise ComputeModeError(f"NVML cannot be loaded to read or set compute modes: {exc}") from exc
+            try:
+                self._nvml.nvmlInit()
+            except self._nvml.NVMLError as err:
+                raise ComputeModeError(f"NVML initialisation failed ({err}); compute modes cannot be read or set "
+                                       "(is the NVIDIA driver loaded?)") from err
+            self._initialised = True

@@ -1,7 +1,7 @@
 """What the sharing runtime and the device state need from the hardware-facing managers.
 
 The production classes (``mps.manager.MpsManager``, ``runtime.timeslice.TimeSlicer``,
-``runtime.computemode.ComputeModes``) satisfy these structurally; tests pass small fakes that do
+``runtime.computemode.NvmlComputeModes``) satisfy these structurally; tests pass small fakes that do
 too, so neither side needs a cast.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from driver.gpu.mps.limits import LimitDrift
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
 from driver.gpu.runtime.computemode import ComputeMode
 from driver.gpu.sharelayout import TimeSliceInterval
@@ -27,25 +28,59 @@ class MpsDaemons(Protocol):
         """Whether the recorded daemon's process still runs (/proc only, never the control socket)."""
         ...
 
-    def ensure_running(self, record: MpsDaemonRecord, timeout: float | None = None) -> MpsDaemonRecord:
-        """The recorded daemon if it runs, else a restarted one with the same limits."""
+    def ensure_running(self, record: MpsDaemonRecord, timeout: float | None = None,
+                       retry_stopped: bool = False) -> MpsDaemonRecord:
+        """The recorded daemon if it runs, else a restarted one with the same limits (with ``retry_stopped``,
+        started again within ``timeout`` if a client stops it while it starts)."""
         ...
 
-    def adopt(self, spec: MpsDaemonSpec) -> MpsDaemonRecord | None:
+    def verify_limits(self, record: MpsDaemonRecord, timeout: float | None = None) -> list[LimitDrift]:
+        """Read the running daemon's limits back and set again those a client changed; the drift found.
+        ``MpsDaemonStopped`` if the daemon exited meanwhile."""
+        ...
+
+    def adopt(self, spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord | None:
         """A record for a live daemon of ``spec`` that has none (lost with the checkpoint), if its limits
         read back as ``spec``'s."""
         ...
 
-    def stop(self, record: MpsDaemonRecord) -> None:
-        """Stop the daemon and remove its directories; a daemon already gone is fine."""
+    def stop(self, record: MpsDaemonRecord, timeout: float | None = None) -> None:
+        """Stop the daemon and remove its directories, within ``timeout`` seconds if given; a daemon
+        already gone is fine."""
         ...
 
-    def stop_by_id(self, daemon_id: str) -> None:
-        """Stop whatever daemon serves ``daemon_id``'s directory (one started but never recorded)."""
+    def stop_by_id(self, daemon_id: str, timeout: float | None = None) -> None:
+        """Stop the driver's daemon serving ``daemon_id``'s directory (one started but never recorded),
+        within ``timeout`` seconds if given; processes that only look like one are left alone."""
         ...
 
     def daemon_ids_on_disk(self) -> list[str]:
         """Daemon directories of the driver's naming, to find ones no record knows."""
+        ...
+
+
+class ServedClaim(Protocol):
+    """A claim a daemon serves, as reports name it (``checkpoint.ClaimRecord`` is one)."""
+
+    @property
+    def uid(self) -> str: ...
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+
+class DaemonReports(Protocol):
+    """Where the runtime tells what tenants did to a shared daemon: the log, metrics and Events."""
+
+    def limits_reverted(self, daemon_id: str, drift: Sequence[LimitDrift], claims: Sequence[ServedClaim]) -> None:
+        """A client changed the daemon's limits; they were set back (already done when this is called)."""
+        ...
+
+    def daemon_restarted(self, daemon_id: str, claims: Sequence[ServedClaim]) -> None:
+        """The daemon was gone (exited or stopped by a client) and was started again."""
         ...
 
 
@@ -60,7 +95,7 @@ class TimeSlices(Protocol):
 
 
 class ComputeModeControl(Protocol):
-    """Reads and sets a whole GPU's compute mode (``nvidia-smi -c``)."""
+    """Reads and sets a whole GPU's compute mode (NVML ``nvmlDevice{Get,Set}ComputeMode``)."""
 
     def get(self, uuid: str, deadline: Deadline | None = None) -> ComputeMode:
         ...

@@ -23,13 +23,17 @@ from typing import Protocol
 
 from driver.gpu.checkpoint import Checkpoint, ClaimRecord
 from driver.gpu.claimplan import ClaimPlan
-from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
+from driver.gpu.mps.limits import LimitDrift
+from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsDaemonStopped, MpsNoAnswer
 from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
-from driver.gpu.runtime.interfaces import ComputeModeControl, MpsDaemons, TimeSlices
+from driver.gpu.runtime.interfaces import ComputeModeControl, DaemonReports, MpsDaemons, ServedClaim, TimeSlices
 from driver.gpu.sharelayout import TimeSliceInterval
 from driver.kubeletplugin.types import Deadline
 
 log = logging.getLogger(__name__)
+
+# What a prepare that reuses a running daemon waits for its limits' read-back (milliseconds normally).
+_READ_BACK_S = 1.5
 
 
 class Ledger(Protocol):
@@ -50,8 +54,9 @@ def _remember_mode(cp: Checkpoint, uuid: str, mode: ComputeMode) -> None:
 
 def _same_limits(running: MpsDaemonSpec, wanted: MpsDaemonSpec) -> bool:
     """Whether a running shared daemon can serve ``wanted``. A changed multi-user setting (a driver
-    upgrade) is not worth restarting it under the claims it serves; it applies from its next start."""
-    return running.model_copy(update={"multi_user": wanted.multi_user}) == wanted
+    upgrade) or /dev/shm size (its tmpfs is sized once, when mounted) is not worth restarting it under
+    the claims it serves; it applies from its next start."""
+    return running.model_copy(update={"multi_user": wanted.multi_user, "shm_size": wanted.shm_size}) == wanted
 
 
 def _left(deadline: Deadline | None) -> float | None:
@@ -66,12 +71,24 @@ def _exclusive_users(cp: Checkpoint, gpu_uuid: str, other_than: str) -> list[str
     return [c.uid for c in cp.claims.values() if c.uid != other_than and gpu_uuid in c.exclusive_gpus]
 
 
+class NoReports:
+    """Reports go to the log only (the app installs its own, with metrics and Events)."""
+
+    def limits_reverted(self, daemon_id: str, drift: Sequence[LimitDrift], claims: Sequence[ServedClaim]) -> None:
+        log.warning("MPS daemon limits changed by a client were restored", extra={
+            "daemon_id": daemon_id, "drift": [d.describe() for d in drift], "claims": [c.uid for c in claims]})
+
+    def daemon_restarted(self, daemon_id: str, claims: Sequence[ServedClaim]) -> None:
+        log.warning("MPS daemon restarted", extra={"daemon_id": daemon_id, "claims": [c.uid for c in claims]})
+
+
 class SharingRuntime:
     def __init__(self, mps: MpsDaemons, timeslicer: TimeSlices, compute_modes: ComputeModeControl, ledger: Ledger):
         self.mps = mps
         self.timeslicer = timeslicer
         self.compute_modes = compute_modes
         self._ledger = ledger
+        self.reports: DaemonReports = NoReports()  # the app's: log lines, metrics and Events
 
     # ----------------------------------------------------------------------------- prepare
 
@@ -100,7 +117,7 @@ class SharingRuntime:
                 self.compute_modes.set(uuid, ComputeMode.EXCLUSIVE_PROCESS, deadline)
             except ComputeModeError:
                 # A refused change leaves the mode as it was: forget the record so the rollback does
-                # not run nvidia-smi again for nothing. If the mode cannot even be read, keep it.
+                # not set it again for nothing. If the mode cannot even be read, keep it.
                 with suppress(ComputeModeError):
                     if self.compute_modes.get(uuid) == previous:
                         self._ledger.commit(partial(_forget_mode, uuid=uuid))
@@ -115,18 +132,17 @@ class SharingRuntime:
         the claim inside the prepare's deadline rather than after it."""
         existing = self._ledger.read().mps_daemons.get(spec.daemon_id)
         if not fresh and existing is not None and _same_limits(existing.spec, spec):
-            if self.mps.process_running(existing):
-                # Its limits and readiness were verified when it started; a control round trip per
-                # share prepare would cost a process spawn each time.
-                return existing
-            record = self.mps.ensure_running(existing, _left(deadline))
-        elif existing is None and not fresh and (adopted := self.mps.adopt(spec)) is not None:
+            # A client may have changed its limits since (a tenant root in its container can): read them
+            # back, a few milliseconds with NVIDIA's binary. Stopped by a client: restarted at once.
+            return self._keep_running(existing, deadline, limits=True)
+        if existing is None and not fresh and (adopted := self.mps.adopt(spec, _left(deadline))) is not None:
             record = adopted  # its record was lost with a corrupt checkpoint: its clients keep it
         else:
             if existing is not None:
-                self.mps.stop(existing)
+                self.mps.stop(existing, _left(deadline))
             else:
-                self.mps.stop_by_id(spec.daemon_id)  # a daemon left by a crash between its start and its record
+                # A daemon left by a crash between its start and its record.
+                self.mps.stop_by_id(spec.daemon_id, _left(deadline))
             record = self.mps.start(spec, _left(deadline))
             if not fresh and not spec.multi_user:
                 log.warning("MPS daemon for plan shares started single-user: it serves one Linux UID at a time, "
@@ -137,14 +153,15 @@ class SharingRuntime:
 
     # ----------------------------------------------------------------------------- unprepare
 
-    def release_claim(self, record: ClaimRecord) -> None:
-        """Stop what only this claim needed; every step is idempotent."""
+    def release_claim(self, record: ClaimRecord, deadline: Deadline | None = None) -> None:
+        """Stop what only this claim needed; every step is idempotent. Daemon stops share ``deadline``
+        (a rollback's budget), each still ending its daemon with SIGKILL once it has passed."""
         for daemon_id in record.owned_mps_daemons:
-            self.stop_daemon(daemon_id)
+            self.stop_daemon(daemon_id, _left(deadline))
         for daemon_id in record.shared_mps_daemons:
             cp = self._ledger.read()
             if not any(c.uid != record.uid and daemon_id in c.shared_mps_daemons for c in cp.claims.values()):
-                self.stop_daemon(daemon_id)
+                self.stop_daemon(daemon_id, _left(deadline))
         if record.timeslice is not None:
             self.timeslicer.reset(record.timeslice.gpu_uuids)
         for uuid in record.exclusive_gpus:
@@ -160,12 +177,12 @@ class SharingRuntime:
             log.info("compute mode restored", extra={"gpu_uuid": uuid, "mode": previous.value})
         self._ledger.commit(partial(_forget_mode, uuid=uuid))
 
-    def stop_daemon(self, daemon_id: str) -> None:
+    def stop_daemon(self, daemon_id: str, timeout: float | None = None) -> None:
         daemon = self._ledger.read().mps_daemons.get(daemon_id)
         if daemon is None:
-            self.mps.stop_by_id(daemon_id)
+            self.mps.stop_by_id(daemon_id, timeout)
             return
-        self.mps.stop(daemon)
+        self.mps.stop(daemon, timeout)
         self._ledger.commit(lambda cp: cp.mps_daemons.pop(daemon_id, None))
 
     # ----------------------------------------------------------------------------- recovery and rescans
@@ -178,16 +195,64 @@ class SharingRuntime:
                 restarted.append(daemon_id)
         return restarted
 
-    def check_daemon(self, daemon_id: str) -> bool:
-        """Restart the recorded daemon if it died; True if it was restarted."""
+    def check_daemon(self, daemon_id: str, limits: bool = False) -> bool:
+        """Restart the recorded daemon if it died, and with ``limits`` revert limits a client changed;
+        True if it was restarted."""
         daemon = self._ledger.read().mps_daemons.get(daemon_id)
         if daemon is None:
             return False
-        running = self.mps.ensure_running(daemon)
-        if running.pid == daemon.pid:
-            return False
+        return self._keep_running(daemon, None, limits) is not daemon
+
+    def _keep_running(self, daemon: MpsDaemonRecord, deadline: Deadline | None, limits: bool) -> MpsDaemonRecord:
+        """``daemon`` if it runs (its limits read back and restored first, with ``limits``), else the
+        restarted one, recorded. Each drift and restart is reported."""
+        daemon_id = daemon.spec.daemon_id
+        if limits and self.mps.process_running(daemon):
+            try:
+                # A prepare gives the read-back little time: it takes milliseconds unless a client holds the
+                # daemon's one control session, which must not fail the claim (its limits are watched).
+                drift = self.mps.verify_limits(daemon, None if deadline is None else deadline.bound(_READ_BACK_S))
+            except MpsDaemonStopped as exc:  # a client stopped it after the /proc check: restart it below
+                log.warning("MPS daemon stopped while its limits were read back; restarting it",
+                            extra={"daemon_id": daemon_id, "reason": str(exc)})
+            except MpsNoAnswer as exc:
+                if deadline is None:
+                    raise
+                log.warning("MPS daemon did not answer the read-back of its limits (a client may hold its control "
+                            "socket); going on with it, its limits are checked again by the watcher",
+                            extra={"daemon_id": daemon_id, "reason": str(exc)})
+                return daemon
+            else:
+                if drift:
+                    self._report(partial(self.reports.limits_reverted, daemon_id, drift, self._served_by(daemon_id)))
+                return daemon
+        try:
+            # A prepare (with a deadline) starts it again, for a while, if a client stops it while it
+            # starts; a background check leaves that to its next round rather than hold the GPU's lock.
+            running = self.mps.ensure_running(daemon, _left(deadline), retry_stopped=deadline is not None)
+        except MpsDaemonStopped as exc:
+            # A client keeps stopping it (a tenant root in its container): no reason to fail or stall
+            # another claim. Its record stays; the watcher and the next prepare start it again.
+            log.warning("a client keeps stopping the MPS daemon while it starts; going on without it for now",
+                        extra={"daemon_id": daemon_id, "reason": str(exc).splitlines()[0]})
+            return daemon
+        if running == daemon:
+            return daemon
         self._ledger.commit(lambda cp: cp.mps_daemons.__setitem__(daemon_id, running))
-        return True
+        self._report(partial(self.reports.daemon_restarted, daemon_id, self._served_by(daemon_id)))
+        return running
+
+    def _served_by(self, daemon_id: str) -> list[ClaimRecord]:
+        return [c for c in self._ledger.read().claims.values()
+                if daemon_id in (*c.owned_mps_daemons, *c.shared_mps_daemons)]
+
+    @staticmethod
+    def _report(report: Callable[[], None]) -> None:
+        # Reports (log, metrics, Events) are best effort: they never fail the prepare or check behind them.
+        try:
+            report()
+        except Exception:
+            log.exception("reporting an MPS daemon change failed")
 
     def sweep_orphans(self) -> list[str]:
         """Stop daemons no claim refers to, recorded or only left on disk."""

@@ -4,6 +4,9 @@ Callers apply a setting only when a user configured one and reset it on unprepar
 driver once set a default time slice on every prepare, two nvidia-smi calls per claim that nobody
 asked for (removed in k8s-dra-driver-gpu PR #1183). Command: ``nvidia-smi compute-policy -i
 <GPU-UUID[,...]> --set-timeslice <0-3>`` (``nvidia-smi compute-policy --help``; whole GPUs only).
+The compute mode DEFAULT that NVIDIA's driver sets before the slice (``nvidia-smi -c DEFAULT`` there)
+goes through NVML in this process (:mod:`driver.gpu.runtime.computemode`), and only where the GPU is
+not already in DEFAULT: one nvidia-smi run per GPU, not two.
 """
 
 from __future__ import annotations
@@ -11,9 +14,12 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
+from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
+from driver.gpu.runtime.interfaces import ComputeModeControl
 from driver.gpu.sharelayout import TIMESLICE_VALUES, TimeSliceInterval
 from driver.kubeletplugin.types import Deadline
 
@@ -30,13 +36,15 @@ class TimeSliceError(Exception):
 class TimeSlicer:
     """Sets and resets the compute time slice of full GPUs through the driver root's nvidia-smi."""
 
-    def __init__(self, driver_root: Path, timeout: float = 10.0) -> None:
-        """``timeout`` bounds each nvidia-smi call; a prepare makes two per GPU and must fit the kubelet's 45 s."""
+    def __init__(self, driver_root: Path, compute_modes: ComputeModeControl, timeout: float = 10.0) -> None:
+        """``timeout`` bounds each nvidia-smi call (``compute_modes`` bounds its own); a prepare makes one
+        per GPU plus the compute mode's, and must fit the kubelet's 45 s."""
         self.driver_root = driver_root
+        self.compute_modes = compute_modes
         self.timeout = timeout
 
     def apply(self, gpu_uuids: Sequence[str], interval: TimeSliceInterval, deadline: Deadline | None = None) -> None:
-        """Set compute mode DEFAULT and the time slice on every GPU, or on none of them.
+        """Set compute mode DEFAULT (NVML) and the time slice on every GPU, or on none of them.
 
         ``deadline`` shortens each call's timeout to the time left; the rollback is not shortened.
         """
@@ -47,7 +55,7 @@ class TimeSlicer:
         for uuid in uuids:
             try:
                 # NVIDIA's driver does the same: EXCLUSIVE_PROCESS (left by MPS) would defeat sharing.
-                self._run(deadline, "-i", uuid, "-c", "DEFAULT")
+                self._default_compute_mode(uuid, deadline)
                 self._run(deadline, "compute-policy", "-i", uuid, "--set-timeslice", str(TIMESLICE_VALUES[interval]))
             except TimeSliceError as exc:
                 rollback = self._reset_each(applied)
@@ -59,7 +67,7 @@ class TimeSlicer:
         log.info("time slice applied", extra={"gpu_uuids": list(uuids), "interval": interval})
 
     def reset(self, gpu_uuids: Sequence[str]) -> None:
-        """Set time slice Default (0) and compute mode DEFAULT on every GPU, trying all before reporting."""
+        """Set time slice Default (0) and compute mode DEFAULT (NVML) on every GPU, trying all before reporting."""
         uuids = _checked_gpu_uuids(gpu_uuids)
         problems = self._reset_each(uuids)
         if problems:
@@ -69,15 +77,22 @@ class TimeSlicer:
     def _reset_each(self, uuids: Sequence[str]) -> list[str]:
         problems: list[str] = []
         for uuid in uuids:
-            for args in (
-                ("compute-policy", "-i", uuid, "--set-timeslice", str(TIMESLICE_VALUES["Default"])),
-                ("-i", uuid, "-c", "DEFAULT"),
-            ):
+            for step in (partial(self._run, None, "compute-policy", "-i", uuid, "--set-timeslice",
+                                 str(TIMESLICE_VALUES["Default"])),
+                         partial(self._default_compute_mode, uuid, None)):
                 try:
-                    self._run(None, *args)
+                    step()
                 except TimeSliceError as exc:
                     problems.append(f"{uuid}: {exc}")
         return problems
+
+    def _default_compute_mode(self, uuid: str, deadline: Deadline | None) -> None:
+        """Compute mode DEFAULT through NVML; a GPU already in DEFAULT (a MIG-enabled one always is) is left alone."""
+        try:
+            if self.compute_modes.get(uuid, deadline) is not ComputeMode.DEFAULT:
+                self.compute_modes.set(uuid, ComputeMode.DEFAULT, deadline)
+        except ComputeModeError as exc:
+            raise TimeSliceError(str(exc)) from exc
 
     def _run(self, deadline: Deadline | None, *args: str) -> None:
         timeout = self.timeout if deadline is None else deadline.bound(self.timeout)

@@ -88,7 +88,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* mount(8) tmpfs size= takes k/m/g suffixes meaning KiB/MiB/GiB, so only binary quantities convert exactly. */}}
 {{- define "tessera.shmSizeOption" -}}
 {{- $size := toString .Values.mps.shmSize }}
-{{- if not (regexMatch "^[1-9][0-9]*(Ki|Mi|Gi)$" $size) }}
+{{- if not (regexMatch "^[1-9][0-9]*(Mi|Gi|Ti)$" $size) }}
 {{- fail (printf "mps.shmSize: expected a binary quantity such as 512Mi or 1Gi, got %q" $size) }}
 {{- end }}
 {{- $size | trimSuffix "i" | lower }}

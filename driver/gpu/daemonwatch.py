@@ -1,0 +1,117 @@
+"""The MPS daemon watcher: limits read back every few seconds, changes reverted and reported, gone daemons restarted.
+
+Any client that reaches a daemon's control socket as root (a tenant root in its container: the
+read-only pipe-dir mount still allows ``connect()``) can change the daemon's default limits for
+every share it serves, or ``quit`` it. A thread checks every recorded daemon every ``interval``
+seconds (``--mps-limit-check-interval``): under that daemon's GPU locks, one daemon at a time, so
+it never holds up a prepare on another GPU, and a GPU busy with a prepare is checked next round.
+Each change it (or a prepare reusing the daemon) finds is set back at once and reported here: a
+log line with what was found and what was restored, ``mps_limit_drift`` and
+``mps_daemon_restarts`` counters, and a Warning Event on each claim the daemon serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from driver.gpu.mps.limits import LimitDrift
+from driver.gpu.runtime.interfaces import ServedClaim
+from driver.kubeletplugin.events import EventRecorder, EventSpec, ObjectRef
+from driver.kubeletplugin.telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from driver.gpu.state import DeviceState
+
+log = logging.getLogger(__name__)
+
+LIMITS_REVERTED = "MpsLimitsReverted"
+DAEMON_RESTARTED = "MpsDaemonRestarted"
+_CLAIM_API = "resource.k8s.io/v1"
+
+
+class DaemonWatcher:
+    """A thread that runs ``state.check_daemons(limits=True)`` every ``interval`` seconds."""
+
+    def __init__(self, state: DeviceState, interval: float) -> None:
+        self.state = state
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mps-daemon-watch", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Stop after the check in progress (bounded by the MPS timeouts), waiting at most ``timeout``."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.state.check_daemons(limits=True)
+            except Exception:
+                log.exception("checking the MPS daemons failed; will retry")
+
+
+class MpsReports:
+    """The app's :class:`~driver.gpu.runtime.interfaces.DaemonReports`: log, counters and Events."""
+
+    def __init__(self, events: EventRecorder | None) -> None:
+        self.events = events
+        self._lock = threading.Lock()
+        self._drift: Counter[tuple[str, ...]] = Counter()  # (daemon id, limit) -> reverted changes
+        self._restarts: Counter[tuple[str, ...]] = Counter()  # (daemon id,) -> restarts
+
+    def register_metrics(self, telemetry: Telemetry) -> None:
+        # Labels name daemons and limits, never a tenant's claim or namespace.
+        telemetry.observe_labelled(
+            "mps_limit_drift", "MPS daemon default limits found changed by a client and restored, by daemon and limit",
+            lambda: self._series(self._drift, ("daemon", "limit")), counter=True)
+        telemetry.observe_labelled(
+            "mps_daemon_restarts", "MPS daemons found gone (stopped by a client, or exited) and started again",
+            lambda: self._series(self._restarts, ("daemon",)), counter=True)
+
+    def _series(self, counts: Mapping[tuple[str, ...], int],
+                names: tuple[str, ...]) -> Iterable[tuple[float, Mapping[str, str]]]:
+        with self._lock:
+            return [(float(n), dict(zip(names, key, strict=True))) for key, n in counts.items()]
+
+    def limits_reverted(self, daemon_id: str, drift: Sequence[LimitDrift], claims: Sequence[ServedClaim]) -> None:
+        with self._lock:
+            for d in drift:
+                self._drift[(daemon_id, d.limit)] += 1
+        changes = "; ".join(d.describe() for d in drift)
+        log.warning("a client changed an MPS daemon's limits; restored them", extra={
+            "daemon_id": daemon_id, "changes": changes, "claims": [c.uid for c in claims],
+            "found": {d.limit: d.found for d in drift}, "restored": {d.limit: d.expected for d in drift}})
+        self._post(claims, LIMITS_REVERTED, "RevertMpsLimits",
+                   f"A client of the MPS control daemon {daemon_id} serving this claim changed its default limits "
+                   f"(any process that runs as root and can reach the daemon's pipe directory can); the driver "
+                   f"restored them: {changes}. MPS servers started while they were changed keep the changed limits "
+                   f"until their clients exit.")
+
+    def daemon_restarted(self, daemon_id: str, claims: Sequence[ServedClaim]) -> None:
+        with self._lock:
+            self._restarts[(daemon_id,)] += 1
+        log.warning("an MPS daemon was gone (stopped by a client, or exited) and was started again with its limits",
+                    extra={"daemon_id": daemon_id, "claims": [c.uid for c in claims]})
+        self._post(claims, DAEMON_RESTARTED, "RestartMpsDaemon",
+                   f"The MPS control daemon {daemon_id} serving this claim was gone (a client sent quit, or it "
+                   f"exited) and was started again with the claim's limits; CUDA clients that used it must reconnect.")
+
+    def _post(self, claims: Sequence[ServedClaim], reason: str, action: str, note: str) -> None:
+        if self.events is None:
+            return
+        for claim in claims:
+            regarding = ObjectRef(apiVersion=_CLAIM_API, kind="ResourceClaim", namespace=claim.namespace,
+                                  name=claim.name, uid=claim.uid)
+            self.events.post(EventSpec(regarding=regarding, reason=reason, action=action, note=note))

@@ -1,0 +1,151 @@
+"""An MPS daemon's default limits: set, read back, and compared with what its spec promises.
+
+The daemon accepts invalid values silently (it prints nothing, or the old value), so only a
+read-back shows whether it took one. Any client that can reach the daemon's ``control`` socket as
+root (a tenant's read-only pipe-dir mount still allows ``connect()``; with R535 any UID, measured)
+can change the defaults, so they are read back after start, before a prepare reuses a running
+daemon, and by the limit watcher, and a drift is set again (docs/sharing.md, "Limits are watched").
+
+Facts (commands, answer formats): nvidia-cuda-mps-control(1), reference/nvidia-gpu.md 1.4 and
+docs/sharing.md, "NVIDIA's daemon, as measured".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from driver.gpu.mps.control import Deadline, MpsControl
+from driver.gpu.mps.dirs import trim_log
+from driver.gpu.mps.launch import CONTROL_LOG_NAME
+from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsDaemonStopped, MpsError, pinned_limit_taken
+from driver.gpu.mps.proc import wait_for_exit
+from driver.gpu.mps.restarts import STOPPED_EXIT_WAIT_S
+
+THREAD_PERCENTAGE = "active_thread_percentage"
+# A read-back logs about 0.5 KB; every 5 s that is 8 MB a day per daemon without a bound.
+MAX_LOG_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LimitDrift:
+    """One default limit that reads back other than the spec's."""
+
+    limit: str  # "active_thread_percentage" or "pinned_mem_limit/<ordinal>": a metric label, no GPU UUID
+    found: str  # what the daemon printed ("" when it printed nothing)
+    expected: str  # the spec's value, as the daemon is told it
+
+    def describe(self) -> str:
+        return f"{self.limit} was {self.found or 'unset'!r}, restored to {self.expected}"
+
+
+@dataclass(frozen=True)
+class _Limit:
+    name: str
+    set_command: str
+    get_command: str
+    expected: str
+    taken: Callable[[str], bool]
+    mismatch: Callable[[str], str]  # the error message for a read-back answer that is not ``expected``
+
+
+def _thread_percentage_taken(wanted: int) -> Callable[[str], bool]:
+    def taken(answer: str) -> bool:
+        try:
+            return abs(float(answer) - wanted) < 0.01
+        except ValueError:
+            return False
+    return taken
+
+
+def _limits(spec: MpsDaemonSpec) -> list[_Limit]:
+    limits: list[_Limit] = []
+    pct = spec.active_thread_percentage
+    if pct is not None:
+        limits.append(_Limit(
+            name=THREAD_PERCENTAGE, set_command=f"set_default_active_thread_percentage {pct}",
+            get_command="get_default_active_thread_percentage", expected=str(pct),
+            taken=_thread_percentage_taken(pct),
+            mismatch=lambda answer: f"default active thread percentage reads back as {answer!r}, expected {pct}"))
+    for ordinal, mib in spec.pinned_limits_mib():
+        limits.append(_pinned_limit(ordinal, spec.gpu_uuids[ordinal], mib))
+    return limits
+
+
+def _pinned_limit(ordinal: int, uuid: str, mib: int) -> _Limit:
+    shown = f"{mib // 1024}G" if mib >= 1024 else f"{mib}M"
+    return _Limit(
+        # The ordinal within the daemon's CUDA_VISIBLE_DEVICES: measured, a UUID here is not taken
+        # (get prints nothing; the log says "No default pinned memory limit set").
+        name=f"pinned_mem_limit/{ordinal}", set_command=f"set_default_device_pinned_mem_limit {ordinal} {mib}M",
+        get_command=f"get_default_device_pinned_mem_limit {ordinal}", expected=f"{mib}M",
+        taken=lambda answer: pinned_limit_taken(answer, mib),
+        mismatch=lambda answer: (f"pinned memory limit for device {ordinal} ({uuid}) reads back as {answer!r}, "
+                                 f"expected {mib}M (which the daemon shows as {shown!r})"))
+
+
+def apply_limits(control: MpsControl, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path, deadline: Deadline) -> None:
+    """Set each limit and read it back; MpsError names the first the daemon did not take."""
+    check_limits(control, spec, pipe_dir, log_dir, deadline, set_first=True)
+
+
+def check_limits(control: MpsControl, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path, deadline: Deadline,
+                 set_first: bool = False) -> None:
+    """Read every limit of ``spec`` back from the daemon (each set just before, with ``set_first``);
+    MpsError names the first that differs."""
+    limits = _limits(spec)
+    if not limits:
+        return
+    if set_first:
+        control.set_all(pipe_dir, log_dir, [limit.set_command for limit in limits], deadline)
+    for limit, answer in zip(limits, _read_back(control, limits, pipe_dir, log_dir, deadline), strict=True):
+        if not limit.taken(answer):
+            raise MpsError(limit.mismatch(answer))
+
+
+def find_drift(control: MpsControl, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path,
+               deadline: Deadline) -> list[LimitDrift]:
+    """Every limit of ``spec`` that reads back otherwise (all are read, so a report names each)."""
+    limits = _limits(spec)
+    answers = _read_back(control, limits, pipe_dir, log_dir, deadline) if limits else []
+    return [LimitDrift(limit=limit.name, found=answer, expected=limit.expected)
+            for limit, answer in zip(limits, answers, strict=True) if not limit.taken(answer)]
+
+
+def restore_limits(control: MpsControl, spec: MpsDaemonSpec, drift: list[LimitDrift], pipe_dir: Path,
+                   log_dir: Path, deadline: Deadline) -> None:
+    """Set the drifted limits again and read each back; MpsError if the daemon does not take one."""
+    names = {d.limit for d in drift}
+    limits = [limit for limit in _limits(spec) if limit.name in names]
+    control.set_all(pipe_dir, log_dir, [limit.set_command for limit in limits], deadline)
+    for limit, answer in zip(limits, _read_back(control, limits, pipe_dir, log_dir, deadline), strict=True):
+        if not limit.taken(answer):
+            raise MpsError(limit.mismatch(answer))
+
+
+def _read_back(control: MpsControl, limits: list[_Limit], pipe_dir: Path, log_dir: Path,
+               deadline: Deadline) -> list[str]:
+    """Each limit's ``get`` answer, all through one client where each prints its line."""
+    lines = control.send(pipe_dir, log_dir, "\n".join(limit.get_command for limit in limits), deadline).splitlines()
+    if len(lines) == len(limits):
+        return [line.strip() for line in lines]
+    # A get that prints nothing (a limit not set) leaves fewer lines than commands: ask one at a time.
+    return [control.send(pipe_dir, log_dir, limit.get_command, deadline) for limit in limits]
+
+
+def verify_limits(control: MpsControl, record: MpsDaemonRecord, deadline: Deadline) -> list[LimitDrift]:
+    """Read the running daemon's limits back and set again those that drifted; returns the drift found.
+    :class:`MpsDaemonStopped` if the daemon exited meanwhile, MpsError if it does not answer or keeps a
+    changed limit."""
+    trim_log(record.log_dir / CONTROL_LOG_NAME, MAX_LOG_BYTES)  # every read-back adds lines to it
+    try:
+        drift = find_drift(control, record.spec, record.pipe_dir, record.log_dir, deadline)
+        if drift:
+            restore_limits(control, record.spec, drift, record.pipe_dir, record.log_dir, deadline)
+    except MpsError as exc:
+        if wait_for_exit(record.pid, record.process_start_time, STOPPED_EXIT_WAIT_S):
+            raise MpsDaemonStopped(f"MPS control daemon {record.spec.daemon_id} (pid {record.pid}) stopped while "
+                                   f"its limits were checked: {exc}") from exc
+        raise
+    return drift

@@ -1,0 +1,204 @@
+"""A ``/dev/shm`` of its own for each MPS daemon: a tmpfs of the daemon's size at ``<mps dir>/<id>/shm``.
+
+Why (issue 12): with one tmpfs under every daemon, a tenant who filled its ``/dev/shm`` made the
+other tenants' shm writes, the driver's restart record and new prepares fail. A tmpfs per daemon
+has its own size limit, and nothing of the driver's (pipe and log directories, ``restarts.json``)
+is on it: those stay on the MPS directory's own file system, which tenants cannot write.
+
+Where it is mounted: in the mount namespace where the client containers' CDI bind mounts resolve,
+the host's. The MPS host mounts in its own namespace, whose MPS directory volume has Bidirectional
+propagation, so the mount reaches the host; the ``LocalLauncher`` mounts in the plugin's. Never in
+the daemon's private namespace (clients would not see it): the daemon gets it as ``/dev/shm``
+through the bind of ``hostcmd.py`` in that namespace, made after this mount, so it is the tmpfs.
+
+How long it lives: from the daemon's first launch until the driver removes the daemon's directory
+(its launcher's ``release_shm``), not just as long as one process. A daemon restarted in the same
+directories keeps it, so the clients' existing bind mounts of it meet the new server's files, as
+they did when shm was a plain directory.
+
+mount(2) and umount2(2) go through ctypes: no child process to bound in time (a tmpfs mount does
+no I/O), and the errno comes back as it is. The target is opened with ``O_NOFOLLOW`` and mounted
+through ``/proc/self/fd``, so a symlink in its place is never followed (the lstat-only rule of
+``dirs.py``: tenants write inside ``shm/``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import logging
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from driver.gpu.claimconfig.quantity import parse_quantity
+from driver.gpu.mps.hostclient import HostReply, ShmRelease
+from driver.gpu.mps.hostcmd import HostMode, Tools, daemon_argv
+from driver.gpu.mps.launch import DaemonLaunch, DaemonLauncher, MpsLaunchError
+from driver.gpu.mps.model import check_daemon_id, check_shm_size
+
+log = logging.getLogger(__name__)
+
+# <sys/mount.h>
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MNT_DETACH = 2
+UMOUNT_NOFOLLOW = 8
+# nosuid,nodev,noexec: what the chart's shared tmpfs had; a tenant's files there are data, never programs.
+TMPFS_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
+# More stacked mounts than this on one shm directory is not something a crash leaves: stop, say so.
+_MAX_STACKED = 16
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)  # the running process's C library (glibc or musl)
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+    libc.mount.restype = ctypes.c_int
+    libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    libc.umount2.restype = ctypes.c_int
+    return libc
+
+
+def _errno_error(path: Path) -> OSError:
+    code = ctypes.get_errno()
+    return OSError(code, os.strerror(code), str(path))
+
+
+def is_mount_point(path: Path) -> bool:
+    """Whether a file system is mounted on the directory ``path`` (judged by lstat: a symlink is not)."""
+    try:
+        own, parent = os.lstat(path), os.lstat(path.parent)
+    except OSError:
+        return False
+    return stat.S_ISDIR(own.st_mode) and own.st_dev != parent.st_dev
+
+
+def mount_tmpfs(path: Path, size: int) -> None:
+    """Mount a tmpfs of at most ``size`` bytes, mode 1777 (as /dev/shm), on the real directory ``path``."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        options = f"size={size},mode=1777".encode()
+        if _libc().mount(b"tmpfs", f"/proc/self/fd/{fd}".encode(), b"tmpfs", TMPFS_FLAGS, options) != 0:
+            raise _errno_error(path)
+    finally:
+        os.close(fd)
+
+
+def unmount_all(path: Path) -> int:
+    """Unmount whatever is mounted on ``path``, stacked mounts included; how many were unmounted.
+
+    Lazily (MNT_DETACH): the mount leaves every namespace it propagated to at once, even while a
+    process still has a file open on it, and its memory goes when the last user does. A client's own
+    bind mount of it is a mount of its own and keeps working until its container ends.
+    """
+    count = 0
+    while is_mount_point(path):
+        if count >= _MAX_STACKED:
+            raise OSError(errno.EBUSY, f"still a mount point after {count} unmounts", str(path))
+        if _libc().umount2(os.fsencode(path), MNT_DETACH | UMOUNT_NOFOLLOW) != 0:
+            raise _errno_error(path)
+        count += 1
+    return count
+
+
+def parse_shm_size(text: str) -> int:
+    """Bytes from a quantity such as ``1Gi``, within the bounds of a daemon's /dev/shm; ValueError says why."""
+    try:
+        size = parse_quantity(text, "size")
+    except ValueError as exc:
+        raise ValueError(str(exc).removeprefix("size: ")) from exc
+    return check_shm_size(size)
+
+
+def _describe(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    return f"{name} ({exc.strerror})"
+
+
+@dataclass(frozen=True)
+class ShmTmpfs:
+    """A launcher's per-daemon tmpfs, turned on by the setting ``flag`` (named in every error)."""
+
+    default_size: int  # bytes, for a request that names none
+    flag: str
+    tools: Tools = field(default_factory=Tools)
+
+    def mount(self, request: DaemonLaunch) -> Path:
+        """Make ``request.shm_dir`` a tmpfs of the request's size, keeping one already there; return it.
+
+        Kept: it is this daemon's from an earlier run (a restart in the same directories), and its
+        clients' bind mounts hold it.
+        """
+        shm = request.shm_dir
+        if shm is None:
+            raise MpsLaunchError(f"{self.flag}: daemon {request.daemon_id} was launched without a shm directory")
+        if is_mount_point(shm):
+            return shm
+        size = request.shm_size or self.default_size
+        try:
+            mount_tmpfs(shm, size)
+        except OSError as exc:
+            hint = "; mounting needs CAP_SYS_ADMIN" if exc.errno == errno.EPERM else ""
+            raise MpsLaunchError(f"{self.flag}: cannot mount a tmpfs of {size} bytes at {shm} for daemon "
+                                 f"{request.daemon_id}: {_describe(exc)}{hint}") from exc
+        return shm
+
+    def wrap(self, request: DaemonLaunch, binary: Path, driver_root: Path) -> list[str]:
+        """The command line that runs the daemon with the tmpfs bound over ``/dev/shm`` in a private
+        mount namespace, as the MPS host's ``--private-shm`` does (``hostcmd.py``)."""
+        for tool in (self.tools.unshare, self.tools.sh, self.tools.mount):
+            if not os.access(tool, os.X_OK):
+                raise MpsLaunchError(f"{self.flag}: needs {tool} (util-linux unshare and mount, a shell) to give "
+                                     f"daemon {request.daemon_id} its tmpfs as /dev/shm")
+        mps_dir = request.pipe_dir.parent.parent  # <mps dir>/<id>/pipe; used only by --chroot, off here
+        return daemon_argv(request, binary, mps_dir, HostMode(driver_root=driver_root, private_shm=True),
+                           self.tools)
+
+
+def release_daemon_shm(launcher: DaemonLauncher, daemon_dir: Path) -> None:
+    """Have ``launcher`` unmount the tmpfs on ``daemon_dir``'s shm directory before it is removed.
+
+    A failure is logged, not raised: the daemon is stopped either way, and the directory removal that
+    follows leaves a still-mounted shm directory in place (dirs.py), so nothing a tenant wrote there
+    is lost track of: the sweep at the next start stops and removes it again.
+    """
+    try:
+        launcher.release_shm(daemon_dir.name, daemon_dir / "shm")
+    except MpsLaunchError as exc:
+        log.warning("MPS daemon /dev/shm tmpfs not unmounted", extra={"daemon_dir": str(daemon_dir),
+                                                                       "reason": str(exc)})
+
+
+def release_shm(shm_dir: Path, flag: str) -> None:
+    """Unmount whatever tmpfs a launcher left on ``shm_dir``, even one mounted under an earlier setting."""
+    try:
+        unmount_all(shm_dir)
+    except OSError as exc:
+        raise MpsLaunchError(f"{flag}: cannot unmount the tmpfs at {shm_dir}: {_describe(exc)}") from exc
+
+
+def answer_release(release: ShmRelease, mps_dir: Path) -> HostReply:
+    """The MPS host's answer to a release: unmount ``<mps dir>/<daemon id>/shm``, and nothing else.
+
+    Also without ``--shm-tmpfs``: a tmpfs mounted under an earlier configuration must not outlive its
+    daemon. Not refused while the daemon runs: it keeps its own /dev/shm bind either way.
+    """
+    try:
+        check_daemon_id(release.daemon_id)
+    except ValueError as exc:
+        return HostReply(error=f"invalid release: {exc}")
+    expected = mps_dir / release.daemon_id / "shm"
+    if release.shm_dir != expected:
+        return HostReply(error=f"invalid release: shm_dir {release.shm_dir} is not {expected}, the shm directory "
+                               f"of daemon {release.daemon_id}")
+    try:
+        release_shm(expected, "--shm-tmpfs")
+    except MpsLaunchError as exc:
+        log.warning("MPS daemon /dev/shm tmpfs not unmounted", extra={"daemon_id": release.daemon_id,
+                                                                       "reason": str(exc)})
+        return HostReply(error=str(exc))
+    return HostReply(released=True)

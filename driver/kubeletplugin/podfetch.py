@@ -1,0 +1,95 @@
+"""Reading the pods a ResourceClaim is reserved for, by name, checked by UID (RBAC: ``get`` on pods).
+
+Only a driver that needs to know who will use a claim's devices asks (through
+:meth:`driver.kubeletplugin.claimmodel.ResourceClaim.reserved_pods`), so plain claims cost no
+request. A reserved pod that is gone, or whose name now belongs to a new pod with another UID,
+cannot run with the claim: it is skipped (and logged), not refused. Any other failure to read a
+pod is an error, since whatever the pod is allowed to do could then not be checked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from urllib.parse import quote
+
+import kubernetes.client
+import urllib3
+from pydantic import ValidationError
+
+from driver.kubeletplugin.kubeclient import KubeApiError, send
+from driver.kubeletplugin.podsecurity import Pod, PodsUnreadable, ReservedPods
+
+log = logging.getLogger(__name__)
+
+# As for claim reads (claimfetch.py): most of the kubelet's 45 s must stay with the driver.
+DEFAULT_CONNECT_TIMEOUT_S = 3.0
+DEFAULT_READ_TIMEOUT_S = 10.0
+# Fewer than a second left is not enough for a round trip worth making; the caller's deadline wins.
+_MIN_TIMEOUT_S = 0.5
+
+
+class PodFetcher:
+    """Implements :class:`driver.kubeletplugin.podsecurity.PodReader` against the API server."""
+
+    def __init__(self, api: kubernetes.client.ApiClient, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
+        self._api = api
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
+
+    def read_pods(self, refs: Sequence[tuple[str, str, str]], timeout_s: float) -> ReservedPods:
+        pods: list[Pod] = []
+        skipped: list[str] = []
+        for namespace, name, uid in refs:
+            pod = self._read(namespace, name, timeout_s)
+            if pod is None:
+                skipped.append(f"pod {namespace}/{name} is gone")
+            elif pod.metadata.uid != uid:
+                skipped.append(f"pod {namespace}/{name} was re-created (uid {pod.metadata.uid}, the claim names {uid})")
+            else:
+                pods.append(pod)
+        for line in skipped:
+            log.info("a pod the claim is reserved for cannot run with it; not checked", extra={"reason": line})
+        return ReservedPods(tuple(pods), tuple(skipped))
+
+    def _read(self, namespace: str, name: str, timeout_s: float) -> Pod | None:
+        path = f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
+        bound = max(_MIN_TIMEOUT_S, timeout_s)
+        timeouts = (min(self._connect_timeout_s, bound), min(self._read_timeout_s, bound))
+        try:
+            response = send(self._api, "GET", path, timeouts=timeouts)
+            try:
+                data = bytes(response.data)
+            finally:
+                response.release_conn()
+        except (KubeApiError, urllib3.exceptions.HTTPError) as err:
+            raise PodsUnreadable(f"cannot read pod {namespace}/{name} from the API server ({err}); "
+                                 "the kubelet will retry") from err
+        if response.status == 404:
+            return None
+        if not 200 <= response.status <= 299:
+            reason, message = _status_details(str(response.reason or "Error"), data)
+            hint = ("grant the driver's service account 'get' on pods" if response.status == 403
+                    else "the kubelet will retry")
+            raise PodsUnreadable(f"reading pod {namespace}/{name} failed: HTTP {response.status} {reason}: "
+                                 f"{message}; {hint}")
+        try:
+            return Pod.model_validate_json(data)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "body"
+            raise PodsUnreadable(f"pod {namespace}/{name}: the API server returned an object this driver cannot "
+                                 f"read ({where}: {first['msg']})") from err
+
+
+def _status_details(http_reason: str, body: bytes) -> tuple[str, str]:
+    """Reason and message of the server's Status object, else the HTTP reason and the body's start."""
+    try:
+        status = json.loads(body.decode("utf-8", errors="replace") or "null")
+    except ValueError:
+        status = None
+    if not isinstance(status, dict):
+        return http_reason, body.decode("utf-8", errors="replace").strip()[:200] or "no details"
+    return str(status.get("reason") or http_reason), str(status.get("message") or "no details")
