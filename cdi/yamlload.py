@@ -8,6 +8,7 @@ override. YAML merge keys (``<<``) are not repeats.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Hashable
 from typing import Any
@@ -34,9 +35,16 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_yaml(text: str) -> Any:
-    """One YAML document as plain data; yaml.YAMLError (with the position) for bad or repeated-key input."""
-    return yaml.load(text, Loader=StrictLoader)  # StrictLoader is a SafeLoader: plain data only
+def load_yaml(text: str, source: str | None = None) -> Any:
+    """One YAML document as plain data; yaml.YAMLError (with the position) for bad or repeated-key input.
+
+    ``source`` names the text in error positions (a file's path), where PyYAML would say "<unicode string>".
+    """
+    stream: str | io.StringIO = text
+    if source is not None:
+        stream = io.StringIO(text)
+        stream.name = source  # what PyYAML's reader shows for a stream: its name attribute
+    return yaml.load(stream, Loader=StrictLoader)  # StrictLoader is a SafeLoader: plain data only
 
 
 def load_yaml_documents(text: str) -> list[Any]:

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from urllib.parse import quote
 
@@ -40,9 +41,10 @@ from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.multiuser import MultiUserProbe, probe_gpu, single_user_gpus
 from driver.gpu.mps.shmmount import ShmTmpfs
+from driver.gpu.planuse import PLAN_USE_FILE, PlanUse, chosen_how, gpu_lines, plan_use, write_plan_use
 from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.sharelayout import SharingLayout
-from driver.gpu.sharingplan import PlanError, load_plans, resolve_layout, select_plan
+from driver.gpu.sharingplan import PlanError, SharingPlan, load_plans, resolve_layout, select_plan
 from driver.gpu.state import DeviceState, StatePaths
 from driver.gpu.targets import NodeView
 from driver.healthsource import open_health_source, open_process_source
@@ -73,22 +75,48 @@ class PlanSource:
     api: kubernetes.client.ApiClient
     minor_version: int | None = None  # the API server's, read once when a plan first needs it
     kernel: KernelMemoryLimits | None = None  # kernel memory limits, detected at start and every rescan
+    use: PlanUse | None = None  # the plan in use and each GPU's entry, as last logged
 
     def desired_layout(self, inventory: NodeInventory) -> SharingLayout:
         path = self.settings.sharing_plans
         if path is None:
+            self._record(plan_use(SharingPlan(), None, None, "no --sharing-plans", inventory, {}))
             return {}
         plans = load_plans(path)
         # A raw GET: the generated CoreV1Api costs a few hundred ms of imports at its first use.
         node = request_json(self.api, "GET", f"/api/v1/nodes/{quote(self.settings.node_name, safe='')}",
                             timeout=20)
         labels = {str(k): str(v) for k, v in ((node.get("metadata") or {}).get("labels") or {}).items()}
-        name, plan = select_plan(plans, labels, self.settings.sharing_plan_label)
+        key = self.settings.sharing_plan_label
+        name, plan = select_plan(plans, labels, key)
         if self.minor_version is None and any(entry.consumable is not None for entry in plan.gpus):
             self.minor_version = server_minor_version(self.api)
         supported = consumable_supported(self.minor_version or 0, plans.consumableCapacityGate)
-        return resolve_layout(plan, inventory, name, consumable_supported=supported,
-                              kernel=self.detect_kernel_memory(inventory))
+        layout = resolve_layout(plan, inventory, name, consumable_supported=supported,
+                                kernel=self.detect_kernel_memory(inventory))
+        self._record(plan_use(plan, name, path, chosen_how(key, labels.get(key), name), inventory, layout))
+        return layout
+
+    def _record(self, use: PlanUse) -> None:
+        """Log the plan in use when it (or what it makes of a GPU) changes: at start, and after an edit."""
+        if use == self.use:
+            return
+        self.use = use
+        log.info("sharing plan in use: %s", use.summary(), extra={"gpus": gpu_lines(use)})
+        if use.plan is not None and all(g.entry is None for g in use.gpus):
+            # Plans are shared by nodes, so one entry matching nothing is normal; a whole plan is a mistake.
+            log.warning("sharing plan %r matches no GPU of this node: every GPU is published whole (or as its MIG "
+                        "devices); check its match selectors with `python -m driver check-plan`", use.plan,
+                        extra={"entries": use.unmatched_entries})
+
+    def save(self, state_dir: Path) -> None:
+        """Leave the plan in use where ``inspect`` reads it."""
+        if self.use is None:
+            return
+        try:
+            write_plan_use(state_dir / PLAN_USE_FILE, self.use)
+        except OSError as exc:  # only inspect's view is missing; serving claims does not depend on it
+            log.warning("cannot write %s for inspect: %s", state_dir / PLAN_USE_FILE, exc)
 
     def detect_kernel_memory(self, inventory: NodeInventory) -> KernelMemoryLimits:
         """Re-read at every call (a driver upgrade or a new toolkit can add it); logged when it changes."""
@@ -167,6 +195,7 @@ class DriverApp:
         self.daemon_watch = DaemonWatcher(self.state, settings.mps_limit_check_interval)
         self.state.recover()
         view, _deferred = self.state.apply_layout(make_view(inventory, {}), desired)
+        self.plans.save(settings.state_dir)
 
         self.devices = view.devices
         self.health = NodeHealth(HealthMonitor(parse_ignored_xids(settings.ignored_xids)), HealthBoard(),
@@ -215,6 +244,7 @@ class DriverApp:
             log.error("the sharing plan became invalid; keeping the one in force", extra={"reason": str(exc)})
             desired = self.state.view.layout
         view, _deferred = self.state.apply_layout(make_view(inventory, {}), desired)
+        self.plans.save(self.settings.state_dir)
         self.publish(view)
         # A daemon that died (with the MPS host, or with this container when daemons are our own
         # children) is restarted here with the same limits; live ones are only looked up in /proc.

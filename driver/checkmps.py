@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsError
 from driver.gpu.mps.proc import CONTROL_BINARY
 from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
+from driver.reaper import remove_on_exit
 from driver.units import MIB
 
 PINNED_LIMIT_MIB = 2048
@@ -171,33 +173,43 @@ def mps_checks(driver_root: Path, inventory: NodeInventory, compute_modes: dict[
         verdict = skipped if requested is None else fail
         return [verdict(name, str(exc)) for name in (CHECK_DAEMON, CHECK_MEMORY, CHECK_SMS)]
     skip = client_skip_reason(driver_root, simulated)
-    results: list[CheckResult] = []
     # Short and private: sockets inside the pipe dir must fit in 107 bytes.
-    with tempfile.TemporaryDirectory(prefix="tessera-check-") as scratch:
-        manager = _manager(driver_root, Path(scratch) / "mps")
-        spec = MpsDaemonSpec(daemon_id=DAEMON_ID, gpu_uuids=[target], active_thread_percentage=THREAD_PERCENTAGE,
-                             pinned_memory_limits={target: PINNED_LIMIT_MIB * MIB})
+    scratch = Path(tempfile.mkdtemp(prefix="tessera-check-"))
+    # Not removed when an exception (a signal) leaves early: a daemon started without its record yet
+    # may still be running from it; the reaper stops it first, then removes the directory.
+    remove_on_exit(scratch)
+    results = _with_daemon(driver_root, scratch, inventory, target, skip)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return results
+
+
+def _with_daemon(driver_root: Path, scratch: Path, inventory: NodeInventory, target: str,
+                 skip: str | None) -> list[CheckResult]:
+    results: list[CheckResult] = []
+    manager = _manager(driver_root, scratch / "mps")
+    spec = MpsDaemonSpec(daemon_id=DAEMON_ID, gpu_uuids=[target], active_thread_percentage=THREAD_PERCENTAGE,
+                         pinned_memory_limits={target: PINNED_LIMIT_MIB * MIB})
+    try:
+        record = manager.start(spec)
+    except (MpsError, BinaryNotFound, OSError) as exc:
+        results.append(fail(CHECK_DAEMON, str(exc)))
+        results.extend(skipped(n, "the MPS daemon did not start") for n in (CHECK_MEMORY, CHECK_SMS))
+        return results
+    try:
         try:
-            record = manager.start(spec)
-        except (MpsError, BinaryNotFound, OSError) as exc:
-            results.append(fail(CHECK_DAEMON, str(exc)))
-            results.extend(skipped(n, "the MPS daemon did not start") for n in (CHECK_MEMORY, CHECK_SMS))
-            return results
+            readback = _read_back(driver_root, record)
+        except (BinaryFailed, BinaryNotFound) as exc:
+            readback = f"limits set, but reading them back for display failed: {exc}"
+        results.append(ok(CHECK_DAEMON, f"started for {target} (pid {record.pid}); {readback}"))
+        libcuda = find_libcuda(driver_root)
+        if skip is not None or libcuda is None:
+            results.extend(skipped(n, skip or f"no {LIBCUDA}") for n in (CHECK_MEMORY, CHECK_SMS))
+        else:
+            results.extend(_client(driver_root, libcuda, record, target, full_sm_count(inventory, target)))
+    finally:
         try:
-            try:
-                readback = _read_back(driver_root, record)
-            except (BinaryFailed, BinaryNotFound) as exc:
-                readback = f"limits set, but reading them back for display failed: {exc}"
-            results.append(ok(CHECK_DAEMON, f"started for {target} (pid {record.pid}); {readback}"))
-            libcuda = find_libcuda(driver_root)
-            if skip is not None or libcuda is None:
-                results.extend(skipped(n, skip or f"no {LIBCUDA}") for n in (CHECK_MEMORY, CHECK_SMS))
-            else:
-                results.extend(_client(driver_root, libcuda, record, target, full_sm_count(inventory, target)))
-        finally:
-            try:
-                manager.stop(record)
-                results.append(ok(CHECK_STOP, f"quit, pid {record.pid} gone, its directories removed"))
-            except MpsError as exc:
-                results.append(fail(CHECK_STOP, str(exc)))
+            manager.stop(record)
+            results.append(ok(CHECK_STOP, f"quit, pid {record.pid} gone, its directories removed"))
+        except MpsError as exc:
+            results.append(fail(CHECK_STOP, str(exc)))
     return results

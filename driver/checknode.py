@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import signal
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from types import FrameType
 
 from driver import nodelayout
 from driver.checkmps import mps_checks
@@ -37,14 +36,20 @@ from driver.gpu.claimcdi.hostfs import (
 from driver.gpu.claimcdi.toolkit import load_toolkit_edits, toolkit_spec_candidates
 from driver.gpu.discovery.cudarun import LIBCUDA, find_libcuda
 from driver.gpu.discovery.inventory import NodeInventory
-from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
+from driver.gpu.runtime.binaries import (
+    BinaryFailed,
+    BinaryNotFound,
+    driver_env,
+    find_binary,
+    library_link_dir,
+    run_binary,
+)
 from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
+from driver.gpu.sharingplan import PlanError, load_plans, resolve_layout
+from driver.reaper import remove_on_exit
 from driver.units import GIB
 
 log = logging.getLogger(__name__)
-
-SIMULATED_NODE_NAME = "check-node"
-
 
 @dataclass(frozen=True)
 class NodeRoots:
@@ -70,14 +75,21 @@ def node_roots(settings: Settings, inventory: NodeInventory | None) -> Iterator[
     from driver.simulation.hostroot import build_host_root
 
     layout = load_layout(settings.simulate)[1].driver_layout
-    with tempfile.TemporaryDirectory(prefix="tessera-check-host-") as tree:
-        host = build_host_root(Path(tree), inventory, layout)
-        # The operator's spec is found in the CDI root, as the driver finds it; the host layout's is named.
-        explicit = settings.nvidia_cdi_spec or (None if layout == "gpu-operator" else host.toolkit_spec)
-        yield NodeRoots(host.root, host.driver_root, host.toolkit_spec.parent, explicit, True,
-                        (f"SIMULATION: layout {settings.simulate!r} ({layout} driver), simulated GPUs and a simulated "
-                         f"host tree at {host.root} (stand-in nvidia-smi and nvidia-cuda-mps-control; removed when "
-                         "the check ends)",))
+    tree = Path(tempfile.mkdtemp(prefix="tessera-check-host-"))
+    # Removed below on the way out; if a signal or kill -9 ends the command first, by the reaper once the
+    # stand-ins running from the tree are stopped.
+    remove_on_exit(tree)
+    host = build_host_root(tree, inventory, layout)
+    links = library_link_dir(host.driver_root)  # made by the checks that run the stand-ins; goes with the tree
+    remove_on_exit(links)
+    # The operator's spec is found in the CDI root, as the driver finds it; the host layout's is named.
+    explicit = settings.nvidia_cdi_spec or (None if layout == "gpu-operator" else host.toolkit_spec)
+    yield NodeRoots(host.root, host.driver_root, host.toolkit_spec.parent, explicit, True,
+                    (f"SIMULATION: layout {settings.simulate!r} ({layout} driver), simulated GPUs and a simulated "
+                     f"host tree at {host.root} (stand-in nvidia-smi and nvidia-cuda-mps-control; removed when "
+                     "the check ends)",))
+    shutil.rmtree(tree, ignore_errors=True)
+    shutil.rmtree(links, ignore_errors=True)
 
 
 def _guarded(check: str, run: Callable[[], list[CheckResult]]) -> list[CheckResult]:
@@ -93,7 +105,7 @@ def discover(settings: Settings) -> tuple[NodeInventory | None, list[CheckResult
     """NVML (or the simulated node) and one line per GPU and MIG device."""
     name = "NVML" if settings.simulate is None else "NVML (SIMULATED)"
     try:
-        discovery = nodelayout.open_discovery(settings, settings.node_name or SIMULATED_NODE_NAME)
+        discovery = nodelayout.open_discovery(settings, settings.node_name or nodelayout.SIMULATED_NODE_NAME)
         try:
             inventory = discovery.discover()
         finally:
@@ -182,6 +194,27 @@ def nvidia_smi_check(roots: NodeRoots) -> list[CheckResult]:
     return [ok("nvidia-smi", f"{binary}: `nvidia-smi -L` ran and listed {count} line(s)")]
 
 
+def plans_check(path: Path | None, inventory: NodeInventory | None) -> list[CheckResult]:
+    """The plans file loads, and every plan in it resolves on this node's GPUs (any plan may be labelled here)."""
+    if path is None:
+        return []
+    try:
+        plans = load_plans(path)
+    except PlanError as exc:
+        return [fail("sharing plans", "; ".join(str(exc).splitlines()))]
+    problems = []
+    for name, plan in sorted(plans.plans.items()):
+        try:
+            if inventory is not None:  # without one, the NVML line already failed
+                resolve_layout(plan, inventory, name)
+        except PlanError as exc:
+            problems.extend(str(exc).splitlines())
+    if problems:
+        return [fail("sharing plans", f"{path}: {'; '.join(problems)}")]
+    return [ok("sharing plans", f"{path}: valid, {len(plans.plans)} plan(s), each resolves on this node's GPUs "
+                                "(`python -m driver check-plan` shows what each GPU publishes)")]
+
+
 def classify_compute_mode(uuid: str, mode: ComputeMode) -> tuple[bool, str]:
     """(acceptable, what it means) for a whole GPU's compute mode."""
     if mode is ComputeMode.DEFAULT:
@@ -218,8 +251,17 @@ def compute_mode_checks(settings: Settings, roots: NodeRoots,
     return modes, lines
 
 
+class UnknownMpsDevice(ValueError):
+    """``--mps-device`` names no GPU or MIG device of this node: a usage error, not a failed check."""
+
+
 def check_node(settings: Settings, mps_device: str | None = None) -> NodeReport:
     inventory, results = discover(settings)
+    if mps_device is not None and inventory is not None:
+        known = [g.uuid for g in inventory.gpus] + [m.uuid for g in inventory.gpus for m in g.mig_instances]
+        if mps_device not in known:
+            raise UnknownMpsDevice(f"--mps-device {mps_device!r}: not a GPU or MIG device of this node "
+                                   f"(known: {', '.join(known) or 'none'})")
     with node_roots(settings, inventory) as roots:
         results += _guarded("device nodes", lambda: device_checks(settings, roots, inventory))
         results += _guarded("toolkit CDI spec", lambda: toolkit_checks(settings, roots))
@@ -227,6 +269,8 @@ def check_node(settings: Settings, mps_device: str | None = None) -> NodeReport:
         results += _guarded("nvidia-smi", lambda: nvidia_smi_check(roots))
         modes, lines = compute_mode_checks(settings, roots, inventory)
         results += lines
+        if settings.sharing_plans is not None:
+            results += _guarded("sharing plans", lambda: plans_check(settings.sharing_plans, inventory))
         if inventory is None:
             results.append(skipped("MPS", "no GPU inventory (see the NVML line)"))
         else:
@@ -235,13 +279,7 @@ def check_node(settings: Settings, mps_device: str | None = None) -> NodeReport:
     return NodeReport(simulated=roots.simulated, notes=list(roots.notes), checks=results)
 
 
-def _terminate(signum: int, _frame: FrameType | None) -> None:
-    # An exception, so the MPS check's finally stops its daemon before the process ends.
-    raise SystemExit(128 + signum)
-
-
 def run_check_node(settings: Settings, as_json: bool, mps_device: str | None) -> tuple[int, str]:
-    """(exit status, output) for the CLI."""
-    signal.signal(signal.SIGTERM, _terminate)
+    """(exit status, output) for the CLI, which runs it under a :class:`~driver.reaper.Reaper`."""
     report = check_node(settings, mps_device)
     return exit_status(report), render_json(report) if as_json else render_table(report)

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m driver {run,demo,inspect,check-node,mps-host}``."""
+"""Entry point: ``python -m driver {run,demo,inspect,check-node,check-plan,mps-host}``."""
 
 from __future__ import annotations
 
@@ -10,32 +10,62 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from driver.checkplan import add_arguments as add_plan_arguments
+from driver.checkplan import main as main_plan
 from driver.cliparser import USAGE_ERROR, CliParser
-from driver.config import add_settings_arguments, settings_from_args, settings_problems
+from driver.config import (
+    CHECK_NODE_FIELDS,
+    INSPECT_FIELDS,
+    add_settings_arguments,
+    settings_from_args,
+    settings_problems,
+)
 from driver.kubeletplugin.logfmt import configure_logging
 from driver.mpshostcli import add_host_arguments, main_host
 
+INSPECT_DESCRIPTION = ("Show what is prepared on this node: claims, their devices and CDI specs, MPS daemons, "
+                       "compute modes, the sharing plan in use, device health. Read-only and lock-free: safe next to "
+                       "a running driver (kubectl exec into the plugin pod). Exit status 1 if it found problems.")
+CHECK_NODE_DESCRIPTION = ("Check that this node can serve GPU claims: one line per check (NVML and every GPU, device "
+                          "nodes, the toolkit CDI spec, libcuda, nvidia-smi, compute modes, MPS end to end with a "
+                          "throwaway daemon). Exit status 1 on any failure. Changes nothing on the GPUs. "
+                          "docs/operations.md, 'Checking a new node'.")
 
-def _parser() -> argparse.ArgumentParser:
+CHECK_PLAN_DESCRIPTION = ("Check a sharing plans file without a cluster: the same validation and one-line errors as "
+                          "the driver at start. With --simulate LAYOUT, resolve the plan a node would use against "
+                          "that simulated node and print what each GPU would publish. Exit status 0 valid, 1 the plan "
+                          "has problems, 2 a usage error.")
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser, and each subcommand's (whose name a usage error must carry)."""
     parser = CliParser(prog="python -m driver", description="Tessera: a Kubernetes DRA kubelet driver for NVIDIA GPUs")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the kubelet plugin on this node")
     add_settings_arguments(run)
-    inspect = sub.add_parser("inspect", help="show what is prepared on this node (claims, devices, CDI, MPS)")
-    add_settings_arguments(inspect)
+    inspect = sub.add_parser("inspect", help="show what is prepared on this node (claims, devices, CDI, MPS)",
+                             description=INSPECT_DESCRIPTION)
+    add_settings_arguments(inspect, INSPECT_FIELDS)
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     # Listed for --help only: main() hands `demo ...` to driver.demo, whose parser lists the layouts.
     sub.add_parser("demo", help="SIMULATION: run a simulated node end to end, no cluster or GPU needed "
                                 "(python -m driver demo --help)", add_help=False)
     check = sub.add_parser("check-node", help="check that this node can serve GPU claims: a table, exit status 1 on "
-                                              "any failure (docs/operations.md, 'Checking a new node')")
-    add_settings_arguments(check)
+                                              "any failure (docs/operations.md, 'Checking a new node')",
+                           description=CHECK_NODE_DESCRIPTION)
+    add_settings_arguments(check, CHECK_NODE_FIELDS)
     check.add_argument("--json", action="store_true", help="machine-readable output")
-    check.add_argument("--mps-device", default=None, help="GPU or MIG UUID for the MPS checks (default: chosen)")
+    check.add_argument("--mps-device", default=None, metavar="UUID",
+                       help="GPU or MIG UUID of this node for the MPS checks (default: the first whole GPU in "
+                            "compute mode DEFAULT, else the first MIG device)")
     check.add_argument("--verbose", action="store_true", help="log what the checks do to stderr")
+    plan = sub.add_parser("check-plan", description=CHECK_PLAN_DESCRIPTION,
+                          help="check a sharing plans file offline; with --simulate, show what each GPU of a simulated "
+                               "node would publish")
+    add_plan_arguments(plan)
     host = sub.add_parser("mps-host", help="run the MPS host: owns the node's MPS daemons so they outlive the plugin")
     add_host_arguments(host)
-    return parser
+    return parser, {"run": run, "inspect": inspect, "check-node": check, "check-plan": plan, "mps-host": host}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,9 +83,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from driver.demo import main as demo_main
 
         return demo_main(argv[1:])
-    args = _parser().parse_args(argv)
+    parser, subcommands = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # argparse would blame the top-level parser, whose --help does not list the subcommand's flags.
+        subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "mps-host":
         return main_host(args)
+    if args.command == "check-plan":
+        return main_plan(args)
     prog = f"python -m driver {args.command}"
     try:
         settings = settings_from_args(args)
@@ -63,17 +99,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in settings_problems(exc, args):
             print(f"{prog}: {line}", file=sys.stderr)
         return USAGE_ERROR
+    if args.command == "run" and not settings.node_name:
+        # A usage error like any other missing setting: status 2 and the command's prefix (docs/configuration.md).
+        print(f"{prog}: the node name is required: set --node-name or NODE_NAME (downward API spec.nodeName)",
+              file=sys.stderr)
+        return USAGE_ERROR
     if args.command == "inspect":
         from driver.inspect_node import inspect_status
 
+        # Its report carries every problem it finds; a log line on stderr as well would only be noise
+        # (with --json, text that no parser of the output sees).
+        configure_logging("critical", "text")
         status, output = inspect_status(settings, args.json)
         print(output)
         return status
     if args.command == "check-node":
-        from driver.checknode import run_check_node
+        from driver.checknode import UnknownMpsDevice, run_check_node
+        from driver.reaper import Interrupted, Reaper
 
         configure_logging("debug" if args.verbose else "critical", "text")
-        status, output = run_check_node(settings, args.json, args.mps_device)
+        try:
+            with Reaper():
+                status, output = run_check_node(settings, args.json, args.mps_device)
+        except UnknownMpsDevice as exc:
+            print(f"{prog}: {exc} ({prog} --help lists the flags)", file=sys.stderr)
+            return USAGE_ERROR
+        except Interrupted as stop:
+            # One line, no traceback: the reaper has stopped the throwaway daemon and removed its files.
+            print(f"{prog}: stopped by {stop}; everything it started is stopped and its files removed",
+                  file=sys.stderr)
+            return stop.status
         print(output)
         return status
     configure_logging(settings.log_level, settings.log_format)

@@ -87,11 +87,25 @@ class Settings(BaseModel):
                              f"prepare after {limit} s); default {DEFAULT_PREPARE_DEADLINE:g}")
         return value
 
+    @field_validator("registrar_dir", "plugins_dir", "cdi_root", "driver_root", "host_root", "nvidia_cdi_spec",
+                     "sharing_plans", "mps_host_socket", "kubeconfig")
+    @classmethod
+    def _absolute_here(cls, value: Path | str | None) -> Path | str | None:
+        # Paths in this process's file system are made absolute against the working directory once, at
+        # start: a relative socket path handed to gRPC, or a directory read after a chdir (the MPS
+        # launcher runs daemons from /), would mean something else later. Symlinks are kept as given.
+        if value is None:
+            return None
+        absolute = os.path.abspath(value)
+        return absolute if isinstance(value, str) else Path(absolute)
+
     @field_validator("driver_root_on_host")
     @classmethod
     def _host_path_is_absolute(cls, value: Path | None) -> Path | None:
+        # A path on the node, not here: no working directory could make a relative one mean anything.
         if value is not None and not value.is_absolute():
-            raise ValueError(f"{str(value)!r} is not an absolute path (e.g. /run/nvidia/driver)")
+            raise ValueError(f"{str(value)!r} is not an absolute path (e.g. /run/nvidia/driver): it is the driver "
+                             "root's path on the node, not in this container")
         return value
 
     @property
@@ -153,9 +167,25 @@ _FLAGS: list[tuple[str, str, str, str]] = [
 ]
 
 
-def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+# The settings ``inspect`` and ``check-node`` read; their --help lists only these. The others still
+# come from the environment (the plugin pod's, under kubectl exec) and are validated the same way.
+INSPECT_FIELDS = frozenset({"driver_name", "node_name", "plugins_dir", "cdi_root", "driver_root", "host_root",
+                            "driver_root_on_host", "driver_libraries_required", "nvidia_cdi_spec", "sharing_plans",
+                            "mps_host_socket", "simulate"})
+CHECK_NODE_FIELDS = frozenset({"node_name", "cdi_root", "driver_root", "host_root", "driver_root_on_host",
+                               "driver_libraries_required", "nvidia_cdi_spec", "sharing_plans", "simulate"})
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, only: frozenset[str] | None = None) -> None:
+    """The settings' flags (those in ``only``, if given), each with its variable and default in the help."""
     for flag, field, env, help_text in _FLAGS:
-        parser.add_argument(flag, dest=field, default=None, help=f"{help_text} [env {env}]")
+        if only is not None and field not in only:
+            continue
+        default = Settings.model_fields[field].default
+        shown = "unset" if default is None or default == "" else str(default).lower() if isinstance(default, bool) \
+            else str(default)
+        suffix = "" if "default" in help_text else f"; default {shown}"  # some say it better themselves
+        parser.add_argument(flag, dest=field, default=None, help=f"{help_text} [env {env}{suffix}]")
 
 
 def settings_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:

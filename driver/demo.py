@@ -5,8 +5,9 @@ GPUs from ``driver/simulation``, a host tree with stand-in device nodes and exec
 in-process Kubernetes API server double, and a kubelet stand-in calling the real Unix sockets.
 Nothing here touches real GPUs, a real cluster or the host's /dev.
 
-SIGTERM and Ctrl-C stop the demo cleanly: the driver gets SIGTERM, then every process it started
-(the MPS daemon stand-ins detach from it) is found by a token in its environment and stopped.
+SIGTERM, Ctrl-C and SIGHUP stop the demo cleanly: the driver gets SIGTERM, then every process it
+started (the MPS daemon stand-ins detach from it) is found by a token in its environment and
+stopped. If the demo is killed outright, its watchdog does the same (``driver/reaper.py``).
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import yaml
@@ -35,41 +34,27 @@ from driver.demoargs import (
     DemoOptions,
     ShareMode,
     claim_documents,
+    clear_previous_run,
     demo_plan,
     parse_options,
     share_mode,
 )
 from driver.demohealth import show_failure_and_recovery
+from driver.demotable import print_slices
 from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.kubeletplugin.types import ClaimRef
+from driver.nodelayout import SIMULATED_NODE_NAME
+from driver.reaper import TOKEN_ENV, Interrupted, Reaper, processes_with_env, remove_on_exit, stop_processes
 from driver.simulation.allocator import AllocationError, allocate, claim_from_template
 from driver.simulation.apiserver import FakeApiServer
 from driver.simulation.discovery import SimulatedDiscovery, available_layouts
 from driver.simulation.healthevents import EVENTS_ENV
 from driver.simulation.hostroot import SimulatedHost, build_host_root
 from driver.simulation.kubelet import KubeletEmulator
-from driver.simulation.leftovers import processes_with_env, stop_processes
 
-NODE = "demo-node"
+NODE = SIMULATED_NODE_NAME  # the name check-node, inspect and check-plan simulate too: the same GPU UUIDs
 CDI_NAMES = CdiNames(DEFAULT_DRIVER_NAME)
-# Inherited by every process the demo's driver starts, daemons included: how the demo finds them to stop them.
-RUN_TOKEN_ENV = "TESSERA_DEMO_RUN"
-
-
-class DemoStopped(BaseException):
-    """SIGTERM or SIGINT arrived; a BaseException so that no ``except Exception`` on the way swallows it."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _stop_on_signal(signum: int, frame: FrameType | None) -> None:
-    # The first signal starts the shutdown; more of them (an impatient Ctrl-C) must not cut it short.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise DemoStopped(signum)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -77,18 +62,20 @@ def main(argv: Sequence[str]) -> int:
     try:
         options = parse_options(argv, available_layouts())
         mode = share_mode(options.examples, DEFAULT_DRIVER_NAME)
+        cleared = clear_previous_run(options.workdir) if options.workdir is not None else []
     except DemoArgsError as exc:
         print(f"python -m driver demo: {exc}", file=sys.stderr)
         return 2
-    previous = {s: signal.signal(s, _stop_on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    if cleared:
+        _say(f"Removed the previous demo run's files from {options.workdir} ({', '.join(cleared)}).")
     try:
-        return run_demo(options, mode)
-    except DemoStopped as stop:
+        # SIGTERM, Ctrl-C and a closed terminal (SIGHUP) stop the demo in order; kill -9 leaves it to the
+        # reaper's watchdog. Either way the driver and every stand-in it started are stopped.
+        with Reaper():
+            return run_demo(options, mode)
+    except Interrupted as stop:
         _say(f"\ndemo stopped by {stop}: the driver and every stand-in it started are stopped")
-        return 128 + stop.signum
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        return stop.status
 
 
 def _say(text: str = "") -> None:
@@ -113,10 +100,9 @@ def _driver_process(work: Path, kubeconfig: Path, node_args: list[str],
             "--kubeconfig", str(kubeconfig), "--registrar-dir", str(work / "plugins_registry"),
             "--http-port", "0", "--log-format", "text"]
     (work / "tmp").mkdir(exist_ok=True)
-    token = uuid.uuid4().hex
+    # The reaper's token is in os.environ, so the driver and every daemon it starts inherit it.
     env = dict(os.environ, TMPDIR=str(work / "tmp"), TESSERA_SIM_NVIDIA_SMI_LOG=str(work / "nvidia-smi-calls.jsonl"),
-               TESSERA_SIM_NVML_LOG=str(work / NVML_CALLS),
-               **{RUN_TOKEN_ENV: token}, **extra_env)
+               TESSERA_SIM_NVML_LOG=str(work / NVML_CALLS), **extra_env)
     with open(work / "driver.log", "wb") as log:
         # A session of its own: a terminal's Ctrl-C reaches only the demo, which then stops the driver
         # with SIGTERM (its clean shutdown) and in order, instead of both dying at once.
@@ -130,7 +116,11 @@ def _driver_process(work: Path, kubeconfig: Path, node_args: list[str],
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            stop_processes(processes_with_env(RUN_TOKEN_ENV, token))
+            # The daemon stand-ins detach from the driver; they hold the reaper's token (main() runs the demo
+            # under a reaper, whose own exit would stop them too, but only after the closing lines).
+            token = os.environ.get(TOKEN_ENV)
+            if token:
+                stop_processes(processes_with_env(TOKEN_ENV, token))
 
 
 def _wait_for_slices(api: FakeApiServer, expected: int, timeout: float = 20.0) -> list[dict[str, Any]]:
@@ -141,33 +131,6 @@ def _wait_for_slices(api: FakeApiServer, expected: int, timeout: float = 20.0) -
             return slices
         time.sleep(0.1)
     raise RuntimeError("the driver did not publish its ResourceSlices in time; see driver.log")
-
-
-def _attr(device: dict[str, Any], key: str) -> str:
-    value = device.get("attributes", {}).get(key)
-    return str(next(iter(value.values()))) if value else ""
-
-
-def _print_slices(slices: list[dict[str, Any]]) -> None:
-    for s in slices:
-        spec = s["spec"]
-        _say(f"ResourceSlice {s['metadata']['name']}  driver={spec['driver']}  pool={spec['pool']['name']} "
-             f"generation={spec['pool']['generation']}  devices={len(spec.get('devices', []))}")
-        _say(f"  {'DEVICE':<24} {'TYPE':<10} {'PRODUCT / PROFILE':<28} {'MEMORY':<10} DETAILS")
-        for d in spec.get("devices", []):
-            kind = _attr(d, "type")
-            what = _attr(d, "profile") if kind == "mig" else _attr(d, "productName")
-            memory = d.get("capacity", {}).get("memory", {}).get("value", "")
-            details = ""
-            if kind in ("mps", "timeslice"):
-                details = (f"share {_attr(d, 'shareIndex')}/{_attr(d, 'shareCount')} "
-                           f"threads={_attr(d, 'activeThreadPercentage') or '-'}% "
-                           f"memory-enforcement={_attr(d, 'memoryLimitEnforcement')}")
-            elif kind == "gpu":
-                details = f"uuid={_attr(d, 'uuid')}"
-            elif kind == "mig":
-                details = f"parent={_attr(d, 'parentUUID')}"
-            _say(f"  {d['name']:<24} {kind:<10} {what:<28} {memory:<10} {details}")
 
 
 NVML_CALLS = "nvml-calls.jsonl"  # what the driver asked the simulated NVML (driver/simulation/nvmlcompute.py)
@@ -194,7 +157,7 @@ def _show_mps_commands(work: Path, spec_json: dict[str, Any]) -> None:
 
 
 def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, work: Path, cdi_dir: Path,
-                     taken: set[str], consumed: dict[str, dict[str, int]]) -> list[ClaimRef]:
+                     taken: set[str], consumed: dict[str, dict[str, int]], failed: list[str]) -> list[ClaimRef]:
     refs: list[ClaimRef] = []
     for doc in claim_documents(path):
         name = f"demo-{doc['metadata']['name']}"
@@ -216,6 +179,7 @@ def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, w
         elapsed_ms = (time.perf_counter() - started) * 1000
         if answer.error:
             _say(f"  NodePrepareResources FAILED: {answer.error}")
+            failed.append(name)
             continue
         refs.append(ref)
         _say(f"  NodePrepareResources over the real gRPC socket: ok in {elapsed_ms:.1f} ms")
@@ -250,6 +214,8 @@ def run_demo(options: DemoOptions, mode: ShareMode = "mps") -> int:
     keep = options.workdir is not None
     work = options.workdir or Path(tempfile.mkdtemp(prefix="tessera-demo-", dir="/tmp"))
     work.mkdir(parents=True, exist_ok=True)
+    if not keep:
+        remove_on_exit(work)  # also if the demo is killed
     _say("Tessera demo: SIMULATION of one GPU node (simulated GPUs, stand-in nvidia-smi and")
     _say("nvidia-cuda-mps-control, an in-process API server double, a kubelet stand-in).")
     _say("The driver itself is the real one, running as `python -m driver run --simulate`.")
@@ -284,7 +250,7 @@ def run_demo(options: DemoOptions, mode: ShareMode = "mps") -> int:
                  f"API {registered.api_version}")
 
             _heading(f"2. ResourceSlices it published (node sharing plan 'demo': {plan_text})")
-            _print_slices(_wait_for_slices(api, _expected_devices(plans, inventory)))
+            print_slices(_wait_for_slices(api, _expected_devices(plans, inventory)), _say)
 
             sources = sorted({str(p.parent) for p in options.examples})
             _heading(f"3. The kubelet prepares claims from {', '.join(_short(s) for s in sources)}")
@@ -293,9 +259,10 @@ def run_demo(options: DemoOptions, mode: ShareMode = "mps") -> int:
             taken: set[str] = set()
             consumed: dict[str, dict[str, int]] = {}  # what consumable shares took, per device
             prepared: list[ClaimRef] = []
+            failed: list[str] = []
             for path in options.examples:
                 _say()
-                prepared += _prepare_example(path, api, kubelet, work, cdi_dir, taken, consumed)
+                prepared += _prepare_example(path, api, kubelet, work, cdi_dir, taken, consumed, failed)
 
             _heading("4. `python -m driver inspect` on the node")
             _say(_run_inspect(node_args))
@@ -317,9 +284,9 @@ def run_demo(options: DemoOptions, mode: ShareMode = "mps") -> int:
                 left = sorted(p.name for p in cdi_dir.glob(CDI_NAMES.spec_prefix + "*"))
                 mps_dirs = sorted(p.name for p in (work / "plugins" / DEFAULT_DRIVER_NAME / "mps").glob("*-*"))
                 _say(f"CDI specs left: {left or 'none'}; MPS daemons left: {mps_dirs or 'none'}")
-        _heading("Done")
+        _heading("Done" if not failed else f"Done, but {len(failed)} prepare(s) FAILED: {', '.join(failed)}")
         _say(_closing(work, cdi_dir, node_args, keep, options.keep_prepared))
-        return 0
+        return 1 if failed else 0
     except Exception as exc:
         _say(f"demo failed: {exc}")
         log = work / "driver.log"

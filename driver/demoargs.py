@@ -8,6 +8,7 @@ message is one line naming the flag and what it accepts.
 from __future__ import annotations
 
 import argparse
+import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,11 @@ DEFAULT_EXAMPLES = ("gpu-mps-per-claim.yaml", "mig-by-profile.yaml", "mps-share-
 PLAN_NAME = "demo"
 SHARES = 4
 ShareMode = Literal["mps", "timeSlicing", "consumable"]
+
+
+# Everything a demo run writes in its working directory (driver/demo.py): what a rerun may remove.
+WORKDIR_ENTRIES = frozenset({"cdi", "driver.log", "health-events.jsonl", "host", "kubeconfig", "nvidia-smi-calls.jsonl",
+                             "nvml-calls.jsonl", "plugins", "plugins_registry", "sharing-plans.yaml", "tmp"})
 
 
 class DemoArgsError(ValueError):
@@ -49,7 +55,8 @@ def build_parser(layouts: Sequence[str]) -> argparse.ArgumentParser:
                              "(default: demo)")
     parser.add_argument("--workdir", default=None, metavar="DIR",
                         help="keep the demo's files (driver.log, CDI specs, checkpoint) in DIR instead of a "
-                             "temporary directory that is removed at the end")
+                             "temporary directory that is removed at the end; a rerun on the same DIR first removes "
+                             "the previous run's files (a DIR holding other files is refused)")
     parser.add_argument("--keep-prepared", action="store_true",
                         help="leave the claims prepared (needs --workdir) so that `python -m driver inspect` and the "
                              "CDI specs can be read afterwards; the closing message prints the commands")
@@ -76,6 +83,8 @@ def parse_options(argv: Sequence[str], layouts: Sequence[str]) -> DemoOptions:
         raise DemoArgsError("--keep-prepared needs --workdir DIR: the prepared claims' files are left there")
     examples = tuple(resolve_example(text) for text in args.example or default_examples())
     workdir = Path(args.workdir).resolve() if args.workdir is not None else None
+    if workdir is not None and workdir.exists() and not workdir.is_dir():
+        raise DemoArgsError(f"--workdir {args.workdir}: exists and is not a directory")
     return DemoOptions(layout=layout, workdir=workdir, keep_prepared=args.keep_prepared, examples=examples,
                        health=args.health)
 
@@ -156,3 +165,22 @@ def demo_plan(inventory: NodeInventory, mode: ShareMode) -> tuple[dict[str, Any]
     plan = {"gpus": [{"match": {"minor": gpu.minor}, mode: how}]}
     return ({"defaultPlan": PLAN_NAME, "plans": {PLAN_NAME: plan}},
             f"gpu-{gpu.minor} ({gpu.product_name}) as {what}")
+
+
+def clear_previous_run(workdir: Path) -> list[str]:
+    """Remove what an earlier demo run left in ``workdir`` (its prepared claims would make every prepare of this
+    run fail as stale) and return the names removed; refuse a directory holding anything else."""
+    if not workdir.is_dir():
+        return []
+    found = sorted(entry.name for entry in workdir.iterdir())
+    foreign = [name for name in found if name not in WORKDIR_ENTRIES]
+    if foreign:
+        raise DemoArgsError(f"--workdir {workdir}: holds files the demo did not write ({', '.join(foreign[:5])}"
+                            f"{', ...' if len(foreign) > 5 else ''}); give an empty or new directory")
+    for name in found:
+        path = workdir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return found

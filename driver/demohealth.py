@@ -69,7 +69,8 @@ def _health_metrics(port: int, devices: list[str]) -> list[str]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "tessera_device_healthy" and sample.labels.get("device") in devices:
-                reason = f' reason="{sample.labels["reason"]}"' if sample.labels.get("reason") else ""
+                # The exposition format's own label syntax (comma-separated), as /metrics shows it.
+                reason = f',reason="{sample.labels["reason"]}"' if sample.labels.get("reason") else ""
                 lines.append(f'  {sample.name}{{device="{sample.labels["device"]}"{reason}}} {sample.value:g}')
             elif sample.name == "tessera_gpu_xid_errors_total":
                 lines.append(f'  {sample.name}{{xid="{sample.labels["xid"]}"}} {sample.value:g}')

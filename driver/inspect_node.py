@@ -21,6 +21,8 @@ from driver.gpu.mps.hostclient import MpsHostLauncher
 from driver.gpu.mps.identity import foreign_processes
 from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
 from driver.gpu.mps.proc import is_same_process
+from driver.gpu.planuse import PLAN_USE_FILE, render_plan
+from driver.gpu.planuse import add_to_inspect as add_plan_to_inspect
 from driver.gpu.runtime.computemode import ComputeMode
 from driver.units import GIB
 
@@ -116,8 +118,8 @@ def mps_daemons_run_by(settings: Settings) -> str:
     """Where this node's MPS daemons run, as the plugin with these settings starts them."""
     if settings.mps_host_socket is not None:
         return MpsHostLauncher(settings.mps_host_socket).describe()
-    return (f"child processes of the plugin (they stop with the plugin container), binaries from driver root "
-            f"{settings.driver_root}")
+    return (f"child processes of the plugin process (they stop with it: in a pod, with the plugin container), "
+            f"binaries from driver root {settings.driver_root}")
 
 
 def recorded_compute_modes(cp: Checkpoint) -> list[dict[str, Any]]:
@@ -181,6 +183,7 @@ def render_text(report: dict[str, Any]) -> str:
             lines.append(f"- {d['id']} pid={d['pid']} ({alive}) claims={len(d['claims'])}")
             lines.append(f"    gpus={','.join(d['gpus'])} threads={threads} pinned-memory={pinned or 'default'}")
             lines.append(f"    pipe={d['pipe_dir']} log={d['log_dir']}")
+    lines.extend(render_plan(report))
     for gpu in report.get("gpus", []):
         sms = ("MIG enabled (SM counts per MIG device)" if gpu["mig_enabled"] else
                f"{gpu['multiprocessors']} SMs" if gpu["multiprocessors"] is not None else
@@ -207,7 +210,7 @@ def render_text(report: dict[str, Any]) -> str:
 def discovered_gpus(settings: Settings) -> tuple[list[dict[str, Any]], str | None]:
     """The GPUs discovery sees now, each with its SM count or why it has none (never silently missing)."""
     try:
-        discovery = nodelayout.open_discovery(settings, settings.node_name or "inspect")
+        discovery = nodelayout.open_discovery(settings, settings.node_name or nodelayout.SIMULATED_NODE_NAME)
         try:
             inventory = discovery.discover()
         finally:
@@ -241,4 +244,5 @@ def build_report(settings: Settings) -> dict[str, Any]:
         report["problems"].append(problem)
     add_health_to_inspect(report, settings.state_dir / HEALTH_FILE)
     add_usage_to_inspect(report, settings.state_dir / USAGE_FILE)
+    add_plan_to_inspect(report, settings.state_dir / PLAN_USE_FILE, settings.sharing_plans)
     return report

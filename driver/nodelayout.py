@@ -23,6 +23,10 @@ from driver.gpu.runtime.computemode import NvmlComputeModes
 
 log = logging.getLogger(__name__)
 
+# The node name a simulated node gets where none is given. It seeds the simulated GPUs' UUIDs, so the
+# demo, check-node, inspect and check-plan all show one layout with the same UUIDs.
+SIMULATED_NODE_NAME = "demo-node"
+
 
 def open_discovery(settings: Settings, node_name: str) -> Discovery:
     """NVML, its library loaded from the driver root; the simulated node only when ``--simulate`` names one.

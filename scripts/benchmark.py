@@ -11,7 +11,7 @@ run a bare loop doing only the I/O a prepare needs (the floor):
   * per unprepare: the spec removed and the checkpoint record written again.
 Tessera's figures are reported as ratios to the floor measured in the same run (the two alternate in
 rounds, so a change of load during the run touches both), so runs on noisy machines compare, next to
-the goals of issue 7:
+the goals in docs/benchmarks.md:
   * sequential prepare p50 within 1.5x the floor's;
   * prepare+unprepare throughput at 4 streams at least 2x the sequential (1 stream) throughput;
   * prepare p99 at 4 streams at most 3x the sequential p99;
@@ -19,7 +19,7 @@ the goals of issue 7:
   * peak resident memory of the driver process under 80 MiB.
 Also measured: driver CPU per cycle, MPS share prepares and consumable share prepares (SIMULATION: the
 daemon is the stand-in; every consumable claim starts a daemon of its own), and the cold plan MPS share
-prepare with NVIDIA's own nvidia-cuda-mps-control 550 (issue 13's goal: under 30 ms p50) where
+prepare with NVIDIA's own nvidia-cuda-mps-control 550 (goal: under 30 ms p50) where
 scripts/fetch-nvidia-mps.sh put it into .cache/nvidia-mps; compute modes go through the simulated NVML in the
 driver's process, and the nvidia-smi runs that read or set one are counted (0).
 This is not a test: it asserts nothing and is never run by CI.
@@ -406,9 +406,6 @@ def main() -> None:
     print(f"machine: {machine()} at the end, {load_before:.1f} at the start (a busy machine skews the figures)")
     print(f"{seq.cycles} sequential and {par.cycles} concurrent cycles ({n} streams) each, 8 simulated GPUs, "
           f"floor = bare loop of the same I/O, interleaved with Tessera in {args.rounds} rounds\n")
-    header = f"{'measurement':<40} {'Tessera':>11} {'floor':>11} {'ratio':>9}  goal"
-    print(header)
-    print("-" * (len(header) + 30))
     rows = [
         ("sequential prepare p50", f"{p50 * ms:.2f} ms", f"{f50 * ms:.2f} ms", f"{p50 / f50:.2f}x",
          f"<= 1.5x floor: {verdict(p50 / f50 <= 1.5)}"),
@@ -455,10 +452,24 @@ def main() -> None:
             (f"consumable share prepare, first (median {len(shares_first)})",
              f"{statistics.median(shares_first) * ms:.1f} ms", "", "", "starts the claim's own daemon (stand-in)"),
             ("consumable share prepare, following (median)", f"{statistics.median(shares_following) * ms:.1f} ms",
-             "", "", "also starts one: a daemon per claim; the issue's < 10 ms goal assumed a shared daemon"),
+             "", "", "also starts one: a daemon per claim (a < 10 ms goal would need a shared daemon)"),
         ]
-    for name, value, floor, ratio, goal in rows:
-        print(f"{name:<40} {value:>11} {floor:>11} {ratio:>9}  {goal}")
+    print_table(rows)
+
+
+def print_table(rows: list[tuple[str, str, str, str, str]]) -> None:
+    """Columns as wide as their widest cell, so a long measurement name does not push its row out of line."""
+    header = ("measurement", "Tessera", "floor", "ratio", "goal")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]
+
+    def line(row: tuple[str, str, str, str, str]) -> str:
+        name, value, floor, ratio, goal = row
+        return (f"{name:<{widths[0]}} {value:>{widths[1]}} {floor:>{widths[2]}} {ratio:>{widths[3]}}  {goal}").rstrip()
+
+    print(line(header))
+    print("-" * (sum(widths) + 3 + 2 + max(len(row[4]) for row in rows)))
+    for row in rows:
+        print(line(row))
 
 
 if __name__ == "__main__":

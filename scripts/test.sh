@@ -3,10 +3,14 @@
 # Creates .venv (if missing) and installs the project with its test extras into it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One line per step: a first run spends minutes in pip, which must not look like a hang (here or in .ci/run's log).
 if [ ! -x .venv/bin/python ]; then
+  echo "== creating the virtual environment .venv (first run)"
   python3 -m venv .venv
 fi
+echo "== upgrading pip in .venv"
 .venv/bin/python -m pip install -q --upgrade pip
+echo "== installing Tessera with its test extras into .venv (pip; minutes the first time)"
 .venv/bin/python -m pip install -q -e '.[test]'
 echo "== ruff"
 .venv/bin/ruff check .

@@ -218,9 +218,10 @@ def load_plans(path: Path) -> SharingPlans:
     except OSError as exc:
         raise PlanError(f"{path}: cannot read the sharing plans file: {exc.strerror or exc}") from None
     try:
-        data = load_yaml(text)
+        data = load_yaml(text, str(path))
     except yaml.YAMLError as exc:
-        raise PlanError(f"{path}: not valid YAML: {exc}") from None
+        # PyYAML's message spans lines ("while parsing ... in <file>, line 3"); errors here are one line.
+        raise PlanError(f"{path}: not valid YAML: {' '.join(str(exc).split())}") from None
     if data is None:
         return SharingPlans()
     try:
@@ -254,18 +255,18 @@ def resolve_layout(plan: SharingPlan, inventory: NodeInventory, plan_name: str |
     problems: list[str] = []
     kernel = kernel or UNDETECTED
     for gpu in inventory.gpus:
-        index, entry = _first_match(plan, gpu)
+        index, entry = first_match(plan, gpu)
         if entry is None or entry.whole:
             continue
         try:
             shares = _shares_for(entry, gpu, consumable_supported, kernel)
         except ValueError as exc:
-            problems.append(f"{_entry_path(plan_name, index)} ({_describe_gpu(gpu)}): {exc}")
+            problems.append(f"{entry_path(plan_name, index)} ({_describe_gpu(gpu)}): {exc}")
             continue
         if entry.consumable is not None and not consumable_supported:
             log.warning("the API server does not support consumable capacity (Kubernetes 1.36+, or 1.34/1.35 with "
                         "the DRAConsumableCapacity gate); publishing the plan's fallback instead",
-                        extra={"entry": _entry_path(plan_name, index), "gpu_uuid": gpu.uuid,
+                        extra={"entry": entry_path(plan_name, index), "gpu_uuid": gpu.uuid,
                                "fallback": shares.strategy if shares is not None else "whole"})
         if shares is not None:
             layout[gpu.uuid] = shares
@@ -277,7 +278,7 @@ def resolve_layout(plan: SharingPlan, inventory: NodeInventory, plan_name: str |
 def entries_matching_no_gpu(plan: SharingPlan, inventory: NodeInventory, plan_name: str | None) -> list[str]:
     """Paths of entries no GPU on this node matched (fine, plans are shared by nodes; worth a log line)."""
     return [
-        f"{_entry_path(plan_name, index)} (match {entry.match.describe()})"
+        f"{entry_path(plan_name, index)} (match {entry.match.describe()})"
         for index, entry in enumerate(plan.gpus)
         if not any(entry.match.matches(gpu) for gpu in inventory.gpus)
     ]
@@ -288,7 +289,7 @@ def layout_changes(old: SharingLayout, new: SharingLayout) -> set[str]:
     return {uuid for uuid in old.keys() | new.keys() if old.get(uuid) != new.get(uuid)}
 
 
-def _first_match(plan: SharingPlan, gpu: GpuInfo) -> tuple[int, PlanEntry | None]:
+def first_match(plan: SharingPlan, gpu: GpuInfo) -> tuple[int, PlanEntry | None]:
     return next(((i, entry) for i, entry in enumerate(plan.gpus) if entry.match.matches(gpu)), (-1, None))
 
 
@@ -372,7 +373,7 @@ def _memory_per_share(gpu: GpuInfo, shares: int, explicit: int | None, field: st
     return explicit
 
 
-def _entry_path(plan_name: str | None, index: int) -> str:
+def entry_path(plan_name: str | None, index: int) -> str:
     return f"plans.{plan_name}.gpus[{index}]" if plan_name is not None else f"gpus[{index}]"
 
 

@@ -8,8 +8,11 @@ rather than events::
 
 ``uuid`` is the GPU's, or the MIG device's for a process in a GPU instance; ``pod_uid`` stands in
 for what the real source reads from ``/proc/<pid>/cgroup`` (omit it for a process outside any
-pod); ``memory_bytes`` and ``sm_percent`` may be omitted where NVML would not report them. A
-missing file means no processes; a file that cannot be parsed is logged and read as none.
+pod); ``memory_bytes`` and ``sm_percent`` may be omitted where NVML would not report them.
+``"mps_client": true`` says NVML lists the process with ``nvmlDeviceGetMPSComputeRunningProcesses``
+(an MPS client: its ``sm_percent``, if given, is read as NVML's would be, the server's work and no
+claim's); ``parent_pid`` stands in for ``/proc/<pid>/stat`` (an MPS server's parent is its control
+daemon). A missing file means no processes; a file that cannot be parsed is logged and read as none.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class SimulatedProcess(BaseModel):
     pod_uid: str | None = None
     memory_bytes: int | None = Field(default=None, ge=0)
     sm_percent: float | None = Field(default=None, ge=0, le=100)
+    mps_client: bool = False
+    parent_pid: int | None = Field(default=None, gt=0)
 
 
 _FILE = TypeAdapter(list[SimulatedProcess])
@@ -51,7 +56,7 @@ def parse_processes(text: str, where: str) -> list[ProcessUsage]:
                              for e in err.errors())
         raise ValueError(f"{where}: not a process list ({problems}); expected e.g. {example}") from err
     return [ProcessUsage(pid=e.pid, uuid=e.uuid, memory_bytes=e.memory_bytes, sm_percent=e.sm_percent,
-                         pod_uid=e.pod_uid) for e in entries]
+                         pod_uid=e.pod_uid, mps_client=e.mps_client, parent_pid=e.parent_pid) for e in entries]
 
 
 class SimulatedProcesses:

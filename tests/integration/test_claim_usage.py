@@ -12,17 +12,20 @@ from tests.integration.test_health import gpu_uuid, metrics
 from tests.support.node import DRIVER, NODE, SimulatedNode, wait_until
 
 PLANS: dict[str, Any] = {"plans": {"ts": {"gpus": [
-    {"match": {"product": "NVIDIA L4"}, "timeSlicing": {"shares": 2, "interval": "Long"}}]}}}
+    {"match": {"product": "NVIDIA L4"}, "timeSlicing": {"shares": 2, "interval": "Long"}}]}, "mps": {"gpus": [
+    {"match": {"product": "NVIDIA L4"}, "mps": {"shares": 2, "pinnedMemoryLimit": "4Gi"}}]}}}
 GIB = 1 << 30
 
 
-def reserved_claim(node: SimulatedNode, name: str, device: str, pod_uid: str) -> ClaimRef:
+def reserved_claim(node: SimulatedNode, name: str, device: str, pod_uid: str, admin: bool = False) -> ClaimRef:
     """A claim allocated to ``device`` and reserved for one pod, as the scheduler leaves it."""
     uid = str(uuid.uuid4())
+    result: dict[str, Any] = {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}
+    if admin:
+        result["adminAccess"] = True
     node.api.put_claim({
         "metadata": {"name": name, "namespace": "team-a", "uid": uid}, "spec": {"devices": {"requests": []}},
-        "status": {"allocation": {"devices": {"results": [
-            {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}], "config": []}},
+        "status": {"allocation": {"devices": {"results": [result], "config": []}},
             "reservedFor": [{"resource": "pods", "name": f"{name}-pod", "uid": pod_uid}]}})
     return ClaimRef(namespace="team-a", name=name, uid=uid)
 
@@ -58,5 +61,60 @@ def test_usage_of_a_time_sliced_claim_is_metered_and_going_over_its_entitlement_
         shown = subprocess.run(node.inspect_args(), capture_output=True, text=True, timeout=60)
         assert "team-a/train gpu-2-ts-0: memory 20480MiB of" in shown.stdout, shown.stdout + shown.stderr
         assert "OVER ENTITLEMENT (memory)" in shown.stdout
+    finally:
+        node.close()
+
+
+def test_mps_clients_memory_is_metered_while_sm_on_mps_and_mig_is_unknown_and_admin_devices_have_no_entitlement(
+        ) -> None:
+    node = SimulatedNode("demo", plans=PLANS, plan="mps")
+    processes = node.work / "processes.json"
+    try:
+        node.start(env={"TESSERA_SIM_PROCESSES": str(processes)})
+        node.wait_for_devices(["gpu-0", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mig-1g10gb-6",
+                               "gpu-2-mps-0", "gpu-2-mps-1"], timeout=30)
+        pod, mig_pod, monitor_pod, mps_host_pod = (str(uuid.uuid4()) for _ in range(4))
+        node.prepare_ok(reserved_claim(node, "infer", "gpu-2-mps-0", pod))
+        node.prepare_ok(reserved_claim(node, "slice", "gpu-1-mig-1g10gb-6", mig_pod))
+        node.prepare_ok(reserved_claim(node, "monitor", "gpu-0", monitor_pod, admin=True))
+        l4 = gpu_uuid(node, 2)
+        [daemon] = [d for d in node.checkpoint()["mps_daemons"].values() if d["spec"]["gpu_uuids"] == [l4]]
+        mig_uuid = next(m.uuid for g in node.inventory.gpus for m in g.mig_instances if m.profile == "1g.10gb")
+        # As NVML lists MPS: the server (the control daemon's child, in the MPS host's pod) with all the SM
+        # work; the client in the MPS list with its own memory and a zero sample. The MIG process too has a
+        # zero sample; the admin claim's process uses 60 GiB of the whole GPU it shares.
+        processes.write_text(json.dumps([
+            {"uuid": gpu_uuid(node, 2), "pid": 4000, "pod_uid": mps_host_pod, "parent_pid": daemon["pid"],
+             "memory_bytes": 300 << 20, "sm_percent": 80},
+            {"uuid": gpu_uuid(node, 2), "pid": 4242, "pod_uid": pod, "mps_client": True, "memory_bytes": 3 * GIB,
+             "sm_percent": 0},
+            {"uuid": mig_uuid, "pid": 5151, "pod_uid": mig_pod, "memory_bytes": GIB, "sm_percent": 0},
+            {"uuid": gpu_uuid(node, 0), "pid": 6161, "pod_uid": monitor_pod, "memory_bytes": 60 * GIB,
+             "sm_percent": 50}]))
+
+        def labels(claim: str, device: str, kind: str, enforced: str, *extra: tuple[str, str]) -> Any:
+            return tuple(sorted((("claim", claim), ("device", device), ("enforced", enforced), ("kind", kind),
+                                 ("namespace", "team-a"), *extra)))
+
+        scraped = metrics(node)
+        infer = labels("infer", "gpu-2-mps-0", "mps", "true")
+        assert scraped[("tessera_claim_gpu_memory_used_bytes", infer)] == 3 * GIB
+        assert scraped[("tessera_claim_gpu_processes", infer)] == 1  # the server is no claim's
+        mig = labels("slice", "gpu-1-mig-1g10gb-6", "mig", "true")
+        assert scraped[("tessera_claim_gpu_memory_used_bytes", mig)] == GIB
+        monitor = labels("monitor", "gpu-0", "gpu", "false")
+        assert scraped[("tessera_claim_gpu_sm_utilization_percent", monitor)] == 50
+        for series in (infer, mig):
+            assert ("tessera_claim_gpu_sm_utilization_percent", series) not in scraped
+            assert ("tessera_claim_gpu_over_entitlement", tuple(sorted((*series, ("resource", "sm"))))) not in scraped
+        assert not [k for k in scraped if k[0] in ("tessera_claim_gpu_over_entitlement",
+                                                   "tessera_claim_gpu_memory_limit_bytes") and k[1] in
+                    (labels("monitor", "gpu-0", "gpu", "false", ("resource", "memory")), monitor)]
+        assert not [e for e in node.log() if e.get("msg", "").startswith("a claim's processes use more than")]
+        shown = subprocess.run(node.inspect_args(), capture_output=True, text=True, timeout=60)
+        out = shown.stdout + shown.stderr
+        assert "team-a/infer gpu-2-mps-0: memory 3072MiB of 4096MiB limit, SM unknown (MPS:" in out, out
+        assert "team-a/slice gpu-1-mig-1g10gb-6: memory 1024MiB of" in out and "SM unknown (MIG device:" in out, out
+        assert "team-a/monitor gpu-0: memory 61440MiB, SM 50%, 1 process(es), admin access: no entitlement" in out
     finally:
         node.close()

@@ -7,6 +7,7 @@ tests/unit/test_demo.py.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -55,9 +56,23 @@ def test_kept_claims_can_be_inspected_with_the_commands_the_demo_prints(workdir:
                               "default/demo-mps-share-from-plan"]
     assert all(c["phase"] == "PrepareCompleted" and Path(c["cdi_spec"]).is_file() for c in claims.values())
     assert f"rm -rf {workdir}" in done.stdout
+    # A rerun on the same directory starts clean: the kept claims would otherwise fail every prepare as stale.
+    again = subprocess.run(_demo("--workdir", str(workdir)), capture_output=True, text=True, timeout=120, check=False)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"Removed the previous demo run's files from {workdir}" in again.stdout
+    assert "FAILED" not in again.stdout
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM])
+def test_failed_prepares_make_the_demo_exit_non_zero(workdir: Path) -> None:
+    env = dict(os.environ, TESSERA_SIM_MPS_FAIL="start")  # every MPS daemon stand-in fails to start
+    done = subprocess.run(_demo("--workdir", str(workdir)), capture_output=True, text=True, timeout=120, env=env,
+                          check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "NodePrepareResources FAILED" in done.stdout
+    assert "prepare(s) FAILED: demo-gpu-mps-per-claim" in done.stdout
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_sigterm_mid_run_stops_the_driver_and_every_stand_in(workdir: Path, signum: int) -> None:
     proc = subprocess.Popen(_demo("--workdir", str(workdir)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

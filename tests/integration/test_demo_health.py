@@ -22,7 +22,7 @@ def test_demo_health_shows_a_gpu_failing_and_recovering() -> None:
         failed, recovered = out.split("ResourceSlice taints (after the XID):")[1].split("The GPU is reset")
         assert "gpu-2-mps-0              gpu.tessera.dev/unhealthy=xid-79:NoSchedule" in failed
         assert "gpu-2-mps-0              Unhealthy xid-79: XID 79" in failed
-        assert 'tessera_device_healthy{device="gpu-2-mps-0" reason="xid-79"} 0' in failed
+        assert 'tessera_device_healthy{device="gpu-2-mps-0",reason="xid-79"} 0' in failed
         assert "gpu-2-mps-0              none" in recovered
         assert "gpu-2-mps-0              Healthy" in recovered
         assert 'tessera_device_healthy{device="gpu-2-mps-0"} 1' in recovered

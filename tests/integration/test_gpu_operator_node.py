@@ -33,6 +33,8 @@ def test_claims_on_a_gpu_operator_node_and_readiness_without_libraries(operator_
     node = operator_node
     node.start()
     node.wait_for_devices(["gpu-0", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mig-1g10gb-6", "gpu-2"])
+    # The devices are published a moment before "driver started" is logged: wait for the line, do not assume it.
+    wait_until(lambda: any(e.get("msg") == "driver started" for e in node.log()), what="the driver started line")
     started = next(e for e in node.log() if e.get("msg") == "driver started")
     base = f"http://127.0.0.1:{started['http_port']}"
     wait_until(lambda: _readyz(base)[0] == 200, what="ready with the operator's toolkit spec found in the CDI root")

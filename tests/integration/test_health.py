@@ -52,6 +52,8 @@ def start(node: SimulatedNode, *extra: str) -> None:
 
 def metrics(node: SimulatedNode) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """(sample name, sorted labels without OpenTelemetry's scope labels) -> value."""
+    # Devices are published a moment before "driver started" is logged: wait for the line.
+    wait_until(lambda: any(e.get("msg") == "driver started" for e in node.log()), what="the driver started line")
     started = next(e for e in node.log() if e.get("msg") == "driver started")
     text = urllib.request.urlopen(f"http://127.0.0.1:{started['http_port']}/metrics", timeout=10).read().decode()
     return {(sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if not k.startswith("otel_")))):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 from driver.kubeletplugin.liveness import check_sockets
 from tests.support.node import DRIVER, NODE, SimulatedNode, wait_until
 
@@ -70,6 +73,8 @@ def test_metrics_and_health_endpoints(node: SimulatedNode) -> None:
 
     node.start()
     node.wait_for_devices(DEMO_DEVICES)
+    # Devices are published a moment before "driver started" is logged: wait for the line.
+    wait_until(lambda: any(e.get("msg") == "driver started" for e in node.log()), what="the driver started line")
     started = next(e for e in node.log() if e.get("msg") == "driver started")
     base = f"http://127.0.0.1:{started['http_port']}"
     assert urllib.request.urlopen(f"{base}/healthz", timeout=10).status == 200
@@ -114,5 +119,19 @@ def test_startup_problems_exit_with_one_clear_line(node: SimulatedNode) -> None:
     assert code == 1 and "GPU discovery failed" in output and "no-such-layout" in output
     assert "Traceback" not in output
     code, output = node.run_to_exit("--node-name", "")
-    assert code == 1 and "node name is required" in output
+    assert code == 2 and "python -m driver run: the node name is required" in output  # a usage error
     assert not list((node.work / "reg").glob("*.sock")), "nothing was served"
+
+
+def test_relative_paths_are_resolved_against_the_working_directory_at_start(node: SimulatedNode) -> None:
+    # Every path flag relative, run from the node's directory: the driver registers, with absolute sockets.
+    cdi = os.path.relpath(node.cdi_dir, node.work)
+    node.env = node._environment(None)
+    with open(node.log_path, "ab") as log:
+        node.proc = subprocess.Popen(node.args("--plugins-dir", "plugins", "--registrar-dir", "reg", "--cdi-root", cdi,
+                                               "--kubeconfig", os.path.relpath(node.kubeconfig, node.work)),
+                                     cwd=node.work, stdout=log, stderr=subprocess.STDOUT, env=node.env)
+    plugin = node.kubelet.wait_for_plugin(DRIVER, timeout=30)
+    assert plugin.endpoint == str(node.state_dir / "dra.sock")
+    node.wait_for_devices(DEMO_DEVICES)
+    assert "Traceback" not in node.log_path.read_text()

@@ -389,8 +389,8 @@ def test_request_errors_carry_status_reason_and_message(server: FakeApiServer) -
 
 
 def test_runnable_as_a_module_for_manual_use() -> None:
-    process = subprocess.Popen([sys.executable, "-m", "driver.simulation.apiserverrun", "--port", "0", "--node", "node-1"],
-                               stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    command = [sys.executable, "-m", "driver.simulation.apiserverrun", "--port", "0", "--node", "node-1"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
     try:
         assert process.stdout is not None
         line = process.stdout.readline()

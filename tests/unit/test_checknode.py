@@ -144,6 +144,28 @@ def test_simulated_node_runs_what_it_can_and_says_what_needs_a_gpu() -> None:
     assert done.returncode == 0 == report["exit_status"]
     assert status["compute mode GPU 0"] == status["compute mode GPU 2"] == "OK", "read, never set"
     assert processes_mentioning("tessera-check-", in_environment=True) == [], "the throwaway daemon is gone"
+    smi = next(c["detail"] for c in report["checks"] if c["check"] == "nvidia-smi")
+    assert "`nvidia-smi -L` ran and listed 3 line(s)" in smi, "one line per simulated GPU"
+
+
+def test_one_simulated_layout_has_the_same_gpu_uuids_in_check_node_inspect_check_plan_and_the_demo(
+        tmp_path: Path) -> None:
+    from driver.demo import NODE
+    from driver.simulation.discovery import SimulatedDiscovery
+
+    expected = [g.uuid for g in SimulatedDiscovery("demo", NODE).discover().gpus]
+    checked = json.loads(_check_node("demo", "--json").stdout)
+    gpu_lines = [c["detail"].split()[0] for c in checked["checks"] if c["check"].startswith("GPU ")]
+    inspected = subprocess.run([sys.executable, "-m", "driver", "inspect", "--json", "--simulate", "demo",
+                                "--plugins-dir", str(tmp_path / "plugins"), "--cdi-root", str(tmp_path / "cdi")],
+                               capture_output=True, text=True, timeout=60, cwd=REPO, check=False)
+    assert inspected.stderr == "", "inspect --json writes its report, and nothing else"
+    assert [g["uuid"] for g in json.loads(inspected.stdout)["gpus"]] == gpu_lines == expected
+    plans = tmp_path / "plans.yaml"
+    plans.write_text("plans: {}\n")
+    planned = subprocess.run([sys.executable, "-m", "driver", "check-plan", str(plans), "--simulate", "demo"],
+                             capture_output=True, text=True, timeout=60, cwd=REPO, check=False)
+    assert all(uuid in planned.stdout for uuid in expected), planned.stdout
 
 
 def test_a_failing_check_makes_the_table_say_not_ready_and_exit_one(tmp_path: Path) -> None:

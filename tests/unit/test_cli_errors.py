@@ -48,10 +48,10 @@ def assert_one_plain_line(err: str) -> str:
 @pytest.mark.parametrize("command", ["run", "inspect", "check-node"])
 def test_a_bad_value_is_one_line_naming_the_flag_and_what_it_takes(
         command: str, capsys: pytest.CaptureFixture[str]) -> None:
-    status, out, err = run_cli([command, "--http-port", "abc"], capsys)
+    status, out, err = run_cli([command, "--driver-libraries-required", "maybe"], capsys)
     assert status == 2 and out == ""
     line = assert_one_plain_line(err)
-    assert line == f"python -m driver {command}: --http-port 'abc': expected a whole number"
+    assert line == f"python -m driver {command}: --driver-libraries-required 'maybe': expected true or false"
 
 
 @pytest.mark.parametrize(("flag", "value", "expected"), [
@@ -60,7 +60,8 @@ def test_a_bad_value_is_one_line_naming_the_flag_and_what_it_takes(
     ("--log-level", "loud", "expected one of 'debug', 'info', 'warning' or 'error'"),
     ("--driver-libraries-required", "maybe", "expected true or false"),
     ("--driver-name", "Foo", "'Foo' is not a DNS subdomain of at most 63 characters (e.g. gpu.tessera.dev)"),
-    ("--driver-root-on-host", "relative", "'relative' is not an absolute path (e.g. /run/nvidia/driver)"),
+    ("--driver-root-on-host", "relative", "'relative' is not an absolute path (e.g. /run/nvidia/driver): it is the "
+                                          "driver root's path on the node, not in this container"),
 ])
 def test_each_kind_of_bad_value_says_what_would_be_accepted(
         flag: str, value: str, expected: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -175,10 +176,54 @@ def test_inspect_exits_one_when_the_node_cannot_serve(tmp_path: Path, capsys: py
     assert os.path.isdir(empty) and not any(empty.iterdir()), "inspect is read-only"
 
 
-def test_check_node_fails_when_the_mps_device_asked_for_is_not_on_the_node(
+def test_an_mps_device_not_on_the_node_is_a_usage_error_naming_the_flag(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    status, out, _ = run_cli(["check-node", "--simulate", "demo", "--plugins-dir", str(tmp_path / "plugins"),
-                              "--cdi-root", str(tmp_path / "cdi"), "--mps-device", "GPU-not-here"], capsys)
-    assert status == 1
-    assert "--mps-device GPU-not-here is not a GPU or MIG device of this node" in out
-    assert "0 FAILED" not in out
+    status, out, err = run_cli(["check-node", "--simulate", "demo", "--cdi-root", str(tmp_path / "cdi"),
+                                "--mps-device", "GPU-not-here"], capsys)
+    assert status == 2 and out == ""
+    line = assert_one_plain_line(err)
+    assert line.startswith("python -m driver check-node: --mps-device 'GPU-not-here': not a GPU or MIG device of "
+                           "this node (known: GPU-")
+    assert line.endswith("--help lists the flags)")
+
+
+@pytest.mark.parametrize(("command", "flag"), [("check-node", "--http-port"), ("inspect", "--prepare-deadline"),
+                                               ("run", "--no-such-flag")])
+def test_an_unknown_subcommand_flag_points_at_that_subcommands_help(
+        command: str, flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = run_cli([command, flag, "1"], capsys)
+    assert status == 2
+    line = assert_one_plain_line(err)
+    assert line == (f"python -m driver {command}: unrecognized arguments: {flag} 1 "
+                    f"(python -m driver {command} --help lists the flags)")
+
+
+def test_run_without_a_node_name_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run_cli(["run", "--simulate", "demo"], capsys)
+    assert status == 2 and out == ""
+    assert assert_one_plain_line(err) == ("python -m driver run: the node name is required: set --node-name or "
+                                          "NODE_NAME (downward API spec.nodeName)")
+
+
+@pytest.mark.parametrize(("command", "listed", "not_listed"), [
+    ("inspect", ["--plugins-dir", "--sharing-plans", "--json"], ["--http-port", "--prepare-deadline", "--pod-uid"]),
+    ("check-node", ["--driver-root", "--mps-device", "--verbose"], ["--http-port", "--plugins-dir", "--kubeconfig"]),
+])
+def test_inspect_and_check_node_help_describes_them_with_defaults_and_only_their_flags(
+        command: str, listed: list[str], not_listed: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_cli([command, "--help"], capsys)
+    assert status == 0
+    text = " ".join(out.split())
+    assert "Read-only" in text if command == "inspect" else "Exit status 1 on any failure" in text
+    assert "default /var/run/cdi" in text or command == "check-node"
+    assert "[env NVIDIA_DRIVER_ROOT; default /]" in text
+    assert all(flag in text for flag in listed)
+    assert not [flag for flag in not_listed if flag in text]
+
+
+def test_demo_refuses_a_workdir_that_is_a_file_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    status, _, err = run_cli(["demo", "--workdir", str(afile)], capsys)
+    assert status == 2
+    assert assert_one_plain_line(err) == f"python -m driver demo: --workdir {afile}: exists and is not a directory"

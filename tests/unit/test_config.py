@@ -136,3 +136,23 @@ def test_prepare_deadline_flag_and_its_bound() -> None:
         assert _error_fields(caught.value) == {"prepare_deadline"}
         [error] = caught.value.errors()
         assert "the kubelet gives up on a prepare after 45 s" in error["msg"] and "\n" not in error["msg"]
+
+
+@pytest.mark.parametrize("flag,field", [("--plugins-dir", "plugins_dir"), ("--registrar-dir", "registrar_dir"),
+                                        ("--cdi-root", "cdi_root"), ("--driver-root", "driver_root"),
+                                        ("--host-root", "host_root"), ("--nvidia-cdi-spec", "nvidia_cdi_spec"),
+                                        ("--sharing-plans", "sharing_plans"), ("--mps-host-socket", "mps_host_socket"),
+                                        ("--kubeconfig", "kubeconfig")])
+def test_relative_paths_are_made_absolute_against_the_working_directory_at_start(
+        flag: str, field: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    s = parse_settings([flag, "sub/dir"], {})
+    assert str(getattr(s, field)) == str(tmp_path / "sub" / "dir")
+    monkeypatch.chdir("/")  # a later chdir (the MPS launcher runs daemons from /) changes nothing
+    assert str(getattr(s, field)) == str(tmp_path / "sub" / "dir")
+
+
+def test_the_driver_roots_path_on_the_host_must_be_absolute() -> None:
+    with pytest.raises(ValidationError) as caught:
+        parse_settings(["--driver-root-on-host", "run/nvidia/driver"], {})
+    assert _error_fields(caught.value) == {"driver_root_on_host"}

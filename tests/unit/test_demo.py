@@ -31,9 +31,9 @@ from driver.demoargs import (
 )
 from driver.gpu.devices import make_view
 from driver.gpu.sharingplan import load_plans, resolve_layout
+from driver.reaper import processes_with_env, stop_processes
 from driver.simulation.allocator import AllocationError, allocate, claim_from_template
 from driver.simulation.discovery import SimulatedDiscovery, available_layouts
-from driver.simulation.leftovers import processes_with_env, stop_processes
 
 LAYOUTS = available_layouts()
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))
@@ -218,3 +218,41 @@ def test_detached_processes_are_found_by_their_environment_and_stopped() -> None
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_rerun_clears_only_what_an_earlier_run_wrote(tmp_path: Path) -> None:
+    from driver.demoargs import WORKDIR_ENTRIES, DemoArgsError, clear_previous_run
+
+    (tmp_path / "plugins" / "gpu.tessera.dev").mkdir(parents=True)
+    (tmp_path / "driver.log").write_text("old run\n")
+    assert clear_previous_run(tmp_path) == ["driver.log", "plugins"]
+    assert list(tmp_path.iterdir()) == []
+    assert clear_previous_run(tmp_path / "new") == []
+    (tmp_path / "thesis.tex").write_text("")
+    (tmp_path / "driver.log").write_text("")
+    with pytest.raises(DemoArgsError, match=r"^--workdir .*: holds files the demo did not write \(thesis.tex\); "):
+        clear_previous_run(tmp_path)
+    assert (tmp_path / "driver.log").exists(), "nothing is removed from a directory that is refused"
+    assert "driver.log" in WORKDIR_ENTRIES
+
+
+def test_the_device_table_uses_one_memory_unit_and_says_what_each_row_is() -> None:
+    from driver.demotable import details, mebibytes
+
+    assert [mebibytes(q) for q in ("16Gi", "33024Mi", "81559Mi", "")] == ["16384Mi", "33024Mi", "81559Mi", ""]
+
+    def device(kind: str, **attrs: str) -> dict[str, object]:
+        return {"attributes": {"type": {"string": kind}, **{k: {"string": v} for k, v in attrs.items()}}}
+
+    timeslice = device("timeslice", shareIndex="0", shareCount="4", memoryLimitEnforcement="none")
+    assert details(timeslice) == "share 0/4 memory-enforcement=none", "no threads=-% for time slices"
+    mps = device("mps", shareIndex="1", shareCount="4", activeThreadPercentage="25",
+                 memoryLimitEnforcement="mps-per-process")
+    assert details(mps) == "share 1/4 threads=25% memory-enforcement=mps-per-process"
+    consumable = {**device("consumable", memoryLimitEnforcement="kernel"), "capacity": {
+        "memory": {"value": "81559Mi", "requestPolicy": {"default": "1Gi",
+                                                         "validRange": {"min": "1Gi", "max": "79Gi", "step": "1Gi"}}},
+        "multiprocessors": {"value": "132", "requestPolicy": {"default": "2",
+                                                              "validRange": {"min": "2", "step": "1"}}}}}
+    assert details(consumable) == ("each claim takes memory 1024Mi-80896Mi step 1024Mi, SMs 2-132 step 1; "
+                                   "memory-enforcement=kernel")

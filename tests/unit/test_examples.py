@@ -455,3 +455,28 @@ def test_cel_extension_stand_ins_follow_kubernetes(expression: str, expected: bo
 def test_cel_stand_ins_refuse_comparing_a_quantity_with_a_version() -> None:
     with pytest.raises(CELEvalError, match="no such overload"):
         evaluate("device.capacity['gpu.tessera.dev'].memory.compareTo(semver('1.0.0')) == 0", SAMPLE_DEVICES["h100"])
+
+
+# --- examples/resourceclaims/README.md -----------------------------------------------------------
+
+
+def test_the_readme_lists_every_example_file() -> None:
+    readme = (EXAMPLES_DIR / "README.md").read_text()
+    assert [name for name in sorted(EXPECTED_SELECTION) if f"]({name})" not in readme] == []
+
+
+def test_the_readme_selectors_do_what_it_says_about_nominal_20gb_devices() -> None:
+    readme = (EXAMPLES_DIR / "README.md").read_text()
+    quarter = tessera_device("mps", "20389Mi", parentUUID="GPU-8", sharingStrategy="MPS", shareIndex=0,
+                             shareCount=4, activeThreadPercentage=25, productName="NVIDIA H100 80GB HBM3", **H100)
+    mig = tessera_device("mig", "20096Mi", profile="2g.20gb", uuid="MIG-3", parentUUID="GPU-9",
+                         productName="NVIDIA H100 80GB HBM3", **H100)
+    nominal = "device.capacity['gpu.tessera.dev'].memory.compareTo(quantity('20Gi')) >= 0"
+    assert nominal in readme
+    assert not selects([nominal], "quarter", quarter) and not selects([nominal], "2g.20gb", mig)
+    expressions = [line.split("expression: ", 1)[1] for line in readme.splitlines()
+                   if line.startswith("expression: ")]
+    bound, profile, share_count = expressions
+    assert selects([bound], "quarter", quarter) and selects([bound], "2g.20gb", mig)
+    assert selects([profile], "2g.20gb", mig) and not selects([profile], "mig-1g10gb", SAMPLE_DEVICES["mig-1g10gb"])
+    assert selects([share_count], "quarter", quarter)

@@ -234,7 +234,8 @@ def test_recorded_compute_modes_and_where_mps_daemons_run(settings: Settings) ->
     assert (f"{GPU0}: compute mode EXCLUSIVE_PROCESS for MPS, held by 1 claim(s); restored to DEFAULT when the "
             "last one is unprepared") in text
     assert f"{gpu1}: compute mode to be restored to PROHIBITED" in text
-    assert "MPS daemons run as: child processes of the plugin (they stop with the plugin container)" in text
+    assert ("MPS daemons run as: child processes of the plugin process (they stop with it: in a pod, with the "
+            "plugin container)") in text
 
     hosted = settings.model_copy(update={"mps_host_socket": Path("/run/tessera/mps-host/host.sock")})
     assert collect(hosted)["mps_daemons_run_by"] == ("MPS host at /run/tessera/mps-host/host.sock "

@@ -3,10 +3,14 @@
 Memory: ``nvmlDeviceGetComputeRunningProcesses`` and, for MPS clients (which the first lists only
 as the MPS server), ``nvmlDeviceGetMPSComputeRunningProcesses`` (nvml.h); each entry carries the
 pid, ``usedGpuMemory`` (pynvml gives None for NVML_VALUE_NOT_AVAILABLE) and, on a MIG-enabled
-GPU, the GPU and compute instance it runs in. SM use: ``nvmlDeviceGetProcessUtilization`` (the
-samples since a timestamp; ``smUtil`` in percent), not supported on every GPU: then None.
-The pod: ``<host root>/proc/<pid>/cgroup`` (NVML answers host PIDs, so the plugin needs the host's
-/proc there: hostPID, or the host root mounted with its /proc).
+GPU, the GPU and compute instance it runs in. A pid in the MPS list is an MPS client, whichever
+list also names it. SM use: ``nvmlDeviceGetProcessUtilization`` (the samples since a timestamp;
+``smUtil`` in percent), not supported on every GPU: then None. Samples are passed on as NVML gives
+them; whether one is a claim's own (not for MPS clients, whose work NVML gives to the server, nor
+on MIG) is decided in ``usage.py``.
+The pod: ``<host root>/proc/<pid>/cgroup``, the parent: ``<host root>/proc/<pid>/stat`` (NVML
+answers host PIDs, so the plugin needs the host's /proc there: hostPID, or the host root mounted
+with its /proc).
 """
 
 from __future__ import annotations
@@ -42,6 +46,20 @@ def read_pod_uid(host_root: Path, pid: int) -> str | None:
         return None  # gone since NVML listed it, or not visible from here
 
 
+def read_parent_pid(host_root: Path, pid: int) -> int | None:
+    """Field 4 of ``/proc/<pid>/stat``, None when the process is gone or not visible from here."""
+    try:
+        text = (host_root / "proc" / str(pid) / "stat").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    # Field 2 (comm) is parenthesised and may hold spaces or ')': the fields after the last ')' are plain.
+    rest = text.rpartition(")")[2].split()
+    try:
+        return int(rest[1])
+    except (IndexError, ValueError):
+        return None
+
+
 class NvmlProcesses:
     """A :class:`ProcessSource` over NVML (``nvml``: the pynvml module, initialised by the health source)."""
 
@@ -64,8 +82,10 @@ class NvmlProcesses:
             except nvml.NVMLError:
                 continue
             sm = self._sm_by_pid(handle)
+            running, mps = self._running(handle)
+            clients = {int(entry.pid) for entry in mps}
             seen: set[tuple[int, str]] = set()
-            for entry in self._running(handle):
+            for entry in [*running, *mps]:
                 pid = int(entry.pid)
                 uuid = mig_uuid_for(gpu, int(getattr(entry, "gpuInstanceId", 0xFFFFFFFF)),
                                     int(getattr(entry, "computeInstanceId", 0xFFFFFFFF))) or gpu.uuid
@@ -74,16 +94,20 @@ class NvmlProcesses:
                 seen.add((pid, uuid))
                 memory = entry.usedGpuMemory
                 found.append(ProcessUsage(pid=pid, uuid=uuid, memory_bytes=None if memory is None else int(memory),
-                                          sm_percent=sm.get(pid), pod_uid=read_pod_uid(self._host_root, pid)))
+                                          sm_percent=sm.get(pid), pod_uid=read_pod_uid(self._host_root, pid),
+                                          mps_client=pid in clients,
+                                          parent_pid=read_parent_pid(self._host_root, pid)))
         return found
 
-    def _running(self, handle: Any) -> list[Any]:
+    def _running(self, handle: Any) -> tuple[list[Any], list[Any]]:
+        """(compute processes, MPS clients) on the GPU."""
         nvml = self._nvml
         # pynvml's unversioned calls are the _v3 ones behind a check that raises NVMLLibraryMismatchError
         # (a plain Exception, not an NVMLError) when the driver lacks the _v3 symbol; _v2 then still works.
         mismatch = getattr(nvml, "NVMLLibraryMismatchError", nvml.NVMLError)
-        entries: list[Any] = []
-        for name in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses"):
+        lists: tuple[list[Any], list[Any]] = ([], [])
+        for name, entries in zip(("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses"),
+                                 lists, strict=True):
             for call in (name, f"{name}_v2"):
                 try:
                     entries.extend(getattr(nvml, call)(handle))
@@ -94,7 +118,7 @@ class NvmlProcesses:
                 except (nvml.NVMLError, AttributeError) as err:
                     log.debug("cannot list a GPU's processes", extra={"call": call, "reason": str(err)})
                     break
-        return entries
+        return lists
 
     def _sm_by_pid(self, handle: Any) -> dict[int, float]:
         nvml = self._nvml

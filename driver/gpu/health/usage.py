@@ -7,12 +7,21 @@ device's memory, an MPS share's pinned memory limit and active thread percentage
 share's consumed memory, or a time-slice share's equal part of the GPU (1/count of its memory
 and SMs), which nothing enforces: time slicing only shares the GPU's time, every process still
 sees all of its memory (NVIDIA GPU sharing docs, "Time-Slicing": "no memory or fault-isolation").
+
+What NVML cannot attribute stays unknown (None), never zero: a claim device's SM utilisation is
+unknown on a MIG device (nvml.h: "On MIG-enabled GPUs, querying process utilization is not
+currently supported") and wherever MPS serves it (MPS docs: "All MPS client behavior will be
+attributed to the MPS server process by system monitoring and accounting tools (for example,
+nvidia-smi, NVML API)"), and its memory is unknown where NVML gave no figure for one of its
+processes. Unknown values never make an entitlement exceeded. The MPS servers of the driver's own
+daemons serve every claim of their GPU, so none of them is any claim's; an admin-access device holds
+no share, so it is reported without an entitlement.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from driver.gpu.checkpoint import ClaimRecord, PreparedDeviceRecord
@@ -33,6 +42,15 @@ class ProcessUsage:
     memory_bytes: int | None = None  # None: NVML cannot tell (e.g. without permission on Windows/WSL)
     sm_percent: float | None = None  # None: no utilisation sample for it
     pod_uid: str | None = None  # None: not a pod's process (or its cgroup could not be read)
+    # Listed by nvmlDeviceGetMPSComputeRunningProcesses: an MPS client, whose SM use NVML gives to the server.
+    mps_client: bool = False
+    # Its parent (/proc/<pid>/stat): an MPS server is the child of the control daemon that started it.
+    parent_pid: int | None = None
+
+
+# Why a claim device's SM utilisation is unknown (shown by inspect; docs/operations.md, "Per-claim GPU usage").
+SM_UNKNOWN_MIG = "MIG device: NVML has no per-process utilisation on MIG"
+SM_UNKNOWN_MPS = "MPS: NVML attributes MPS clients' SM use to the MPS server"
 
 
 @dataclass(frozen=True)
@@ -42,17 +60,21 @@ class ClaimDeviceUsage:
     device: str
     kind: str
     pids: tuple[int, ...]
-    memory_bytes: int
-    memory_limit_bytes: int | None  # the limit (enforced) or entitlement (not), None when unknown
-    sm_percent: float | None  # None when no process had a sample
+    memory_bytes: int | None  # None when NVML gave no figure for one of the processes
+    memory_limit_bytes: int | None  # the limit (enforced) or entitlement (not), None when unknown or none
+    sm_percent: float | None  # None when no process had a sample, or NVML cannot attribute it (sm_unknown)
     sm_limit_percent: float | None
     # Whether something holds the processes to the limit whatever they do (MIG, mps-per-process), or only
     # their agreement (mps-advisory, entitlements).
     enforced: bool
+    sm_unknown: str | None = None  # why the SM utilisation cannot be known on this device (SM_UNKNOWN_*)
+    # An admin-access device: shared for monitoring, it holds no share, so it has no limit or entitlement.
+    admin_access: bool = False
 
     @property
     def over_memory(self) -> bool:
-        return self.memory_limit_bytes is not None and self.memory_bytes > self.memory_limit_bytes
+        return (self.memory_bytes is not None and self.memory_limit_bytes is not None
+                and self.memory_bytes > self.memory_limit_bytes)
 
     @property
     def over_sm(self) -> bool:
@@ -65,6 +87,17 @@ class ClaimDeviceUsage:
         if self.enforced:
             return []
         return [what for what, over in (("memory", self.over_memory), ("sm", self.over_sm)) if over]
+
+    @property
+    def judged(self) -> list[str]:
+        """The resources whose use can be set against a limit: both known ("memory", "sm").
+
+        Only these get an over-entitlement value: an unknown use is neither over nor within, and an
+        admin-access device has nothing to be over.
+        """
+        known = (("memory", self.memory_bytes is not None and self.memory_limit_bytes is not None),
+                 ("sm", self.sm_percent is not None and self.sm_limit_percent is not None))
+        return [what for what, ok in known if ok and not self.admin_access]
 
 
 def pod_uid_from_cgroup(text: str) -> str | None:
@@ -84,7 +117,10 @@ def _entitlement(claim: ClaimRecord, record: PreparedDeviceRecord, target: Devic
     MPS share whose daemon none of them can retune or bypass (``mps-per-process``, recorded at
     prepare by tenancy.py). An advisory MPS limit (clients any, a driver branch whose daemon takes
     settings from any UID, a consumable share's GPU in DEFAULT mode) and an entitlement are not.
+    An admin-access device has none: its claim holds no share of the device (docs/sharing.md).
     """
+    if record.admin_access:
+        return None, None, False
     whole = target.memory_bytes if target is not None else None
     if record.kind in ("gpu", "mig"):
         return whole, 100.0, True
@@ -103,24 +139,45 @@ def _entitlement(claim: ClaimRecord, record: PreparedDeviceRecord, target: Devic
     return shares.memory_bytes_per_share, 100.0 / shares.count, False
 
 
+def _sm_unknown(record: PreparedDeviceRecord, found: Iterable[ProcessUsage]) -> str | None:
+    """Why NVML cannot give the SM utilisation of a claim's processes on this device, None if it can."""
+    if record.kind == "mig" or record.mig_uuid is not None:
+        return SM_UNKNOWN_MIG
+    # Shares are served by an MPS daemon (an admin-access device is not: its processes are no clients);
+    # a process NVML lists as an MPS client says so too (a claim running MPS of its own on its GPU).
+    served = not record.admin_access and (record.kind in ("mps", "consumable") or record.mps_daemon_id is not None)
+    if served or any(p.mps_client for p in found):
+        return SM_UNKNOWN_MPS
+    return None
+
+
 def claim_usage(claims: Iterable[ClaimRecord], processes: Iterable[ProcessUsage],
-                targets: Mapping[str, DeviceTarget], layout: Mapping[str, GpuShares]) -> list[ClaimDeviceUsage]:
-    """Usage of every prepared claim's devices (zero where none of its pods' processes run)."""
+                targets: Mapping[str, DeviceTarget], layout: Mapping[str, GpuShares],
+                mps_daemon_pids: Collection[int] = ()) -> list[ClaimDeviceUsage]:
+    """Usage of every prepared claim's devices (zero where none of its pods' processes run).
+
+    ``mps_daemon_pids``: the driver's MPS control daemons; their children are MPS servers, which
+    run every client of their GPU (whichever claim), so they count for no claim whatever their pod.
+    """
     by_pod_and_uuid: dict[tuple[str, str], list[ProcessUsage]] = {}
     for process in processes:
-        if process.pod_uid is not None:
+        if process.pod_uid is not None and process.parent_pid not in mps_daemon_pids:
             by_pod_and_uuid.setdefault((process.pod_uid, process.uuid), []).append(process)
     usage = []
     for record in sorted(claims, key=lambda r: (r.namespace, r.name)):
         for device in record.devices:
             uuid = device.mig_uuid or device.gpu_uuid
             found = [p for pod in record.pod_uids for p in by_pod_and_uuid.get((pod, uuid), [])]
-            samples = [p.sm_percent for p in found if p.sm_percent is not None]
+            unknown = _sm_unknown(device, found)
+            # A sample there would be no claim's own (MPS: the server's; MIG: none is defined), so none is used.
+            samples = [p.sm_percent for p in found if p.sm_percent is not None] if unknown is None else []
+            memories = [p.memory_bytes for p in found]
             memory, sm, enforced = _entitlement(record, device, targets.get(device.device.device_name),
                                                 layout.get(device.gpu_uuid))
             usage.append(ClaimDeviceUsage(
                 namespace=record.namespace, claim=record.name, device=device.device.device_name, kind=device.kind,
-                pids=tuple(sorted(p.pid for p in found)), memory_bytes=sum(p.memory_bytes or 0 for p in found),
+                pids=tuple(sorted(p.pid for p in found)),
+                memory_bytes=None if None in memories else sum(m for m in memories if m is not None),
                 memory_limit_bytes=memory, sm_percent=sum(samples) if samples else None, sm_limit_percent=sm,
-                enforced=enforced))
+                enforced=enforced, sm_unknown=unknown, admin_access=device.admin_access))
     return usage

@@ -2,7 +2,10 @@
 
 ``<state dir>/claim-usage.json``, rewritten atomically at each usage sample:
 ``{"updated": <unix s>, "usage": [{"namespace", "claim", "device", "kind", "pids", "memory_bytes",
-"memory_limit_bytes", "sm_percent", "sm_limit_percent", "enforced", "over_entitlement"}]}``.
+"memory_limit_bytes", "sm_percent", "sm_limit_percent", "enforced", "sm_unknown", "admin_access",
+"over_entitlement"}]}``. ``memory_bytes`` and ``sm_percent`` are null where unknown (``sm_unknown``
+says why NVML cannot attribute SM use on the device); files written before ``sm_unknown`` and
+``admin_access`` existed lack them.
 """
 
 from __future__ import annotations
@@ -51,10 +54,13 @@ def add_to_inspect(report: dict[str, Any], path: Path) -> None:
                 continue
             device["usage"] = {k: entry[k] for k in ("pids", "memory_bytes", "memory_limit_bytes", "sm_percent",
                                                      "sm_limit_percent", "enforced", "over_entitlement")}
+            device["usage"].update(sm_unknown=entry.get("sm_unknown"), admin_access=entry.get("admin_access", False))
             total = per_device.setdefault(device["device"], {"claims": [], "pids": [], "memory_bytes": 0})
             total["claims"].append(claim["claim"])
             total["pids"].extend(entry["pids"])
-            total["memory_bytes"] += entry["memory_bytes"]
+            # One claim's unknown memory makes the device's total unknown: a partial sum would understate it.
+            known = total["memory_bytes"] is not None and entry["memory_bytes"] is not None
+            total["memory_bytes"] = total["memory_bytes"] + entry["memory_bytes"] if known else None
     report["device_usage"] = per_device
 
 
@@ -73,7 +79,15 @@ def render_usage(report: dict[str, Any]) -> list[str]:
             u = device.get("usage")
             if u is None:
                 continue
-            sm = "-" if u["sm_percent"] is None else f"{u['sm_percent']:g}%"
+            if u.get("sm_unknown"):
+                sm = f"unknown ({u['sm_unknown']})"
+            else:
+                sm = "-" if u["sm_percent"] is None else f"{u['sm_percent']:g}%"
+            if u.get("admin_access"):
+                # An admin-access claim holds no share of the device: nothing to set its use against.
+                lines.append(f"- {claim['claim']} {device['device']}: memory {_mib(u['memory_bytes'])}, SM {sm}, "
+                             f"{len(u['pids'])} process(es), admin access: no entitlement")
+                continue
             sm_limit = "?" if u["sm_limit_percent"] is None else f"{u['sm_limit_percent']:g}%"
             word = "limit" if u["enforced"] else "entitled"
             over = f"  OVER ENTITLEMENT ({', '.join(u['over_entitlement'])})" if u["over_entitlement"] else ""

@@ -47,7 +47,8 @@ class ClaimUsageWatch:
             if self._last is not None and now - self._last[0] < _REUSE_S:
                 return self._last[1]
             cp, view = self._checkpoint(), self._view()
-            usage = claim_usage(cp.claims.values(), self.source.processes(), view.targets, cp.layout)
+            usage = claim_usage(cp.claims.values(), self.source.processes(), view.targets, cp.layout,
+                                mps_daemon_pids={d.pid for d in cp.mps_daemons.values()})
             self._note_entitlements(usage)
             self._last = (now, usage)
         if self._report_path is not None:
@@ -105,17 +106,22 @@ class ClaimUsageWatch:
             return read
 
         def over() -> Series:
+            # Only where use and limit are both known: 0 would claim "within" for an unknown use (MPS or MIG
+            # SM utilisation) or a device with no entitlement (admin access).
             for u in self.usage():
-                for what in ("memory", "sm"):
+                for what in u.judged:
                     yield (1.0 if what in u.over_entitlement else 0.0), {**labels(u), "resource": what}
 
         telemetry.observe_labelled("claim_gpu_memory_used_bytes", "GPU memory used by the processes of a claim's "
-                                   "pods on one of its devices", series(lambda u: u.memory_bytes))
+                                   "pods on one of its devices (absent where NVML gives no figure)",
+                                   series(lambda u: u.memory_bytes))
         telemetry.observe_labelled("claim_gpu_memory_limit_bytes", "The memory a claim's device may use: its limit "
                                    "(enforced=true) or entitlement (enforced=false)",
                                    series(lambda u: u.memory_limit_bytes))
         telemetry.observe_labelled("claim_gpu_sm_utilization_percent", "SM utilisation of a claim's processes on "
-                                   "one of its devices (where NVML samples it)", series(lambda u: u.sm_percent))
+                                   "one of its devices (absent where NVML has no sample, and always on MPS shares "
+                                   "and MIG devices, whose SM use NVML cannot attribute)",
+                                   series(lambda u: u.sm_percent))
         telemetry.observe_labelled("claim_gpu_sm_limit_percent", "The SM share a claim's device may use: MPS active "
                                    "thread percentage, or a time-slice share's equal part", series(
                                        lambda u: u.sm_limit_percent))

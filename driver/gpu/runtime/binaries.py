@@ -107,9 +107,8 @@ def nvidia_library_dir(driver_root: Path, links_parent: Path | None = None) -> P
     wanted = _nvidia_libraries(driver_root)
     if not wanted:
         return None
-    parent = Path(tempfile.gettempdir()) if links_parent is None else links_parent
-    digest = hashlib.sha256(os.fsencode(driver_root.resolve())).hexdigest()[:12]
-    link_dir = parent / f"{LIBRARY_LINK_DIR_PREFIX}{digest}"
+    link_dir = library_link_dir(driver_root, links_parent)
+    parent = link_dir.parent
     try:
         _make_own_dir(link_dir)
         for name, target in wanted.items():
@@ -125,6 +124,13 @@ def nvidia_library_dir(driver_root: Path, links_parent: Path | None = None) -> P
             f"{exc}; the plugin needs a writable {parent}"
         ) from exc
     return link_dir
+
+
+def library_link_dir(driver_root: Path, links_parent: Path | None = None) -> Path:
+    """Where :func:`nvidia_library_dir` keeps the links for ``driver_root`` (a throwaway root's must go with it)."""
+    parent = Path(tempfile.gettempdir()) if links_parent is None else links_parent
+    digest = hashlib.sha256(os.fsencode(driver_root.resolve())).hexdigest()[:12]
+    return parent / f"{LIBRARY_LINK_DIR_PREFIX}{digest}"
 
 
 def _nvidia_libraries(driver_root: Path) -> dict[str, Path]:
