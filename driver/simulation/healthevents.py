@@ -7,10 +7,15 @@
     {"uuid": "GPU-...", "double_bit_ecc": true}
     {"uuid": "GPU-...", "lost": true}
     {"uuid": "GPU-...", "recovered": true}
+    {"uuid": "GPU-...", "recovery_action": 1}
+    {"uuid": "GPU-...", "row_remap": {"pending": true, "failed": false}}
 
 They become the same :class:`HealthEvent` the NVML source reports: an XID as NVML's
 ``nvmlEventTypeXidCriticalError`` carries it (the MIG UUID when NVML names a GPU instance), a lost
 GPU as ``NVML_ERROR_GPU_IS_LOST`` from polling, recovery as a GPU answering again after a reset.
+``recovery_action`` is a reading of ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` (0: none) and
+``row_remap`` one of ``nvmlDeviceGetRemappedRows``; both go through the NVML source's own rule
+(``driver/gpu/health/conditions.py``), so a pending remap leaves the GPU schedulable there too.
 A bad line is logged with its line number and skipped; the file may appear after the driver starts.
 """
 
@@ -23,9 +28,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.health.conditions import ConditionTracker
 from driver.gpu.health.model import EventKind, HealthEvent
 from driver.gpu.health.monitor import Emit
 from driver.gpu.health.sampling import DeviceSample
@@ -36,6 +42,13 @@ EVENTS_ENV = "TESSERA_SIM_EVENTS"
 POLL_INTERVAL_S = 0.1
 
 
+class RowRemap(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pending: bool = False
+    failed: bool = False
+
+
 class SimulatedEvent(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -44,12 +57,16 @@ class SimulatedEvent(BaseModel):
     double_bit_ecc: bool = False
     lost: bool = False
     recovered: bool = False
+    recovery_action: int | None = Field(default=None, ge=0)
+    row_remap: RowRemap | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> SimulatedEvent:
-        count = (self.xid is not None) + self.double_bit_ecc + self.lost + self.recovered
+        count = ((self.xid is not None) + self.double_bit_ecc + self.lost + self.recovered
+                 + (self.recovery_action is not None) + (self.row_remap is not None))
         if count != 1:
-            raise ValueError("an event needs exactly one of xid (a number), double_bit_ecc, lost or recovered")
+            raise ValueError("an event needs exactly one of xid (a number), double_bit_ecc, lost, recovered, "
+                             "recovery_action (a number) or row_remap")
         return self
 
     def kind(self) -> EventKind:
@@ -74,6 +91,7 @@ class SimulatedHealthEvents:
     def __init__(self, path: Path, inventory: Callable[[], NodeInventory]):
         self._path = path
         self._inventory = inventory
+        self._conditions = ConditionTracker()
 
     def describe(self) -> str:
         return f"SIMULATION: events from {self._path}"
@@ -104,9 +122,21 @@ class SimulatedHealthEvents:
         except ValueError as err:
             log.error("SIMULATION: skipping a bad health event", extra={"reason": str(err)})
             return
+        if event.recovery_action is not None:
+            self._emit_change(self._conditions.recovery_action(event.uuid, event.recovery_action), emit)
+            return
+        if event.row_remap is not None:
+            remap = event.row_remap
+            self._emit_change(self._conditions.row_remap(event.uuid, remap.pending, remap.failed), emit)
+            return
         parent = self._parent_of(event.uuid)
         emit(HealthEvent(uuid=event.uuid, kind=event.kind(), xid=event.xid, detail="SIMULATION",
                          parent_uuid=parent))
+
+    @staticmethod
+    def _emit_change(event: HealthEvent | None, emit: Emit) -> None:
+        if event is not None:
+            emit(event)
 
     def _parent_of(self, uuid: str) -> str | None:
         for gpu in self._inventory().gpus:

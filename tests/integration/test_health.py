@@ -163,3 +163,26 @@ def test_taints_are_not_sent_to_a_server_without_device_taints() -> None:
             watch.close()
     finally:
         node.close()
+
+
+def test_a_recovery_action_clears_only_itself_and_a_pending_row_remap_leaves_the_gpu_schedulable() -> None:
+    # nvml.h: a recovery-action event carries no action (eventData is 0), so the action is read from
+    # the field; NVIDIA's memory-error guide: a pending remap lets work go on until the next reset.
+    node = new_node()
+    try:
+        start(node)
+        l4 = gpu_uuid(node, 2)
+        inject(node, uuid=l4, xid=79)
+        inject(node, uuid=l4, recovery_action=1)  # NVML asks for a GPU reset
+        wait_until(lambda: tainted(node) == dict.fromkeys(SHARES, "xid-79"), 5, f"xid-79 taints (have {tainted(node)})")
+        inject(node, uuid=l4, recovery_action=0)  # the action goes away: its reason goes, the XID's stays
+        inject(node, uuid=gpu_uuid(node, 0), row_remap={"pending": True})  # the whole GPU: a reset is due
+        wait_until(lambda: any("row remap is pending" in str(e.get("msg")) for e in node.log()), 5,
+                   "the pending remap logged")
+        assert tainted(node) == dict.fromkeys(SHARES, "xid-79"), "the recovery action cleared the XID 79"
+        claim = node.claim("on-remap-pending", [("gpu", "gpu-0")])
+        node.prepare_ok(claim)  # still schedulable and preparable
+        inject(node, uuid=gpu_uuid(node, 0), row_remap={"pending": False, "failed": True})
+        wait_until(lambda: tainted(node).get("gpu-0") == "row-remapping", 5, "a failed remap taints the GPU")
+    finally:
+        node.close()

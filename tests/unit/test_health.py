@@ -277,7 +277,7 @@ def test_a_pending_row_remap_leaves_the_gpu_healthy_and_is_logged_once(
     nvml = FakeNvml([g.uuid for g in inventory.gpus])
     source = NvmlHealthSource(nvml, lambda: inventory, poll_interval=0)
     nvml.remap[uuid] = (1, 0)
-    with caplog.at_level(logging.INFO, logger="driver.gpu.health.nvmlsource"):
+    with caplog.at_level(logging.INFO, logger="driver.gpu.health.conditions"):
         assert run_source(source, nvml, 2) == []
         nvml.remap[uuid] = (0, 0)
         assert run_source(source, nvml, 1) == []

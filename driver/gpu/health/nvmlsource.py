@@ -13,9 +13,8 @@ remap went away after a reset, is reported recovered from that condition only.
 
 A recovery-action event carries no action: nvml.h says ``eventData`` "Stores Xid error for the
 device in the event of nvmlEventTypeXidCriticalError, eventData is 0 for any other event". The
-action is read from the field value when the event arrives. A pending row remap is not a fault:
-NVIDIA's memory-error guide says unaffected applications keep running and new work can start until
-the next reset, so it is logged (once), and only a failed remap makes the GPU unhealthy.
+action is read from the field value when the event arrives. What a recovery action or a row remap
+means for health is ``conditions.py``'s rule, shared with the simulation.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
+from driver.gpu.health.conditions import ConditionTracker
 from driver.gpu.health.model import EventKind, HealthEvent
 from driver.gpu.health.monitor import Emit
 from driver.gpu.health.sampling import DeviceSample
@@ -35,8 +35,6 @@ log = logging.getLogger(__name__)
 
 # nvml.h: the event did not happen inside a GPU or compute instance.
 NO_INSTANCE = 0xFFFFFFFF
-_RECOVERY_ACTION_NAMES = {1: "GPU reset", 2: "node reboot", 3: "drain peer-to-peer traffic",
-                          4: "drain and reset", 5: "recover the IMEX domain", 6: "bus reset", 7: "system reboot"}
 
 
 def event_for(nvml: Any, event_type: int, event_data: int, uuid: str, mig_uuid: str | None) -> HealthEvent | None:
@@ -75,9 +73,7 @@ class NvmlHealthSource:
         self._poll_interval = poll_interval
         self._wait_ms = wait_ms
         self._lost: set[str] = set()
-        self._needs_action: set[str] = set()
-        self._remap_pending: set[str] = set()
-        self._remap_failed: set[str] = set()
+        self._conditions = ConditionTracker()
 
     def describe(self) -> str:
         return "NVML events and polling"
@@ -184,27 +180,13 @@ class NvmlHealthSource:
             self._poll_row_remapping(gpu.uuid, handle, emit)
 
     def _poll_row_remapping(self, uuid: str, handle: Any, emit: Emit) -> None:
-        # nvml.h: a pending remap takes effect at the next GPU reset, and the memory-error guide lets
-        # work go on until then; a failure means the memory could not be remapped (the GPU needs service).
         nvml = self._nvml
         try:
             _corrected, _uncorrected, pending, failed = nvml.nvmlDeviceGetRemappedRows(handle)
         except (nvml.NVMLError, AttributeError):
             return  # not supported (pre-Ampere GPUs) or a pynvml without it
-        if pending and uuid not in self._remap_pending:
-            self._remap_pending.add(uuid)
-            log.warning("a memory row remap is pending on a GPU: it applies at the next GPU reset; running and "
-                        "new work is unaffected until then, so the GPU stays schedulable", extra={"uuid": uuid})
-        elif not pending and uuid in self._remap_pending:
-            self._remap_pending.discard(uuid)
-            log.info("no memory row remap pending on the GPU any more", extra={"uuid": uuid})
-        if failed and uuid not in self._remap_failed:
-            self._remap_failed.add(uuid)
-            emit(HealthEvent(uuid, EventKind.ROW_REMAPPING, detail="remapping failed"))
-        elif not failed and uuid in self._remap_failed:
-            self._remap_failed.discard(uuid)
-            emit(HealthEvent(uuid, EventKind.RECOVERED, detail="no failed memory row remapping any more",
-                             clears="row-remapping"))
+        if (event := self._conditions.row_remap(uuid, bool(pending), bool(failed))) is not None:
+            emit(event)
 
     def _check_recovery_action(self, uuid: str, handle: Any, emit: Emit) -> None:
         """Read ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` (on its event, and at each poll)."""
@@ -218,12 +200,5 @@ class NvmlHealthSource:
             return
         if getattr(value, "nvmlReturn", 0) != 0:
             return  # not supported by this GPU or driver
-        action = int(value.value.uiVal)
-        if action != 0 and uuid not in self._needs_action:
-            self._needs_action.add(uuid)
-            emit(HealthEvent(uuid, EventKind.RECOVERY_ACTION,
-                             detail=_RECOVERY_ACTION_NAMES.get(action, f"recovery action {action}")))
-        elif action == 0 and uuid in self._needs_action:
-            self._needs_action.discard(uuid)
-            emit(HealthEvent(uuid, EventKind.RECOVERED, detail="NVML reports no recovery action needed",
-                             clears="recovery-action"))
+        if (event := self._conditions.recovery_action(uuid, int(value.value.uiVal))) is not None:
+            emit(event)
