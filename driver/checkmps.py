@@ -18,6 +18,7 @@ import json
 import math
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from driver.checkresult import CheckResult, fail, ok, skipped
@@ -29,7 +30,7 @@ from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsError
 from driver.gpu.mps.proc import CONTROL_BINARY
 from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
-from driver.reaper import remove_on_exit
+from driver.reaper import no_cleanup
 from driver.units import MIB
 
 PINNED_LIMIT_MIB = 2048
@@ -164,7 +165,8 @@ def client_skip_reason(driver_root: Path, simulated: bool) -> str | None:
 
 
 def mps_checks(driver_root: Path, inventory: NodeInventory, compute_modes: dict[str, str],
-               requested: str | None, simulated: bool) -> list[CheckResult]:
+               requested: str | None, simulated: bool,
+               remove_on_exit: Callable[[Path], None] = no_cleanup) -> list[CheckResult]:
     """Start a daemon, run the client (where one can run), stop the daemon: always, even on an exception."""
     try:
         target = choose_target(inventory, compute_modes, requested)

@@ -46,7 +46,7 @@ from driver.gpu.runtime.binaries import (
 )
 from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
 from driver.gpu.sharingplan import PlanError, load_plans, resolve_layout
-from driver.reaper import remove_on_exit
+from driver.reaper import no_cleanup
 from driver.units import GIB
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ class NodeRoots:
 
 
 @contextlib.contextmanager
-def node_roots(settings: Settings, inventory: NodeInventory | None) -> Iterator[NodeRoots]:
+def node_roots(settings: Settings, inventory: NodeInventory | None,
+               remove_on_exit: Callable[[Path], None] = no_cleanup) -> Iterator[NodeRoots]:
     """The configured roots; with ``--simulate`` and no host root given, a simulated tree removed afterwards."""
     simulated = settings.simulate is not None
     if settings.simulate is None or settings.host_root != Path("/") or inventory is None:
@@ -255,14 +256,16 @@ class UnknownMpsDevice(ValueError):
     """``--mps-device`` names no GPU or MIG device of this node: a usage error, not a failed check."""
 
 
-def check_node(settings: Settings, mps_device: str | None = None) -> NodeReport:
+def check_node(settings: Settings, mps_device: str | None = None,
+               remove_on_exit: Callable[[Path], None] = no_cleanup) -> NodeReport:
+    """``remove_on_exit``: the command's :meth:`Reaper.remove_on_exit`, for the scratch directories."""
     inventory, results = discover(settings)
     if mps_device is not None and inventory is not None:
         known = [g.uuid for g in inventory.gpus] + [m.uuid for g in inventory.gpus for m in g.mig_instances]
         if mps_device not in known:
             raise UnknownMpsDevice(f"--mps-device {mps_device!r}: not a GPU or MIG device of this node "
                                    f"(known: {', '.join(known) or 'none'})")
-    with node_roots(settings, inventory) as roots:
+    with node_roots(settings, inventory, remove_on_exit) as roots:
         results += _guarded("device nodes", lambda: device_checks(settings, roots, inventory))
         results += _guarded("toolkit CDI spec", lambda: toolkit_checks(settings, roots))
         results += _guarded("libcuda", lambda: libcuda_check(roots))
@@ -275,11 +278,12 @@ def check_node(settings: Settings, mps_device: str | None = None) -> NodeReport:
             results.append(skipped("MPS", "no GPU inventory (see the NVML line)"))
         else:
             results += _guarded("MPS", lambda: mps_checks(roots.driver_root, inventory, modes, mps_device,
-                                                          roots.simulated))
+                                                          roots.simulated, remove_on_exit))
     return NodeReport(simulated=roots.simulated, notes=list(roots.notes), checks=results)
 
 
-def run_check_node(settings: Settings, as_json: bool, mps_device: str | None) -> tuple[int, str]:
+def run_check_node(settings: Settings, as_json: bool, mps_device: str | None,
+                   remove_on_exit: Callable[[Path], None] = no_cleanup) -> tuple[int, str]:
     """(exit status, output) for the CLI, which runs it under a :class:`~driver.reaper.Reaper`."""
-    report = check_node(settings, mps_device)
+    report = check_node(settings, mps_device, remove_on_exit)
     return exit_status(report), render_json(report) if as_json else render_table(report)

@@ -119,8 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         configure_logging("debug" if args.verbose else "critical", "text")
         try:
-            with Reaper():
-                status, output = run_check_node(settings, args.json, args.mps_device)
+            with Reaper() as reaper:
+                status, output = run_check_node(settings, args.json, args.mps_device, reaper.remove_on_exit)
         except UnknownMpsDevice as exc:
             print(f"{prog}: {exc} ({prog} --help lists the flags)", file=sys.stderr)
             return USAGE_ERROR

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.kubeletplugin.types import ClaimRef
 from driver.nodelayout import SIMULATED_NODE_NAME
-from driver.reaper import TOKEN_ENV, Interrupted, Reaper, processes_with_env, remove_on_exit, stop_processes
+from driver.reaper import TOKEN_ENV, Interrupted, Reaper, no_cleanup, processes_with_env, stop_processes
 from driver.simulation.allocator import AllocationError, allocate, claim_from_template
 from driver.simulation.apiserver import FakeApiServer
 from driver.simulation.discovery import SimulatedDiscovery, available_layouts
@@ -71,8 +71,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         # SIGTERM, Ctrl-C and a closed terminal (SIGHUP) stop the demo in order; kill -9 leaves it to the
         # reaper's watchdog. Either way the driver and every stand-in it started are stopped.
-        with Reaper():
-            return run_demo(options, mode)
+        with Reaper() as reaper:
+            return run_demo(options, mode, reaper.remove_on_exit)
     except Interrupted as stop:
         _say(f"\ndemo stopped by {stop}: the driver and every stand-in it started are stopped")
         return stop.status
@@ -210,7 +210,8 @@ def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, w
     return refs
 
 
-def run_demo(options: DemoOptions, mode: ShareMode = "mps") -> int:
+def run_demo(options: DemoOptions, mode: ShareMode = "mps", remove_on_exit: Callable[[Path], None] = no_cleanup) -> int:
+    """``remove_on_exit``: the demo's :meth:`Reaper.remove_on_exit`, so a killed demo's files go too."""
     keep = options.workdir is not None
     work = options.workdir or Path(tempfile.mkdtemp(prefix="tessera-demo-", dir="/tmp"))
     work.mkdir(parents=True, exist_ok=True)

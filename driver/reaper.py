@@ -41,7 +41,6 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WATCHDOG_WAIT_S = 15.0
 
-_active: Reaper | None = None
 
 
 class Interrupted(BaseException):
@@ -120,7 +119,6 @@ class Reaper:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> Reaper:
-        global _active
         # os.pipe() descriptors are not inherited: only the watchdog (given the read end) and this
         # process hold the pipe, so its end-of-file means this process is gone.
         read_end, self._pipe = os.pipe()
@@ -130,7 +128,6 @@ class Reaper:
             stdin=subprocess.DEVNULL, start_new_session=True)
         os.close(read_end)
         os.environ[TOKEN_ENV] = self.token
-        _active = self
         self._previous = {s: signal.signal(s, _interrupt) for s in STOP_SIGNALS}
         # The command's own parent (a shell, kubectl exec) dying is a SIGTERM to it, handled like any other.
         parent = os.getppid()
@@ -147,11 +144,9 @@ class Reaper:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        global _active
         try:
             reap(self.token, self._dirs)
         finally:
-            _active = None
             _parent_death_signal(0)  # the process may go on (tests call commands in-process)
             os.environ.pop(TOKEN_ENV, None)
             if self._pipe is not None:
@@ -176,10 +171,8 @@ def _parent_death_signal(signum: int) -> None:
         pass  # no prctl here: a signal or the watchdog still covers everything but the parent's death
 
 
-def remove_on_exit(path: Path) -> None:
-    """:meth:`Reaper.remove_on_exit` on the command's reaper, if it runs under one."""
-    if _active is not None:
-        _active.remove_on_exit(path)
+def no_cleanup(_path: Path) -> None:
+    """For a command that runs under no :class:`Reaper` (in-process callers): its own cleanup is all."""
 
 
 def watchdog(token: str, read_fd: int) -> None:

@@ -185,7 +185,8 @@ def test_sigterm_and_ctrl_c_end_the_demo_with_the_signal_status(monkeypatch: pyt
     for signum in (signal.SIGTERM, signal.SIGINT):
         cleaned: list[bool] = []
 
-        def fake_run(options: object, mode: object, signum: int = signum, cleaned: list[bool] = cleaned) -> int:
+        def fake_run(options: object, mode: object, remove_on_exit: object, signum: int = signum,
+                     cleaned: list[bool] = cleaned) -> int:
             try:
                 os.kill(os.getpid(), signum)
                 time.sleep(10)  # the handler interrupts this
