@@ -36,6 +36,8 @@ import uuid
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from driver.gpu.mps.proc import read_proc_stat
+
 TOKEN_ENV = "TESSERA_REAPER_TOKEN"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -94,11 +96,8 @@ def stop_processes(pids: list[int], grace_s: float = 3.0) -> None:
 
 
 def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+    stat = read_proc_stat(pid)
+    return stat is not None and stat.state not in ("Z", "X")
 
 
 def reap(token: str, dirs: list[Path], grace_s: float = 3.0) -> None:

@@ -20,10 +20,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cdi.yamlload import load_yaml
-from driver.gpu.claimconfig.api import ByteQuantity, describe_validation_error
+from driver.gpu.claimconfig.api import ByteQuantity, ShmSize, describe_validation_error
 from driver.gpu.consumable import UNDETECTED, KernelMemoryLimits, build_policy
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
-from driver.gpu.mps.model import check_shm_size
 from driver.gpu.sharelayout import GpuShares, MpsClients, SharingLayout, TimeSliceInterval
 from driver.units import MIB
 
@@ -94,18 +93,13 @@ class MpsShares(_PlanObject):
     clients: MpsClients = "nonRoot"
     # The GPU's daemon's own /dev/shm tmpfs, which every share's containers use with it: size it for
     # all the shares. Default: the node's --mps-shm-size.
-    shmSize: ByteQuantity | None = None
+    shmSize: ShmSize | None = None
 
     @field_validator("shares")
     @classmethod
     def _shares_range(cls, value: int) -> int:
         _between(2, 48, value)
         return value
-
-    @field_validator("shmSize")
-    @classmethod
-    def _shm_size_range(cls, value: int | None) -> int | None:
-        return None if value is None else check_shm_size(value)
 
     @field_validator("activeThreadPercentage")
     @classmethod
@@ -150,12 +144,7 @@ class ConsumableShares(_PlanObject):
     multiprocessorsDefault: int | None = None  # default multiprocessorsMin
     fallback: ConsumableFallback | None = None  # where the API server lacks consumable capacity; None: whole
     # Each claim's own daemon's /dev/shm tmpfs; default the node's --mps-shm-size.
-    shmSize: ByteQuantity | None = None
-
-    @field_validator("shmSize")
-    @classmethod
-    def _shm_size_range(cls, value: int | None) -> int | None:
-        return None if value is None else check_shm_size(value)
+    shmSize: ShmSize | None = None
 
 
 class PlanEntry(_PlanObject):

@@ -122,8 +122,7 @@ class ResourceClaim(_ServerObject):
         with lazy.mutex:
             if lazy.found is not None:
                 return lazy.found
-            refs = [(self.metadata.namespace, r.name, r.uid) for r in self.status.reserved_for
-                    if r.resource == "pods" and r.api_group == ""]
+            refs = [(self.metadata.namespace, r.name, r.uid) for r in self._reserved_pod_refs()]
             if not refs:
                 lazy.found = ReservedPods()
             elif lazy.reader is None:
@@ -131,15 +130,6 @@ class ResourceClaim(_ServerObject):
             else:
                 lazy.found = lazy.reader.read_pods(refs, timeout_s)
             return lazy.found
-            refs = [(self.metadata.namespace, r.name, r.uid) for r in self.status.reserved_for
-                    if r.resource == "pods" and r.api_group == ""]
-            if not refs:
-                self._reserved_pods = ReservedPods()
-            elif self._pod_reader is None:
-                raise PodsUnreadable("this claim source cannot read the pods the claim is reserved for")
-            else:
-                self._reserved_pods = self._pod_reader.read_pods(refs, timeout_s)
-            return self._reserved_pods
 
     @property
     def allocation(self) -> DeviceAllocationResult | None:
@@ -149,7 +139,10 @@ class ResourceClaim(_ServerObject):
     @property
     def pod_uids(self) -> list[str]:
         """The pods the claim is reserved for (core group ``pods``): whose processes use its devices."""
-        return [r.uid for r in self.status.reserved_for if r.resource == "pods" and r.api_group == ""]
+        return [r.uid for r in self._reserved_pod_refs()]
+
+    def _reserved_pod_refs(self) -> list[ResourceClaimConsumerReference]:
+        return [r for r in self.status.reserved_for if r.resource == "pods" and r.api_group == ""]
 
     def results_for(self, driver_name: str) -> list[DeviceRequestAllocationResult]:
         alloc = self.allocation

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import uuid
+from pathlib import Path
 from typing import Any
 
 from driver.kubeletplugin.types import ClaimRef
@@ -30,13 +31,18 @@ def reserved_claim(node: SimulatedNode, name: str, device: str, pod_uid: str, ad
     return ClaimRef(namespace="team-a", name=name, uid=uid)
 
 
+def _start(node: SimulatedNode, processes: Path, share: str) -> None:
+    """Start the driver reading simulated GPU processes from ``processes``; the L4 shared as ``share``."""
+    node.start(env={"TESSERA_SIM_PROCESSES": str(processes)})
+    node.wait_for_devices(["gpu-0", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mig-1g10gb-6",
+                           f"gpu-2-{share}-0", f"gpu-2-{share}-1"], timeout=30)
+
+
 def test_usage_of_a_time_sliced_claim_is_metered_and_going_over_its_entitlement_is_reported() -> None:
     node = SimulatedNode("demo", plans=PLANS, plan="ts")
     processes = node.work / "processes.json"
     try:
-        node.start(env={"TESSERA_SIM_PROCESSES": str(processes)})
-        node.wait_for_devices(["gpu-0", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mig-1g10gb-6",
-                               "gpu-2-ts-0", "gpu-2-ts-1"], timeout=30)
+        _start(node, processes, "ts")
         pod, other_pod = str(uuid.uuid4()), str(uuid.uuid4())
         node.prepare_ok(reserved_claim(node, "train", "gpu-2-ts-0", pod))
         l4 = gpu_uuid(node, 2)
@@ -70,9 +76,7 @@ def test_mps_clients_memory_is_metered_while_sm_on_mps_and_mig_is_unknown_and_ad
     node = SimulatedNode("demo", plans=PLANS, plan="mps")
     processes = node.work / "processes.json"
     try:
-        node.start(env={"TESSERA_SIM_PROCESSES": str(processes)})
-        node.wait_for_devices(["gpu-0", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mig-1g10gb-6",
-                               "gpu-2-mps-0", "gpu-2-mps-1"], timeout=30)
+        _start(node, processes, "mps")
         pod, mig_pod, monitor_pod, mps_host_pod = (str(uuid.uuid4()) for _ in range(4))
         node.prepare_ok(reserved_claim(node, "infer", "gpu-2-mps-0", pod))
         node.prepare_ok(reserved_claim(node, "slice", "gpu-1-mig-1g10gb-6", mig_pod))

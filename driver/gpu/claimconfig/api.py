@@ -17,7 +17,16 @@ import types
 from collections.abc import Mapping
 from typing import Annotated, Any, Final, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import ErrorDetails
 
 from driver.gpu.claimconfig.quantity import parse_quantity
@@ -47,6 +56,8 @@ def _quantity(value: object) -> object:
 
 # A memory quantity ("10Gi", 1073741824), held as whole bytes.
 ByteQuantity = Annotated[int, BeforeValidator(_quantity)]
+# The size of an MPS daemon's own /dev/shm tmpfs, where a plan or a claim names one.
+ShmSize = Annotated[int, BeforeValidator(_quantity), AfterValidator(check_shm_size)]
 
 
 def _percentage(value: int | None) -> int | None:
@@ -88,17 +99,12 @@ class MpsConfig(_ApiObject):
     # or stop the daemon, are refused at prepare; docs/sharing.md "Tenants").
     clients: MpsClients = "any"
     # The daemon's own /dev/shm tmpfs, shared by the claim's containers; default the node's --mps-shm-size.
-    shmSize: ByteQuantity | None = None
+    shmSize: ShmSize | None = None
 
     @field_validator("defaultActiveThreadPercentage", mode="after")
     @classmethod
     def _in_range(cls, value: int | None) -> int | None:
         return _percentage(value)
-
-    @field_validator("shmSize", mode="after")
-    @classmethod
-    def _shm_in_range(cls, value: int | None) -> int | None:
-        return None if value is None else check_shm_size(value)
 
 
 class TimeSlicingConfig(_ApiObject):

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.health.nvmlsource import mig_uuid_for
 from driver.gpu.health.usage import ProcessUsage, pod_uid_from_cgroup
+from driver.gpu.mps.proc import read_proc_stat
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +48,9 @@ def read_pod_uid(host_root: Path, pid: int) -> str | None:
 
 
 def read_parent_pid(host_root: Path, pid: int) -> int | None:
-    """Field 4 of ``/proc/<pid>/stat``, None when the process is gone or not visible from here."""
-    try:
-        text = (host_root / "proc" / str(pid) / "stat").read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return None
-    # Field 2 (comm) is parenthesised and may hold spaces or ')': the fields after the last ')' are plain.
-    rest = text.rpartition(")")[2].split()
-    try:
-        return int(rest[1])
-    except (IndexError, ValueError):
-        return None
+    """The parent of ``pid`` as the host's /proc shows it, None when it is gone or not visible from here."""
+    stat = read_proc_stat(pid, host_root / "proc")
+    return None if stat is None else stat.ppid
 
 
 class NvmlProcesses:

@@ -88,12 +88,12 @@ class NothingSent(ValueError):
     """The peer closed the connection before sending a byte (a launcher learning the host's PID)."""
 
 
-def peer_pid(conn: socket.socket) -> int:
-    """The PID of the process at the other end of a Unix socket, as this process's PID namespace sees it
-    (0 if it cannot see it)."""
+def peer_credentials(conn: socket.socket) -> tuple[int, int]:
+    """``(pid, uid)`` of the process at the other end of a Unix socket (``SO_PEERCRED``), as this process's
+    namespaces see it (pid 0 if it cannot see it)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, _uid, _gid = struct.unpack("3i", creds)
-    return int(pid)
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return int(pid), int(uid)
 
 
 def encode(message: BaseModel) -> bytes:
@@ -159,7 +159,7 @@ class MpsHostLauncher:
         return self._host[0] if self._host is not None else None
 
     def _remember_host(self, conn: socket.socket) -> None:
-        pid = peer_pid(conn)
+        pid, _uid = peer_credentials(conn)
         stat = read_proc_stat(pid) if pid > 0 else None
         self._host = (pid, stat.start_time) if stat is not None else None
 

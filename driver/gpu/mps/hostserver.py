@@ -26,7 +26,6 @@ import os
 import signal
 import socket
 import stat
-import struct
 import subprocess
 import threading
 import time
@@ -45,7 +44,15 @@ from driver.gpu.mps.hostcheck import (
     lstat_mode,
     make_mount_point_in_root,
 )
-from driver.gpu.mps.hostclient import HostReleaseRequest, HostReply, HostRequest, NothingSent, encode, read_line
+from driver.gpu.mps.hostclient import (
+    HostReleaseRequest,
+    HostReply,
+    HostRequest,
+    NothingSent,
+    encode,
+    peer_credentials,
+    read_line,
+)
 from driver.gpu.mps.hostcmd import daemon_argv, daemon_env, replied_shm_dir
 from driver.gpu.mps.launch import CONTROL_LOG_NAME, DaemonLaunch, LaunchedDaemon, MpsLaunchError
 from driver.gpu.mps.proc import CONTROL_BINARY
@@ -262,12 +269,6 @@ def _answers(path: Path) -> bool:
     return True
 
 
-def _peer_uid(conn: socket.socket) -> int:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return int(uid)
-
-
 def _one_line(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {e['msg']}" for e in exc.errors())
 
@@ -304,7 +305,7 @@ class MpsHost:
     def _serve_connection(self, conn: socket.socket) -> None:
         with conn:
             try:
-                uid = _peer_uid(conn)
+                _pid, uid = peer_credentials(conn)
                 if uid not in (0, os.geteuid()):
                     reply = HostReply(error=f"uid {uid} may not start MPS daemons")
                 else:

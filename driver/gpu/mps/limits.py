@@ -95,13 +95,8 @@ def check_limits(control: MpsControl, spec: MpsDaemonSpec, pipe_dir: Path, log_d
     """Read every limit of ``spec`` back from the daemon (each set just before, with ``set_first``);
     MpsError names the first that differs."""
     limits = _limits(spec)
-    if not limits:
-        return
-    if set_first:
-        control.set_all(pipe_dir, log_dir, [limit.set_command for limit in limits], deadline)
-    for limit, answer in zip(limits, _read_back(control, limits, pipe_dir, log_dir, deadline), strict=True):
-        if not limit.taken(answer):
-            raise MpsError(limit.mismatch(answer))
+    if limits:
+        _check(control, limits, pipe_dir, log_dir, deadline, set_first)
 
 
 def find_drift(control: MpsControl, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path,
@@ -117,8 +112,15 @@ def restore_limits(control: MpsControl, spec: MpsDaemonSpec, drift: list[LimitDr
                    log_dir: Path, deadline: Deadline) -> None:
     """Set the drifted limits again and read each back; MpsError if the daemon does not take one."""
     names = {d.limit for d in drift}
-    limits = [limit for limit in _limits(spec) if limit.name in names]
-    control.set_all(pipe_dir, log_dir, [limit.set_command for limit in limits], deadline)
+    _check(control, [limit for limit in _limits(spec) if limit.name in names], pipe_dir, log_dir, deadline,
+           set_first=True)
+
+
+def _check(control: MpsControl, limits: list[_Limit], pipe_dir: Path, log_dir: Path, deadline: Deadline,
+           set_first: bool) -> None:
+    """Read ``limits`` back (each set just before, with ``set_first``); MpsError names the first that differs."""
+    if set_first:
+        control.set_all(pipe_dir, log_dir, [limit.set_command for limit in limits], deadline)
     for limit, answer in zip(limits, _read_back(control, limits, pipe_dir, log_dir, deadline), strict=True):
         if not limit.taken(answer):
             raise MpsError(limit.mismatch(answer))

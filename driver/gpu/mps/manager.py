@@ -165,8 +165,7 @@ class MpsManager:
         """Read the running daemon's limits back and set again any that a client changed; returns what was
         found changed (empty: all as the spec says). :class:`MpsDaemonStopped` if the daemon exited
         meanwhile (restart it), MpsError if it does not answer or does not take a limit back."""
-        limit = self.ready_timeout if timeout is None else max(min(self.ready_timeout, timeout), 0.0)
-        return verify_limits(self.control, record, Deadline.after(limit, "limit check"))
+        return verify_limits(self.control, record, Deadline.after(self._within_ready(timeout), "limit check"))
 
     def adopt(self, spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord | None:
         """A record for the one live daemon in ``spec``'s directory if its limits read back as ``spec``'s,
@@ -178,8 +177,7 @@ class MpsManager:
         if len(running) != 1:
             return None
         try:
-            limit = self.ready_timeout if timeout is None else max(min(self.ready_timeout, timeout), 0.0)
-            check_limits(self.control, spec, pipe_dir, log_dir, Deadline.after(limit, "adoption"))
+            check_limits(self.control, spec, pipe_dir, log_dir, Deadline.after(self._within_ready(timeout), "adoption"))
         except MpsError as exc:
             log.info("found a daemon without a record but not with the expected limits; not adopting it",
                      extra={"daemon_id": spec.daemon_id, "reason": str(exc)})
@@ -235,6 +233,10 @@ class MpsManager:
         self.stop(record)
         return True
 
+    def _within_ready(self, timeout: float | None) -> float:
+        """``ready_timeout``, or what is left of a caller's deadline if that is less (never negative)."""
+        return self.ready_timeout if timeout is None else max(min(self.ready_timeout, timeout), 0.0)
+
     # -- starting -------------------------------------------------------------------------------
 
     def _start_again_if_stopped(self, spec: MpsDaemonSpec, keep_dirs: bool, timeout: float | None) -> MpsDaemonRecord:
@@ -268,8 +270,7 @@ class MpsManager:
                 f"an MPS control daemon (pid {running[0][0]}) already runs in {pipe_dir}; "
                 "adopt it with ensure_running() or stop it before starting another"
             )
-        limit = self.ready_timeout if timeout is None else max(min(self.ready_timeout, timeout), 0.0)
-        deadline = Deadline.after(limit, "start")
+        deadline = Deadline.after(self._within_ready(timeout), "start")
         started: tuple[int, int] | None = None
         launched_pid: int | None = None
         try:

@@ -34,9 +34,10 @@ class ProcStat:
     start_time: int
 
 
-def read_proc_stat(pid: int) -> ProcStat | None:
+def read_proc_stat(pid: int, proc_root: Path = Path("/proc")) -> ProcStat | None:
+    """``/proc/<pid>/stat`` (``proc_root``: another view of /proc, such as the host's from a container)."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
+        text = (proc_root / str(pid) / "stat").read_text(encoding="ascii", errors="replace")
     except OSError:
         return None
     # Field 2 (comm) is parenthesised and may contain spaces or ')'; the fields after it are plain.
