@@ -34,6 +34,30 @@ class MigInstance(BaseModel):
     ofa_engines: int | None = None
 
 
+class MigProfileInfo(BaseModel):
+    """One GPU-instance profile a MIG-capable GPU can create, and where (for dynamic MIG).
+
+    On hardware: NVML's GPU-instance profile info and its possible placements; in the simulation:
+    the profile tables. The compute instance created inside is always the one spanning the whole GI.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str  # canonical profile name, e.g. "1g.10gb" (migprofiles.profile_name)
+    gi_profile_id: int  # NVML GpuInstanceProfileInfo.id: what create/placement calls take (device specific)
+    ci_profile_id: int  # NVML_COMPUTE_INSTANCE_PROFILE_* enum of the CI spanning the whole GI
+    compute_slices: int
+    memory_slices: int  # placement size
+    memory_bytes: int
+    multiprocessors: int
+    copy_engines: int | None = None
+    decoders: int | None = None
+    encoders: int | None = None
+    jpeg_engines: int | None = None
+    ofa_engines: int | None = None
+    placement_starts: tuple[int, ...] = ()  # NVML's possible placements' starts; each covers memory_slices
+
+
 class GpuInfo(BaseModel):
     """One physical GPU."""
 
@@ -55,6 +79,10 @@ class GpuInfo(BaseModel):
     mig_capable: bool = False
     mig_enabled: bool = False
     mig_instances: tuple[MigInstance, ...] = ()
+    # For dynamic MIG: the memory slices a MIG GPU has, and the profiles it can create (empty when
+    # MIG is off or not supported, or NVML could not list them).
+    mig_memory_slices: int = 0
+    mig_profiles: tuple[MigProfileInfo, ...] = ()
 
 
 class NodeInventory(BaseModel):
