@@ -55,17 +55,24 @@ def write_spec_text(directory: Path, filename: str, text: str, *, durable: bool 
     ``sync_data``: see :func:`cdi.atomicfile.write_atomic` (False only for a caller that checks its
     specs after a restart, e.g. with :func:`spec_file_intact`, and writes them again)."""
     _check_filename(filename)
+    target = directory / filename
+    data = text.encode("utf-8")
+    try:
+        # Runtimes may read specs as another user, and nvcdi writes 0644.
+        write_atomic(target, data, mode=_SPEC_FILE_MODE, durable=durable, sync_data=sync_data)
+    except FileNotFoundError:  # no CDI directory yet: made on the first write, not checked at every one
+        _make_spec_dir(directory)
+        write_atomic(target, data, mode=_SPEC_FILE_MODE, durable=durable, sync_data=sync_data)
+    return target
+
+
+def _make_spec_dir(directory: Path) -> None:
     try:
         directory.mkdir(mode=_SPEC_DIR_MODE, parents=True)
     except FileExistsError:
-        pass  # an existing CDI directory is the node's, and keeps its mode
-    else:
-        # Runtimes may read specs as another user; mkdir's mode is cut by the driver's umask (0o077).
-        directory.chmod(_SPEC_DIR_MODE)
-    target = directory / filename
-    # Runtimes may read specs as another user, and nvcdi writes 0644.
-    write_atomic(target, text.encode("utf-8"), mode=_SPEC_FILE_MODE, durable=durable, sync_data=sync_data)
-    return target
+        return  # an existing CDI directory is the node's, and keeps its mode
+    # Runtimes may read specs as another user; mkdir's mode is cut by the driver's umask (0o077).
+    directory.chmod(_SPEC_DIR_MODE)
 
 
 def remove_spec(directory: Path, filename: str) -> bool:

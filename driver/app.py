@@ -1,23 +1,23 @@
-"""``python -m driver run``: wire the GPU side (discovery, state, devices) to the kubelet-plugin helper.
+"""The driver's initialisation and running: wire the GPU side (discovery, state, devices) to the plugin helper.
 
-Start-up order matters: recover local state first (so the kubelet never talks to a driver
-with half-finished work), then start the helper (sockets, registration) and publish the devices.
-A bad sharing plan stops the process before anything is served, with a message naming the entry.
+``driver/start.py`` serves the sockets and registers first, then builds :class:`DriverApp` on a
+thread: its construction is the initialisation (API client, discovery, the sharing plan, recovery of
+interrupted work), :meth:`DriverApp.start_serving` hands the claims to it and publishes the devices.
+Recovery therefore finishes before any prepare is served (prepares that arrived earlier wait), and
+the devices are published after discovery. A bad sharing plan stops the process before any claim is
+served, with a message naming the entry. This module's imports are the heavy part of a start.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from types import FrameType
 from urllib.parse import quote
-
-import kubernetes.client
 
 from driver import nodelayout
 from driver.config import Settings
@@ -35,6 +35,8 @@ from driver.gpu.health.report import HEALTH_FILE
 from driver.gpu.health.usagereport import USAGE_FILE
 from driver.gpu.health.usagewatch import ClaimUsageWatch
 from driver.gpu.health.xids import parse_ignored_xids
+from driver.gpu.migclaims import own_instances
+from driver.gpu.migplacement import OwnInstances, partitionable_supported
 from driver.gpu.mps.hostcheck import default_tools
 from driver.gpu.mps.hostclient import MpsHostLauncher
 from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
@@ -44,27 +46,24 @@ from driver.gpu.mps.shmmount import ShmTmpfs
 from driver.gpu.planuse import PLAN_USE_FILE, PlanUse, chosen_how, gpu_lines, plan_use, write_plan_use
 from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.sharelayout import SharingLayout
-from driver.gpu.sharingplan import PlanError, SharingPlan, load_plans, resolve_layout, select_plan
+from driver.gpu.sharingplan import PlanError, SharingPlan, load_plans, resolve_plan, select_plan
 from driver.gpu.state import DeviceState, StatePaths
 from driver.gpu.targets import NodeView
 from driver.healthsource import open_health_source, open_process_source
 from driver.kubeletplugin.events import EventRecorder
 from driver.kubeletplugin.healthservice import HealthBoard
-from driver.kubeletplugin.helper import Helper, HttpEndpoint, TelemetryNames
-from driver.kubeletplugin.helper import start as start_plugin
+from driver.kubeletplugin.helper import Helper, TelemetryNames
 from driver.kubeletplugin.kubeclient import (
     KubeApiError,
+    KubeClient,
     KubeConfigError,
     load_api_client,
     request_json,
     server_minor_version,
 )
+from driver.startup import StartupError
 
 log = logging.getLogger(__name__)
-
-
-class StartupError(Exception):
-    """Configuration or environment problem that must stop the driver with a clear message."""
 
 
 @dataclass
@@ -72,12 +71,13 @@ class PlanSource:
     """Where the node's sharing plan comes from: the plans file and this node's label."""
 
     settings: Settings
-    api: kubernetes.client.ApiClient
+    api: KubeClient
     minor_version: int | None = None  # the API server's, read once when a plan first needs it
     kernel: KernelMemoryLimits | None = None  # kernel memory limits, detected at start and every rescan
     use: PlanUse | None = None  # the plan in use and each GPU's entry, as last logged
 
-    def desired_layout(self, inventory: NodeInventory) -> SharingLayout:
+    def desired_layout(self, inventory: NodeInventory, own: OwnInstances = ()) -> SharingLayout:
+        """``own``: MIG instances Tessera created for claims, which keep their GPU dynamic MIG."""
         path = self.settings.sharing_plans
         if path is None:
             self._record(plan_use(SharingPlan(), None, None, "no --sharing-plans", inventory, {}))
@@ -89,13 +89,17 @@ class PlanSource:
         labels = {str(k): str(v) for k, v in ((node.get("metadata") or {}).get("labels") or {}).items()}
         key = self.settings.sharing_plan_label
         name, plan = select_plan(plans, labels, key)
-        if self.minor_version is None and any(entry.consumable is not None for entry in plan.gpus):
+        if self.minor_version is None and any(e.consumable is not None or e.dynamicMig is not None for e in plan.gpus):
             self.minor_version = server_minor_version(self.api)
         supported = consumable_supported(self.minor_version or 0, plans.consumableCapacityGate)
-        layout = resolve_layout(plan, inventory, name, consumable_supported=supported,
-                                kernel=self.detect_kernel_memory(inventory))
-        self._record(plan_use(plan, name, path, chosen_how(key, labels.get(key), name), inventory, layout))
-        return layout
+        resolved = resolve_plan(plan, inventory, name, consumable_supported=supported,
+                                kernel=self.detect_kernel_memory(inventory),
+                                partitionable_supported=partitionable_supported(self.minor_version or 0,
+                                                                                plans.partitionableDevicesGate),
+                                own_instances=own)
+        self._record(plan_use(plan, name, path, chosen_how(key, labels.get(key), name), inventory, resolved.layout,
+                              resolved.notes))
+        return resolved.layout
 
     def _record(self, use: PlanUse) -> None:
         """Log the plan in use when it (or what it makes of a GPU) changes: at start, and after an edit."""
@@ -103,6 +107,8 @@ class PlanSource:
             return
         self.use = use
         log.info("sharing plan in use: %s", use.summary(), extra={"gpus": gpu_lines(use)})
+        for line in use.note_lines():  # e.g. a dynamicMig entry on a GPU without MIG: published as before
+            log.warning(line)
         if use.plan is not None and all(g.entry is None for g in use.gpus):
             # Plans are shared by nodes, so one entry matching nothing is normal; a whole plan is a mistake.
             log.warning("sharing plan %r matches no GPU of this node: every GPU is published whole (or as its MIG "
@@ -148,7 +154,10 @@ def choose_launcher(settings: Settings) -> DaemonLauncher:
 
 
 class DriverApp:
-    def __init__(self, settings: Settings):
+    """The initialised driver: constructing it is the initialisation; the plugin's sockets are already served."""
+
+    def __init__(self, settings: Settings, health_board: HealthBoard):
+        """``health_board``: the board the plugin already serves the kubelet's health stream from."""
         if not settings.node_name:
             raise StartupError("the node name is required: set --node-name or NODE_NAME (downward API spec.nodeName)")
         self.settings = settings
@@ -170,8 +179,7 @@ class DriverApp:
             raise StartupError(f"cannot read Node {settings.node_name!r} to choose its sharing plan "
                                f"(label {settings.sharing_plan_label}): {exc}") from exc
         self._helper: Helper | None = None
-        self._stop = threading.Event()
-        self._exit_code = 0
+        self._next_scan = 0.0
         paths = state_paths(settings)
         self.mps_launcher = choose_launcher(settings)
         self.mps = MpsManager(settings.driver_root, settings.state_dir / "mps", self.mps_launcher,
@@ -185,7 +193,8 @@ class DriverApp:
             driver_name=settings.driver_name, pool_name=settings.node_name, paths=paths,
             toolkit=nodelayout.load_toolkit(settings), mps=self.mps,
             timeslicer=TimeSlicer(settings.driver_root, compute_modes), compute_modes=compute_modes,
-            view=make_view(inventory, {}), mps_multi_user=False)
+            view=make_view(inventory, {}), mps_multi_user=False,
+            mig=partial(nodelayout.open_mig_partitioner, settings))  # opened at the first dynamic MIG claim
         # Tenants that change or stop a shared MPS daemon: counted, logged and told to each claim's owner
         # as an Event (posted from the recorder's thread, never inside a prepare).
         self.events = EventRecorder(self.api, controller=f"{settings.driver_name}/kubelet-plugin",
@@ -194,11 +203,17 @@ class DriverApp:
         self.state.sharing.reports = self.mps_reports
         self.daemon_watch = DaemonWatcher(self.state, settings.mps_limit_check_interval)
         self.state.recover()
+        own = own_instances(self.state.ledger.read())
+        if own or self.state.mig.changes:
+            # Dynamic MIG: instances of claims keep their GPU dynamic, and what recovery destroyed or re-created
+            # (an interrupted prepare's, a reboot's) is seen again before anything is published or prepared.
+            inventory = self.discovery.discover()
+            desired = self.plans.desired_layout(inventory, own)
         view, _deferred = self.state.apply_layout(make_view(inventory, {}), desired)
         self.plans.save(settings.state_dir)
 
         self.devices = view.devices
-        self.health = NodeHealth(HealthMonitor(parse_ignored_xids(settings.ignored_xids)), HealthBoard(),
+        self.health = NodeHealth(HealthMonitor(parse_ignored_xids(settings.ignored_xids)), health_board,
                                  driver_name=settings.driver_name, pool_name=settings.node_name,
                                  taint_effect=settings.health_taint_effect,
                                  report_path=settings.state_dir / HEALTH_FILE)
@@ -210,26 +225,19 @@ class DriverApp:
                                      report_path=settings.state_dir / USAGE_FILE)
         self._publish_lock = threading.Lock()
 
-    def _registration_failed(self, error: str) -> None:
-        log.error("the kubelet refused the plugin registration; exiting", extra={"kubelet_error": error})
-        self._exit_code = 1
-        self._stop.set()
-
     @property
     def helper(self) -> Helper:
         if self._helper is None:
             raise RuntimeError("the kubelet plugin is not started yet")
         return self._helper
 
-    def readyz(self) -> tuple[int, str]:
-        registered, detail = self.helper.readiness()
-        if not registered:
-            return 503, detail + "\n"
+    def readiness_problem(self) -> str | None:
+        """Why the node cannot serve GPU containers although the plugin is registered, None when it can."""
         if self.state.toolkit.readiness_problem is not None:
             # The full reason names host files: it is in the log and in 'inspect', not on the HTTP port.
-            return 503, ("no usable NVIDIA driver libraries for containers (toolkit CDI spec missing, invalid or "
-                         "without libcuda); see the plugin log or 'python -m driver inspect'\n")
-        return 200, "ok\n"
+            return ("no usable NVIDIA driver libraries for containers (toolkit CDI spec missing, invalid or "
+                    "without libcuda); see the plugin log or 'python -m driver inspect'")
+        return None
 
     def rescan(self) -> None:
         """Pick up toolkit-spec, GPU and sharing-plan changes; a GPU with prepared claims keeps its form."""
@@ -239,7 +247,7 @@ class DriverApp:
             self.state.set_toolkit(nodelayout.load_toolkit(self.settings))
         inventory = self.discovery.discover()
         try:
-            desired = self.plans.desired_layout(inventory)
+            desired = self.plans.desired_layout(inventory, own_instances(self.state.ledger.read(), inventory))
         except PlanError as exc:
             log.error("the sharing plan became invalid; keeping the one in force", extra={"reason": str(exc)})
             desired = self.state.view.layout
@@ -286,7 +294,7 @@ class DriverApp:
     def publish(self, view: NodeView) -> None:
         """Publish ``view``'s devices (tainted where unhealthy) and tell the kubelet their health."""
         with self._publish_lock:
-            self.helper.publish(self.health.devices(view))
+            self.helper.publish(self.health.devices(view), view.counter_sets)
             self.health.update_board(view)
 
     def _publish_on_health_change(self) -> None:
@@ -306,41 +314,35 @@ class DriverApp:
         self.usage.register_metrics(self.helper.telemetry)
         self.usage.start()
 
-    def run(self) -> int:
+    def start_serving(self, helper: Helper) -> None:
+        """Serve claims (prepares that waited included), publish the devices, start the watchers."""
         settings = self.settings
-        # The helper serves /metrics, /healthz (its sockets) and /readyz, which adds the GPU side's checks.
-        self._helper = start_plugin(
-            GpuDriver(self.state), driver_name=settings.driver_name, node_name=settings.node_name, api=self.api,
-            names=TelemetryNames(service="tessera-kubelet-plugin", metric_prefix="tessera"),
-            registrar_dir=settings.registrar_dir, plugin_dir=settings.state_dir, pod_uid=settings.pod_uid,
-            on_registration_failed=self._registration_failed, prepare_deadline=settings.prepare_deadline,
-            http=HttpEndpoint(port=settings.http_port, routes={"/readyz": self.readyz}), health=self.health.board)
+        self._helper = helper
+        helper.complete(GpuDriver(self.state), api=self.api,
+                        names=TelemetryNames(service="tessera-kubelet-plugin", metric_prefix="tessera"))
         self.helper.telemetry.observe_gauge("prepared_claims", "Claims prepared on this node",
                                             lambda: float(self.state.prepared_count()))
         self._start_health()
         self.mps_reports.register_metrics(self.helper.telemetry)
         self.events.start()
         self.daemon_watch.start()
-        log.info("driver started", extra={"driver": self.settings.driver_name, "node": self.settings.node_name,
+        log.info("driver started", extra={"driver": settings.driver_name, "node": settings.node_name,
                                           "http_port": self.helper.http_port,
                                           "dra_socket": str(self.helper.dra_socket),
-                                          "simulated": self.settings.simulate is not None,
+                                          "simulated": settings.simulate is not None,
                                           "mps_daemons": self.mps_launcher.describe()})
         self._follow_multi_user_safely()
-        next_scan = time.monotonic() + self.settings.rescan_interval
-        while not self._stop.wait(timeout=1.0):
-            self._follow_multi_user_safely()
-            if time.monotonic() >= next_scan:
-                next_scan = time.monotonic() + self.settings.rescan_interval
-                try:
-                    self.rescan()
-                except Exception:
-                    log.exception("rescan failed; will retry")
-        self.shutdown()
-        return self._exit_code
+        self._next_scan = time.monotonic() + settings.rescan_interval
 
-    def stop(self) -> None:
-        self._stop.set()
+    def tick(self) -> None:
+        """Once a second on the main thread: the multi-user probe's answer, and a rescan when one is due."""
+        self._follow_multi_user_safely()
+        if time.monotonic() >= self._next_scan:
+            self._next_scan = time.monotonic() + self.settings.rescan_interval
+            try:
+                self.rescan()
+            except Exception:
+                log.exception("rescan failed; will retry")
 
     def shutdown(self) -> None:
         # Slices stay published: during a rolling update the other pod keeps serving them, and
@@ -351,20 +353,9 @@ class DriverApp:
         self.daemon_watch.stop(self.mps.ready_timeout + self.mps.command_timeout)
         self.events.stop(timeout=2.0)
         if self._helper is not None:
-            self._helper.stop()
+            self._helper.stop()  # in-flight calls finish before NVML is closed below
         # A probe still running has a throwaway daemon to stop; it is bounded by the manager's timeouts.
         self.multi_user.join(self.mps.ready_timeout + self.mps.stop_timeout)
         self.discovery.close()
-        log.info("driver stopped")
+        self.state.mig.close()
 
-
-def run(settings: Settings) -> int:
-    app = DriverApp(settings)
-
-    def _on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("signal received; shutting down", extra={"signal": signal.Signals(signum).name})
-        app.stop()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    return app.run()

@@ -17,7 +17,7 @@ from pathlib import Path
 from driver.cliparser import USAGE_ERROR
 from driver.config import DEFAULT_PLAN_LABEL
 from driver.gpu.planuse import chosen_how, gpu_lines, plan_use
-from driver.gpu.sharingplan import PlanError, SharingPlan, SharingPlans, load_plans, resolve_layout, select_plan
+from driver.gpu.sharingplan import PlanError, SharingPlan, SharingPlans, load_plans, resolve_plan, select_plan
 from driver.nodelayout import SIMULATED_NODE_NAME
 
 PROG = "python -m driver check-plan"
@@ -79,11 +79,12 @@ def _chosen(plans: SharingPlans, plan: str | None, label: str | None) -> tuple[s
 
 def _summary(path: Path, plans: SharingPlans) -> list[str]:
     lines = [f"{path}: valid; {len(plans.plans)} plan(s), defaultPlan {plans.defaultPlan or 'none'}, "
-             f"consumableCapacityGate {str(plans.consumableCapacityGate).lower()}"]
+             f"consumableCapacityGate {str(plans.consumableCapacityGate).lower()}, "
+             f"partitionableDevicesGate {str(plans.partitionableDevicesGate).lower()}"]
     for plan_name, plan in sorted(plans.plans.items()):
         lines.append(f"  plan {plan_name}: {len(plan.gpus)} entr{'y' if len(plan.gpus) == 1 else 'ies'}")
         for index, entry in enumerate(plan.gpus):
-            form = next(k for k in ("mps", "timeSlicing", "consumable", "whole") if getattr(entry, k))
+            form = next(k for k, v in entry.forms().items() if v)
             lines.append(f"    plans.{plan_name}.gpus[{index}]: match {entry.match.describe()} -> {form}")
     return lines
 
@@ -97,13 +98,14 @@ def _resolved(plans: SharingPlans, plan: SharingPlan, name: str | None, path: Pa
         inventory = discovery.discover()
     except (ValueError, OSError) as exc:
         raise _Usage(f"--simulate {layout_name!r}: {exc} (layouts: {', '.join(available_layouts())})") from None
-    # Offline there is no API server to ask: assume one that keeps consumable capacity (1.36+).
-    layout = resolve_layout(plan, inventory, name, consumable_supported=True)
-    use = plan_use(plan, name, path, how, inventory, layout)
+    # Offline there is no API server to ask: assume one that keeps consumable capacity and counters (1.36+).
+    resolved = resolve_plan(plan, inventory, name, consumable_supported=True, partitionable_supported=True)
+    use = plan_use(plan, name, path, how, inventory, resolved.layout, resolved.notes)
     lines = ["", f"SIMULATION: layout {layout_name!r} ({len(inventory.gpus)} GPUs); {use.summary()}; assuming "
                  "Kubernetes 1.36+ (on 1.34/1.35 without consumableCapacityGate, consumable entries publish their "
-                 "fallback)"]
+                 "fallback; without partitionableDevicesGate, dynamicMig entries publish no placements)"]
     lines += gpu_lines(use)
+    lines += [f"NOTE: {line}" for line in use.note_lines()]
     if use.unmatched_entries:
         lines.append(f"Entries matching no GPU of this node: {', '.join(use.unmatched_entries)}")
     if name is not None and plan.gpus and all(g.entry is None for g in use.gpus):

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from pydantic import ValidationError
-
-from driver.checkplan import add_arguments as add_plan_arguments
-from driver.checkplan import main as main_plan
 from driver.cliparser import USAGE_ERROR, CliParser
 from driver.config import (
     CHECK_NODE_FIELDS,
     INSPECT_FIELDS,
+    SettingsError,
     add_settings_arguments,
     settings_from_args,
     settings_problems,
@@ -31,14 +28,21 @@ CHECK_NODE_DESCRIPTION = ("Check that this node can serve GPU claims: one line p
                           "throwaway daemon). Exit status 1 on any failure. Changes nothing on the GPUs. "
                           "docs/operations.md, 'Checking a new node'.")
 
+_COMMANDS = ("run", "inspect", "demo", "check-node", "check-plan", "mps-host")
+
 CHECK_PLAN_DESCRIPTION = ("Check a sharing plans file without a cluster: the same validation and one-line errors as "
                           "the driver at start. With --simulate LAYOUT, resolve the plan a node would use against "
                           "that simulated node and print what each GPU would publish. Exit status 0 valid, 1 the plan "
                           "has problems, 2 a usage error.")
 
 
-def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The top-level parser, and each subcommand's (whose name a usage error must carry)."""
+def _parser(command: str | None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser, and each subcommand's (whose name a usage error must carry).
+
+    ``command``: the subcommand asked for, if known. check-plan's flags are defined by its own module,
+    which imports the sharing-plan code: only for check-plan itself or the top-level help, so that
+    ``run`` does not pay for it before registering.
+    """
     parser = CliParser(prog="python -m driver", description="Tessera: a Kubernetes DRA kubelet driver for NVIDIA GPUs")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the kubelet plugin on this node")
@@ -62,10 +66,24 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan = sub.add_parser("check-plan", description=CHECK_PLAN_DESCRIPTION,
                           help="check a sharing plans file offline; with --simulate, show what each GPU of a simulated "
                                "node would publish")
-    add_plan_arguments(plan)
+    if command in ("check-plan", None):
+        from driver.checkplan import add_arguments as add_plan_arguments
+
+        add_plan_arguments(plan)
     host = sub.add_parser("mps-host", help="run the MPS host: owns the node's MPS daemons so they outlive the plugin")
     add_host_arguments(host)
     return parser, {"run": run, "inspect": inspect, "check-node": check, "check-plan": plan, "mps-host": host}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The command line parsed. In a function of its own so that the parsers (all subcommands, their
+    help) are garbage once it returns, rather than held for the life of ``run``."""
+    parser, subcommands = _parser(argv[0] if argv[:1] and argv[0] in _COMMANDS else None)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # argparse would blame the top-level parser, whose --help does not list the subcommand's flags.
+        subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -83,19 +101,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from driver.demo import main as demo_main
 
         return demo_main(argv[1:])
-    parser, subcommands = _parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        # argparse would blame the top-level parser, whose --help does not list the subcommand's flags.
-        subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    args = _parse(argv)
     if args.command == "mps-host":
         return main_host(args)
     if args.command == "check-plan":
+        from driver.checkplan import main as main_plan
+
         return main_plan(args)
     prog = f"python -m driver {args.command}"
     try:
         settings = settings_from_args(args)
-    except ValidationError as exc:
+    except SettingsError as exc:
         for line in settings_problems(exc, args):
             print(f"{prog}: {line}", file=sys.stderr)
         return USAGE_ERROR
@@ -132,15 +148,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(output)
         return status
     configure_logging(settings.log_level, settings.log_format)
-    from driver.app import StartupError, run
+    from driver.startup import run
 
-    try:
-        return run(settings)
-    except StartupError as exc:
-        print(f"tessera: {exc}", file=sys.stderr)
-        return 1
+    return run(settings)
 
 
 def _standins_installed() -> bool:
     # The production image leaves the stand-ins out (deploy/build-venv.sh): nothing there may run a fake nvidia-smi.
-    return importlib.resources.files("driver.simulation").joinpath("bin", "nvidia-smi").is_file()
+    # A path beside this file rather than importlib.resources, whose import every command would pay for.
+    return (Path(__file__).parent / "simulation" / "bin" / "nvidia-smi").is_file()

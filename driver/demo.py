@@ -30,6 +30,7 @@ import yaml
 
 from driver.config import DEFAULT_DRIVER_NAME, DEFAULT_PLAN_LABEL
 from driver.demoargs import (
+    EXAMPLES_DIR,
     DemoArgsError,
     DemoOptions,
     ShareMode,
@@ -40,6 +41,7 @@ from driver.demoargs import (
     share_mode,
 )
 from driver.demohealth import show_failure_and_recovery
+from driver.demomig import FULL, dynamic_mig_plan, prepare_mix, show_full_gpu_fits
 from driver.demotable import print_slices
 from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.discovery.inventory import NodeInventory
@@ -133,6 +135,7 @@ def _wait_for_slices(api: FakeApiServer, expected: int, timeout: float = 20.0) -
     raise RuntimeError("the driver did not publish its ResourceSlices in time; see driver.log")
 
 
+FULL_GPU_CLAIM = f"the {FULL} after the others (--dynamic-mig)"
 NVML_CALLS = "nvml-calls.jsonl"  # what the driver asked the simulated NVML (driver/simulation/nvmlcompute.py)
 
 
@@ -158,56 +161,63 @@ def _show_mps_commands(work: Path, spec_json: dict[str, Any]) -> None:
 
 def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, work: Path, cdi_dir: Path,
                      taken: set[str], consumed: dict[str, dict[str, int]], failed: list[str]) -> list[ClaimRef]:
-    refs: list[ClaimRef] = []
-    for doc in claim_documents(path):
-        name = f"demo-{doc['metadata']['name']}"
-        claim = claim_from_template(doc, name) if doc["kind"] == "ResourceClaimTemplate" else {
-            **doc, "metadata": {**doc["metadata"], "name": name, "namespace": "default",
-                                "uid": claim_from_template({"spec": {"spec": doc["spec"]}}, name)["metadata"]["uid"]}}
-        try:
-            allocated = allocate(claim, api.slices(DEFAULT_DRIVER_NAME, NODE), DEFAULT_DRIVER_NAME, taken, consumed)
-        except AllocationError as exc:
-            _say(f"  (skipped: {exc})")
-            continue
-        api.put_claim(allocated)
-        ref = ClaimRef(namespace="default", name=name, uid=claim["metadata"]["uid"])
-        results = allocated["status"]["allocation"]["devices"]["results"]
-        _say(f"Claim default/{name} (from {path.name}) allocated: "
-             + ", ".join(f"{r['request']} -> {r['device']}" for r in results))
-        started = time.perf_counter()
-        answer = kubelet.prepare([ref])[ref.uid]
-        elapsed_ms = (time.perf_counter() - started) * 1000
-        if answer.error:
-            _say(f"  NodePrepareResources FAILED: {answer.error}")
-            failed.append(name)
-            continue
-        refs.append(ref)
-        _say(f"  NodePrepareResources over the real gRPC socket: ok in {elapsed_ms:.1f} ms")
-        for dev in answer.devices:
-            ids = ", ".join(dev.cdi_device_ids)
-            _say(f"    device {dev.device_name} for request(s) {list(dev.request_names)}: CDI {ids}")
-        spec_path = cdi_dir / CDI_NAMES.spec_file_name(ref.uid)
-        spec_json = json.loads(spec_path.read_text())
-        _say(f"  CDI spec written: {spec_path} (cdiVersion {spec_json['cdiVersion']})")
-        for dev in spec_json["devices"]:
-            edits = dev["containerEdits"]
-            _say(f"    {dev['name']}")
-            for node in edits.get("deviceNodes", []):
-                extra = f" (char {node['major']}:{node['minor']})" if "major" in node else ""
-                extra += f" from host {node['hostPath']}" if "hostPath" in node else ""
-                _say(f"      device node {node['path']}{extra}")
-            for env in edits.get("env", []):
-                _say(f"      env {env}")
-            for mount in edits.get("mounts", []):
-                _say(f"      mount {mount['hostPath']} -> {mount['containerPath']}")
-            for hook in edits.get("hooks", []):
-                _say(f"      {hook['hookName']} hook {' '.join(hook['args'])}")
-        common = spec_json.get("containerEdits", {})
-        _say(f"    common to the claim: {len(common.get('mounts', []))} driver library/binary mounts, "
-             f"{len(common.get('hooks', []))} hooks, control nodes "
-             + ", ".join(n["path"] for n in common.get("deviceNodes", [])))
-        _show_mps_commands(work, spec_json)
-    return refs
+    refs = [_prepare_document(doc, path.name, api, kubelet, work, cdi_dir, taken, consumed, failed)
+            for doc in claim_documents(path)]
+    return [ref for ref in refs if ref is not None]
+
+
+def _prepare_document(doc: dict[str, Any], source: str, api: FakeApiServer, kubelet: KubeletEmulator, work: Path,
+                      cdi_dir: Path, taken: set[str], consumed: dict[str, dict[str, int]],
+                      failed: list[str]) -> ClaimRef | None:
+    """Allocate one ResourceClaim(Template) document, prepare it through the kubelet stand-in, show what the
+    container would get; its ref if it is prepared."""
+    name = f"demo-{doc['metadata']['name']}"
+    claim = claim_from_template(doc, name) if doc["kind"] == "ResourceClaimTemplate" else {
+        **doc, "metadata": {**doc["metadata"], "name": name, "namespace": "default",
+                            "uid": claim_from_template({"spec": {"spec": doc["spec"]}}, name)["metadata"]["uid"]}}
+    try:
+        allocated = allocate(claim, api.slices(DEFAULT_DRIVER_NAME, NODE), DEFAULT_DRIVER_NAME, taken, consumed)
+    except AllocationError as exc:
+        _say(f"  (skipped: {exc})")
+        return None
+    api.put_claim(allocated)
+    ref = ClaimRef(namespace="default", name=name, uid=claim["metadata"]["uid"])
+    results = allocated["status"]["allocation"]["devices"]["results"]
+    _say(f"Claim default/{name} (from {source}) allocated: "
+         + ", ".join(f"{r['request']} -> {r['device']}" for r in results))
+    started = time.perf_counter()
+    answer = kubelet.prepare([ref])[ref.uid]
+    elapsed_ms = (time.perf_counter() - started) * 1000
+    if answer.error:
+        _say(f"  NodePrepareResources FAILED: {answer.error}")
+        failed.append(name)
+        return None
+    _say(f"  NodePrepareResources over the real gRPC socket: ok in {elapsed_ms:.1f} ms")
+    for dev in answer.devices:
+        ids = ", ".join(dev.cdi_device_ids)
+        _say(f"    device {dev.device_name} for request(s) {list(dev.request_names)}: CDI {ids}")
+    spec_path = cdi_dir / CDI_NAMES.spec_file_name(ref.uid)
+    spec_json = json.loads(spec_path.read_text())
+    _say(f"  CDI spec written: {spec_path} (cdiVersion {spec_json['cdiVersion']})")
+    for dev in spec_json["devices"]:
+        edits = dev["containerEdits"]
+        _say(f"    {dev['name']}")
+        for node in edits.get("deviceNodes", []):
+            extra = f" (char {node['major']}:{node['minor']})" if "major" in node else ""
+            extra += f" from host {node['hostPath']}" if "hostPath" in node else ""
+            _say(f"      device node {node['path']}{extra}")
+        for env in edits.get("env", []):
+            _say(f"      env {env}")
+        for mount in edits.get("mounts", []):
+            _say(f"      mount {mount['hostPath']} -> {mount['containerPath']}")
+        for hook in edits.get("hooks", []):
+            _say(f"      {hook['hookName']} hook {' '.join(hook['args'])}")
+    common = spec_json.get("containerEdits", {})
+    _say(f"    common to the claim: {len(common.get('mounts', []))} driver library/binary mounts, "
+         f"{len(common.get('hooks', []))} hooks, control nodes "
+         + ", ".join(n["path"] for n in common.get("deviceNodes", [])))
+    _show_mps_commands(work, spec_json)
+    return ref
 
 
 def run_demo(options: DemoOptions, mode: ShareMode = "mps", remove_on_exit: Callable[[Path], None] = no_cleanup) -> int:
@@ -232,7 +242,7 @@ def run_demo(options: DemoOptions, mode: ShareMode = "mps", remove_on_exit: Call
         if host.layout == "gpu-operator":
             _say(f"Driver layout: NVIDIA GPU Operator (driver root {host.driver_root}, device nodes in its dev/, "
                  f"toolkit spec {host.toolkit_spec.name})")
-        plan, plan_text = demo_plan(inventory, mode)
+        plan, plan_text = dynamic_mig_plan(inventory) if options.dynamic_mig else demo_plan(inventory, mode)
         plans = work / "sharing-plans.yaml"
         plans.write_text("# SIMULATION: the sharing plan of the demo's node, chosen for its layout and examples.\n"
                          + yaml.safe_dump(plan, sort_keys=False))
@@ -253,7 +263,8 @@ def run_demo(options: DemoOptions, mode: ShareMode = "mps", remove_on_exit: Call
             _heading(f"2. ResourceSlices it published (node sharing plan 'demo': {plan_text})")
             print_slices(_wait_for_slices(api, _expected_devices(plans, inventory)), _say)
 
-            sources = sorted({str(p.parent) for p in options.examples})
+            sources = sorted({str(p.parent) for p in options.examples} | ({str(EXAMPLES_DIR)} if options.dynamic_mig
+                                                                           else set()))
             _heading(f"3. The kubelet prepares claims from {', '.join(_short(s) for s in sources)}")
             _say("(the simulated allocator picks the first free device that the request's DeviceClass and its")
             _say(" equality, prefix and capacity selectors allow; a real scheduler evaluates the full CEL)")
@@ -261,6 +272,14 @@ def run_demo(options: DemoOptions, mode: ShareMode = "mps", remove_on_exit: Call
             consumed: dict[str, dict[str, int]] = {}  # what consumable shares took, per device
             prepared: list[ClaimRef] = []
             failed: list[str] = []
+            state_dir = work / "plugins" / DEFAULT_DRIVER_NAME
+
+            def prepare(doc: dict[str, Any], source: str) -> ClaimRef | None:
+                return _prepare_document(doc, source, api, kubelet, work, cdi_dir, taken, consumed, failed)
+
+            if options.dynamic_mig:
+                prepared += prepare_mix(prepare, lambda: api.slices(DEFAULT_DRIVER_NAME, NODE), taken,
+                                        DEFAULT_DRIVER_NAME, state_dir, _say)
             for path in options.examples:
                 _say()
                 prepared += _prepare_example(path, api, kubelet, work, cdi_dir, taken, consumed, failed)
@@ -285,6 +304,12 @@ def run_demo(options: DemoOptions, mode: ShareMode = "mps", remove_on_exit: Call
                 left = sorted(p.name for p in cdi_dir.glob(CDI_NAMES.spec_prefix + "*"))
                 mps_dirs = sorted(p.name for p in (work / "plugins" / DEFAULT_DRIVER_NAME / "mps").glob("*-*"))
                 _say(f"CDI specs left: {left or 'none'}; MPS daemons left: {mps_dirs or 'none'}")
+                if options.dynamic_mig:
+                    uids = {r.uid for r in prepared}
+                    released = [r["device"] for c in api.claims() if c["metadata"]["uid"] in uids
+                                for r in c["status"]["allocation"]["devices"]["results"]]
+                    if not show_full_gpu_fits(prepare, kubelet.unprepare, released, taken, state_dir, _say):
+                        failed.append(FULL_GPU_CLAIM)
         _heading("Done" if not failed else f"Done, but {len(failed)} prepare(s) FAILED: {', '.join(failed)}")
         _say(_closing(work, cdi_dir, node_args, keep, options.keep_prepared))
         return 1 if failed else 0

@@ -22,6 +22,8 @@ from driver.gpu.discovery.inventory import NodeInventory
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "resourceclaims"
 DEFAULT_EXAMPLES = ("gpu-mps-per-claim.yaml", "mig-by-profile.yaml", "mps-share-from-plan.yaml")
+DYNAMIC_MIG_EXAMPLE = "mig-dynamic.yaml"  # --dynamic-mig: its template, at several sizes (driver/demomig.py)
+DYNAMIC_MIG_LAYOUT = "dynamic-mig"
 PLAN_NAME = "demo"
 SHARES = 4
 ShareMode = Literal["mps", "timeSlicing", "consumable"]
@@ -43,6 +45,7 @@ class DemoOptions:
     keep_prepared: bool
     examples: tuple[Path, ...]
     health: bool = False
+    dynamic_mig: bool = False
 
 
 def build_parser(layouts: Sequence[str]) -> argparse.ArgumentParser:
@@ -50,9 +53,9 @@ def build_parser(layouts: Sequence[str]) -> argparse.ArgumentParser:
         prog="python -m driver demo",
         description="SIMULATION: one simulated GPU node end to end (the real driver process, simulated GPUs, "
                     "stand-in NVIDIA tools, an API server double, a kubelet stand-in). No cluster, GPU or root needed.")
-    parser.add_argument("--layout", default="demo", metavar="LAYOUT",
+    parser.add_argument("--layout", default=None, metavar="LAYOUT",
                         help=f"simulated node: one of {', '.join(layouts)}, or a YAML file holding one layout "
-                             "(default: demo)")
+                             f"(default: demo; {DYNAMIC_MIG_LAYOUT} with --dynamic-mig)")
     parser.add_argument("--workdir", default=None, metavar="DIR",
                         help="keep the demo's files (driver.log, CDI specs, checkpoint) in DIR instead of a "
                              "temporary directory that is removed at the end; a rerun on the same DIR first removes "
@@ -64,6 +67,10 @@ def build_parser(layouts: Sequence[str]) -> argparse.ArgumentParser:
                         help="a YAML file with ResourceClaims or ResourceClaimTemplates to prepare; repeatable. A "
                              "bare name is looked up in examples/resourceclaims/ "
                              f"(default: {', '.join(DEFAULT_EXAMPLES)})")
+    parser.add_argument("--dynamic-mig", action="store_true",
+                        help=f"dynamic MIG: the node's MIG-mode GPUs without instances publish their placements, and "
+                             f"MIG instances are created for claims (from {DYNAMIC_MIG_EXAMPLE}): a 3g.40gb and two "
+                             "2g.20gb on one H100, a 7g.80gb refused until they are gone (plus any --example)")
     parser.add_argument("--health", action="store_true",
                         help="also fail a GPU and recover it while the claims are prepared: the taints appearing and "
                              "going, the kubelet's health stream and the health metrics")
@@ -73,7 +80,7 @@ def build_parser(layouts: Sequence[str]) -> argparse.ArgumentParser:
 def parse_options(argv: Sequence[str], layouts: Sequence[str]) -> DemoOptions:
     """Parse and check ``argv``; argparse exits for --help and unknown flags, anything else is DemoArgsError."""
     args = build_parser(layouts).parse_args(argv)
-    layout: str = args.layout
+    layout: str = args.layout or (DYNAMIC_MIG_LAYOUT if args.dynamic_mig else "demo")
     if layout not in layouts:
         if not Path(layout).is_file():
             raise DemoArgsError(f"unknown --layout {layout!r}: choose one of {', '.join(layouts)} "
@@ -81,12 +88,12 @@ def parse_options(argv: Sequence[str], layouts: Sequence[str]) -> DemoOptions:
         layout = str(Path(layout).resolve())  # the driver process reads it too
     if args.keep_prepared and args.workdir is None:
         raise DemoArgsError("--keep-prepared needs --workdir DIR: the prepared claims' files are left there")
-    examples = tuple(resolve_example(text) for text in args.example or default_examples())
+    examples = tuple(resolve_example(text) for text in args.example or (() if args.dynamic_mig else default_examples()))
     workdir = Path(args.workdir).resolve() if args.workdir is not None else None
     if workdir is not None and workdir.exists() and not workdir.is_dir():
         raise DemoArgsError(f"--workdir {args.workdir}: exists and is not a directory")
     return DemoOptions(layout=layout, workdir=workdir, keep_prepared=args.keep_prepared, examples=examples,
-                       health=args.health)
+                       health=args.health, dynamic_mig=args.dynamic_mig)
 
 
 def default_examples() -> tuple[str, ...]:

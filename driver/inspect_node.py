@@ -51,7 +51,8 @@ def collect(settings: Settings) -> dict[str, Any]:
             "devices": [{"device": d.device.device_name, "kind": d.kind, "gpu": d.gpu_uuid, "mig": d.mig_uuid,
                          "requests": d.device.request_names, "cdi_ids": d.device.cdi_device_ids,
                          "share_id": d.device.share_id, "mps_daemon": d.mps_daemon_id,
-                         "consumed": _consumed(d), "admin_access": d.admin_access} for d in record.devices],
+                         "consumed": _consumed(d), "admin_access": d.admin_access,
+                         "dynamic_mig": _dynamic_mig(d)} for d in record.devices],
             "cdi_spec": str(spec_path), "cdi_spec_present": spec_path.exists(),
             "timeslice": record.timeslice.model_dump() if record.timeslice else None,
             "exclusive_gpus": list(record.exclusive_gpus),
@@ -91,6 +92,17 @@ def _consumed(dev: PreparedDeviceRecord) -> dict[str, Any] | None:
     memory = dev.consumed_memory_bytes
     shown = f"{memory // GIB}Gi" if memory % GIB == 0 else f"{memory} bytes"
     return {"memory": shown, "memory_bytes": memory, "multiprocessors": dev.consumed_multiprocessors}
+
+
+def _dynamic_mig(dev: PreparedDeviceRecord) -> dict[str, Any] | None:
+    """The MIG instance Tessera created (or is creating) for a dynamic MIG device, as the checkpoint records it."""
+    intent = dev.dynamic_mig
+    if intent is None:
+        return None
+    state = "created" if dev.mig_gi_id is not None else "being created" if intent.create_started else "planned"
+    return {"gpu": dev.gpu_uuid, "gpu_minor": dev.gpu_minor, "profile": intent.profile,
+            "placement_start": intent.placement_start, "placement_size": intent.memory_slices,
+            "gi_id": dev.mig_gi_id, "ci_id": dev.mig_ci_id, "mig_uuid": dev.mig_uuid, "state": state}
 
 
 def add_foreign_processes(report: dict[str, Any], settings: Settings, cp: Checkpoint | None) -> None:
@@ -163,6 +175,12 @@ def render_text(report: dict[str, Any]) -> str:
             extra += " admin-access (shared for monitoring: no MPS, no limits)" if dev.get("admin_access") else ""
             lines.append(f"    {dev['device']:<28} {dev['kind']:<9} requests={','.join(dev['requests']) or '*'} "
                          f"gpu={dev['gpu']}{extra}")
+            if (made := dev.get("dynamic_mig")) is not None:
+                ids = f"GI {made['gi_id']} CI {made['ci_id']} {made['mig_uuid']}" if made["gi_id"] is not None else ""
+                lines.append(f"      MIG instance {made['state']} by Tessera: {made['profile']} at placement "
+                             f"{made['placement_start']} (memory slices {made['placement_start']}-"
+                             f"{made['placement_start'] + made['placement_size'] - 1}) on GPU {made['gpu_minor']} "
+                             f"{ids}".rstrip())
             for cdi_id in dev["cdi_ids"]:
                 lines.append(f"      cdi: {cdi_id}")
         if claim.get("mps_clients"):
@@ -189,6 +207,10 @@ def render_text(report: dict[str, Any]) -> str:
                f"{gpu['multiprocessors']} SMs" if gpu["multiprocessors"] is not None else
                f"SM count not published: {gpu['multiprocessors_missing'] or 'unknown'}")
         lines.append(f"GPU {gpu['minor']} {gpu['uuid']} {gpu['product']}: {sms}")
+        for mig in gpu.get("mig_instances", []):
+            owner = f"created by Tessera for claim {mig['claim']}" if mig["claim"] else "not created by Tessera"
+            lines.append(f"    MIG {mig['profile']} at placement {mig['placement_start']}: GI {mig['gi_id']} "
+                         f"CI {mig['ci_id']} {mig['uuid']} ({owner})")
     foreign = report.get("foreign_mps_processes", [])
     if foreign:
         lines.append(f"{len(foreign)} foreign process(es) naming a Tessera pipe directory (not started by this driver; "
@@ -207,8 +229,9 @@ def render_text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def discovered_gpus(settings: Settings) -> tuple[list[dict[str, Any]], str | None]:
-    """The GPUs discovery sees now, each with its SM count or why it has none (never silently missing)."""
+def discovered_gpus(settings: Settings, cp: Checkpoint | None = None) -> tuple[list[dict[str, Any]], str | None]:
+    """The GPUs discovery sees now, each with its SM count or why it has none (never silently missing), and
+    its MIG instances, each with the claim Tessera created it for (dynamic MIG; from ``cp``) or none."""
     try:
         discovery = nodelayout.open_discovery(settings, settings.node_name or nodelayout.SIMULATED_NODE_NAME)
         try:
@@ -217,8 +240,13 @@ def discovered_gpus(settings: Settings) -> tuple[list[dict[str, Any]], str | Non
             discovery.close()
     except (RuntimeError, ValueError, ImportError, OSError) as exc:
         return [], f"GPU discovery failed: {exc}"
+    owners = {(d.gpu_uuid, d.mig_gi_id): f"{r.namespace}/{r.name}" for r in (cp.claims.values() if cp else ())
+              for d in r.devices if d.dynamic_mig is not None and d.mig_gi_id is not None}
     return [{"minor": g.minor, "uuid": g.uuid, "product": g.product_name, "mig_enabled": g.mig_enabled,
-             "multiprocessors": g.multiprocessors, "multiprocessors_missing": g.multiprocessors_missing}
+             "multiprocessors": g.multiprocessors, "multiprocessors_missing": g.multiprocessors_missing,
+             "mig_instances": [{"profile": m.profile, "placement_start": m.placement_start, "gi_id": m.gi_id,
+                                "ci_id": m.ci_id, "uuid": m.uuid, "claim": owners.get((g.uuid, m.gi_id))}
+                               for m in g.mig_instances]}
             for g in inventory.gpus], None
 
 
@@ -239,7 +267,11 @@ def build_report(settings: Settings) -> dict[str, Any]:
         add_foreign_processes(report, settings, None)
     report["node_driver"], problems = nodelayout.describe(settings)
     report["problems"].extend(problems)
-    report["gpus"], problem = discovered_gpus(settings)
+    try:
+        cp = CheckpointStore(settings.state_dir / "checkpoint.json").peek()
+    except (ValueError, OSError):  # collect() named the problem
+        cp = None
+    report["gpus"], problem = discovered_gpus(settings, cp)
     if problem is not None:
         report["problems"].append(problem)
     add_health_to_inspect(report, settings.state_dir / HEALTH_FILE)

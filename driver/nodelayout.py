@@ -20,6 +20,7 @@ from driver.gpu.claimcdi.hostfs import DeviceRoot, driver_root_host_path, find_d
 from driver.gpu.claimcdi.toolkit import ToolkitEdits, load_toolkit_edits, toolkit_spec_candidates
 from driver.gpu.discovery.inventory import Discovery
 from driver.gpu.runtime.computemode import NvmlComputeModes
+from driver.gpu.runtime.mig import MigPartitioner
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,12 @@ def open_discovery(settings: Settings, node_name: str) -> Discovery:
     """
     if settings.simulate:
         from driver.simulation.discovery import SimulatedDiscovery
+        from driver.simulation.migstate import state_path
 
         log.warning("SIMULATION: publishing simulated GPUs, not this node's hardware",
                     extra={"layout": settings.simulate})
-        return SimulatedDiscovery(settings.simulate, node_name)
+        # The simulated partitioner's instances (open_mig_partitioner), as NVML shows what was created.
+        return SimulatedDiscovery(settings.simulate, node_name, mig_state=state_path(settings.driver_root, os.environ))
     from driver.gpu.discovery.nvml import NvmlDiscovery
 
     return NvmlDiscovery(driver_root=settings.driver_root)
@@ -58,6 +61,27 @@ def open_compute_modes(settings: Settings, driver_root: Path | None = None) -> N
     from driver.gpu.discovery.nvml import load_nvml_from_driver_root
 
     return NvmlComputeModes(pynvml, load_library=partial(load_nvml_from_driver_root, root))
+
+
+def open_mig_partitioner(settings: Settings, driver_root: Path | None = None) -> MigPartitioner:
+    """MIG devices created and destroyed through NVML in this process, its library from the driver root; on the
+    simulated node, the SIMULATION engine over its state file (TESSERA_SIM_MIG_STATE, else under the driver
+    root), the file the simulated discovery reads when given it (``SimulatedDiscovery(..., mig_state=...)``)."""
+    root = settings.driver_root if driver_root is None else driver_root
+    if settings.simulate:
+        from driver.simulation.migengine import SimulatedMigHost, SimulatedMigPartitioner
+        from driver.simulation.migstate import state_path
+
+        # It keeps the simulated host tree's MIG capability files and nodes, as the NVIDIA driver keeps /proc.
+        host = SimulatedMigHost(settings.host_root, device_root(settings).seen_at)
+        return SimulatedMigPartitioner.for_layout(settings.simulate, settings.node_name or SIMULATED_NODE_NAME,
+                                                  state_path(root, os.environ), host=host)
+    import pynvml
+
+    from driver.gpu.discovery.nvml import load_nvml_from_driver_root
+    from driver.gpu.runtime.nvmlmig import NvmlMigPartitioner
+
+    return NvmlMigPartitioner(pynvml, load_library=partial(load_nvml_from_driver_root, root))
 
 
 def toolkit_candidates(settings: Settings) -> tuple[Path, ...]:

@@ -22,7 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cdi.atomicfile import write_atomic
+from cdi.atomicswap import SwappedFile
+from driver.gpu.migrecord import DynamicMigRecord
 from driver.gpu.mps.model import MpsDaemonRecord
 from driver.gpu.runtime.computemode import ComputeMode
 from driver.gpu.sharelayout import Enforcement, GpuShares, MpsClients, TimeSliceInterval
@@ -61,6 +62,9 @@ class PreparedDeviceRecord(_Record):
     # Admin access (Kubernetes' adminAccess): a device other claims may hold too, for monitoring. Its
     # claim changes nothing on it and is in no other claim's way. False in older checkpoints.
     admin_access: bool = False
+    # Dynamic MIG: the instance prepare creates (profile, placement), recorded before it is created;
+    # the mig_* fields above are the created instance's. None for every other device.
+    dynamic_mig: DynamicMigRecord | None = None
 
 
 class TimeSliceRecord(_Record):
@@ -149,11 +153,14 @@ class CheckpointStore:
 
     def __init__(self, path: Path):
         self.path = path
+        self._path_text = os.fspath(path)
+        # Durable saves go through a companion file swapped into place (cdi/atomicswap.py).
+        self._file = SwappedFile(path, mode=0o600)
         self._cached: tuple[tuple[int, int, int], Checkpoint] | None = None
 
     def _stamp(self) -> tuple[int, int, int] | None:
         try:
-            st = self.path.stat()
+            st = os.stat(self._path_text)  # several times per prepare: no Path conversion each time
         except FileNotFoundError:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
@@ -182,6 +189,15 @@ class CheckpointStore:
             raise CheckpointCorrupt(str(exc), aside) from exc
         self._cached = (stamp, checkpoint)
         return checkpoint if shared else _working_copy(checkpoint)
+
+    def current(self) -> Checkpoint | None:
+        """The cached checkpoint (shared: read it, never change it) if the file is still the one it came
+        from, else None. Without the node lock: the file is only ever replaced by a rename, so a match
+        means the cache is the last committed state (as a locked read that released the lock would be)."""
+        cached = self._cached
+        if cached is None or self._stamp() != cached[0]:
+            return None
+        return cached[1]
 
     def peek(self) -> Checkpoint | None:
         """Read without side effects (for ``inspect``): None if there is no file; ValueError if it is bad."""
@@ -221,7 +237,12 @@ class CheckpointStore:
                         extra={"checkpoint_version": version, "supported_version": CHECKPOINT_VERSION})
         return Checkpoint.model_validate(envelope["data"])
 
-    def save(self, checkpoint: Checkpoint, *, durable: bool = True, adopt: bool = False) -> None:
+    def sync_directory(self) -> None:
+        """The directory fsync of a save made with ``defer_directory_sync``."""
+        self._file.sync_directory()
+
+    def save(self, checkpoint: Checkpoint, *, durable: bool = True, adopt: bool = False,
+             defer_directory_sync: bool = False) -> None:
         """Replace the file atomically with ``checkpoint``.
 
         ``durable=False`` skips the directory fsync: the new file is complete (its data is
@@ -238,16 +259,26 @@ class CheckpointStore:
         checksum = "sha256:" + hashlib.sha256(canonical).hexdigest()
         payload = (b'{"version": ' + str(CHECKPOINT_VERSION).encode() + b', "checksum": "' + checksum.encode()
                    + b'", "data": ' + canonical + b"}\n")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.path, payload, mode=0o600, durable=durable)
+        try:
+            self._file.write(payload, durable=durable, defer_directory_sync=defer_directory_sync)
+        except FileNotFoundError:  # the first save: the directory is made then, not checked at every save
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file.write(payload, durable=durable, defer_directory_sync=defer_directory_sync)
         stamp = self._stamp()
         cached = checkpoint if adopt else _working_copy(checkpoint)
         self._cached = (stamp, cached) if stamp is not None else None
 
 
-def current_boot_id() -> str | None:
-    """The kernel's boot ID: a changed value means the node rebooted since the checkpoint was written."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
-    except OSError:
-        return None
+def current_boot_id(host_root: Path | None = None) -> str | None:
+    """The kernel's boot ID: a changed value means the node rebooted since the checkpoint was written.
+
+    Read under ``host_root`` first (where the host's /proc is; a simulated node's tree may hold its own),
+    else from this process's /proc: the boot ID is the kernel's, the same in every container."""
+    for root in ([host_root] if host_root is not None else []) + [Path("/")]:
+        try:
+            found = (root / "proc/sys/kernel/random/boot_id").read_text().strip()
+        except OSError:
+            continue
+        if found:
+            return found
+    return None

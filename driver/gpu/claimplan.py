@@ -188,8 +188,10 @@ def _target_for(result: DeviceRequestAllocationResult, view: NodeView, pool_name
 def _check_share_multiplicity(targets: Sequence[DeviceTarget], *, whole_gpu_class: str) -> None:
     by_gpu: dict[str, list[DeviceTarget]] = {}
     for t in targets:
-        # A consumable device held twice is refused by _consumed, with its own advice.
-        if t.shares is not None and t.shares.consumable is None and not t.shares.allow_multiple_shares_per_claim:
+        # A consumable device held twice is refused by _consumed, with its own advice. Dynamic MIG placements are
+        # no shares: each is an instance of its own, and several in one claim add capacity, as static MIG devices do.
+        if t.shares is not None and t.shares.consumable is None and not t.shares.allow_multiple_shares_per_claim \
+                and not t.dynamic_mig:
             by_gpu.setdefault(t.gpu.uuid, []).append(t)
     for group in by_gpu.values():
         if len(group) > 1:
@@ -233,7 +235,7 @@ def _claim_daemons(uid: str, targets: Sequence[DeviceTarget], groups: ConfigGrou
         group = [by_name[r.device] for r in results if by_name[r.device].kind in ("gpu", "mig")]
         if sharing is None or sharing.strategy != "MPS" or not group:
             continue
-        uuids = sorted(t.cuda_uuid for t in group)
+        uuids = sorted({t.cuda_uuid for t in group})  # two dynamic MIG devices share their GPU's until created
         memory = {t.cuda_uuid: t.memory_bytes or 0 for t in group}
         try:
             limits = resolve_mps_limits(sharing.mpsConfig, uuids, memory) if sharing.mpsConfig else None
@@ -243,7 +245,10 @@ def _claim_daemons(uid: str, targets: Sequence[DeviceTarget], groups: ConfigGrou
                              active_thread_percentage=limits.active_thread_percentage if limits else None,
                              pinned_memory_limits=dict(limits.pinned_memory_bytes) if limits else {},
                              shm_size=sharing.mpsConfig.shmSize if sharing.mpsConfig else None)
+        # A dynamic MIG device's daemon names its parent GPU until the instance exists (the runtime then moves
+        # it onto the instance: migclaims.plan_on_instances); its GPU is in MIG mode, which allows only DEFAULT.
         daemons.append(PlannedDaemon(spec, shared=False, device_names=tuple(t.name for t in group),
+                                     exclusive=not any(t.dynamic_mig for t in group),
                                      clients=sharing.mpsConfig.clients if sharing.mpsConfig else "any"))
     return daemons
 
@@ -252,8 +257,9 @@ def _check_one_cuda_process_can_see(served: Sequence[DeviceTarget]) -> None:
     """``served``: every device of the claim an MPS daemon would serve. A container reaches one daemon,
     an MPS server is one CUDA process, and "a single CUDA process can only enumerate a single MIG
     device", never a MIG device next to a whole GPU (NVIDIA MIG user guide, "CUDA Device Enumeration")."""
-    migs = sorted(t.name for t in served if t.kind == "mig")
-    others = sorted(t.name for t in served if t.kind != "mig")
+    # A dynamic MIG device is a MIG device once created, the whole device of a dynamic GPU (its full profile) too.
+    migs = sorted(t.name for t in served if t.kind == "mig" or t.dynamic_mig)
+    others = sorted(t.name for t in served if not (t.kind == "mig" or t.dynamic_mig))
     if len(migs) > 1 or (migs and others):
         raise PrepareError(
             f"MPS would have to serve {', '.join(migs + others)} together, but an MPS server is a single CUDA "
@@ -271,7 +277,8 @@ def _check_one_mps_daemon(daemons: Sequence[PlannedDaemon]) -> None:
 
 
 def _timeslice(targets: Sequence[DeviceTarget], groups: ConfigGroups) -> PlannedTimeSlice | None:
-    """The claim's time slice on its whole GPUs (TimeSlicing on a MIG device is accepted and does nothing)."""
+    """The claim's time slice on its whole GPUs (TimeSlicing on a MIG device, or on the whole device of a dynamic
+    MIG GPU, which is a MIG instance once prepared, is accepted and does nothing)."""
     by_name = {t.name: t for t in targets}
     gpus: set[str] = set()
     intervals: set[TimeSliceInterval] = set()
@@ -279,7 +286,7 @@ def _timeslice(targets: Sequence[DeviceTarget], groups: ConfigGroups) -> Planned
         sharing = config.sharing
         if not isinstance(sharing, Sharing) or sharing.strategy != "TimeSlicing":
             continue
-        group = [by_name[r.device] for r in results if by_name[r.device].kind == "gpu"]
+        group = [t for t in (by_name[r.device] for r in results) if t.kind == "gpu" and not t.dynamic_mig]
         if not group:
             continue
         intervals.add(sharing.timeSlicingConfig.interval if sharing.timeSlicingConfig else "Default")

@@ -1,8 +1,8 @@
 """Pure: a claim's plan as the checkpoint records it when its prepare starts (``PrepareStarted``).
 
 Everything the prepare is about to do is in this record before any of it happens (the devices, the
-MPS daemons it owns or shares, the GPUs it makes EXCLUSIVE_PROCESS, its time slice), so recovery
-after a crash knows what to finish or undo.
+MPS daemons it owns or shares, the GPUs it makes EXCLUSIVE_PROCESS, its time slice, the dynamic MIG
+instances it creates), so recovery after a crash knows what to finish or undo.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from driver.gpu.checkpoint import ClaimPhase, ClaimRecord, PreparedDeviceRecord, TimeSliceRecord
 from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.claimplan import ClaimPlan
+from driver.gpu.migrecord import intent_for
 from driver.gpu.tenancy import claim_enforcement
 from driver.kubeletplugin.types import PreparedDevice
 
@@ -33,7 +34,10 @@ def started_record(plan: ClaimPlan, names: CdiNames, pool_name: str, driver_vers
             device=device, kind=target.kind, gpu_uuid=target.gpu.uuid, gpu_minor=target.gpu.minor,
             mig_uuid=mig.uuid if mig else None, mig_gi_id=mig.gi_id if mig else None,
             mig_ci_id=mig.ci_id if mig else None, mps_daemon_id=daemon_of.get(target.name),
-            admin_access=bool(result.admin_access)))
+            admin_access=bool(result.admin_access),
+            # Dynamic MIG: the instance to create, named before it exists. Admin access creates nothing (it
+            # watches devices other claims hold), so its device gets the GPU's node only.
+            dynamic_mig=intent_for(target.placement) if target.placement and not result.admin_access else None))
         if (share := consumed.get(target.name)) is not None:
             record.devices[-1].consumed_memory_bytes = share.memory_bytes
             record.devices[-1].consumed_multiprocessors = share.multiprocessors

@@ -5,7 +5,9 @@ Pure logic, no I/O. Names:
 * whole GPU: ``gpu-<minor>``;
 * MIG device: ``gpu-<minor>-mig-<profile fragment>-<placement start>`` (``gpu-0-mig-1g10gb-3``);
 * shares: ``gpu-<minor>-mps-<k>`` / ``gpu-<minor>-ts-<k>``, k = 0 .. count-1;
-* consumable GPU (one device many claims share by capacity): ``gpu-<minor>-shared``.
+* consumable GPU (one device many claims share by capacity): ``gpu-<minor>-shared``;
+* a dynamic MIG GPU's placements have the static MIG names (the placement is the start a created
+  instance will have); its counter set (not a device) is ``gpu-<minor>-counter-set``.
 
 The minor (``/dev/nvidia<minor>``) is used rather than the NVML index because the index changes
 when a GPU drops off the bus.
@@ -59,6 +61,11 @@ def share_device_name(minor: int, strategy: ShareStrategy, k: int) -> str:
 
 def consumable_device_name(minor: int) -> str:
     return f"{gpu_device_name(minor)}-shared"
+
+
+def counter_set_name(minor: int) -> str:
+    """The counter set of a dynamic MIG GPU (a DNS label, as counter set names must be)."""
+    return _checked_name(f"{gpu_device_name(minor)}-counter-set")
 
 
 class ParsedDeviceName(BaseModel):

@@ -14,22 +14,35 @@ from collections.abc import Mapping
 from driver.gpu.devicenames import (
     ShareStrategy,
     consumable_device_name,
+    counter_set_name,
     gpu_device_name,
     mig_device_name,
     share_device_name,
 )
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
+from driver.gpu.migplacement import (
+    MEMORY,
+    MigPlacement,
+    OwnInstances,
+    counter_values,
+    full_profile,
+    placement_consumption,
+    placements,
+)
 from driver.gpu.mps.model import multi_user_capable
-from driver.gpu.sharelayout import ConsumablePolicy, GpuShares, SharingLayout
+from driver.gpu.sharelayout import ConsumablePolicy, DynamicMigPolicy, GpuShares, SharingLayout
 from driver.gpu.targets import DeviceTarget, NodeView
 from driver.kubeletplugin.slicelimits import MAX_ATTRIBUTES_AND_CAPACITIES, MAX_STRING_ATTRIBUTE_BYTES
 from driver.kubeletplugin.slicemodel import (
     CapacityRequestPolicy,
     CapacityRequestRange,
+    CounterSet,
     Device,
     DeviceAttribute,
     DeviceCapacity,
+    DeviceCounterConsumption,
     bool_attr,
+    counters,
     int_attr,
     string_attr,
     version_attr,
@@ -137,31 +150,67 @@ def _whole_gpu(inventory: NodeInventory, gpu: GpuInfo) -> Entry:
     return _checked(device), DeviceTarget(name, "gpu", gpu)
 
 
-def _mig_device(inventory: NodeInventory, gpu: GpuInfo, mig: MigInstance) -> Entry:
-    attributes = {
-        "type": string_attr("mig"),
-        "uuid": _string(mig.uuid),
-        "parentUUID": _string(gpu.uuid),
-        "profile": _string(mig.profile),
-        **_parent_attributes(inventory, gpu),
-    }
-    capacity = _counts(
-        {
-            "multiprocessors": mig.multiprocessors,
-            "copyEngines": mig.copy_engines,
-            "decoders": mig.decoders,
-            "encoders": mig.encoders,
-            "jpegEngines": mig.jpeg_engines,
-            "ofaEngines": mig.ofa_engines,
-        }
-    )
-    if mig.memory_bytes is not None:
-        capacity["memory"] = DeviceCapacity(value=quantity_from_bytes(mig.memory_bytes))
-    for memory_slice in range(mig.placement_start, mig.placement_start + mig.placement_size):
+def _mig_attributes(inventory: NodeInventory, gpu: GpuInfo, profile: str) -> dict[str, DeviceAttribute]:
+    return {"type": string_attr("mig"), "parentUUID": _string(gpu.uuid), "profile": _string(profile),
+            **_parent_attributes(inventory, gpu)}
+
+
+def _mig_capacity(amounts: dict[str, int | None], memory_bytes: int | None, slices: range) -> dict[str, DeviceCapacity]:
+    capacity = _counts(amounts)
+    if memory_bytes is not None:
+        capacity["memory"] = DeviceCapacity(value=quantity_from_bytes(memory_bytes))
+    for memory_slice in slices:
         capacity[f"memorySlice{memory_slice}"] = DeviceCapacity(value="1")
+    return capacity
+
+
+def _mig_device(inventory: NodeInventory, gpu: GpuInfo, mig: MigInstance) -> Entry:
+    attributes = {**_mig_attributes(inventory, gpu, mig.profile), "uuid": _string(mig.uuid)}
+    capacity = _mig_capacity(
+        {"multiprocessors": mig.multiprocessors, "copyEngines": mig.copy_engines, "decoders": mig.decoders,
+         "encoders": mig.encoders, "jpegEngines": mig.jpeg_engines, "ofaEngines": mig.ofa_engines},
+        mig.memory_bytes, range(mig.placement_start, mig.placement_start + mig.placement_size))
     name = mig_device_name(gpu.minor, mig.profile, mig.placement_start)
     device = Device(name=name, attributes=attributes, capacity=capacity)
     return _checked(device), DeviceTarget(name, "mig", gpu, mig=mig)
+
+
+def _counter_quantities(amounts: dict[str, int]) -> dict[str, str]:
+    return {k: quantity_from_bytes(v) if k == MEMORY else str(v) for k, v in amounts.items()}
+
+
+def _dynamic_mig(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares,
+                 policy: DynamicMigPolicy) -> tuple[list[Entry], CounterSet | None]:
+    """Every placement of the allowed profiles (and the whole GPU) as devices consuming the GPU's
+    counter set; the same attributes as a static MIG device of the profile, less the MIG UUID (no
+    instance exists yet), plus ``placement``. Nothing while the counters cannot be derived (NVML
+    stopped listing the profiles of a GPU kept dynamic for its claims): no device then is safer
+    than devices the scheduler cannot count."""
+    offered = counter_values(gpu)
+    if not offered:
+        return [], None
+    set_name = counter_set_name(gpu.minor)
+    entries: list[Entry] = []
+    if policy.also_whole_gpu:
+        whole, target = _whole_gpu(inventory, gpu)
+        consumes = DeviceCounterConsumption(counter_set=set_name, counters=counters(_counter_quantities(offered)))
+        full = full_profile(gpu)
+        entries.append((whole.model_copy(update={"consumes_counters": (consumes,)}),
+                        DeviceTarget(target.name, "gpu", gpu, shares=shares,
+                                     placement=MigPlacement(profile=full, start=0) if full is not None else None)))
+    for placement in placements(gpu, policy.profiles):
+        profile = placement.profile
+        attributes = {**_mig_attributes(inventory, gpu, profile.name), "placement": int_attr(placement.start)}
+        capacity = _mig_capacity(
+            {"multiprocessors": profile.multiprocessors, "copyEngines": profile.copy_engines,
+             "decoders": profile.decoders, "encoders": profile.encoders, "jpegEngines": profile.jpeg_engines,
+             "ofaEngines": profile.ofa_engines}, profile.memory_bytes, placement.memory_slices)
+        consumes = DeviceCounterConsumption(
+            counter_set=set_name, counters=counters(_counter_quantities(placement_consumption(placement, offered))))
+        name = mig_device_name(gpu.minor, profile.name, placement.start)
+        device = Device(name=name, attributes=attributes, capacity=capacity, consumes_counters=(consumes,))
+        entries.append((_checked(device), DeviceTarget(name, "mig", gpu, shares=shares, placement=placement)))
+    return entries, CounterSet(name=set_name, counters=counters(_counter_quantities(offered)))
 
 
 def _shares(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, mps_multi_user: bool) -> list[Entry]:
@@ -220,16 +269,19 @@ def _consumable(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, polic
     return _checked(device), DeviceTarget(name, "consumable", gpu, shares=shares)
 
 
-def _mig_devices(inventory: NodeInventory, gpu: GpuInfo) -> list[Entry]:
+def _mig_devices(inventory: NodeInventory, gpu: GpuInfo, own: OwnInstances) -> list[Entry]:
     entries: dict[str, Entry] = {}
     # Several compute instances in one GPU instance would share a name; the lowest CI id wins.
     for mig in sorted(gpu.mig_instances, key=lambda m: (m.placement_start, m.ci_id)):
+        if (gpu.uuid, mig.gi_id) in own:
+            continue  # created for a claim: its device is the dynamic placement, not a static one
         device, target = _mig_device(inventory, gpu, mig)
         entries.setdefault(device.name, (device, target))
     return list(entries.values())
 
 
-def _gpu_entries(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares | None, mps_multi_user: bool) -> list[Entry]:
+def _gpu_entries(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares | None, mps_multi_user: bool,
+                 own: OwnInstances) -> list[Entry]:
     if shares is not None:
         if gpu.mig_enabled:
             raise ValueError(
@@ -240,25 +292,38 @@ def _gpu_entries(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares | Non
             return [_consumable(inventory, gpu, shares, shares.consumable)]
         return _shares(inventory, gpu, shares, mps_multi_user)
     if gpu.mig_enabled:
-        return _mig_devices(inventory, gpu)
+        return _mig_devices(inventory, gpu, own)
     return [_whole_gpu(inventory, gpu)]
 
 
-def make_view(inventory: NodeInventory, layout: Mapping[str, GpuShares], mps_multi_user: bool = False) -> NodeView:
+def make_view(inventory: NodeInventory, layout: Mapping[str, GpuShares], mps_multi_user: bool = False,
+              own_instances: OwnInstances = ()) -> NodeView:
     """The node as published under ``layout``: every device, and what each device name stands for.
 
-    Devices are ordered by GPU minor then placement start / share index. A GPU in ``layout`` is
-    published only as its shares; a MIG-enabled GPU only as its MIG instances (none at all if it
-    has none: the caller decides how to report that); any other GPU whole. Layout entries for GPUs
-    not in the inventory are ignored. Attributes whose source is unknown (None) are left out.
+    Devices are ordered by GPU minor then placement start / share index (a dynamic MIG GPU: its
+    whole device, then its placements profile by profile). A GPU in ``layout`` is published only as
+    its shares or (``DynamicMig``) its placements with its counter set; a MIG-enabled GPU only as its
+    MIG instances (none at all if it has none: the caller decides how to report that), less
+    ``own_instances`` (those Tessera created for claims); any other GPU whole. Layout entries for
+    GPUs not in the inventory are ignored. Attributes whose source is unknown (None) are left out.
     ``mps_multi_user``: the node's MPS daemons for plan shares run in multi-user mode (on GPUs
-    that support it). ValueError for a layout that shares a MIG-enabled GPU.
+    that support it). ValueError for a layout that shares a MIG-enabled GPU, or that makes a GPU
+    without MIG mode dynamic.
     """
     devices: list[Device] = []
+    counter_sets: list[CounterSet] = []
     targets: dict[str, DeviceTarget] = {}
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
-        for device, target in _gpu_entries(inventory, gpu, layout.get(gpu.uuid), mps_multi_user):
+        shares = layout.get(gpu.uuid)
+        if shares is not None and shares.dynamic_mig is not None:
+            if not gpu.mig_enabled:
+                raise ValueError(f"GPU {gpu.uuid} (minor {gpu.minor}) is not in MIG mode and cannot be dynamic MIG")
+            entries, counter_set = _dynamic_mig(inventory, gpu, shares, shares.dynamic_mig)
+            counter_sets.extend([counter_set] if counter_set is not None else [])
+        else:
+            entries = _gpu_entries(inventory, gpu, shares, mps_multi_user, own_instances)
+        for device, target in entries:
             devices.append(device)
             targets[target.name] = target
     resolved: SharingLayout = dict(layout)
-    return NodeView(inventory, resolved, targets, tuple(devices))
+    return NodeView(inventory, resolved, targets, tuple(devices), tuple(counter_sets))

@@ -8,6 +8,7 @@ from driver.gpu.errors import PrepareError
 from driver.gpu.mps.model import MpsError
 from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.gpulocks import GpuBusy
+from driver.gpu.runtime.mig import MigError
 from driver.gpu.runtime.timeslice import TimeSliceError
 from driver.gpu.state import DeviceState
 from driver.kubeletplugin.claimmodel import ResourceClaim
@@ -32,6 +33,6 @@ class GpuDriver:
     def unprepare_claim(self, claim: ClaimRef) -> str | None:
         try:
             self.state.unprepare(claim)
-        except (MpsError, TimeSliceError, ComputeModeError, GpuBusy, LockTimeout, OSError) as exc:
+        except (MpsError, TimeSliceError, ComputeModeError, MigError, GpuBusy, LockTimeout, OSError) as exc:
             return f"unprepare of {claim} failed and will be retried by the kubelet: {exc}"
         return None

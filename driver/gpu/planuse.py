@@ -14,8 +14,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from driver.gpu.devicenames import counter_set_name
 from driver.gpu.devices import quantity_from_bytes
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
+from driver.gpu.migplacement import counter_values, placements
 from driver.gpu.sharelayout import GpuShares, SharingLayout
 from driver.gpu.sharingplan import PlanError, SharingPlan, entries_matching_no_gpu, entry_path, first_match, load_plans
 
@@ -30,6 +32,7 @@ class GpuPlanUse(BaseModel):
     product: str
     entry: str | None  # the plan entry that matched (e.g. plans.demo.gpus[0]); None: none did
     published: str  # one line: what the GPU is published as
+    note: str | None = None  # why the entry's form is not used (and what it is published as), or what was ignored
 
 
 class PlanUse(BaseModel):
@@ -43,12 +46,20 @@ class PlanUse(BaseModel):
     gpus: list[GpuPlanUse]
     unmatched_entries: list[str]  # entries no GPU of this node matched
 
+    def note_lines(self) -> list[str]:
+        """One warning per GPU whose entry could not be applied as written: ``gpu-2 (NVIDIA L4): <why>``."""
+        return [f"{gpu_label_of(g)}: {g.note}" for g in self.gpus if g.note is not None]
+
     def summary(self) -> str:
         """One line for the log and ``inspect``."""
         if self.file is None:
             return "no sharing plans file: every GPU is published whole (or as its MIG devices)"
         name = f"plan {self.plan!r}" if self.plan is not None else "no plan"
         return f"{name} from {self.file} ({self.how})"
+
+
+def gpu_label_of(g: GpuPlanUse) -> str:
+    return f"gpu-{g.minor} ({g.product})"
 
 
 def describe_shares(shares: GpuShares | None, gpu: GpuInfo) -> str:
@@ -59,6 +70,8 @@ def describe_shares(shares: GpuShares | None, gpu: GpuInfo) -> str:
             return f"its {len(gpu.mig_instances)} MIG device(s) ({profiles})"
         memory = quantity_from_bytes(gpu.memory_bytes) if gpu.memory_bytes else "memory unknown"
         return f"whole (memory {memory})"
+    if shares.dynamic_mig is not None:
+        return _describe_dynamic_mig(shares, gpu)
     memory = quantity_from_bytes(shares.memory_bytes_per_share)
     if shares.consumable is not None:
         c = shares.consumable
@@ -74,14 +87,26 @@ def describe_shares(shares: GpuShares | None, gpu: GpuInfo) -> str:
     return f"{shares.count} time-sliced shares, each memory {memory} (not enforced){interval}"
 
 
+def _describe_dynamic_mig(shares: GpuShares, gpu: GpuInfo) -> str:
+    assert shares.dynamic_mig is not None
+    found = placements(gpu, shares.dynamic_mig.profiles)
+    counts = ", ".join(f"{name} x{sum(1 for p in found if p.profile.name == name)}"
+                       for name in shares.dynamic_mig.profiles)
+    whole = "the whole GPU and " if shares.dynamic_mig.also_whole_gpu else ""
+    return (f"dynamic MIG: {whole}{len(found)} placements ({counts}), created at prepare; counter set "
+            f"{counter_set_name(gpu.minor)} ({len(counter_values(gpu))} counters)")
+
+
 def plan_use(plan: SharingPlan, plan_name: str | None, file: Path | None, how: str, inventory: NodeInventory,
-             layout: SharingLayout) -> PlanUse:
+             layout: SharingLayout, notes: dict[str, str] | None = None) -> PlanUse:
+    """``notes``: GPU UUID -> why its entry is not applied as written (``ResolvedPlan.notes``)."""
     gpus = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
         index, entry = first_match(plan, gpu)
         gpus.append(GpuPlanUse(minor=gpu.minor, uuid=gpu.uuid, product=gpu.product_name,
                                entry=entry_path(plan_name, index) if entry is not None else None,
-                               published=describe_shares(layout.get(gpu.uuid), gpu)))
+                               published=describe_shares(layout.get(gpu.uuid), gpu),
+                               note=(notes or {}).get(gpu.uuid)))
     return PlanUse(file=str(file) if file is not None else None, plan=plan_name, how=how, gpus=gpus,
                    unmatched_entries=entries_matching_no_gpu(plan, inventory, plan_name))
 
@@ -134,4 +159,5 @@ def render_plan(report: dict[str, Any]) -> list[str]:
     if raw is None:
         return ["sharing plan: not known (the driver has not written one: not started yet, or an older version)"]
     use = PlanUse.model_validate(raw)
-    return [f"sharing plan: {use.summary()}", *(f"  {line}" for line in gpu_lines(use))]
+    return [f"sharing plan: {use.summary()}", *(f"  {line}" for line in gpu_lines(use)),
+            *(f"  note: {line}" for line in use.note_lines())]

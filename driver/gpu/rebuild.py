@@ -1,8 +1,9 @@
 """Rebuild the checkpoint from the CDI specs on disk, after the checkpoint was found corrupt.
 
 Every spec the driver writes carries annotations naming its claim and, per device, everything
-the checkpoint held about it: kind, GPU, MIG instance, request names, share ID, admin access, the
-share layout of its GPU and its MPS daemon; the claim's time slice is a spec-level annotation. So running
+the checkpoint held about it: kind, GPU, MIG instance (and, for dynamic MIG, its profile and placement),
+request names, share ID, admin access, the share layout of its GPU and its MPS daemon; the claim's time
+slice is a spec-level annotation. So running
 workloads keep their specs, their daemons and their GPUs' published form; only daemon PIDs are
 lost: the next prepare that needs such a daemon adopts it (its limits read back), and unprepare
 still stops those daemons through their directories. The compute modes
@@ -18,6 +19,7 @@ import cdi
 from driver.gpu.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord, TimeSliceRecord
 from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.claimplan import is_plan_daemon
+from driver.gpu.migrecord import DynamicMigRecord
 from driver.gpu.runtime.computemode import ComputeMode
 from driver.gpu.sharelayout import GpuShares
 from driver.kubeletplugin.types import PreparedDevice
@@ -74,6 +76,9 @@ def _claim_from_spec(path: Path, names: CdiNames, pool_name: str,
             gpu_minor=int(dann[names.annotation("gpu-minor")]), mig_uuid=dann.get(names.annotation("mig-uuid")),
             mig_gi_id=gi, mig_ci_id=ci, mps_daemon_id=daemon,
             admin_access=dann.get(names.annotation("admin-access")) == "true"))
+        dynamic = dann.get(names.annotation("dynamic-mig"))  # an instance created for the claim: destroyed with it
+        if dynamic:
+            record.devices[-1].dynamic_mig = DynamicMigRecord.model_validate_json(dynamic)
         consumed = dann.get(names.annotation("consumed"))  # "<memory bytes>,<SMs>" of a consumable share
         if consumed:
             memory, sms = (int(x) for x in consumed.split(","))
@@ -83,7 +88,8 @@ def _claim_from_spec(path: Path, names: CdiNames, pool_name: str,
             if daemon not in daemons:
                 daemons.append(daemon)
             # The same rule as at prepare (computemode.exclusive_gpus): whole GPUs only, never a MIG parent.
-            if record.devices[-1].kind in ("gpu", "mps") and gpu_uuid not in record.exclusive_gpus:
+            if record.devices[-1].kind in ("gpu", "mps") and record.devices[-1].dynamic_mig is None \
+                    and gpu_uuid not in record.exclusive_gpus:
                 record.exclusive_gpus.append(gpu_uuid)
         shares = dann.get(names.annotation("shares"))
         if shares:

@@ -52,9 +52,11 @@ def recover(state: DeviceState) -> RecoveryReport:
         # Publish what the previous process published until apply_layout decides otherwise.
         inventory = state.view.inventory
         present = {g.uuid for g in inventory.gpus}
-        # A GPU switched to MIG since cannot be published as shares; apply_layout sorts it out.
-        shareable = {g.uuid for g in inventory.gpus if not g.mig_enabled}
-        state.set_view(make_view(inventory, {u: s for u, s in cp.layout.items() if u in shareable},
+        # A GPU switched to MIG since cannot be published as shares, nor one switched out of MIG as dynamic
+        # MIG; apply_layout sorts them out.
+        mig_mode = {g.uuid: g.mig_enabled for g in inventory.gpus}
+        state.set_view(make_view(inventory, {u: s for u, s in cp.layout.items()
+                                             if u in mig_mode and mig_mode[u] == (s.dynamic_mig is not None)},
                                  state.mps_multi_user))
     gpus = present | {g for r in cp.claims.values() for g in r.gpu_uuids} | set(cp.compute_modes) \
         | set(cp.plan_timeslices)
@@ -70,10 +72,12 @@ def recover(state: DeviceState) -> RecoveryReport:
 def _recover_holding(state: DeviceState, report: RecoveryReport) -> None:
     ledger = state.ledger
     cp = ledger.read()
-    boot_id = current_boot_id()
+    boot_id = current_boot_id(state.paths.host_root)
     if cp.boot_id is not None and boot_id is not None and boot_id != cp.boot_id:
         log.info("the node rebooted since the last run; re-applying GPU settings")
         state.sharing.after_reboot()
+        # No MIG instance survives a reboot: prepared claims get theirs created again below (ensure_claim_runtime).
+        state.mig.after_reboot()
     for record in [r for r in cp.claims.values() if r.phase == ClaimPhase.PREPARE_STARTED]:
         try:
             state.undo(record)

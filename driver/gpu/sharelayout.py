@@ -1,5 +1,6 @@
-"""How one physical GPU is published: whole, as N MPS or time-sliced share devices, or as one
-consumable device that many claims share by capacity (``driver/gpu/consumable.py``).
+"""How one physical GPU is published: whole, as N MPS or time-sliced share devices, as one
+consumable device that many claims share by capacity (``driver/gpu/consumable.py``), or as the
+placements of its MIG profiles, created at prepare (dynamic MIG, ``driver/gpu/migplacement.py``).
 
 This is the resolved, per-GPU form of the node sharing plan (``sharingplan.py`` parses the
 YAML and resolves it against the inventory); ``devices.py`` turns it into share devices and
@@ -93,14 +94,25 @@ class ConsumablePolicy(BaseModel):
     memory_limit_hook: str | None = None
 
 
-class GpuShares(BaseModel):
-    """A GPU split into ``count`` equal shares of one strategy, or (``Consumable``) published once for
-    claims that each consume part of its capacity (``count`` 1, ``memory_bytes_per_share`` the whole
-    GPU's memory, ``consumable`` the request policies)."""
+class DynamicMigPolicy(BaseModel):
+    """A GPU in MIG mode published as every placement of ``profiles`` (each a counter-consuming device)
+    and, with ``also_whole_gpu``, as its whole device consuming every counter."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    strategy: Literal["MPS", "TimeSlicing", "Consumable"]
+    profiles: tuple[str, ...] = Field(min_length=1)  # the GPU's profiles the plan allows, in the GPU's order
+    also_whole_gpu: bool = True
+
+
+class GpuShares(BaseModel):
+    """A GPU split into ``count`` equal shares of one strategy, or (``Consumable``) published once for
+    claims that each consume part of its capacity (``count`` 1, ``memory_bytes_per_share`` the whole
+    GPU's memory, ``consumable`` the request policies), or (``DynamicMig``) as its MIG placements
+    (``count`` 1, ``memory_bytes_per_share`` the GPU's memory, ``dynamic_mig`` the profiles)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    strategy: Literal["MPS", "TimeSlicing", "Consumable", "DynamicMig"]
     count: int = Field(ge=1, le=48)
     # MPS: SM share each client gets, and its pinned device memory limit in bytes.
     active_thread_percentage: int | None = Field(default=None, ge=1, le=100)
@@ -115,20 +127,24 @@ class GpuShares(BaseModel):
     # MPS and Consumable: bytes of each daemon's own /dev/shm tmpfs (the plan daemon's, or each claim's
     # share daemon's); None: the node's --mps-shm-size.
     shm_size_bytes: int | None = None
+    dynamic_mig: DynamicMigPolicy | None = None
 
     @model_validator(mode="after")
     def _form(self) -> GpuShares:
         if (self.strategy == "Consumable") != (self.consumable is not None):
             raise ValueError("consumable policies go with strategy Consumable, and only with it")
-        if self.strategy != "Consumable" and self.count < 2:
+        if (self.strategy == "DynamicMig") != (self.dynamic_mig is not None):
+            raise ValueError("a dynamic MIG policy goes with strategy DynamicMig, and only with it")
+        if self.strategy in ("MPS", "TimeSlicing") and self.count < 2:
             raise ValueError(f"{self.strategy} needs at least 2 shares, got {self.count}")
-        if self.strategy == "Consumable" and self.count != 1:
-            raise ValueError(f"a consumable GPU is published as one device, got count {self.count}")
+        if self.strategy in ("Consumable", "DynamicMig") and self.count != 1:
+            raise ValueError(f"a {self.strategy} GPU has no share count, got count {self.count}")
         return self
 
     @property
     def device_type(self) -> str:
-        return {"MPS": "mps", "TimeSlicing": "timeslice", "Consumable": "consumable"}[self.strategy]
+        return {"MPS": "mps", "TimeSlicing": "timeslice", "Consumable": "consumable", "DynamicMig": "mig"}[
+            self.strategy]
 
     def memory_enforcement(self, driver_version: str | None) -> Enforcement:
         """How the memory limit holds on a node with NVIDIA driver ``driver_version`` (None: unknown)."""

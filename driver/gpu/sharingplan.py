@@ -1,4 +1,5 @@
-"""The node sharing plan: which GPUs of a node are published as MPS or time-sliced shares.
+"""The node sharing plan: which GPUs of a node are published as MPS, time-sliced or consumable shares,
+or as dynamic MIG placements (the entry itself: ``dynamicmigplan.py``).
 
 Operators write named plans in one YAML file (Helm renders it into a ConfigMap mounted at
 ``/etc/tessera/sharing-plans.yaml``); a node label (default ``gpu.tessera.dev/sharing-plan``)
@@ -10,10 +11,10 @@ at start, so every error names the file, the entry and the GPU.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -23,6 +24,9 @@ from cdi.yamlload import load_yaml
 from driver.gpu.claimconfig.api import ByteQuantity, ShmSize, describe_validation_error
 from driver.gpu.consumable import UNDETECTED, KernelMemoryLimits, build_policy
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
+from driver.gpu.dynamicmigplan import DynamicMigEntry, dynamic_mig_form
+from driver.gpu.migplacement import OwnInstances
+from driver.gpu.planmatch import Match
 from driver.gpu.sharelayout import GpuShares, MpsClients, SharingLayout, TimeSliceInterval
 from driver.units import MIB
 
@@ -47,39 +51,6 @@ def _between(low: int, high: int, value: int | None) -> int | None:
 
 class _PlanObject(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-class Match(_PlanObject):
-    """Which GPUs an entry applies to: exactly one selector."""
-
-    minor: int | None = None
-    uuid: str | None = None
-    product: str | None = None  # shell-style glob on the product name, e.g. "NVIDIA A100*"
-    match_all: bool | None = Field(default=None, alias="all")
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> Match:
-        given = [name for name, value in self._selectors().items() if value is not None]
-        if len(given) != 1:
-            raise ValueError(f"set exactly one of minor, uuid, product, all: true (got {', '.join(given) or 'none'})")
-        if self.match_all is False:
-            raise ValueError("all: false matches nothing; use all: true, or another selector")
-        return self
-
-    def _selectors(self) -> dict[str, object]:
-        return {"minor": self.minor, "uuid": self.uuid, "product": self.product, "all": self.match_all}
-
-    def matches(self, gpu: GpuInfo) -> bool:
-        if self.minor is not None:
-            return gpu.minor == self.minor
-        if self.uuid is not None:
-            return gpu.uuid == self.uuid
-        if self.product is not None:
-            return fnmatch.fnmatchcase(gpu.product_name, self.product)
-        return bool(self.match_all)
-
-    def describe(self) -> str:
-        return next(f"{name}: {value}" for name, value in self._selectors().items() if value is not None)
 
 
 class MpsShares(_PlanObject):
@@ -152,21 +123,26 @@ class PlanEntry(_PlanObject):
     mps: MpsShares | None = None
     timeSlicing: TimeSlicingShares | None = None
     consumable: ConsumableShares | None = None
+    dynamicMig: DynamicMigEntry | None = None
     whole: bool | None = None
     allowMultipleSharesPerClaim: bool = False
 
     @model_validator(mode="after")
     def _exactly_one_form(self) -> PlanEntry:
-        forms = {"mps": self.mps, "timeSlicing": self.timeSlicing, "consumable": self.consumable, "whole": self.whole}
-        given = [name for name, value in forms.items() if value is not None]
+        given = [name for name, value in self.forms().items() if value is not None]
         if len(given) != 1:
-            raise ValueError(
-                f"set exactly one of mps, timeSlicing, consumable, whole: true (got {', '.join(given) or 'none'})")
+            raise ValueError("set exactly one of mps, timeSlicing, consumable, dynamicMig, whole: true "
+                             f"(got {', '.join(given) or 'none'})")
         if self.whole is False:
-            raise ValueError("whole: false is not a publishing form; use whole: true, mps, timeSlicing or consumable")
-        if (self.whole or self.consumable) and self.allowMultipleSharesPerClaim:
+            raise ValueError("whole: false is not a publishing form; use whole: true, mps, timeSlicing, consumable "
+                             "or dynamicMig")
+        if (self.whole or self.consumable or self.dynamicMig) and self.allowMultipleSharesPerClaim:
             raise ValueError("allowMultipleSharesPerClaim applies only to mps or timeSlicing entries")
         return self
+
+    def forms(self) -> dict[str, object]:
+        return {"mps": self.mps, "timeSlicing": self.timeSlicing, "consumable": self.consumable,
+                "dynamicMig": self.dynamicMig, "whole": self.whole}
 
 
 class SharingPlan(_PlanObject):
@@ -180,6 +156,8 @@ class SharingPlans(_PlanObject):
     # The cluster runs Kubernetes 1.34/1.35 with the DRAConsumableCapacity gate on (API server and
     # scheduler), so consumable entries may publish there; from 1.36 they always do.
     consumableCapacityGate: bool = False
+    # The same for DRAPartitionableDevices (dynamicMig entries); from 1.36 they always publish.
+    partitionableDevicesGate: bool = False
     plans: dict[str, SharingPlan] = Field(default_factory=dict)
 
     @field_validator("plans")
@@ -231,16 +209,36 @@ def select_plan(plans: SharingPlans, node_labels: Mapping[str, str], label_key: 
     return name, plan
 
 
+@dataclass(frozen=True)
+class ResolvedPlan:
+    layout: SharingLayout
+    # GPU UUID -> one line for the log: why its entry's form is not used (and what it is published as
+    # instead), or what of the entry was ignored.
+    notes: dict[str, str] = field(default_factory=dict)
+
+
 def resolve_layout(plan: SharingPlan, inventory: NodeInventory, plan_name: str | None, *,
                    consumable_supported: bool = True,
                    kernel: KernelMemoryLimits | None = None) -> SharingLayout:
+    """:func:`resolve_plan`'s layout alone."""
+    return resolve_plan(plan, inventory, plan_name, consumable_supported=consumable_supported, kernel=kernel).layout
+
+
+def resolve_plan(plan: SharingPlan, inventory: NodeInventory, plan_name: str | None, *,
+                 consumable_supported: bool = True, kernel: KernelMemoryLimits | None = None,
+                 partitionable_supported: bool = True, own_instances: OwnInstances = ()) -> ResolvedPlan:
     """GPU UUID -> shares for every GPU the plan splits; the first matching entry wins, others stay whole.
 
     ``consumable_supported``: the API server keeps consumable capacity
     (:func:`driver.gpu.consumable.consumable_supported`); where it does not, a consumable entry is
     published as its fallback, with a log line, never as a device whose fields the server drops.
+    ``partitionable_supported``: the same for counters (:func:`driver.gpu.migplacement.partitionable_supported`);
+    where it is False, or a GPU cannot be dynamic MIG, a ``dynamicMig`` entry's GPU is published as
+    without the entry and the reason is in ``notes``. ``own_instances``: MIG instances Tessera
+    created for claims, which keep their GPU dynamic.
     """
     layout: SharingLayout = {}
+    notes: dict[str, str] = {}
     problems: list[str] = []
     kernel = kernel or UNDETECTED
     for gpu in inventory.gpus:
@@ -248,7 +246,13 @@ def resolve_layout(plan: SharingPlan, inventory: NodeInventory, plan_name: str |
         if entry is None or entry.whole:
             continue
         try:
-            shares = _shares_for(entry, gpu, consumable_supported, kernel)
+            if entry.dynamicMig is not None:
+                shares, note = dynamic_mig_form(entry.dynamicMig, gpu, supported=partitionable_supported,
+                                                own=own_instances)
+                if note is not None:
+                    notes[gpu.uuid] = note
+            else:
+                shares = _shares_for(entry, gpu, consumable_supported, kernel)
         except ValueError as exc:
             problems.append(f"{entry_path(plan_name, index)} ({_describe_gpu(gpu)}): {exc}")
             continue
@@ -261,7 +265,7 @@ def resolve_layout(plan: SharingPlan, inventory: NodeInventory, plan_name: str |
             layout[gpu.uuid] = shares
     if problems:
         raise PlanError("\n".join(problems))
-    return layout
+    return ResolvedPlan(layout, notes)
 
 
 def entries_matching_no_gpu(plan: SharingPlan, inventory: NodeInventory, plan_name: str | None) -> list[str]:

@@ -44,13 +44,16 @@ from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
 from driver.gpu.healthgate import DeviceTaints, check_device_health
 from driver.gpu.kernelmemory import warn_if_shared_pod
-from driver.gpu.ledger import NodeLedger
+from driver.gpu.ledger import UNCHANGED, NodeLedger
+from driver.gpu.migclaims import check_placements_free, own_instances
 from driver.gpu.mps.model import MpsError
 from driver.gpu.rebuild import rebuild_checkpoint
 from driver.gpu.recovery import RecoveryReport, recover
 from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.gpulocks import GpuBusy, GpuLocks
 from driver.gpu.runtime.interfaces import ComputeModeControl, MpsDaemons, TimeSlices
+from driver.gpu.runtime.mig import MigPartitioner
+from driver.gpu.runtime.migruntime import MigRuntime
 from driver.gpu.runtime.sharing import SharingRuntime
 from driver.gpu.runtime.timeslice import TimeSliceError
 from driver.gpu.sharecheck import check_no_overlap, check_shares_fit
@@ -92,8 +95,10 @@ class DeviceState:
 
     def __init__(self, *, driver_name: str, pool_name: str, paths: StatePaths, toolkit: ToolkitEdits,
                  mps: MpsDaemons, timeslicer: TimeSlices, compute_modes: ComputeModeControl, view: NodeView,
-                 lock_timeout: float = 10.0, mps_multi_user: bool = False):
-        """``mps_multi_user``: the node's MPS supports multi-user mode (plan daemons then use it)."""
+                 lock_timeout: float = 10.0, mps_multi_user: bool = False,
+                 mig: Callable[[], MigPartitioner] | None = None):
+        """``mps_multi_user``: the node's MPS supports multi-user mode (plan daemons then use it); ``mig``
+        opens the MIG partitioner of dynamic MIG claims (at the first; None: none can be prepared)."""
         self.mps_multi_user = mps_multi_user
         # Published device name -> why it is unhealthy; new claims on those are refused (set by the app).
         self.device_problems: Callable[[], Mapping[str, str]] = dict
@@ -110,6 +115,7 @@ class DeviceState:
         self.ledger = NodeLedger(CheckpointStore(paths.state_dir / "checkpoint.json"), self.node_lock,
                                  lambda: rebuild_checkpoint(paths.cdi_root, self.names, pool_name, now()))
         self.sharing = SharingRuntime(mps, timeslicer, compute_modes, self.ledger)
+        self.mig = MigRuntime(mig, self.ledger, lambda: self.view.inventory)
         self.cdi_sources = CdiSources(self.names, paths.host_root, toolkit, paths.mps_shm_dir,
                                       paths.driver_root, paths.driver_root_on_host or PurePosixPath("/"))
 
@@ -151,7 +157,7 @@ class DeviceState:
             cp = self.ledger.load_locked()
             busy = {uuid for rec in cp.claims.values() for uuid in rec.held_gpu_uuids}
             effective, deferred = merge_layout(self.view.layout, desired, busy)
-            new_view = make_view(view.inventory, effective, self.mps_multi_user)
+            new_view = make_view(view.inventory, effective, self.mps_multi_user, own_instances(cp, view.inventory))
             if cp.layout != effective:  # rescans mostly change nothing: no write then
                 cp.layout = dict(effective)
                 self.ledger.store.save(cp)
@@ -216,39 +222,50 @@ class DeviceState:
         ``planned``: the plan made before the locks were taken, and the view it was made against."""
         uid = claim.metadata.uid
         deadline.check("reserving the claim's devices")
-        with self.node_lock.held():
+        view, planned_plan = planned
+        plan: ClaimPlan | None = planned_plan
+        existing: ClaimRecord | None = None
+        record: ClaimRecord | None = None
+        replan = False
+
+        def reserve(cp: Checkpoint) -> object:
             # Planned and reserved in one node-lock section: a rescan changes the published form of
             # a GPU under the same lock, so a device cannot change form between the two. Views are
             # replaced, never changed, so the same view object means the earlier plan still holds.
-            view, planned_plan = planned
-            plan: ClaimPlan | None = planned_plan
+            nonlocal plan, existing, record, replan
             if self.view is not view:
                 plan = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name, view=self.view,
                                   multi_user=self.mps_multi_user)
-            cp = self.ledger.load_locked()
             existing = cp.claims.get(uid)
             if plan is None or sorted(set(plan.gpu_uuids) | (existing.gpu_uuids if existing else set())) != gpus:
-                return None
+                replan = True
+                return UNCHANGED
             if client_rules(plan) != client_rules(planned_plan):
-                return None  # the plan's clients setting changed since the pods were checked: check again
-            record: ClaimRecord | None = None
-            if existing is None:
-                check_device_health(plan, self.device_problems(), self.device_taints())
-                check_no_overlap(cp, plan)
-                check_shares_fit(cp, plan)
-                record = started_record(plan, self.names, self.pool_name, self.view.inventory.driver_version,
-                                        now())
-                warn_if_shared_pod(record, cp)  # kernel memory limits: one value per container (kernelmemory.py)
-                cp.claims[uid] = record
-                # Visible at once (to rescans and to the other pod of a rolling update, which read
-                # the file under the node lock) but without the directory fsync, so a power failure
-                # may undo it. Nothing recovery needs is lost then: daemons, compute modes and time
-                # slices do not outlive the reboot, the compute-mode record is a durable commit made
-                # before the mode changes (carrying this record too), and a CDI spec written before
-                # PrepareCompleted is an orphan that recovery removes; the kubelet got no answer and
-                # retries. kill -9 loses nothing (the renamed file is in the page cache). The file's
-                # data is still synced, so the rename never leaves a torn checkpoint in its place.
-                self.ledger.store.save(cp, durable=False, adopt=True)
+                replan = True  # the plan's clients setting changed since the pods were checked: check again
+                return UNCHANGED
+            if existing is not None:
+                return UNCHANGED
+            check_device_health(plan, self.device_problems(), self.device_taints())
+            check_no_overlap(cp, plan)
+            check_placements_free(cp, plan)  # dynamic MIG placements of other claims
+            check_shares_fit(cp, plan)
+            record = started_record(plan, self.names, self.pool_name, self.view.inventory.driver_version,
+                                    now())
+            warn_if_shared_pod(record, cp)  # kernel memory limits: one value per container (kernelmemory.py)
+            cp.claims[uid] = record
+            # Written before commit() returns, in one write with the changes of other claims that arrived
+            # together: visible at once (to rescans and to the other pod of a rolling update, which read
+            # the file under the node lock), whole (its data synced before the rename), but not durable
+            # unless another change of the group is, so a power failure may undo it. Nothing recovery
+            # needs is lost then: daemons, compute modes and time slices do not outlive the reboot, the
+            # compute-mode record is a durable commit made before the mode changes (carrying this record
+            # too), and a CDI spec written before PrepareCompleted is an orphan that recovery removes;
+            # the kubelet got no answer and retries. kill -9 loses nothing (the page cache holds it).
+            return None
+
+        self.ledger.commit(reserve, durable=False)
+        if replan:
+            return None
         if existing is not None and existing.phase == ClaimPhase.PREPARE_COMPLETED:
             try:
                 self.ensure_claim_runtime(existing)
@@ -264,8 +281,10 @@ class DeviceState:
                 # The record stays: the next retry or the next start rolls back again.
                 raise _user_error(exc) from exc
             return None
-        assert record is not None
+        assert record is not None and plan is not None  # reserve() made the record from the plan
         try:
+            # Dynamic MIG instances first: the plan's MPS daemons serve them (migruntime.py).
+            plan, record = self.mig.create_for_claim(plan, record, deadline)
             self.sharing.start_for_claim(plan, deadline)
             deadline.check("writing the CDI spec")
             self.write_cdi(record, self.ledger.read())
@@ -299,10 +318,13 @@ class DeviceState:
         cdi.write_spec_text(self.paths.cdi_root, record.cdi_spec_file, spec.text, durable=False, sync_data=False)
 
     def ensure_claim_runtime(self, record: ClaimRecord) -> tuple[bool, list[str]]:
-        """Make a completed claim whole again: its daemons running and its CDI spec on disk, whole."""
+        """Make a completed claim whole again: its MIG instances there, its daemons running and its CDI spec on disk,
+        whole (written again for instances created again: their ids and MIG UUIDs changed)."""
+        remade = self.mig.ensure_instances(record)
+        record = self.ledger.read().claims.get(record.uid, record) if remade else record
         restarted = self.sharing.ensure_claim_daemons(record)
         recreated = False
-        if restarted or not cdi.spec_file_intact(self.paths.cdi_root / record.cdi_spec_file):
+        if remade or restarted or not cdi.spec_file_intact(self.paths.cdi_root / record.cdi_spec_file):
             self.write_cdi(record, self.ledger.read())
             recreated = True
         return recreated, restarted
@@ -323,9 +345,11 @@ class DeviceState:
             self.ledger.commit(lambda c: c.claims.pop(ref.uid, None))
 
     def undo(self, record: ClaimRecord, deadline: Deadline | None = None) -> None:
-        """Reverse everything ``record`` may have done (stops within ``deadline``); idempotent. GPU locks held."""
-        cdi.remove_spec(self.paths.cdi_root, record.cdi_spec_file)
+        """Reverse everything ``record`` may have done (stops within ``deadline``); idempotent. GPU locks held.
+        Daemons stop before the MIG instances they serve go; the record (the caller drops it) outlives both."""
         self.sharing.release_claim(record, deadline)
+        self.mig.release_claim(record, deadline)
+        cdi.remove_spec(self.paths.cdi_root, record.cdi_spec_file)
 
     # ----------------------------------------------------------------------------- rescans
 

@@ -1,5 +1,6 @@
-"""The node's current view: its published devices, which GPU, MIG instance or share each name
-stands for, and the rule that keeps a busy GPU in its published form.
+"""The node's current view: its published devices (and the counter sets dynamic MIG devices consume),
+which GPU, MIG instance, MIG placement or share each name stands for, and the rule that keeps a busy
+GPU in its published form.
 
 Prepare resolves every allocation result through :attr:`NodeView.targets`, so a device is only
 ever prepared in the form this driver publishes. ``devices.make_view`` builds a view; pure
@@ -11,38 +12,62 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
+from driver.gpu.migplacement import MigPlacement
 from driver.gpu.sharelayout import GpuShares, SharingLayout
-from driver.kubeletplugin.slicemodel import Device
+from driver.kubeletplugin.slicemodel import CounterSet, Device
 
 
 @dataclass(frozen=True)
 class DeviceTarget:
+    """What a published device name stands for.
+
+    A dynamic MIG device (a GPU published under a ``DynamicMig`` layout entry, which is ``shares``)
+    has ``placement`` and no ``mig``: the GPU instance does not exist until prepare creates it there.
+    The whole device of such a GPU (kind ``gpu``) has the full-size profile at 0 as its placement,
+    since a GPU in MIG mode runs CUDA work only inside instances.
+    """
+
     name: str
     kind: str  # the device's type attribute: gpu | mig | mps | timeslice | consumable
     gpu: GpuInfo
     mig: MigInstance | None = None
     shares: GpuShares | None = None
     share_index: int | None = None
+    placement: MigPlacement | None = None  # dynamic MIG: the profile and where its instance is to be created
+
+    @property
+    def dynamic_mig(self) -> bool:
+        """Whether prepare has to create a MIG instance for this device (at ``placement``)."""
+        return self.placement is not None
 
     @property
     def cuda_uuid(self) -> str:
-        """The UUID CUDA and MPS address this device by (the MIG UUID for a MIG instance)."""
+        """The UUID CUDA and MPS address this device by (the MIG UUID for a MIG instance).
+
+        A dynamic MIG device has no MIG UUID before its instance exists: this is then its GPU's UUID,
+        which only the code that created the instance may replace with the instance's.
+        """
         return self.mig.uuid if self.mig is not None else self.gpu.uuid
 
     @property
     def memory_bytes(self) -> int | None:
-        return self.mig.memory_bytes if self.mig is not None else self.gpu.memory_bytes
+        if self.mig is not None:
+            return self.mig.memory_bytes
+        if self.placement is not None:
+            return self.placement.profile.memory_bytes
+        return self.gpu.memory_bytes
 
 
 @dataclass(frozen=True)
 class NodeView:
     """What this node publishes for ``inventory`` under ``layout``: ``devices`` in publishing order,
-    and ``targets``, the same devices by name."""
+    ``targets``, the same devices by name, and ``counter_sets``, those dynamic MIG devices consume."""
 
     inventory: NodeInventory
     layout: SharingLayout
     targets: dict[str, DeviceTarget]
     devices: tuple[Device, ...]
+    counter_sets: tuple[CounterSet, ...] = ()
 
 
 def merge_layout(

@@ -20,10 +20,9 @@ from datetime import UTC, datetime
 from typing import Literal
 from urllib.parse import quote
 
-from kubernetes import client
 from pydantic import BaseModel, ConfigDict
 
-from driver.kubeletplugin.kubeclient import KubeApiError, request_json
+from driver.kubeletplugin.kubeclient import KubeApiError, KubeClient, request_json
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,7 @@ class EventSpec(BaseModel):
 class EventRecorder:
     """Posts Events from a queue on its own thread; :meth:`post` never blocks."""
 
-    def __init__(self, api: client.ApiClient, controller: str, instance: str, *, queue_size: int = 100,
+    def __init__(self, api: KubeClient, controller: str, instance: str, *, queue_size: int = 100,
                  min_interval: float = 30.0, request_timeout: float = 5.0) -> None:
         """``controller``: the reporting controller (e.g. the driver name); ``instance``: this plugin
         (e.g. the node name)."""

@@ -65,9 +65,9 @@ class HealthBoard:
         self._streams = 0
 
     def update(self, devices: Sequence[DeviceHealthStatus]) -> None:
-        """Replace the list; streams send it when it differs from the last one."""
+        """Replace the list; streams send it when it differs from the last one (the first list always)."""
         with self._changed:
-            if tuple(devices) == self._devices:
+            if tuple(devices) == self._devices and self._version > 0:
                 return
             self._devices = tuple(devices)
             self._version += 1
@@ -94,18 +94,22 @@ class HealthBoard:
             self._closed = False
 
     def stream(self, is_active: Any = lambda: True) -> Iterator[tuple[DeviceHealthStatus, ...]]:
-        """The list now, then on every change and every ``resend_s``, while ``is_active()`` and not closed."""
+        """The list now, then on every change and every ``resend_s``, while ``is_active()`` and not closed.
+
+        A stream opened before the first :meth:`update` (the driver is still initialising) waits for it:
+        the kubelet takes every message as the complete list, so an empty one would be a false answer."""
         with self._changed:
             self._streams += 1
         try:
-            sent_version = -1
+            sent_version = 0  # version 0 is "no list yet": nothing to send before the first update
             last_sent = 0.0
             while True:
                 with self._changed:
                     while not self._closed and self._version == sent_version and (
-                            time.monotonic() - last_sent < self.resend_s):
+                            sent_version == 0 or time.monotonic() - last_sent < self.resend_s):
                         # Short waits so a cancelled stream notices; changes notify at once.
-                        self._changed.wait(min(1.0, max(0.0, self.resend_s - (time.monotonic() - last_sent))))
+                        due = 1.0 if sent_version == 0 else self.resend_s - (time.monotonic() - last_sent)
+                        self._changed.wait(min(1.0, max(0.0, due)))
                         if not is_active():
                             return
                     if self._closed or not is_active():

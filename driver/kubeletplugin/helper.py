@@ -7,6 +7,11 @@ registration and DRA sockets and their gRPC services (:mod:`.plugin`), reading c
 telemetry with the metrics endpoint (:mod:`.telemetry`). The driver then only hands over its
 devices with :meth:`Helper.publish` and calls :meth:`Helper.stop` at the end.
 
+A driver that must register quickly calls :func:`driver.kubeletplugin.serving.serve` first (sockets,
+registration, HTTP; nothing of this module is imported for it), initialises, then makes a
+:class:`Helper` of what it served and calls :meth:`Helper.complete`: DRA calls that arrived in
+between waited for that.
+
 Nothing in this package knows about GPUs or the simulation: it could be lifted out as its own
 package (tests/unit/test_kubeletplugin_helper.py checks its imports).
 """
@@ -14,26 +19,29 @@ package (tests/unit/test_kubeletplugin_helper.py checks its imports).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import kubernetes.client
-from opentelemetry.sdk.trace.export import SpanExporter
-
+from driver.kubeletplugin.claimbatch import ClaimBatch
 from driver.kubeletplugin.claimfetch import ClaimFetcher, ClaimSource
 from driver.kubeletplugin.healthservice import HealthBoard
-from driver.kubeletplugin.liveness import check_plugin
-from driver.kubeletplugin.plugin import DEFAULT_REGISTRAR_DIR, KubeletPlugin
+from driver.kubeletplugin.kubeclient import KubeClient
+from driver.kubeletplugin.plugin import DEFAULT_REGISTRAR_DIR
 from driver.kubeletplugin.registration import RegistrationStatus
-from driver.kubeletplugin.slicemodel import Device
+from driver.kubeletplugin.serving import HttpEndpoint as HttpEndpoint
+from driver.kubeletplugin.serving import ServedPlugin, serve
+from driver.kubeletplugin.slicemodel import CounterSet, Device
 from driver.kubeletplugin.slicepublisher import ResourceSlicePublisher
-from driver.kubeletplugin.telemetry import Telemetry
+from driver.kubeletplugin.slicevalidation import validate_driver_and_pool
+from driver.kubeletplugin.telemetry import CONTENT_TYPE, Telemetry
 from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, DRADriver
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:  # the OpenTelemetry SDK is loaded only when spans are exported (telemetry.py)
+    from opentelemetry.sdk.trace.export import SpanExporter
 
-Route = Callable[[], tuple[int, str]]
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,32 +56,21 @@ class TelemetryNames:
     scope: str | None = None
 
 
-@dataclass(frozen=True)
-class HttpEndpoint:
-    """Where to serve ``/metrics``, ``/healthz`` (liveness) and ``/readyz`` (registered).
-
-    ``routes`` adds paths or replaces those two, e.g. a ``/readyz`` that also checks the driver's
-    own state and calls :meth:`Helper.readiness`.
-    """
-
-    port: int
-    host: str = "::"
-    routes: Mapping[str, Route] | None = None
-
-
 class Helper:
-    """A started kubelet plugin: made by :func:`start`, ended by :meth:`stop`."""
+    """A served kubelet plugin; :meth:`complete` makes it serve claims and publish, :meth:`stop` ends it."""
 
-    def __init__(self, plugin: KubeletPlugin, publisher: ResourceSlicePublisher, telemetry: Telemetry):
-        self._plugin = plugin
-        self._publisher = publisher
-        self._telemetry = telemetry
-        self._http_port: int | None = None
+    def __init__(self, served: ServedPlugin):
+        self._served = served
+        self._plugin = served.plugin
+        self._publisher: ResourceSlicePublisher | None = None
+        self._telemetry: Telemetry | None = None
         self._stopped = False
 
     @property
     def telemetry(self) -> Telemetry:
-        """For the driver's own gauges and spans; shut down by :meth:`stop`."""
+        """For the driver's own gauges and spans (after :meth:`complete`); shut down by :meth:`stop`."""
+        if self._telemetry is None:
+            raise RuntimeError("the kubelet plugin is not completed yet: call complete() first")
         return self._telemetry
 
     @property
@@ -87,7 +84,7 @@ class Helper:
     @property
     def http_port(self) -> int | None:
         """The bound port of the HTTP endpoint, None when none was asked for."""
-        return self._http_port
+        return self._served.http_port
 
     @property
     def registration_status(self) -> RegistrationStatus | None:
@@ -105,34 +102,73 @@ class Helper:
     @property
     def kubernetes_minor_version(self) -> int:
         """The release whose ResourceSlice limits apply (read from the API server at start)."""
-        return self._publisher.kubernetes_minor_version
+        return self._publishing().kubernetes_minor_version
 
     @property
     def published_device_count(self) -> int:
         """Devices in the last state confirmed to be on the API server."""
-        return self._publisher.published_device_count
+        return self._publisher.published_device_count if self._publisher is not None else 0
 
-    def publish(self, devices: Sequence[Device]) -> list[str]:
-        """Make the node's ResourceSlices hold ``devices``, from now on and whatever others do to them.
+    def publish(self, devices: Sequence[Device], counter_sets: Sequence[CounterSet] = ()) -> list[str]:
+        """Make the node's ResourceSlices hold ``devices`` (and the counter sets they consume from), from
+        now on and whatever others do to them.
 
         Returns the problems that stopped it (logged too; the previous devices stay published),
         empty when accepted. The writes happen in the background: see :meth:`wait_published`.
         """
-        return self._publisher.update(devices)
+        return self._publishing().update(devices, counter_sets)
 
     def wait_published(self, timeout: float) -> bool:
         """True once the latest devices are on the API server and nothing has changed them since."""
-        return self._publisher.wait_synced(timeout)
+        return self._publishing().wait_synced(timeout)
 
     def liveness(self) -> tuple[bool, str]:
         """(ok, detail) of both sockets; busy with slow prepares is alive, a wedged server is not."""
-        return check_plugin(self._plugin)
+        return self._served.liveness()
 
     def readiness(self) -> tuple[bool, str]:
-        """(ok, detail): ready once the kubelet accepted the registration."""
-        if not self.registered:
-            return False, "not yet registered with the kubelet"
-        return True, "ok"
+        """(ok, detail): ready once the kubelet accepted the registration and claims are served."""
+        return self._served.readiness()
+
+    def complete(self, driver: DRADriver, *, api: KubeClient, names: TelemetryNames, claims: ClaimSource | None = None,
+                 kubernetes_minor_version: int | None = None, resync_delay: float = 2.0,
+                 span_exporter: SpanExporter | None = None) -> None:
+        """Serve claims with ``driver`` (calls that waited included) and get ready to publish its devices.
+
+        ``claims`` defaults to reading ResourceClaims through ``api``; ``kubernetes_minor_version``
+        defaults to asking the API server. On failure the plugin keeps refusing nothing and serving
+        nothing new: the caller stops it. Raises ``ValueError`` for a bad node name.
+        """
+        if self._telemetry is not None:
+            raise RuntimeError("the kubelet plugin is already completed")
+        served = self._served
+        telemetry = Telemetry(names.service, names.metric_prefix, span_exporter, scope=names.scope)
+        publisher: ResourceSlicePublisher | None = None
+        try:
+            publisher = ResourceSlicePublisher(api, self._plugin.driver_name, served.node_name, telemetry,
+                                               minor_version=kubernetes_minor_version, resync_delay=resync_delay)
+            batch = ClaimBatch(driver, claims if claims is not None else ClaimFetcher(api), telemetry,
+                               activity=self._plugin.activity, prepare_deadline=served.prepare_deadline)
+            telemetry.observe_gauge("published_devices", "Devices published in ResourceSlices",
+                                    lambda: float(self.published_device_count))
+            publisher.start()
+        except BaseException:
+            if publisher is not None:
+                publisher.stop()
+            telemetry.shutdown()
+            raise
+        self._telemetry, self._publisher = telemetry, publisher
+        if served.http is not None:
+            served.http.serve_metrics(telemetry.render_metrics, CONTENT_TYPE)
+        self._plugin.serve_claims(batch)
+        log.info("kubelet plugin started", extra={
+            "driver": self._plugin.driver_name, "node": served.node_name, "dra_socket": str(self.dra_socket),
+            "registration_socket": str(self.registration_socket), "http_port": self.http_port,
+            "kubernetes_minor_version": publisher.kubernetes_minor_version})
+
+    def refuse_claims(self, reason: str) -> None:
+        """The driver will not become ready: DRA calls, those waiting included, are answered with ``reason``."""
+        self._plugin.refuse_claims(reason)
 
     def stop(self) -> None:
         """Stop serving and remove this plugin's sockets; the published slices stay.
@@ -143,18 +179,19 @@ class Helper:
         if self._stopped:
             return
         self._stopped = True
-        self._plugin.stop()
-        if not self._publisher.stop():
+        self._served.stop()
+        if self._publisher is not None and not self._publisher.stop():
             log.warning("the ResourceSlice publisher did not stop in time")
-        self._telemetry.shutdown()
+        if self._telemetry is not None:
+            self._telemetry.shutdown()
 
-    def _serve_http(self, endpoint: HttpEndpoint) -> None:
-        routes: dict[str, Route] = {"/healthz": _as_route(self.liveness), "/readyz": _as_route(self.readiness)}
-        routes.update(endpoint.routes or {})
-        self._http_port = self._telemetry.serve_metrics(endpoint.host, endpoint.port, routes)
+    def _publishing(self) -> ResourceSlicePublisher:
+        if self._publisher is None:
+            raise RuntimeError("the kubelet plugin is not completed yet: call complete() first")
+        return self._publisher
 
 
-def start(driver: DRADriver, *, driver_name: str, node_name: str, api: kubernetes.client.ApiClient,
+def start(driver: DRADriver, *, driver_name: str, node_name: str, api: KubeClient,
           names: TelemetryNames, on_registration_failed: Callable[[str], None],
           registrar_dir: Path = DEFAULT_REGISTRAR_DIR, plugin_dir: Path | None = None, pod_uid: str | None = None,
           http: HttpEndpoint | None = None, claims: ClaimSource | None = None,
@@ -163,51 +200,22 @@ def start(driver: DRADriver, *, driver_name: str, node_name: str, api: kubernete
           span_exporter: SpanExporter | None = None, health: HealthBoard | None = None) -> Helper:
     """Serve ``driver`` to the kubelet and get ready to publish its devices; on failure nothing is left running.
 
-    ``on_registration_failed`` runs on a gRPC thread with the kubelet's reason when it refuses
-    the plugin; it should only tell the main thread to stop (the kubelet will never call a
-    refused plugin). ``plugin_dir`` defaults to ``/var/lib/kubelet/plugins/<driver_name>``;
-    with ``pod_uid`` the socket names carry it, so the old and new pod of a rolling update can
-    be registered side by side. ``claims`` defaults to reading ResourceClaims through ``api``;
-    ``kubernetes_minor_version`` defaults to asking the API server. Every prepare request is
-    answered within ``prepare_deadline`` seconds (or the kubelet's deadline, if sooner). With
-    ``health`` the kubelet's device health stream is served from that board. Raises
-    ``ValueError`` for a bad name or path.
+    :func:`driver.kubeletplugin.serving.serve` and :meth:`Helper.complete` in one call (their
+    arguments are documented there). Every prepare request is answered within ``prepare_deadline``
+    seconds (or the kubelet's deadline, if sooner). Raises ``ValueError`` for a bad name or path.
     """
-    telemetry = Telemetry(names.service, names.metric_prefix, span_exporter, scope=names.scope)
-    publisher: ResourceSlicePublisher | None = None
-    plugin: KubeletPlugin | None = None
+    # A name the slices cannot carry is refused before any socket is served (complete() would refuse it later).
+    problems = validate_driver_and_pool(driver_name, node_name)
+    if problems:
+        raise ValueError("; ".join(problems))
+    helper = Helper(serve(driver_name=driver_name, node_name=node_name, on_registration_failed=on_registration_failed,
+                          registrar_dir=registrar_dir, plugin_dir=plugin_dir, pod_uid=pod_uid, http=http,
+                          max_workers=max_workers, health_services=health_services,
+                          prepare_deadline=prepare_deadline, health=health))
     try:
-        publisher = ResourceSlicePublisher(api, driver_name, node_name, telemetry,
-                                           minor_version=kubernetes_minor_version, resync_delay=resync_delay)
-        plugin = KubeletPlugin(driver, driver_name, claims if claims is not None else ClaimFetcher(api), telemetry,
-                               on_registration_failed=on_registration_failed, registrar_dir=registrar_dir,
-                               plugin_dir=plugin_dir, pod_uid=pod_uid, max_workers=max_workers,
-                               health_services=health_services, prepare_deadline=prepare_deadline,
-                               health=health)
-        helper = Helper(plugin, publisher, telemetry)
-        telemetry.observe_gauge("published_devices", "Devices published in ResourceSlices",
-                                lambda: float(helper.published_device_count))
-        if http is not None:
-            helper._serve_http(http)
-        publisher.start()
-        plugin.start()
+        helper.complete(driver, api=api, names=names, claims=claims, kubernetes_minor_version=kubernetes_minor_version,
+                        resync_delay=resync_delay, span_exporter=span_exporter)
     except BaseException:
-        if plugin is not None:
-            plugin.stop(grace_s=0)
-        if publisher is not None:
-            publisher.stop()
-        telemetry.shutdown()
+        helper.stop()
         raise
-    log.info("kubelet plugin started", extra={
-        "driver": driver_name, "node": node_name, "dra_socket": str(plugin.dra_socket),
-        "registration_socket": str(plugin.registration_socket), "http_port": helper.http_port,
-        "kubernetes_minor_version": publisher.kubernetes_minor_version})
     return helper
-
-
-def _as_route(check: Callable[[], tuple[bool, str]]) -> Route:
-    def route() -> tuple[int, str]:
-        ok, detail = check()
-        return (200 if ok else 503), detail + "\n"
-
-    return route

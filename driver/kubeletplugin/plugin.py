@@ -3,6 +3,10 @@
 One server on ``<plugin_dir>/dra.sock`` serves the DRA node API (v1 and v1beta1); one on
 ``<registrar_dir>/<driver>-reg.sock`` serves plugin registration. With a pod UID both names carry
 it, so the old and new pod of a rolling update can be registered side by side.
+
+The sockets can be served before the driver behind them is ready: DRA calls go through the plugin's
+:class:`StartGate` and wait there until :meth:`KubeletPlugin.serve_claims` hands over the driver's
+calls. This module is on the registration path: grpc, the generated stubs and nothing heavier.
 """
 
 from __future__ import annotations
@@ -19,23 +23,23 @@ from types import TracebackType
 
 import grpc
 
-from driver.kubeletplugin.activity import DraActivity
+from driver.kubeletplugin.activity import CallActivity, DraActivity
 from driver.kubeletplugin.api import pluginregistration_v1_pb2_grpc
-from driver.kubeletplugin.claimfetch import ClaimSource
+from driver.kubeletplugin.calls import DEFAULT_PREPARE_DEADLINE
 from driver.kubeletplugin.filemodes import ensure_private_dir, restrict_socket
 from driver.kubeletplugin.healthservice import HEALTH_SERVICE_VERSIONS, HealthBoard, add_health_services
 from driver.kubeletplugin.registration import RegistrationServicer, RegistrationStatus
-from driver.kubeletplugin.service import ClaimBatch, add_dra_services
-from driver.kubeletplugin.telemetry import Telemetry
-from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, DRADriver
+from driver.kubeletplugin.service import ClaimCalls, add_dra_services
+from driver.kubeletplugin.startgate import StartGate
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REGISTRAR_DIR = Path("/var/lib/kubelet/plugins_registry")
 DEFAULT_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
 
-# sun_path is 108 bytes on Linux, including the terminating NUL.
-MAX_SOCKET_PATH_BYTES = 107
+# sun_path is 108 bytes on Linux, including the terminating NUL, but gRPC (1.85) refuses a "unix://" path
+# of 106 bytes or more ("should not have more than 107 characters"): the most that binds is 105.
+MAX_SOCKET_PATH_BYTES = 105
 
 
 class KubeletPlugin:
@@ -43,10 +47,7 @@ class KubeletPlugin:
 
     def __init__(
         self,
-        driver: DRADriver,
         driver_name: str,
-        claim_fetcher: ClaimSource,
-        telemetry: Telemetry,
         *,
         on_registration_failed: Callable[[str], None],
         registrar_dir: Path = DEFAULT_REGISTRAR_DIR,
@@ -57,7 +58,10 @@ class KubeletPlugin:
         prepare_deadline: float = DEFAULT_PREPARE_DEADLINE,
         health: HealthBoard | None = None,
     ):
-        """``health``: serve the kubelet's device health stream (v1 and v1alpha1) from this board."""
+        """``health``: serve the kubelet's device health stream (v1 and v1alpha1) from this board.
+
+        DRA calls wait (bounded by their deadlines, and by ``prepare_deadline``) until
+        :meth:`serve_claims`; until then the plugin can be registered but prepares nothing."""
         _require_name("driver_name", driver_name)
         if pod_uid is not None:
             _require_name("pod_uid", pod_uid)
@@ -69,9 +73,10 @@ class KubeletPlugin:
         self._dra_socket = plugin_dir / (f"dra-{pod_uid}.sock" if pod_uid else "dra.sock")
         for path in (self._registration_socket, self._dra_socket):
             if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
-                raise ValueError(f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow at most "
-                                 f"{MAX_SOCKET_PATH_BYTES}: use shorter registrar_dir/plugin_dir")
-        self._batch = ClaimBatch(driver, claim_fetcher, telemetry, prepare_deadline=prepare_deadline)
+                raise ValueError(f"socket path {path} is {len(os.fsencode(path))} bytes; gRPC's Unix sockets allow at "
+                                 f"most {MAX_SOCKET_PATH_BYTES}: use shorter registrar_dir/plugin_dir")
+        self._activity = CallActivity()
+        self._gate = StartGate(self._activity, max_wait_s=prepare_deadline)
         if health is not None:
             health_services = [*health_services, *(v for v in HEALTH_SERVICE_VERSIONS if v not in health_services)]
         self._health = health
@@ -103,9 +108,27 @@ class KubeletPlugin:
     def registration_status(self) -> RegistrationStatus | None:
         return self._registration.status
 
+    @property
+    def activity(self) -> CallActivity:
+        """Where DRA calls are counted while they run; the driver's calls should count there too."""
+        return self._activity
+
     def dra_activity(self) -> DraActivity:
         """DRA calls (prepare and unprepare requests) in flight, and seconds since one last started or finished."""
-        return self._batch.activity.snapshot()
+        return self._activity.snapshot()
+
+    @property
+    def serving_claims(self) -> bool:
+        """Whether DRA calls go to the driver (:meth:`serve_claims` was called)."""
+        return self._gate.ready
+
+    def serve_claims(self, calls: ClaimCalls) -> None:
+        """Hand DRA calls to ``calls`` from now on, those waiting included."""
+        self._gate.open(calls)
+
+    def refuse_claims(self, reason: str) -> None:
+        """The driver will not be ready (it failed to start): DRA calls, those waiting included, get ``reason``."""
+        self._gate.fail(reason)
 
     def start(self) -> None:
         """Serve the DRA socket, then the registration socket; on failure nothing is left behind."""
@@ -139,7 +162,7 @@ class KubeletPlugin:
             self._stop_servers(grace_s)
 
     def _add_dra_services(self, server: grpc.Server) -> None:
-        add_dra_services(server, self._batch)
+        add_dra_services(server, self._gate)
         if self._health is not None:
             add_health_services(server, self._health)
 

@@ -14,11 +14,9 @@ import logging
 from collections.abc import Sequence
 from urllib.parse import quote
 
-import kubernetes.client
-import urllib3
 from pydantic import ValidationError
 
-from driver.kubeletplugin.kubeclient import KubeApiError, send
+from driver.kubeletplugin.kubeclient import KubeApiError, KubeClient
 from driver.kubeletplugin.podsecurity import Pod, PodsUnreadable, ReservedPods
 
 log = logging.getLogger(__name__)
@@ -33,7 +31,7 @@ _MIN_TIMEOUT_S = 0.5
 class PodFetcher:
     """Implements :class:`driver.kubeletplugin.podsecurity.PodReader` against the API server."""
 
-    def __init__(self, api: kubernetes.client.ApiClient, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    def __init__(self, api: KubeClient, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
         self._api = api
         self._connect_timeout_s = connect_timeout_s
@@ -59,24 +57,20 @@ class PodFetcher:
         bound = max(_MIN_TIMEOUT_S, timeout_s)
         timeouts = (min(self._connect_timeout_s, bound), min(self._read_timeout_s, bound))
         try:
-            response = send(self._api, "GET", path, timeouts=timeouts)
-            try:
-                data = bytes(response.data)
-            finally:
-                response.release_conn()
-        except (KubeApiError, urllib3.exceptions.HTTPError) as err:
+            response = self._api.request("GET", path, timeouts=timeouts)
+        except KubeApiError as err:
             raise PodsUnreadable(f"cannot read pod {namespace}/{name} from the API server ({err}); "
                                  "the kubelet will retry") from err
         if response.status == 404:
             return None
         if not 200 <= response.status <= 299:
-            reason, message = _status_details(str(response.reason or "Error"), data)
+            reason, message = _status_details(response.reason or "Error", response.data)
             hint = ("grant the driver's service account 'get' on pods" if response.status == 403
                     else "the kubelet will retry")
             raise PodsUnreadable(f"reading pod {namespace}/{name} failed: HTTP {response.status} {reason}: "
                                  f"{message}; {hint}")
         try:
-            return Pod.model_validate_json(data)
+            return Pod.model_validate_json(response.data)
         except ValidationError as err:
             first = err.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "body"

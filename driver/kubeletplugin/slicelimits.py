@@ -8,6 +8,11 @@ GPU side's device builder all read them from here, so a new release changes one 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+# Where counter sets go: "combined", each set in one slice with every device that consumes it (1.34);
+# "split", sets in slices of their own that hold no devices (1.35+, where the two are exclusive).
+CounterLayout = Literal["combined", "split"]
 
 OLDEST_SUPPORTED_MINOR = 34
 NEWEST_KNOWN_MINOR = 37
@@ -28,6 +33,17 @@ MAX_DEVICE_NAME_LENGTH = 63
 MAX_DRIVER_NAME_LENGTH = 63
 MAX_POOL_NAME_LENGTH = 253
 
+# Counters (partitionable devices, KEP-4815). 1.34 has the first model: sets and the devices that
+# consume them in one slice, limits counted per slice. 1.35 reshaped it: sets in slices of their own,
+# limits per set and per consumption entry.
+MAX_COUNTERS_PER_SLICE_1_34 = 32  # all counters of all sets of one slice
+MAX_CONSUMED_COUNTERS_PER_DEVICE_1_34 = 32
+MAX_CONSUMED_COUNTERS_PER_SLICE_1_34 = 1024  # summed over the slice's devices
+MAX_COUNTER_SETS_PER_SLICE = 8  # 1.35+
+MAX_COUNTERS_PER_SET = 32  # 1.35+
+MAX_CONSUMPTIONS_PER_DEVICE = 2  # 1.35+: consumesCounters entries, one per counter set
+MAX_COUNTERS_PER_CONSUMPTION = 32  # 1.35+
+
 _TAINT_EFFECTS_1_34 = ("NoSchedule", "NoExecute")
 _TAINT_EFFECTS_1_35 = ("None", "NoSchedule", "NoExecute")
 
@@ -45,6 +61,14 @@ class SliceLimits:
     max_attributes_and_capacities: int
     max_taints_per_device: int
     taint_effects: tuple[str, ...]
+    counter_layout: CounterLayout
+    # None where the release has no such limit.
+    max_counter_sets_per_slice: int | None
+    max_counters_per_set: int
+    max_counters_per_slice: int | None
+    max_consumptions_per_device: int | None
+    max_counters_per_consumption: int  # per entry (1.35+); over all entries of the device (1.34)
+    max_consumed_counters_per_slice: int | None
 
 
 def limits_for(minor_version: int) -> SliceLimits:
@@ -62,4 +86,12 @@ def limits_for(minor_version: int) -> SliceLimits:
         max_attributes_and_capacities=MAX_ATTRIBUTES_AND_CAPACITIES,
         max_taints_per_device=4 if minor_version == 34 else 16,
         taint_effects=_TAINT_EFFECTS_1_34 if minor_version == 34 else _TAINT_EFFECTS_1_35,
+        counter_layout="combined" if minor_version == 34 else "split",
+        max_counter_sets_per_slice=None if minor_version == 34 else MAX_COUNTER_SETS_PER_SLICE,
+        max_counters_per_set=MAX_COUNTERS_PER_SLICE_1_34 if minor_version == 34 else MAX_COUNTERS_PER_SET,
+        max_counters_per_slice=MAX_COUNTERS_PER_SLICE_1_34 if minor_version == 34 else None,
+        max_consumptions_per_device=None if minor_version == 34 else MAX_CONSUMPTIONS_PER_DEVICE,
+        max_counters_per_consumption=(MAX_CONSUMED_COUNTERS_PER_DEVICE_1_34 if minor_version == 34
+                                      else MAX_COUNTERS_PER_CONSUMPTION),
+        max_consumed_counters_per_slice=MAX_CONSUMED_COUNTERS_PER_SLICE_1_34 if minor_version == 34 else None,
     )

@@ -97,6 +97,45 @@ class DeviceTaint(BaseModel):
         return self.model_dump(by_alias=True, exclude_none=True)
 
 
+class Counter(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    value: str  # a Kubernetes quantity
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+
+class CounterSet(BaseModel):
+    """Named counters a pool offers (``spec.sharedCounters``); devices consume from them, so the
+    scheduler never allocates devices whose consumption together exceeds a counter."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    counters: dict[str, Counter]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"name": self.name, "counters": {k: v.to_wire() for k, v in sorted(self.counters.items())}}
+
+
+class DeviceCounterConsumption(BaseModel):
+    """What a device takes from one counter set of its pool while it is allocated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    counter_set: str = Field(alias="counterSet")
+    counters: dict[str, Counter]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"counterSet": self.counter_set, "counters": {k: v.to_wire() for k, v in sorted(self.counters.items())}}
+
+
+def counters(values: dict[str, str]) -> dict[str, Counter]:
+    """Counter name -> quantity, as the API's map of ``Counter``."""
+    return {name: Counter(value=value) for name, value in values.items()}
+
+
 class Device(BaseModel):
     """One allocatable device. Attribute keys are unqualified (driver domain) or ``domain/id``."""
 
@@ -108,6 +147,8 @@ class Device(BaseModel):
     taints: list[DeviceTaint] = Field(default_factory=list)
     # Consumable capacity (KEP-5075): many claims may hold this device at once, each a share of it.
     allow_multiple_allocations: bool = False
+    # Partitionable devices (KEP-4815): counters this device takes from its pool's counter sets.
+    consumes_counters: tuple[DeviceCounterConsumption, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {"name": self.name}
@@ -117,6 +158,17 @@ class Device(BaseModel):
             wire["attributes"] = {k: v.to_wire() for k, v in sorted(self.attributes.items())}
         if self.capacity:
             wire["capacity"] = {k: v.to_wire() for k, v in sorted(self.capacity.items())}
+        if self.consumes_counters:
+            wire["consumesCounters"] = [c.to_wire() for c in self.consumes_counters]
         if self.taints:
             wire["taints"] = [t.to_wire() for t in self.taints]
         return wire
+
+
+class PlannedSlice(BaseModel):
+    """What one slice of the pool holds: devices, counter sets, or (1.34's combined layout) both."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    devices: tuple[Device, ...] = ()
+    shared_counters: tuple[CounterSet, ...] = ()

@@ -3,9 +3,11 @@
 Two steps, as in ``k8s.io/dynamic-resource-allocation/resourceslice`` (resource-api reference,
 section 5):
 
-* :func:`plan_slices`: devices and the server's release -> the desired slices. The devices are
-  checked first (:mod:`.slicevalidation`), then split in order, each slice filled up to the cap
-  that applies to it (:mod:`.slicelimits`).
+* :func:`plan_slices`: devices, the pool's counter sets and the server's release -> the desired
+  slices. The devices and counters are checked first (:mod:`.slicevalidation`,
+  :mod:`.slicecounters`), then laid out (:mod:`.slicelayout`: in order, each slice filled up to
+  the cap that applies to it (:mod:`.slicelimits`); counter sets split or combined by release) and
+  each slice checked against the per-slice counter limits.
 * :func:`plan_sync`: desired slices and what the server holds -> the writes that make them
   match (:class:`SyncPlan`), by the pool-generation rules: pool name = node name,
   ``spec.nodeName`` = node, slices owned by the Node; slice names from ``generateName``
@@ -27,8 +29,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from driver.kubeletplugin.slicecounters import validate_consumption, validate_counter_sets, validate_slice_counters
+from driver.kubeletplugin.slicelayout import device_cap, layout_slices
 from driver.kubeletplugin.slicelimits import SliceLimits
-from driver.kubeletplugin.slicemodel import Device
+from driver.kubeletplugin.slicemodel import CounterSet, Device, PlannedSlice
 from driver.kubeletplugin.slicevalidation import quantity_value, validate_devices
 
 Obj = dict[str, Any]
@@ -37,7 +41,6 @@ Obj = dict[str, Any]
 _GENERATE_NAME_KEPT = 58
 _GENERATED_SUFFIX_LENGTH = 5
 _INDEX_PREFIX = re.compile(r"^([0-9a-f]{5,})-")
-_LIST_ATTRIBUTE_FIELDS = ("ints", "bools", "strings", "versions")
 # When a field is missing from what the server stored, the feature gate that is likely off.
 _FEATURE_GATE_OF_FIELD = {
     "taints": "DRADeviceTaints",
@@ -67,45 +70,26 @@ class InvalidDevices(ValueError):
 # ----- devices -> slices -----------------------------------------------------------------------
 
 
-def plan_slices(devices: Sequence[Device], driver_name: str, limits: SliceLimits) -> list[list[Device]]:
-    """The slices to publish for ``devices``; :class:`InvalidDevices` lists every problem at once."""
+def plan_slices(devices: Sequence[Device], driver_name: str, limits: SliceLimits,
+                counter_sets: Sequence[CounterSet] = ()) -> list[PlannedSlice]:
+    """The slices to publish for ``devices`` and the pool's ``counter_sets`` (:mod:`.slicelayout`);
+    :class:`InvalidDevices` lists every problem at once, before and after the layout."""
     problems = validate_devices(devices, driver_name, limits)
+    problems += validate_counter_sets(counter_sets, limits)
+    problems += validate_consumption(devices, counter_sets, limits)
     if problems:
         raise InvalidDevices(problems)
-    return split_into_slices(devices, limits)
-
-
-def split_into_slices(devices: Sequence[Device], limits: SliceLimits) -> list[list[Device]]:
-    """Devices in order, each slice filled up to its cap; at least one (possibly empty) slice.
-
-    Slice order matters: the allocator tries slices in name order, so earlier devices stay in
-    earlier slices.
-    """
-    slices: list[list[Device]] = [[]]
-    restricted = False
-    for device in devices:
-        device_restricts = _restricts_slice(device, limits)
-        would_restrict = restricted or device_restricts
-        cap = limits.max_devices_per_slice_restricted if would_restrict else limits.max_devices_per_slice
-        if len(slices[-1]) + 1 > cap:
-            slices.append([])
-            would_restrict = device_restricts
-        slices[-1].append(device)
-        restricted = would_restrict
+    slices = layout_slices(devices, counter_sets, limits)
+    for index, planned in enumerate(slices):
+        problems += validate_slice_counters(index, planned, limits)
+        cap = device_cap(planned.devices, limits)
+        if len(planned.devices) > cap:
+            # Only a 1.34 counter set's slice can get here: its devices cannot move to another slice.
+            problems.append(f"slice {index}: {len(planned.devices)} devices share its counter sets, the limit is "
+                            f"{cap} devices per slice on Kubernetes 1.{limits.minor_version}")
+    if problems:
+        raise InvalidDevices(problems)
     return slices
-
-
-def _restricts_slice(device: Device, limits: SliceLimits) -> bool:
-    """Whether this device lowers its slice's device cap (taints, counters, list attributes)."""
-    wire = device.to_wire()
-    if wire.get("consumesCounters"):
-        return limits.minor_version >= 35
-    if wire.get("taints") and limits.taints_restrict_slice:
-        return True
-    if limits.list_attributes_restrict_slice:
-        return any(
-            name in value for value in wire.get("attributes", {}).values() for name in _LIST_ATTRIBUTE_FIELDS)
-    return False
 
 
 # ----- slices -> writes ------------------------------------------------------------------------
@@ -128,14 +112,22 @@ def slice_index(name: str, driver_name: str, node_name: str) -> int | None:
 
 
 def canonical_spec(spec: Obj) -> str:
-    """A comparable form of a slice spec: absent ``devices`` = empty, quantities by value."""
+    """A comparable form of a slice spec: absent ``devices`` / ``sharedCounters`` = empty, quantities by value."""
     normal = copy.deepcopy(spec)
     normal["devices"] = normal.get("devices") or []
+    if not normal.get("sharedCounters"):
+        normal.pop("sharedCounters", None)
+    values: list[Obj] = []
     for device in normal["devices"]:
-        for capacity in (device.get("capacity") or {}).values():
-            value = quantity_value(str(capacity.get("value", "")))
-            if value is not None:
-                capacity["value"] = str(value.normalize())
+        values.extend((device.get("capacity") or {}).values())
+        values.extend(c for entry in device.get("consumesCounters") or []
+                      for c in (entry.get("counters") or {}).values())
+    values.extend(c for counter_set in normal.get("sharedCounters") or []
+                  for c in (counter_set.get("counters") or {}).values())
+    for holder in values:
+        value = quantity_value(str(holder.get("value", "")))
+        if value is not None:
+            holder["value"] = str(value.normalize())
     return json.dumps(normal, sort_keys=True)
 
 
@@ -172,7 +164,7 @@ class SyncPlan:
         return not (self.deletes or self.updates or self.creates)
 
 
-def plan_sync(existing: Sequence[Obj], desired: Sequence[Sequence[Device]], *, driver_name: str, node_name: str,
+def plan_sync(existing: Sequence[Obj], desired: Sequence[PlannedSlice], *, driver_name: str, node_name: str,
               owner: Obj | None, adopted: Mapping[str, str]) -> SyncPlan:
     """Compare the slices on the server with the desired ones (generation rules of section 5.3).
 
@@ -219,17 +211,22 @@ def plan_sync(existing: Sequence[Obj], desired: Sequence[Sequence[Device]], *, d
     )
 
 
-def _desired_spec(devices: Sequence[Device], *, generation: int, count: int, driver_name: str, node_name: str,
+def _desired_spec(planned: PlannedSlice, *, generation: int, count: int, driver_name: str, node_name: str,
                   existing_spec: Obj | None) -> Obj:
-    wire = [d.to_wire() for d in devices]
+    wire = [d.to_wire() for d in planned.devices]
     if existing_spec is not None:
         _keep_taint_times(wire, existing_spec)
-    return {
+    spec: Obj = {
         "driver": driver_name,
         "nodeName": node_name,
         "pool": {"name": node_name, "generation": generation, "resourceSliceCount": count},
-        "devices": wire,
     }
+    # A counters-only slice leaves devices out (1.35+ reads an empty list the same; 1.34 never sees one).
+    if wire or not planned.shared_counters:
+        spec["devices"] = wire
+    if planned.shared_counters:
+        spec["sharedCounters"] = [s.to_wire() for s in planned.shared_counters]
+    return spec
 
 
 def _keep_taint_times(devices: list[Obj], existing_spec: Obj) -> None:

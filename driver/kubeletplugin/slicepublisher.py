@@ -20,17 +20,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kubernetes import client
 from opentelemetry.trace import Status, StatusCode
 
 from driver.kubeletplugin.kubeclient import (
     JsonLineStream,
     KubeApiError,
+    KubeClient,
     open_json_lines,
     server_minor_version,
 )
 from driver.kubeletplugin.slicelimits import limits_for
-from driver.kubeletplugin.slicemodel import Device
+from driver.kubeletplugin.slicemodel import CounterSet, Device, PlannedSlice
 from driver.kubeletplugin.sliceplanner import (
     InvalidDevices,
     plan_slices,
@@ -69,7 +69,7 @@ class ResourceSlicePublisher:
     refused by validation counts as ``invalid``.
     """
 
-    def __init__(self, api: client.ApiClient, driver_name: str, node_name: str, telemetry: Telemetry, *,
+    def __init__(self, api: KubeClient, driver_name: str, node_name: str, telemetry: Telemetry, *,
                  minor_version: int | None = None, resync_delay: float = 2.0, max_backoff: float = 300.0,
                  initial_backoff: float = _INITIAL_BACKOFF_S):
         problems = validate_driver_and_pool(driver_name, node_name)
@@ -87,7 +87,7 @@ class ResourceSlicePublisher:
         self._log_extra = {"driver": driver_name, "node": node_name}
         # Shared with callers, guarded by _cond.
         self._cond = threading.Condition()
-        self._desired: list[list[Device]] | None = None
+        self._desired: list[PlannedSlice] | None = None
         self._desired_version = 0
         self._synced_version = 0
         self._server_changed = False
@@ -118,13 +118,14 @@ class ResourceSlicePublisher:
         with self._cond:
             return list(self._validation_problems)
 
-    def update(self, devices: Sequence[Device]) -> list[str]:
-        """Set the devices to publish; the problems that stopped it, empty when accepted.
+    def update(self, devices: Sequence[Device], counter_sets: Sequence[CounterSet] = ()) -> list[str]:
+        """Set the devices (and the counter sets they consume from) to publish; the problems that
+        stopped it, empty when accepted.
 
         Invalid devices are logged and not sent; the previous state stays.
         """
         try:
-            slices = plan_slices(list(devices), self._driver, self._limits)
+            slices = plan_slices(list(devices), self._driver, self._limits, list(counter_sets))
         except InvalidDevices as invalid:
             problems = invalid.problems
             log.error("not publishing ResourceSlices: %d problem(s) with the devices, keeping the previous state: %s",
@@ -225,9 +226,9 @@ class ResourceSlicePublisher:
 
     def _sync_round(self) -> _RoundResult:
         with self._cond:
-            desired = self._desired or [[]]
+            desired = self._desired or [PlannedSlice()]
             version = self._desired_version
-        device_count = sum(len(s) for s in desired)
+        device_count = sum(len(s.devices) for s in desired)
         scope = self._telemetry.scope
         with self._telemetry.tracer.start_as_current_span(f"{scope}.publish_resourceslices") as span:
             span.set_attribute(f"{scope}.resourceslice.device_count", device_count)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from kubernetes import client
-
-from driver.kubeletplugin.kubeclient import KubeApiError, request_json
+from driver.kubeletplugin.kubeclient import KubeApiError, KubeClient, request_json
 from driver.kubeletplugin.sliceplanner import Obj, SyncPlan, canonical_spec, dropped_fields
 
 log = logging.getLogger(__name__)
@@ -32,7 +30,7 @@ class SliceWriteError(Exception):
 class SliceWriter:
     """The API requests of a node's slices, and what the server stored instead of what was sent."""
 
-    def __init__(self, api: client.ApiClient, driver_name: str, node_name: str) -> None:
+    def __init__(self, api: KubeClient, driver_name: str, node_name: str) -> None:
         self._api = api
         self._node = node_name
         self._log_extra = {"driver": driver_name, "node": node_name}

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict
 
+from driver.kubeletplugin.calls import DEFAULT_PREPARE_DEADLINE as DEFAULT_PREPARE_DEADLINE
+from driver.kubeletplugin.calls import KUBELET_PREPARE_TIMEOUT as KUBELET_PREPARE_TIMEOUT
+from driver.kubeletplugin.calls import ClaimRef as ClaimRef
+from driver.kubeletplugin.calls import Deadline as Deadline
+from driver.kubeletplugin.calls import DeadlineExceeded as DeadlineExceeded
+from driver.kubeletplugin.calls import PrepareResult as PrepareResult
 from driver.kubeletplugin.claimmodel import ResourceClaim
 
 # Who will use a claim's devices: ``ResourceClaim.reserved_pods(timeout_s)`` reads the pods in its
@@ -18,69 +21,6 @@ from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.podsecurity import HostRootContainer as HostRootContainer
 from driver.kubeletplugin.podsecurity import PodsUnreadable as PodsUnreadable
 from driver.kubeletplugin.podsecurity import ReservedPods as ReservedPods
-
-
-@dataclass(frozen=True)
-class ClaimRef:
-    """What the kubelet sends for each claim: enough to find it, nothing more."""
-
-    namespace: str
-    name: str
-    uid: str
-
-    def __str__(self) -> str:
-        return f"{self.namespace}/{self.name} ({self.uid})"
-
-
-# Every prepare must finish well inside the kubelet's 45 s gRPC timeout (kubelet pkg/kubelet/cm/dra,
-# defaultClientCallTimeout), so a
-# claim that cannot be prepared in time gets an error the user can see, and its work is rolled
-# back, rather than being cut off by the kubelet half-done.
-KUBELET_PREPARE_TIMEOUT = 45.0
-DEFAULT_PREPARE_DEADLINE = 30.0
-
-
-class DeadlineExceeded(Exception):
-    """The call's deadline passed, or its caller went away, before the work was done."""
-
-
-def _always_active() -> bool:
-    return True
-
-
-@dataclass(frozen=True)
-class Deadline:
-    """When a call's work must be finished, and whether its caller still waits for it.
-
-    Made by the plugin machinery from the kubelet's gRPC deadline, capped by the driver's own
-    limit, so every step of a call can bound its waits with :meth:`remaining` and stop work the
-    kubelet has given up on (:meth:`check`) instead of finishing it for nobody.
-    """
-
-    at: float  # time.monotonic() value
-    is_active: Callable[[], bool] = _always_active
-
-    @classmethod
-    def after(cls, seconds: float, is_active: Callable[[], bool] = _always_active) -> Deadline:
-        return cls(time.monotonic() + seconds, is_active)
-
-    def remaining(self) -> float:
-        """Seconds left, never negative."""
-        return max(0.0, self.at - time.monotonic())
-
-    def expired(self) -> bool:
-        return self.remaining() <= 0 or not self.is_active()
-
-    def check(self, before: str) -> None:
-        """Raise :class:`DeadlineExceeded` naming the step ``before`` which time ran out."""
-        if not self.is_active():
-            raise DeadlineExceeded(f"the kubelet gave up on the call (cancelled or timed out) before {before}")
-        if self.remaining() <= 0:
-            raise DeadlineExceeded(f"the call's deadline passed before {before}")
-
-    def bound(self, seconds: float) -> float:
-        """``seconds`` shortened to what is left (for timeouts of individual steps)."""
-        return min(seconds, self.remaining())
 
 
 class PreparedDevice(BaseModel):
@@ -93,14 +33,6 @@ class PreparedDevice(BaseModel):
     device_name: str
     cdi_device_ids: list[str]
     share_id: str | None = None
-
-
-@dataclass
-class PrepareResult:
-    """Outcome for one claim: devices on success, or a message that tells the user what to do."""
-
-    devices: list[PreparedDevice] = field(default_factory=list)
-    error: str | None = None
 
 
 class DRADriver(Protocol):

@@ -13,6 +13,12 @@ Devices with ``allowMultipleAllocations`` (consumable capacity, KEP-5075) are sh
 consumes ``capacity.requests`` (or the policy's default), rounded up to the policy's step as the
 scheduler does, and gets a ``shareID`` and ``consumedCapacity`` in its result; a device is chosen
 only while what its shares consumed stays within its capacity.
+
+Devices that consume counters (partitionable devices, KEP-4815: dynamic MIG placements and the
+whole GPU beside them) are chosen only while every counter they consume is still available in
+their pool's counter sets (``sharedCounters``, from any slice of the pool) after what the devices
+in ``taken`` consume, as the scheduler counts them; so overlapping MIG placements, or a whole GPU
+and any of its placements, are never allocated together.
 """
 
 from __future__ import annotations
@@ -112,11 +118,47 @@ def _fits(device: Obj, amounts: dict[str, int], used: dict[str, int]) -> bool:
     return True
 
 
+CounterKey = tuple[str, str]  # (pool, counter set)
+
+
+def _counter_amounts(counters: Obj, what: str) -> dict[str, int]:
+    return {name: parse_quantity(str(c.get("value")), f"counter {name} of {what}") for name, c in counters.items()}
+
+
+def _counters_left(slices: list[Obj], devices: list[tuple[str, Obj]],
+                   taken: set[str]) -> dict[CounterKey, dict[str, int]]:
+    """Each pool's counter sets less what the taken devices consume."""
+    left: dict[CounterKey, dict[str, int]] = {}
+    for s in slices:
+        pool = s["spec"]["pool"]["name"]
+        for counter_set in s["spec"].get("sharedCounters") or []:
+            left[(pool, counter_set["name"])] = _counter_amounts(counter_set.get("counters") or {}, counter_set["name"])
+    for pool, d in devices:
+        if d["name"] in taken:
+            for entry in d.get("consumesCounters") or []:
+                have = left.get((pool, entry["counterSet"]), {})
+                for name, amount in _counter_amounts(entry.get("counters") or {}, d["name"]).items():
+                    have[name] = have.get(name, 0) - amount
+    return left
+
+
+def _counters_fit(pool: str, device: Obj, left: dict[CounterKey, dict[str, int]]) -> bool:
+    for entry in device.get("consumesCounters") or []:
+        have = left.get((pool, entry["counterSet"]))
+        if have is None:  # the scheduler ignores a device whose counter set the pool lacks
+            return False
+        for name, amount in _counter_amounts(entry.get("counters") or {}, device["name"]).items():
+            if amount > have.get(name, 0):
+                return False
+    return True
+
+
 def allocate(claim: Obj, slices: list[Obj], driver_name: str, taken: set[str],
              consumed: dict[str, dict[str, int]] | None = None) -> Obj:
     """Return ``claim`` with ``status.allocation`` filled from free devices of ``slices``.
 
-    ``taken`` holds device names already allocated; the chosen ones are added to it. ``consumed``
+    ``taken`` holds device names already allocated; the chosen ones are added to it (and what they
+    consume of their pool's counters counts against later choices). ``consumed``
     (device name -> capacity name -> amount) is what shares of consumable devices took so far; the
     chosen shares are added to it.
     """
@@ -138,10 +180,13 @@ def allocate(claim: Obj, slices: list[Obj], driver_name: str, taken: set[str],
         chosen: set[str] = set()
         for _ in range(len(devices) if every else int(exact.get("count", 1))):
             choice = None
+            left = _counters_left(slices, devices, taken)
             for pool, d in devices:
                 again = d["name"] in chosen if admin or every else False  # `taken` does it for the others
                 if (d["name"] in taken and not admin) or again or _attribute(d, "type") != wanted_type \
                         or not _matches(d, driver_name, exact.get("selectors", [])):
+                    continue
+                if d.get("consumesCounters") and not admin and not _counters_fit(pool, d, left):
                     continue
                 amounts = _share_amounts(d, requested) if d.get("allowMultipleAllocations") and not admin else None
                 if d.get("allowMultipleAllocations") and not admin and (

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from driver.simulation.capacitypolicy import request_policy_errors
+from driver.simulation.capacitypolicy import request_policy_errors, strip_consumable
+from driver.simulation.counterrules import counter_errors, strip_partitionable
 
 Obj = dict[str, Any]
 
@@ -113,7 +114,24 @@ def slice_errors(obj: Obj, old: Obj | None, minor_version: int) -> list[tuple[st
             if isinstance(value.get("string"), str) and len(value["string"].encode()) > 64:
                 errors.append((where + ".string", "Too long: may not be more than 64 bytes"))
         errors.extend(request_policy_errors(device, field))
+    errors.extend(counter_errors(spec, minor_version))
     return errors
+
+
+def drop_disabled_fields(obj: Obj, dropped_device_fields: tuple[str, ...], *, consumable_capacity: bool,
+                         partitionable_devices: bool) -> None:
+    """What a server stores of a ResourceSlice: fields of disabled feature gates are dropped silently."""
+    spec = obj.get("spec")
+    if not isinstance(spec, dict):
+        return
+    for device in spec.get("devices") or []:
+        if isinstance(device, dict):
+            for field in dropped_device_fields:
+                device.pop(field, None)
+            if not consumable_capacity:
+                strip_consumable(device)
+    if not partitionable_devices:
+        strip_partitionable(spec)
 
 
 def dig(obj: Any, path: tuple[str, ...]) -> Any:

@@ -6,7 +6,8 @@ watch, create with ``generateName``, get, replace, delete with preconditions, de
 collection), ResourceClaims (namespaced CRUD and ``/status``), DeviceClasses and Pods (read; tests put
 them with ``put_pod``). Objects are
 kept as plain dicts, so no field is ever dropped unless a test asks for it
-(``dropped_device_fields``, which imitates a server with a feature gate off).
+(``dropped_device_fields``, which imitates a server with a feature gate off; consumable capacity
+and counters are dropped by the release's own gates).
 
 ResourceSlice writes are checked like a real server checks them for the rules a driver most
 often breaks, and answered with ``422 Invalid`` and a Kubernetes ``Status`` naming the field.
@@ -34,8 +35,7 @@ from datetime import UTC, datetime
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
-from kubernetes import client
-
+from driver.kubeletplugin.kubeclient import KubeClient, plain_client
 from driver.simulation.apihttp import handler_for
 from driver.simulation.apiobjects import (
     RESOURCE_API,
@@ -43,12 +43,14 @@ from driver.simulation.apiobjects import (
     ApiError,
     Obj,
     check_kind,
+    drop_disabled_fields,
     event_errors,
     group_of,
     invalid_error,
     slice_errors,
 )
-from driver.simulation.capacitypolicy import consumable_enabled, strip_consumable
+from driver.simulation.capacitypolicy import consumable_enabled
+from driver.simulation.counterrules import partitionable_enabled
 
 _NAME_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 _MAX_GENERATE_NAME_BASE = 58
@@ -67,11 +69,12 @@ class FakeApiServer:
     """In-memory API server on 127.0.0.1. Thread-safe: all state is guarded by one lock."""
 
     def __init__(self, minor_version: int = 36, *, dropped_device_fields: Iterable[str] = (),
-                 consumable_capacity_gate: bool = False):
+                 consumable_capacity_gate: bool = False, partitionable_devices_gate: bool = False):
         self.minor_version = minor_version
         self.dropped_device_fields = tuple(dropped_device_fields)
-        # DRAConsumableCapacity on a 1.34/1.35 server (on by default from 1.36).
+        # DRAConsumableCapacity and DRAPartitionableDevices on a 1.34/1.35 server (on by default from 1.36).
         self.consumable_capacity = consumable_enabled(minor_version, consumable_capacity_gate)
+        self.partitionable_devices = partitionable_enabled(minor_version, partitionable_devices_gate)
         self._cond = threading.Condition()
         self._store: dict[str, dict[tuple[str, str], Obj]] = {plural: {} for plural in RESOURCES}
         self._rv = 0
@@ -124,8 +127,9 @@ class FakeApiServer:
         }, indent=2))
         return target
 
-    def api_client(self) -> client.ApiClient:
-        return client.ApiClient(client.Configuration(host=self.url))
+    def api_client(self) -> KubeClient:
+        """The driver's own client for this server (tests of the real ``kubernetes`` client build theirs)."""
+        return plain_client(self.url)
 
     # ----- test helpers ----------------------------------------------------------------
 
@@ -362,12 +366,8 @@ class FakeApiServer:
 
     def _admit_slice(self, obj: Obj, old: Obj | None) -> None:
         self._maybe_reject_write()
-        for device in obj.get("spec", {}).get("devices") or []:
-            if isinstance(device, dict):
-                for field in self.dropped_device_fields:
-                    device.pop(field, None)
-                if not self.consumable_capacity:
-                    strip_consumable(device)
+        drop_disabled_fields(obj, self.dropped_device_fields, consumable_capacity=self.consumable_capacity,
+                             partitionable_devices=self.partitionable_devices)
         errors = slice_errors(obj, old, self.minor_version)
         if errors:
             raise invalid_error(RESOURCES["resourceslices"], str(obj.get("metadata", {}).get("name", "")), errors)

@@ -5,12 +5,17 @@ Everything is deterministic: UUIDs derive from the node name and GPU minor (and 
 placement), so a restarted simulated driver sees the same GPUs, as a real one would. The
 layout is validated like the hardware would: unknown models or profiles, placements the
 profile does not allow, overlapping or over-subscribed MIG devices are errors naming the entry.
+
+MIG GPUs also report the profiles they can create (dynamic MIG), from the profile tables; with ``mig_state``
+(the simulated partitioner's file, ``migstate.py``) a GPU the partitioner changed reports the instances it
+holds now, as NVML would after instances were created or destroyed.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from contextlib import suppress
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -19,8 +24,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cdi.yamlload import load_yaml
-from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
+from driver.gpu.discovery.inventory import GpuInfo, MigInstance, MigProfileInfo, NodeInventory, mig_memory_slices
 from driver.simulation.gpus import GpuModel, MigProfileSpec, SimulationError, gpu_models
+from driver.simulation.migstate import MigState, MigStateFile, SimulatedGi
 from driver.units import MIB
 
 log = logging.getLogger(__name__)
@@ -139,30 +145,66 @@ def _validated_profiles(where: str, model: GpuModel, migs: tuple[SimulatedMig, .
     return specs
 
 
+def _mig_instance(spec: MigProfileSpec, uuid: str, start: int, gi_id: int, ci_id: int) -> MigInstance:
+    return MigInstance(
+        uuid=uuid,
+        profile=spec.name,
+        gi_profile_id=spec.gi_profile_id,
+        placement_start=start,
+        placement_size=spec.memory_slices,
+        gi_id=gi_id,
+        ci_id=ci_id,
+        memory_bytes=spec.memory_mib * MIB,
+        multiprocessors=spec.multiprocessors,
+        copy_engines=spec.copy_engines,
+        decoders=spec.decoders,
+        encoders=spec.encoders,
+        jpeg_engines=spec.jpeg_engines,
+        ofa_engines=spec.ofa_engines,
+    )
+
+
 def _mig_instances(
     where: str, node_name: str, minor: int, model: GpuModel, migs: tuple[SimulatedMig, ...]
 ) -> tuple[MigInstance, ...]:
     specs = _validated_profiles(where, model, migs)
     instances = [
-        MigInstance(
-            uuid=simulated_mig_uuid(node_name, minor, spec.gi_profile_id, mig.start),
-            profile=spec.name,
-            gi_profile_id=spec.gi_profile_id,
-            placement_start=mig.start,
-            placement_size=spec.memory_slices,
-            gi_id=position + 1,  # NVML hands out GI ids in creation order; layout order stands in for it
-            ci_id=0,
-            memory_bytes=spec.memory_mib * MIB,
-            multiprocessors=spec.multiprocessors,
-            copy_engines=spec.compute_slices,
-        )
+        # NVML hands out GI ids in creation order; layout order stands in for it.
+        _mig_instance(spec, simulated_mig_uuid(node_name, minor, spec.gi_profile_id, mig.start), mig.start,
+                      gi_id=position + 1, ci_id=0)
         for position, (mig, spec) in enumerate(zip(migs, specs, strict=True))
     ]
     return tuple(sorted(instances, key=lambda m: m.placement_start))
 
 
-def build_inventory(label: str, node: SimulatedNode, node_name: str) -> NodeInventory:
-    """The inventory a simulated node reports; SimulationError naming the entry if the layout is wrong."""
+def _created_instances(model: GpuModel, gis: list[SimulatedGi]) -> tuple[MigInstance, ...]:
+    """The MIG devices the simulated partitioner left on a GPU: GIs with a compute instance (a bare GI is no
+    MIG device: NVML has no MIG device handle for it)."""
+    by_id = {spec.gi_profile_id: spec for spec in model.mig_profiles}
+    return tuple(_mig_instance(by_id[g.gi_profile_id], g.uuid, g.placement_start, g.gi_id, g.ci_id)
+                 for g in sorted(gis, key=lambda g: g.placement_start)
+                 if g.ci_id is not None and g.uuid is not None and g.gi_profile_id in by_id)
+
+
+def mig_profile_infos(specs: tuple[MigProfileSpec, ...]) -> tuple[MigProfileInfo, ...]:
+    """What a GPU with these MIG profiles can create in MIG mode, as NVML's profile and placement queries say."""
+    return tuple(
+        MigProfileInfo(name=spec.name, gi_profile_id=spec.gi_profile_id, ci_profile_id=spec.ci_profile_enum,
+                       compute_slices=spec.compute_slices, memory_slices=spec.memory_slices,
+                       memory_bytes=spec.memory_mib * MIB, multiprocessors=spec.multiprocessors,
+                       copy_engines=spec.copy_engines, decoders=spec.decoders, encoders=spec.encoders,
+                       jpeg_engines=spec.jpeg_engines, ofa_engines=spec.ofa_engines,
+                       placement_starts=spec.placement_starts)
+        for spec in sorted(specs, key=lambda p: p.gi_profile_id)
+    )
+
+
+def build_inventory(label: str, node: SimulatedNode, node_name: str, mig: MigState | None = None) -> NodeInventory:
+    """The inventory a simulated node reports; SimulationError naming the entry if the layout is wrong.
+
+    ``mig``: the simulated partitioner's state; a MIG GPU it has changed holds the instances it says, not the
+    layout's.
+    """
     models = gpu_models()
     gpus: list[GpuInfo] = []
     for minor, entry in enumerate(node.gpus):
@@ -172,11 +214,17 @@ def build_inventory(label: str, node: SimulatedNode, node_name: str) -> NodeInve
             raise SimulationError(f"{where}: unknown GPU model; known models: {', '.join(sorted(models))}")
         pci_bus_id, pcie_root = simulated_pci_bus_id(minor)
         mig_enabled = entry.mig is not None
+        gpu_uuid = simulated_gpu_uuid(node_name, minor)
+        instances = _mig_instances(where, node_name, minor, model, entry.mig) if entry.mig is not None else ()
+        created = mig.gpus.get(gpu_uuid) if mig is not None and mig_enabled else None
+        if created is not None:
+            instances = _created_instances(model, created.gis)
+        profiles = mig_profile_infos(model.mig_profiles) if mig_enabled else ()
         gpus.append(
             GpuInfo(
                 minor=minor,
                 index=minor,
-                uuid=simulated_gpu_uuid(node_name, minor),
+                uuid=gpu_uuid,
                 product_name=model.product_name,
                 brand=model.brand,
                 architecture=model.architecture,
@@ -187,9 +235,9 @@ def build_inventory(label: str, node: SimulatedNode, node_name: str) -> NodeInve
                 pcie_root=pcie_root,
                 mig_capable=bool(model.mig_profiles),
                 mig_enabled=mig_enabled,
-                mig_instances=_mig_instances(where, node_name, minor, model, entry.mig)
-                if entry.mig is not None
-                else (),
+                mig_instances=instances,
+                mig_memory_slices=mig_memory_slices(profiles),
+                mig_profiles=profiles,
             )
         )
     if node.kernel_memory_limits:
@@ -211,24 +259,45 @@ class SimulatedDiscovery:
 
     simulated = True
 
-    def __init__(self, layout_name_or_path: str, node_name: str) -> None:
+    def __init__(self, layout_name_or_path: str, node_name: str, mig_state: Path | None = None) -> None:
         label, node = load_layout(layout_name_or_path)
         self.description = node.description
         self.driver_layout = node.driver_layout
         self._source = layout_name_or_path
         self._node_name = node_name
         self._rereads = layout_name_or_path not in _builtin_layouts()
-        self._inventory = build_inventory(label, node, node_name)
+        self._mig_state = MigStateFile(mig_state) if mig_state is not None else None
+        self._label, self._node = label, node
+        self._inventory = build_inventory(label, node, node_name, self._read_mig())
 
     def discover(self) -> NodeInventory:
-        if self._rereads:
-            try:
+        if not self._rereads and self._mig_state is None:
+            return self._inventory
+        label, node = self._label, self._node
+        try:
+            if self._rereads:
                 label, node = load_layout(self._source)
-                self._inventory = build_inventory(label, node, self._node_name)
-            except SimulationError as err:
-                log.warning("SIMULATION: the edited layout file is invalid; keeping the previous one",
-                            extra={"reason": str(err)})
-        return self._inventory
+            inventory = build_inventory(label, node, self._node_name, self._read_mig())
+        except SimulationError as err:
+            log.warning("SIMULATION: the edited layout file or the MIG state file is invalid; keeping the "
+                        "previous one", extra={"reason": str(err)})
+            if (label, node) == (self._label, self._node):
+                return self._inventory
+            # The previous layout still holds; the partitioner's instances may have changed on it.
+            with suppress(SimulationError):
+                self._inventory = build_inventory(self._label, self._node, self._node_name, self._read_mig())
+            return self._inventory
+        self._label, self._node, self._inventory = label, node, inventory
+        return inventory
+
+    def _read_mig(self) -> MigState | None:
+        """The simulated partitioner's instances (``migstate.py``), read at every discover() as NVML would be."""
+        if self._mig_state is None:
+            return None
+        try:
+            return self._mig_state.read()
+        except ValueError as err:  # unreadable: a SimulationError, so the previous inventory stays
+            raise SimulationError(str(err)) from err
 
     def close(self) -> None:
         """Nothing to release: no NVML session in a simulation."""

@@ -4,7 +4,14 @@ Nothing here talks to hardware. The per-model facts (names, memory as NVML repor
 counts) are those of the real parts; the MIG tables come from the packaged copy of the
 reference ``mig-profiles.json``. Engine counts of MIG profiles are not in that table, so a
 simulated profile reports ``copy engines = compute slices`` and no decoder/encoder/JPEG/OFA
-counts (those capacities are simply absent on simulated MIG devices).
+counts (those capacities are simply absent on simulated MIG devices), unless ``nvml-captures.json``
+holds what NVML reported for that table on a real GPU: then its memory sizes, SM and engine counts
+are the captured ones (the H200's, read on driver 580).
+
+Only models whose whole-GPU facts are known are simulated: the table also holds A30 and B200, but
+not B200's product name, memory total, SM count or compute capability, so B200 is there only as a
+MIG table (:func:`mig_tables`) and as such can be tested. Rows the table has not captured (no
+profile id, memory or SM count) are left out of every model and table.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from driver.units import MIB
 
 _PROFILE_TABLE = "mig-profiles.json"
+_CAPTURES = "nvml-captures.json"
 
 
 class SimulationError(ValueError):
@@ -31,12 +39,18 @@ class MigProfileSpec(BaseModel):
     name: str  # "1g.10gb"
     gi_enum: int  # NVML_GPU_INSTANCE_PROFILE_* value
     gi_profile_id: int  # device-specific id (nvidia-smi mig -lgip "ID")
+    ci_profile_enum: int  # NVML_COMPUTE_INSTANCE_PROFILE_* of the compute instance spanning the GI
     compute_slices: int
     memory_slices: int  # placement size
     memory_mib: int
     multiprocessors: int
     max_instances: int
     placement_starts: tuple[int, ...]
+    copy_engines: int | None = None
+    decoders: int | None = None
+    encoders: int | None = None
+    jpeg_engines: int | None = None
+    ofa_engines: int | None = None
 
 
 class GpuModel(BaseModel):
@@ -92,6 +106,7 @@ class _ProfileRow(BaseModel):
     sm_count: int | None
     max_instances: int
     placement_starts: list[int]
+    full_ci_profile_enum_value: int
 
 
 class _ProfileTable(BaseModel):
@@ -113,28 +128,102 @@ def _load_profile_tables() -> dict[str, _ProfileTable]:
     return _ProfileFile.model_validate_json(text).gpus
 
 
-def _profiles(table: _ProfileTable) -> tuple[MigProfileSpec, ...]:
+class _CapturedProfile(BaseModel):
+    """What NVML's GPU-instance profile info said for one profile id on a real GPU."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    memory_mib: int
+    multiprocessors: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpeg_engines: int
+    ofa_engines: int
+    placements: list[int]
+
+
+class _CapturedTable(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    profiles: dict[int, _CapturedProfile]
+
+
+class _CaptureFile(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    tables: dict[str, _CapturedTable]
+
+
+def _load_captures() -> dict[str, _CapturedTable]:
+    text = resources.files("driver.simulation").joinpath(_CAPTURES).read_text()
+    return _CaptureFile.model_validate_json(text).tables
+
+
+def _profile(row: _ProfileRow, captured: _CapturedProfile | None) -> MigProfileSpec:
+    assert row.nvml_profile_id is not None and row.memory_mib is not None and row.sm_count is not None
+    if captured is not None and captured.placements != row.placement_starts:
+        raise SimulationError(f"{_CAPTURES} and {_PROFILE_TABLE} disagree on the placements of {row.name}: "
+                              f"{captured.placements} vs {row.placement_starts}")
+    return MigProfileSpec(
+        name=row.name,
+        gi_enum=row.nvml_profile_enum_value,
+        gi_profile_id=row.nvml_profile_id,
+        ci_profile_enum=row.full_ci_profile_enum_value,
+        compute_slices=row.compute_slices,
+        memory_slices=row.placement_size,
+        memory_mib=captured.memory_mib if captured else row.memory_mib,
+        multiprocessors=captured.multiprocessors if captured else row.sm_count,
+        max_instances=row.max_instances,
+        placement_starts=tuple(row.placement_starts),
+        copy_engines=captured.copy_engines if captured else row.compute_slices,
+        decoders=captured.decoders if captured else None,
+        encoders=captured.encoders if captured else None,
+        jpeg_engines=captured.jpeg_engines if captured else None,
+        ofa_engines=captured.ofa_engines if captured else None,
+    )
+
+
+def _profiles(table: _ProfileTable, captured: _CapturedTable | None = None) -> tuple[MigProfileSpec, ...]:
+    found = captured.profiles if captured else {}
     return tuple(
-        MigProfileSpec(
-            name=row.name,
-            gi_enum=row.nvml_profile_enum_value,
-            gi_profile_id=row.nvml_profile_id,
-            compute_slices=row.compute_slices,
-            memory_slices=row.placement_size,
-            memory_mib=row.memory_mib,
-            multiprocessors=row.sm_count,
-            max_instances=row.max_instances,
-            placement_starts=tuple(row.placement_starts),
-        )
+        _profile(row, found.get(row.nvml_profile_id))
         for row in table.profiles
         # A profile with uncaptured facts cannot be simulated faithfully; leave it out.
         if row.nvml_profile_id is not None and row.memory_mib is not None and row.sm_count is not None
     )
 
 
+class MigTable(BaseModel):
+    """One GPU's MIG profile table (a key of mig-profiles.json): what its MIG devices can be, and where."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    total_compute_slices: int
+    total_memory_slices: int
+    profiles: tuple[MigProfileSpec, ...]
+
+    def by_id(self, gi_profile_id: int) -> MigProfileSpec | None:
+        return next((p for p in self.profiles if p.gi_profile_id == gi_profile_id), None)
+
+
+def mig_tables() -> dict[str, MigTable]:
+    """Every MIG table of mig-profiles.json by its key (``H100-80GB``, ``B200-180GB``, ...)."""
+    captures = _load_captures()
+    return {key: MigTable(total_compute_slices=table.total_compute_slices,
+                          total_memory_slices=table.total_memory_slices, profiles=_profiles(table, captures.get(key)))
+            for key, table in _load_profile_tables().items()}
+
+
+def mig_table_of(model: GpuModel) -> MigTable:
+    return MigTable(total_compute_slices=model.total_compute_slices, total_memory_slices=model.total_memory_slices,
+                    profiles=model.mig_profiles)
+
+
 def gpu_models() -> dict[str, GpuModel]:
     """Every simulated GPU model by name (``A100-40GB``, ``A100-80GB``, ``H100-80GB``, ``H200``, ``L4``)."""
     tables = _load_profile_tables()
+    captures = _load_captures()
     models: dict[str, GpuModel] = {}
     for name, spec in _MODELS.items():
         table: _ProfileTable | None = None
@@ -152,7 +241,7 @@ def gpu_models() -> dict[str, GpuModel]:
             multiprocessors=spec.multiprocessors,
             total_compute_slices=table.total_compute_slices if table else 0,
             total_memory_slices=table.total_memory_slices if table else 0,
-            mig_profiles=_profiles(table) if table else (),
+            mig_profiles=_profiles(table, captures.get(spec.mig_table or "")) if table else (),
         )
     return models
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from importlib.abc import Traversable
@@ -112,6 +112,28 @@ def write_mig_capability_proc(root: Path, gpu_minor: int, gi_id: int, ci_id: int
     gi_dir = root / CAPABILITIES_DIR / f"gpu{gpu_minor}" / "mig" / f"gi{gi_id}"
     _write(gi_dir / "access", _access_text(gi_minor))
     _write(gi_dir / f"ci{ci_id}" / "access", _access_text(ci_minor))
+
+
+def sync_mig_devices(root: Path, device_root: Path, gpus: Mapping[int, Sequence[tuple[int, int | None]]]) -> None:
+    """The /proc access files and /dev/nvidia-caps nodes of the GPUs in ``gpus`` (minor -> each GPU instance
+    as (GI id, CI id, None for a GI without one)), replacing what each of those GPUs had: as the NVIDIA driver
+    keeps them, created with an instance and gone with it (the simulated partitioner calls this after a change).
+    ``device_root``: the root whose dev/ holds the device nodes (the driver root on a GPU Operator node)."""
+    caps = device_root / "dev" / "nvidia-caps"
+    for minor, instances in gpus.items():
+        shutil.rmtree(root / CAPABILITIES_DIR / f"gpu{minor}" / "mig", ignore_errors=True)
+        first, last = capability_minors(minor, 0, 0)[0], capability_minors(minor + 1, 0, 0)[0]
+        for stale in caps.glob("nvidia-cap*"):
+            if stale.name[len("nvidia-cap"):].isdigit() and first <= int(stale.name[len("nvidia-cap"):]) < last:
+                stale.unlink()
+        for gi_id, ci_id in instances:
+            gi_minor, ci_minor = capability_minors(minor, gi_id, ci_id or 0)
+            gi_dir = root / CAPABILITIES_DIR / f"gpu{minor}" / "mig" / f"gi{gi_id}"
+            _write(gi_dir / "access", _access_text(gi_minor))
+            _write(caps / f"nvidia-cap{gi_minor}", "simulated device node\n")
+            if ci_id is not None:
+                _write(gi_dir / f"ci{ci_id}" / "access", _access_text(ci_minor))
+                _write(caps / f"nvidia-cap{ci_minor}", "simulated device node\n")
 
 
 def _proc_devices() -> str:

@@ -6,14 +6,28 @@ the same registration, publishing, prepare, health, inspect and unprepare steps 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_real_node_script_passes_on_a_simulated_node(tmp_path: Path) -> None:
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short work directory: the plugin's socket paths under it must stay within gRPC's 105 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="rn-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_real_node_script_passes_on_a_simulated_node(short_tmp: Path) -> None:
+    tmp_path = short_tmp
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "real-node-e2e.py"), "--simulate", "demo",
                            "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

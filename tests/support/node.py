@@ -229,13 +229,28 @@ class SimulatedNode:
             return self.mps_host.wait()
 
     def start(self, *extra: str, env: dict[str, str] | None = None, register: bool = True) -> None:
+        """Start the driver; with ``register``, return once the kubelet stand-in registered it and the
+        driver finished initialising behind its sockets (recovery done, claims served: driver/startup.py)."""
         assert self.proc is None or self.proc.poll() is not None, "driver already running"
         self.env = self._environment(env)
+        started_before = self._initialised_count()
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child process
         self.proc = subprocess.Popen(self.args(*extra), stdout=log, stderr=subprocess.STDOUT, env=self.env)
         log.close()
         if register:
             self.kubelet.wait_for_plugin(DRIVER, timeout=30)
+            self.wait_initialised(started_before)
+
+    def _initialised_count(self) -> int:
+        return sum(1 for line in self.log() if line.get("msg") == "driver started")
+
+    def wait_initialised(self, before: int, timeout: float = 60.0) -> None:
+        """Wait for the driver's "driver started" log line (its initialisation finished) beyond ``before`` of
+        them; fail at once if the process exits instead."""
+        proc = self.proc
+        wait_until(lambda: self._initialised_count() > before or (proc is not None and proc.poll() is not None),
+                   timeout, "the driver to finish initialising")
+        assert self._initialised_count() > before, f"the driver exited while initialising: {self.log()[-3:]}"
 
     def run_to_exit(self, *extra: str, timeout: float = 30.0) -> tuple[int, str]:
         """Run the driver expecting it to exit by itself (e.g. bad configuration)."""

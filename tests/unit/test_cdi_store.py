@@ -129,7 +129,7 @@ def test_temporary_name_is_one_runtimes_skip(tmp_path: Path, monkeypatch: pytest
     assert dst == str(tmp_path / FILENAME)
 
 
-@pytest.mark.parametrize("failing", ["fsync", "fchmod", "replace"])
+@pytest.mark.parametrize("failing", ["fdatasync", "fchmod", "replace"])
 def test_failed_write_keeps_the_old_file_and_leaves_no_temp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
 ) -> None:
@@ -152,7 +152,7 @@ def test_failed_first_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.M
     def broken(*args: object) -> None:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(os, "fsync", broken)
+    monkeypatch.setattr(os, "fdatasync", broken)
 
     with pytest.raises(OSError):
         write_spec(tmp_path, FILENAME, claim_spec())

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from cdi import atomicswap
 from driver.gpu.checkpoint import (
     CHECKPOINT_VERSION,
     Checkpoint,
@@ -185,27 +186,40 @@ def test_invalid_version_reason_names_the_version(path: Path) -> None:
         CheckpointStore(path).load()
 
 
-def test_save_leaves_no_temporary_file(path: Path) -> None:
+def test_save_leaves_only_the_file_and_its_swap_companion(path: Path) -> None:
+    store = CheckpointStore(path)
+    store.save(_checkpoint("a"))
+    store.save(_checkpoint("a", "b"))
+    store.save(_checkpoint("c"))
+    # The companion holds the previous content, ready to be overwritten by the next save (cdi/atomicswap.py).
+    assert sorted(p.name for p in path.parent.iterdir()) == [".checkpoint.json.swap.tmp", "checkpoint.json"]
+    assert set(CheckpointStore(path).load().claims) == {"c"}
+    assert stat.S_IMODE((path.parent / ".checkpoint.json.swap.tmp").stat().st_mode) == 0o600
+
+
+def test_save_without_a_swapping_kernel_renames_and_leaves_no_temporary_file(
+        path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(atomicswap, "_RENAMEAT2", None)  # Linux before 3.15, or a file system without it
     store = CheckpointStore(path)
     store.save(_checkpoint("a"))
     store.save(_checkpoint("a", "b"))
     assert [p.name for p in path.parent.iterdir()] == ["checkpoint.json"]
+    assert set(CheckpointStore(path).load().claims) == {"a", "b"}
 
 
-def test_failed_rename_keeps_the_old_file_and_cleans_up(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_write_keeps_the_old_file_and_the_cache(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = CheckpointStore(path)
     store.save(_checkpoint("old"))
     before = path.read_bytes()
 
-    def refuse(src: object, dst: object) -> None:
-        raise OSError("simulated rename failure")
+    def refuse(fd: int) -> None:
+        raise OSError("simulated fdatasync failure")
 
-    monkeypatch.setattr(os, "replace", refuse)
-    with pytest.raises(OSError, match="simulated rename failure"):
+    monkeypatch.setattr(os, "fdatasync", refuse)
+    with pytest.raises(OSError, match="simulated fdatasync failure"):
         store.save(_checkpoint("new"))
     monkeypatch.undo()
     assert path.read_bytes() == before
-    assert [p.name for p in path.parent.iterdir()] == ["checkpoint.json"]
     assert set(CheckpointStore(path).load().claims) == {"old"}
     assert set(store.load().claims) == {"old"}, "the failed save must not poison this store's cache"
 

@@ -11,7 +11,6 @@ from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 
 import pytest
-from kubernetes import client
 from prometheus_client.parser import text_string_to_metric_families
 
 from driver.gpu.daemonwatch import DAEMON_RESTARTED, LIMITS_REVERTED, DaemonWatcher, MpsReports
@@ -21,7 +20,7 @@ from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonStopped, MpsNoAnswer
 from driver.gpu.runtime.interfaces import ServedClaim
 from driver.gpu.state import DeviceState
 from driver.kubeletplugin.events import EventRecorder, EventSpec, ObjectRef
-from driver.kubeletplugin.kubeclient import KubeApiError, request_json
+from driver.kubeletplugin.kubeclient import KubeApiError, plain_client, request_json
 from driver.kubeletplugin.telemetry import Telemetry
 from driver.simulation.apiserver import FakeApiServer
 from tests.support.statenode import Node, claim, mps_shares
@@ -164,9 +163,8 @@ def test_reports_count_drift_and_restarts_and_post_an_event_per_claim(node: Node
 
 def test_posting_never_blocks_and_drops_what_the_queue_cannot_hold() -> None:
     # No API server listens here, and the worker is not even started: nothing drains the queue.
-    configuration = client.Configuration()
-    configuration.host = "http://127.0.0.1:9"
-    recorder = EventRecorder(client.ApiClient(configuration), "c.example/x", "n", queue_size=2, request_timeout=0.2)
+    recorder = EventRecorder(plain_client("http://127.0.0.1:9"), "c.example/x", "n", queue_size=2,
+                             request_timeout=0.2)
     ref = ObjectRef(apiVersion="v1", kind="ResourceClaim", namespace="ns", name="c", uid="u")
     started = time.monotonic()
     posted = [recorder.post(EventSpec(regarding=ref.model_copy(update={"uid": f"u{i}"}), reason="R", action="A",

@@ -161,6 +161,9 @@ SAMPLE_DEVICES: dict[str, Obj] = {
     "t4": tessera_device("gpu", "15Gi", uuid="GPU-3", **T4),
     "mig-1g10gb": tessera_device("mig", "9728Mi", profile="1g.10gb", uuid="MIG-1", parentUUID="GPU-4", **A100),
     "mig-3g40gb": tessera_device("mig", "39Gi", profile="3g.40gb", uuid="MIG-2", parentUUID="GPU-4", **A100),
+    # A dynamic MIG placement (created at prepare): no MIG UUID yet, its placement instead.
+    "mig-3g40gb-dynamic": tessera_device("mig", "40448Mi", profile="3g.40gb", parentUUID="GPU-9", placement=4,
+                                         productName="NVIDIA H100 80GB HBM3", **H100),
     "mps-share": tessera_device(
         "mps",
         "20Gi",
@@ -206,6 +209,7 @@ EXPECTED_SELECTION: dict[str, set[str]] = {
     "gpu-shared-two-containers.yaml": WHOLE_GPUS,
     "gpu-cel-product-memory.yaml": {"h100"},
     "mig-by-profile.yaml": {"mig-1g10gb"},
+    "mig-dynamic.yaml": {"mig-3g40gb", "mig-3g40gb-dynamic"},  # by profile: a static 3g.40gb would do too
     "mps-share-from-plan.yaml": {"mps-share"},
     "timeslice-share-from-plan.yaml": {"timeslice-share"},
     "gpu-mps-per-claim.yaml": WHOLE_GPUS,
@@ -324,7 +328,7 @@ def test_example_selects_the_expected_sample_devices(name: str, default_classes:
 def test_default_device_classes_split_tessera_devices_by_type(default_classes: dict[str, list[str]]) -> None:
     assert {name: selected_devices(expressions) for name, expressions in default_classes.items()} == {
         DRIVER: WHOLE_GPUS,
-        f"mig.{DRIVER}": {"mig-1g10gb", "mig-3g40gb"},
+        f"mig.{DRIVER}": {"mig-1g10gb", "mig-3g40gb", "mig-3g40gb-dynamic"},
         f"mps.{DRIVER}": {"mps-share"},
         f"timeslice.{DRIVER}": {"timeslice-share"},
         f"consumable.{DRIVER}": {"consumable-share", "consumable-share-kernel"},
@@ -396,6 +400,7 @@ def test_examples_select_what_the_driver_publishes(default_classes: dict[str, li
     expected = {
         "gpu-cel-product-memory.yaml": {"gpu-0"},
         "mig-by-profile.yaml": {"gpu-1-mig-1g10gb-0"},
+        "mig-dynamic.yaml": {"gpu-1-mig-3g40gb-4"},
         "mps-share-from-plan.yaml": {f"gpu-2-mps-{k}" for k in range(4)},
         "timeslice-share-from-plan.yaml": {f"gpu-3-ts-{k}" for k in range(4)},
         "consumable-share-small.yaml": {"gpu-5-shared", "gpu-6-shared"},

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -141,8 +142,10 @@ def test_the_demo_refuses_in_one_line_where_the_stand_ins_are_left_out(image_tre
     assert "stand-in NVIDIA tools" in done.stderr and "bash scripts/demo.sh" in done.stderr
 
 
-def test_run_without_simulate_imports_no_simulation_code(image_tree: Path, tmp_path: Path) -> None:
+def test_run_without_simulate_imports_no_simulation_code(image_tree: Path) -> None:
     """The production start-up path: everything `run` imports before and at GPU discovery (no NVIDIA driver here)."""
+    # Short paths: the socket paths must stay within gRPC's 105 bytes, which pytest's tmp_path can pass.
+    tmp_path = Path(tempfile.mkdtemp(prefix="img-", dir="/tmp"))
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text("apiVersion: v1\nkind: Config\ncurrent-context: x\n"
                           "clusters: [{name: c, cluster: {server: 'http://127.0.0.1:9'}}]\n"
@@ -154,6 +157,8 @@ def test_run_without_simulate_imports_no_simulation_code(image_tree: Path, tmp_p
         stderr = run_from(image_tree, *args, env={"PYTHONPROFILEIMPORTTIME": "1"}, timeout=30).stderr
     except subprocess.TimeoutExpired as exc:  # on a machine with a GPU it gets further and keeps retrying the API
         stderr = exc.stderr if isinstance(exc.stderr, str) else (exc.stderr or b"").decode()
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
     imported = {line.split("|")[-1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
     assert "driver.app" in imported and "driver.gpu.state" in imported, "the run path was imported"
     assert not [m for m in imported if m.startswith("driver.simulation") or m.startswith("driver.demo")]

@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from driver.kubeletplugin.api import drahealth_v1alpha1_pb2, drahealth_v1alpha1_pb2_grpc
+from driver.kubeletplugin.claimbatch import ClaimBatch
 from driver.kubeletplugin.healthservice import DeviceHealthStatus, Health, HealthBoard
 from driver.kubeletplugin.plugin import KubeletPlugin
 from driver.kubeletplugin.telemetry import Telemetry
@@ -48,8 +49,9 @@ def test_the_resend_interval_must_be_inside_the_timeout() -> None:
 def test_both_health_apis_are_served_and_advertised(dirs: Dirs, telemetry: Telemetry) -> None:
     board = HealthBoard()
     board.update([HEALTHY])
-    plugin = KubeletPlugin(EchoDriver(), DRIVER, StaticClaims(), telemetry, registrar_dir=dirs.registrar,
-                           plugin_dir=dirs.plugin, on_registration_failed=Rejections(), max_workers=4, health=board)
+    plugin = KubeletPlugin(DRIVER, registrar_dir=dirs.registrar, plugin_dir=dirs.plugin,
+                           on_registration_failed=Rejections(), max_workers=4, health=board)
+    plugin.serve_claims(ClaimBatch(EchoDriver(), StaticClaims(), telemetry, activity=plugin.activity))
     plugin.start()
     kubelet = KubeletEmulator(dirs.registrar)
     try:

@@ -15,6 +15,7 @@ import pytest
 
 from driver.kubeletplugin.activity import DraActivity
 from driver.kubeletplugin.api import dra_v1_pb2, dra_v1_pb2_grpc
+from driver.kubeletplugin.claimbatch import ClaimBatch
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.liveness import check_plugin, check_sockets
 from driver.kubeletplugin.plugin import KubeletPlugin
@@ -104,11 +105,8 @@ def make_plugin(
     health_services: tuple[str, ...] = (),
     driver: DRADriver | None = None,
 ) -> KubeletPlugin:
-    return KubeletPlugin(
-        driver or EchoDriver(),
+    plugin = KubeletPlugin(
         DRIVER,
-        StaticClaims(),
-        telemetry,
         registrar_dir=dirs.registrar,
         plugin_dir=dirs.plugin,
         pod_uid=pod_uid,
@@ -116,6 +114,8 @@ def make_plugin(
         max_workers=4,
         health_services=health_services,
     )
+    plugin.serve_claims(ClaimBatch(driver or EchoDriver(), StaticClaims(), telemetry, activity=plugin.activity))
+    return plugin
 
 
 def is_socket(path: Path) -> bool:
@@ -160,7 +160,7 @@ def test_sockets_and_the_plugin_dir_are_private_and_the_registrar_dir_keeps_its_
 
 
 def test_default_plugin_dir_is_the_drivers_own(telemetry: Telemetry) -> None:
-    plugin = KubeletPlugin(EchoDriver(), DRIVER, StaticClaims(), telemetry, on_registration_failed=Rejections())
+    plugin = KubeletPlugin(DRIVER, on_registration_failed=Rejections())
     assert plugin.registration_socket == Path("/var/lib/kubelet/plugins_registry/gpu.tessera.dev-reg.sock")
     assert plugin.dra_socket == Path("/var/lib/kubelet/plugins/gpu.tessera.dev/dra.sock")
 
@@ -177,10 +177,7 @@ def test_bad_names_are_refused(dirs: Dirs, telemetry: Telemetry, field_name: str
     args: dict[str, str] = {"driver_name": DRIVER, **kwargs}
     with pytest.raises(ValueError, match=field_name):
         KubeletPlugin(
-            EchoDriver(),
             args["driver_name"],
-            StaticClaims(),
-            telemetry,
             registrar_dir=dirs.registrar,
             plugin_dir=dirs.plugin,
             pod_uid=args.get("pod_uid"),
@@ -190,12 +187,9 @@ def test_bad_names_are_refused(dirs: Dirs, telemetry: Telemetry, field_name: str
 
 def test_too_long_socket_path_is_refused_before_binding(dirs: Dirs, telemetry: Telemetry) -> None:
     deep = dirs.plugin / ("d" * 120)
-    with pytest.raises(ValueError, match="at most 107"):
+    with pytest.raises(ValueError, match="at most 105"):
         KubeletPlugin(
-            EchoDriver(),
             DRIVER,
-            StaticClaims(),
-            telemetry,
             registrar_dir=dirs.registrar,
             plugin_dir=deep,
             on_registration_failed=Rejections(),

@@ -19,9 +19,10 @@ from opentelemetry.trace import StatusCode
 from prometheus_client.parser import text_string_to_metric_families
 
 from driver.kubeletplugin.api import dra_v1_pb2, dra_v1_pb2_grpc, dra_v1beta1_pb2, dra_v1beta1_pb2_grpc
+from driver.kubeletplugin.claimbatch import KUBELET_GAVE_UP, ClaimBatch
 from driver.kubeletplugin.claimfetch import ClaimError
 from driver.kubeletplugin.claimmodel import ResourceClaim
-from driver.kubeletplugin.service import KUBELET_GAVE_UP, ClaimBatch, add_dra_services
+from driver.kubeletplugin.service import add_dra_services
 from driver.kubeletplugin.telemetry import Telemetry
 from driver.kubeletplugin.types import ClaimRef, Deadline, PreparedDevice, PrepareResult
 
@@ -202,7 +203,7 @@ def test_driver_exception_is_logged_with_traceback_and_claim_uid(
     served: Served, caplog: pytest.LogCaptureFixture
 ) -> None:
     served.driver.outcomes[uid("bad")] = raise_boom
-    with caplog.at_level(logging.INFO, logger="driver.kubeletplugin.service"):
+    with caplog.at_level(logging.INFO, logger="driver.kubeletplugin.claimbatch"):
         served.v1().NodePrepareResources(v1_request("bad"), timeout=10)
 
     tracebacks = [r for r in caplog.records if r.exc_info is not None]
@@ -213,7 +214,7 @@ def test_driver_exception_is_logged_with_traceback_and_claim_uid(
 
 def test_one_outcome_log_line_per_claim_with_context(served: Served, caplog: pytest.LogCaptureFixture) -> None:
     served.driver.outcomes[uid("failing")] = PrepareResult(error="no such GPU")
-    with caplog.at_level(logging.INFO, logger="driver.kubeletplugin.service"):
+    with caplog.at_level(logging.INFO, logger="driver.kubeletplugin.claimbatch"):
         served.v1().NodePrepareResources(v1_request("good", "failing"), timeout=10)
 
     outcomes = {label(vars(r)["claim_uid"]): r for r in caplog.records if "duration_ms" in vars(r)}

@@ -24,13 +24,14 @@ class CountingStore(CheckpointStore):
         self.release_first_write.set()
         self.fail_next = False
 
-    def save(self, checkpoint: Checkpoint, *, durable: bool = True, adopt: bool = False) -> None:
+    def save(self, checkpoint: Checkpoint, *, durable: bool = True, adopt: bool = False,
+             defer_directory_sync: bool = False) -> None:
         self.first_write_started.set()
         assert self.release_first_write.wait(10)
         if self.fail_next:
             self.fail_next = False
             raise OSError(28, "simulated: no space left on device")
-        super().save(checkpoint, durable=durable, adopt=adopt)
+        super().save(checkpoint, durable=durable, adopt=adopt, defer_directory_sync=defer_directory_sync)
         self.saves.append(set(checkpoint.plan_timeslices))
 
 

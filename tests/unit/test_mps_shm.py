@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
 
-from driver.config import add_settings_arguments, parse_settings, settings_problems
+from driver.config import SettingsError, add_settings_arguments, parse_settings, settings_problems
 from driver.gpu.claimconfig.api import ConfigError, parse_config
 from driver.gpu.mps.hostcheck import HostConfig, HostError, check_config, default_tools
 from driver.gpu.mps.hostclient import HostReply, HostRequest, MpsHostLauncher, encode
@@ -97,7 +96,7 @@ def test_the_node_default_is_a_flag_with_a_one_line_error() -> None:
     parser = argparse.ArgumentParser()
     add_settings_arguments(parser)
     args = parser.parse_args(["--mps-shm-size", "10Mi"])
-    with pytest.raises(ValidationError) as caught:
+    with pytest.raises(SettingsError) as caught:
         parse_settings(["--mps-shm-size", "10Mi"])
     assert settings_problems(caught.value, args) == [
         "--mps-shm-size '10Mi': 10485760 bytes is out of range; expected a quantity from 64Mi to 1Ti"]

@@ -163,9 +163,9 @@ def test_shares_out_of_range_names_the_entry_path(tmp_path: Path) -> None:
         ("mps: {shares: 2, thread: 5}", 'gpus[0].mps: unknown field "thread" (known fields: shares, '),
         ("whole: true\nextra: 1", 'gpus[0]: unknown field "extra"'),
         ("whole: true\nmps: {shares: 2}",
-         "gpus[0]: set exactly one of mps, timeSlicing, consumable, whole: true (got mps, whole)"),
+         "gpus[0]: set exactly one of mps, timeSlicing, consumable, dynamicMig, whole: true (got mps, whole)"),
         ("allowMultipleSharesPerClaim: true",
-         "gpus[0]: set exactly one of mps, timeSlicing, consumable, whole: true (got none)"),
+         "gpus[0]: set exactly one of mps, timeSlicing, consumable, dynamicMig, whole: true (got none)"),
         ("whole: false", "gpus[0]: whole: false is not a publishing form"),
         ("whole: true\nallowMultipleSharesPerClaim: true", "gpus[0]: allowMultipleSharesPerClaim applies only to"),
     ],
@@ -210,7 +210,7 @@ def test_default_plan_must_exist(tmp_path: Path) -> None:
 
 def test_unknown_top_level_field(tmp_path: Path) -> None:
     assert plan_error(tmp_path, "plan: {}\n") == (
-        'unknown field "plan" (known fields: defaultPlan, consumableCapacityGate, plans)')
+        'unknown field "plan" (known fields: defaultPlan, consumableCapacityGate, partitionableDevicesGate, plans)')
 
 
 def test_every_problem_is_reported(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from driver.kubeletplugin.slicelimits import limits_for
-from driver.kubeletplugin.slicemodel import Device, DeviceTaint
+from driver.kubeletplugin.slicemodel import Device, DeviceTaint, PlannedSlice
 from driver.kubeletplugin.sliceplanner import (
     InvalidDevices,
     canonical_spec,
@@ -85,7 +85,8 @@ def server_slice(index: int, devices: list[Device], generation: int = 1, count: 
 
 def plan(existing: list[dict[str, Any]], desired: list[list[Device]], adopted: dict[str, str] | None = None,
          owner: dict[str, Any] | None = OWNER) -> Any:
-    return plan_sync(existing, desired, driver_name=DRIVER, node_name=NODE, owner=owner, adopted=adopted or {})
+    slices = [PlannedSlice(devices=tuple(devices)) for devices in desired]
+    return plan_sync(existing, slices, driver_name=DRIVER, node_name=NODE, owner=owner, adopted=adopted or {})
 
 
 def test_plan_from_nothing_creates_every_slice_at_generation_1() -> None:
@@ -195,12 +196,12 @@ def tainted(name: str) -> Device:
     return Device(name=name, taints=[DeviceTaint(key="example.com/unhealthy", effect="NoSchedule")])
 
 
-def sizes(slices: list[list[Device]]) -> list[int]:
-    return [len(s) for s in slices]
+def sizes(slices: list[PlannedSlice]) -> list[int]:
+    return [len(s.devices) for s in slices]
 
 
 def test_no_devices_still_gives_one_empty_slice() -> None:
-    assert plan_slices([], DRIVER, L36) == [[]]
+    assert plan_slices([], DRIVER, L36) == [PlannedSlice()]
 
 
 def test_plain_devices_split_at_128() -> None:
@@ -221,14 +222,14 @@ def test_one_tainted_device_lowers_the_cap_of_its_slice_only() -> None:
     # The tainted device cannot join the 100 plain ones (cap 64), so it starts a slice; that
     # slice then holds 63 more devices; the rest fill a plain slice.
     assert sizes(slices) == [100, 64, 37]
-    assert slices[1][0].name == "gpu-t"
+    assert slices[1].devices[0].name == "gpu-t"
 
 
 def test_split_keeps_device_order() -> None:
     devices = [*plain(70), *[tainted(f"t-{i}") for i in range(70)], *plain(70, start=500)]
     slices = plan_slices(devices, DRIVER, L36)
-    assert [d.name for s in slices for d in s] == [d.name for d in devices]
-    assert all(len(s) <= 64 for s in slices if any(d.taints for d in s))
+    assert [d.name for s in slices for d in s.devices] == [d.name for d in devices]
+    assert all(len(s.devices) <= 64 for s in slices if any(d.taints for d in s.devices))
 
 
 def test_invalid_devices_are_refused_with_every_problem() -> None:

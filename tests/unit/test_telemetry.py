@@ -1,4 +1,5 @@
-"""Telemetry: Prometheus rendering of the OTel instruments, gauges, the HTTP endpoint and independence of objects."""
+"""Telemetry: Prometheus rendering of the instruments and gauges, spans, the HTTP endpoint (httpendpoint.py)
+and independence of objects."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import errno
 import socket
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -13,7 +15,24 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
-from driver.kubeletplugin.telemetry import CachedRoute, Telemetry
+from driver.kubeletplugin.httpendpoint import CachedRoute, Route, RouteServer
+from driver.kubeletplugin.telemetry import CONTENT_TYPE, Telemetry
+
+
+@pytest.fixture
+def serve(telemetry: Telemetry) -> Iterator[Callable[..., int]]:
+    """Start a RouteServer with ``telemetry`` on /metrics; its port. Every server started is shut down."""
+    servers: list[RouteServer] = []
+
+    def start(host: str, port: int, routes: dict[str, Route] | None = None, **options: Any) -> int:
+        server = RouteServer(host, port, routes or {}, **options)
+        server.serve_metrics(telemetry.render_metrics, CONTENT_TYPE)
+        servers.append(server)
+        return server.port
+
+    yield start
+    for server in servers:
+        server.shutdown()
 
 
 def _samples(t: Telemetry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -101,10 +120,10 @@ def test_spans_reach_the_given_exporter() -> None:
         t.shutdown()
 
 
-def test_http_server_serves_metrics_routes_and_404(telemetry: Telemetry) -> None:
+def test_http_server_serves_metrics_routes_and_404(telemetry: Telemetry, serve: Callable[..., int]) -> None:
     telemetry.prepare_total.add(1, {"result": "success"})
-    port = telemetry.serve_metrics("127.0.0.1", 0, {"/healthz": lambda: (200, "ok\n"),
-                                                    "/readyz": lambda: (503, "not ready: no slices\n")})
+    port = serve("127.0.0.1", 0, {"/healthz": lambda: (200, "ok\n"),
+                                  "/readyz": lambda: (503, "not ready: no slices\n")})
     assert port > 0
     status, ctype, body = _get(port, "/metrics")
     assert status == 200 and ctype.startswith("text/plain")
@@ -115,16 +134,15 @@ def test_http_server_serves_metrics_routes_and_404(telemetry: Telemetry) -> None
     assert _get(port, "/nope")[0] == 404
 
 
-def test_routes_are_evaluated_per_request_without_a_cache(telemetry: Telemetry) -> None:
+def test_routes_are_evaluated_per_request_without_a_cache(serve: Callable[..., int]) -> None:
     ready = [False]
-    port = telemetry.serve_metrics("127.0.0.1", 0, {"/readyz": lambda: (200, "ok") if ready[0] else (503, "no")},
-                                   route_cache_s=0)
+    port = serve("127.0.0.1", 0, {"/readyz": lambda: (200, "ok") if ready[0] else (503, "no")}, route_cache_s=0)
     assert _get(port, "/readyz")[0] == 503
     ready[0] = True
     assert _get(port, "/readyz")[0] == 200
 
 
-def test_a_flood_of_probes_runs_the_health_check_once_per_interval(telemetry: Telemetry) -> None:
+def test_a_flood_of_probes_runs_the_health_check_once_per_interval(serve: Callable[..., int]) -> None:
     calls: list[int] = []
 
     def healthz() -> tuple[int, str]:
@@ -132,7 +150,7 @@ def test_a_flood_of_probes_runs_the_health_check_once_per_interval(telemetry: Te
         return 200, f"check {len(calls)}\n"
 
     # A long interval: every request below falls inside it however slow the machine.
-    port = telemetry.serve_metrics("127.0.0.1", 0, {"/healthz": healthz}, route_cache_s=3600)
+    port = serve("127.0.0.1", 0, {"/healthz": healthz}, route_cache_s=3600)
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda _: _get(port, "/healthz")[::2], range(40)))
     assert answers == [(200, "check 1\n")] * 40
@@ -172,10 +190,10 @@ def test_a_failing_route_answers_500_without_details_and_is_cached(caplog: pytes
 
 
 def test_shutdown_stops_the_server() -> None:
-    t = Telemetry("tessera-test", "tessera")
-    port = t.serve_metrics("127.0.0.1", 0)
-    assert _get(port, "/metrics")[0] == 200
-    t.shutdown()
+    server = RouteServer("127.0.0.1", 0, {})
+    port = server.port
+    assert _get(port, "/metrics")[0] == 503, "no telemetry attached yet: the plugin is starting"
+    server.shutdown()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
 
@@ -184,8 +202,8 @@ def test_shutdown_without_a_server_is_fine() -> None:
     Telemetry("tessera-test", "tessera").shutdown()
 
 
-def test_a_client_that_sends_nothing_is_disconnected(telemetry: Telemetry) -> None:
-    port = telemetry.serve_metrics("127.0.0.1", 0, connection_timeout_s=0.2)
+def test_a_client_that_sends_nothing_is_disconnected(serve: Callable[..., int]) -> None:
+    port = serve("127.0.0.1", 0, connection_timeout_s=0.2)
     with socket.create_connection(("127.0.0.1", port)) as idle:
         idle.settimeout(10)  # far beyond the server's timeout: only a hang reaches it
         assert idle.recv(1024) == b""  # the server closed the connection
@@ -201,8 +219,8 @@ def _ipv6_loopback_works() -> bool:
     return True
 
 
-def test_any_address_host_serves_ipv4_and_ipv6(telemetry: Telemetry) -> None:
-    port = telemetry.serve_metrics("::", 0, {"/healthz": lambda: (200, "ok\n")})
+def test_any_address_host_serves_ipv4_and_ipv6(serve: Callable[..., int]) -> None:
+    port = serve("::", 0, {"/healthz": lambda: (200, "ok\n")})
     assert _get(port, "/healthz")[::2] == (200, "ok\n")
     if _ipv6_loopback_works():
         assert _get(port, "/healthz", host="[::1]")[::2] == (200, "ok\n")
@@ -217,9 +235,28 @@ class _SocketWithoutIPv6(socket.socket):
         super().__init__(family, *args, **kwargs)
 
 
-def test_any_address_host_falls_back_to_ipv4_without_ipv6(telemetry: Telemetry,
+def test_any_address_host_falls_back_to_ipv4_without_ipv6(serve: Callable[..., int],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(socket, "socket", _SocketWithoutIPv6)
-    port = telemetry.serve_metrics("::", 0, {"/healthz": lambda: (200, "ok\n")})
+    port = serve("::", 0, {"/healthz": lambda: (200, "ok\n")})
     monkeypatch.undo()
     assert _get(port, "/healthz")[::2] == (200, "ok\n")
+
+
+def test_a_broken_reading_leaves_the_other_metrics_on_the_scrape(telemetry: Telemetry,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    def broken() -> list[tuple[float, dict[str, str]]]:
+        raise RuntimeError("NVML went away")
+
+    telemetry.observe_labelled("gpu_power_watts", "GPU power draw", broken)
+    telemetry.observe_labelled("claim_gpu_processes", "Processes", lambda: [(2.0, {"claim": 'a"b\\c'})])
+    samples = _samples(telemetry)
+    assert samples[("tessera_claim_gpu_processes", (("claim", 'a"b\\c'),))] == 2.0
+    assert not [name for name, _ in samples if name == "tessera_gpu_power_watts"]
+    assert "reading a metric failed" in caplog.text
+
+
+def test_a_metric_name_is_registered_once(telemetry: Telemetry) -> None:
+    telemetry.observe_gauge("prepared_claims", "Claims prepared", lambda: 1.0)
+    with pytest.raises(ValueError, match="registered twice"):
+        telemetry.observe_gauge("prepared_claims", "Claims prepared", lambda: 1.0)

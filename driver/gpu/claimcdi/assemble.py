@@ -97,7 +97,9 @@ def build_claim_spec_file(
     }
     spec = cdi.with_minimum_version(cdi.Spec.from_wire(wire, f"claim {claim.uid}"))
     wire["cdiVersion"] = spec.cdi_version
-    return ClaimSpecFile(spec, json.dumps(wire, indent=2, ensure_ascii=False) + "\n")
+    # Compact: json's C encoder serves only text without indentation, and the indenting Python encoder
+    # cost several times more per prepare than the rest of the spec (docs/benchmarks.md); `jq .` reads it.
+    return ClaimSpecFile(spec, json.dumps(wire, ensure_ascii=False) + "\n")
 
 
 def _device_wire(claim_uid: str, device: DeviceEdits) -> dict[str, Any]:

@@ -84,15 +84,16 @@ class CdiSources:
 def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[str, MpsDaemonRecord],
                  shares: GpuShares | None, root: DeviceRoot) -> assemble.DeviceEdits:
     gpu_node = f"/dev/nvidia{dev.gpu_minor}"
-    if not root.local(gpu_node).exists():
+    if not root.exists(gpu_node):
         raise PrepareError(
             f"device node {gpu_node} for {dev.device.device_name} does not exist in {root.describe()}; the NVIDIA "
             "driver has not created it yet (run nvidia-smi or nvidia-modprobe where the driver runs), then the "
             "kubelet retries")
     nodes: list[dict[str, object]] = [root.node(gpu_node)]
-    if dev.kind == "mig" and dev.mig_gi_id is not None and dev.mig_ci_id is not None:
-        # Written fully specified (type, major, minor) so the runtime need not find the node on the host;
-        # /proc is the kernel's, the same for a host-installed and a containerised driver.
+    if dev.mig_gi_id is not None and dev.mig_ci_id is not None:
+        # A MIG device, static or created for the claim (dynamic MIG: the whole device of such a GPU too, its
+        # full-size instance). Written fully specified (type, major, minor) so the runtime need not find the
+        # node on the host; /proc is the kernel's, the same for a host-installed and a containerised driver.
         for cap in mig_capability_nodes(src.host_root, dev.gpu_minor, dev.mig_gi_id, dev.mig_ci_id):
             nodes.append(root.node(cap.path, type="c", major=cap.major, minor=cap.minor, fileMode=cap.file_mode))
     env: list[str] = []
@@ -111,6 +112,8 @@ def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[st
     if dev.mig_uuid is not None and dev.mig_gi_id is not None and dev.mig_ci_id is not None:
         annotations[names.annotation("mig-uuid")] = dev.mig_uuid
         annotations[names.annotation("mig-instance")] = f"{dev.mig_gi_id}/{dev.mig_ci_id}"
+    if dev.dynamic_mig is not None:  # the instance is the claim's: a rebuilt checkpoint must know to destroy it
+        annotations[names.annotation("dynamic-mig")] = dev.dynamic_mig.model_dump_json()
     if shares is not None:
         annotations[names.annotation("shares")] = shares.model_dump_json()
     if dev.mps_daemon_id is not None:
@@ -136,8 +139,8 @@ _SHARE_KINDS = ("mps", "timeslice", "consumable")
 
 def _shares_form(dev: PreparedDeviceRecord) -> bool:
     # An admin-access device gets device nodes only (no MPS settings, no memory hook) and does not pin
-    # its GPU's form (ClaimRecord.held_gpu_uuids).
-    return dev.kind in _SHARE_KINDS and not dev.admin_access
+    # its GPU's form (ClaimRecord.held_gpu_uuids). A dynamic MIG device's GPU keeps its DynamicMig form.
+    return (dev.kind in _SHARE_KINDS or dev.dynamic_mig is not None) and not dev.admin_access
 
 
 def claim_spec(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDaemonRecord],

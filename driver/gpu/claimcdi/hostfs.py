@@ -10,6 +10,8 @@ returned are the paths as the workload container sees them (``/dev/nvidiactl``);
 
 from __future__ import annotations
 
+import os
+import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -61,7 +63,11 @@ class DeviceRoot:
         return host_path(self.seen_at, container_path)
 
     def host_path(self, container_path: str) -> str:
-        return str(self.on_host / container_path.lstrip("/"))
+        return posixpath.join(str(self.on_host), container_path.lstrip("/"))
+
+    def exists(self, container_path: str) -> bool:
+        """Whether the node is there (strings, not Paths: this runs for every device of every prepare)."""
+        return os.path.exists(os.path.join(self.seen_at, container_path.lstrip("/")))
 
     def node(self, container_path: str, **fields: Any) -> dict[str, Any]:
         """A CDI ``deviceNodes`` entry: ``hostPath`` only when the node is not at the same path on the host.
@@ -112,7 +118,8 @@ def find_device_root(host_root: Path, driver_root: Path, driver_root_on_host: Pu
 
 def control_device_paths(device_root: Path = Path("/")) -> list[str]:
     """The NVIDIA control device nodes that exist under ``device_root``, in a fixed order."""
-    return [path for path in CONTROL_DEVICE_PATHS if host_path(device_root, path).exists()]
+    root = os.fspath(device_root)
+    return [path for path in CONTROL_DEVICE_PATHS if os.path.exists(os.path.join(root, path.lstrip("/")))]
 
 
 def missing_paths(host_root: Path, paths: Iterable[str]) -> list[str]:

@@ -58,6 +58,11 @@ class MigProfileInfo(BaseModel):
     placement_starts: tuple[int, ...] = ()  # NVML's possible placements' starts; each covers memory_slices
 
 
+def mig_memory_slices(profiles: tuple[MigProfileInfo, ...]) -> int:
+    """The memory slices a MIG GPU has: where its furthest placement ends (0 without profiles)."""
+    return max((start + p.memory_slices for p in profiles for start in p.placement_starts), default=0)
+
+
 class GpuInfo(BaseModel):
     """One physical GPU."""
 

@@ -3,15 +3,21 @@
 Profile names come from ``migprofiles.profile_name`` (go-nvlib's rule), so they match what
 NVIDIA's tools print; NVML's own profile name is only a fallback. A MIG device NVML cannot fully
 describe is skipped with a warning rather than published with wrong capacities.
+
+For dynamic MIG, :meth:`MigScan.profiles` also lists what the GPU can create: each GPU-instance profile
+with its possible placements (``nvmlDeviceGetGpuInstancePossiblePlacements_v2``, which "returns all the
+possible placements for the given profile regardless of whether MIG is enabled"; a NULL array asks for
+the count only, nvml.h). A profile NVML will not describe or place is left out, logged once per GPU.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 from typing import Any
 
-from driver.gpu.discovery.inventory import MigInstance
+from driver.gpu.discovery.inventory import MigInstance, MigProfileInfo
 from driver.gpu.discovery.migprofiles import profile_name
 from driver.gpu.discovery.nvmlvalues import as_text
 from driver.units import MIB
@@ -24,6 +30,10 @@ log = logging.getLogger(__name__)
 # An enum the driver does not know answers InvalidArgument/NotSupported and is skipped.
 _GI_PROFILE_COUNT_KNOWN = 0x12
 _CI_PROFILE_COUNT_KNOWN = 9
+# NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE by n (nvml.h; reference 3.2): the CI that spans a GI of n slices.
+# Without a GPU instance NVML cannot be asked for CI profiles, so dynamic MIG names the enum by slice count,
+# as NVIDIA's DynamicMIG does (it never uses 1_SLICE_REV1 or 7_SLICE_NVL for a whole-GI CI).
+CI_PROFILE_ENUM_BY_SLICES = {1: 0, 2: 1, 3: 2, 4: 3, 7: 4, 8: 5, 6: 6}
 
 
 @dataclass(frozen=True)
@@ -51,11 +61,16 @@ class _CiShape:
 class MigScan:
     """The MIG devices of one GPU. Lookups are cached for the duration of one discover()."""
 
-    def __init__(self, nvml: Any, gpu_index: int, handle: Any, total_memory_bytes: int | None) -> None:
+    def __init__(self, nvml: Any, gpu_index: int, handle: Any, total_memory_bytes: int | None,
+                 gpu_uuid: str = "", logged: set[tuple[str, ...]] | None = None) -> None:
         self._nvml = nvml
         self._gpu_index = gpu_index
+        self._gpu_uuid = gpu_uuid
         self._handle = handle
         self._total_memory_bytes = total_memory_bytes
+        # (GPU UUID, what, detail) already logged: the caller keeps it across discover() calls, so a GPU
+        # that always refuses one query is logged once, not at every rescan.
+        self._logged: set[tuple[str, ...]] = set() if logged is None else logged
         self._gpu_instances: dict[int, Any] = {}
         self._ci_shapes: dict[int, dict[int, _CiShape]] = {}
         self._gi_profiles = self._enumerate_gi_profiles()
@@ -82,6 +97,69 @@ class MigScan:
             if instance is not None:
                 found.append(instance)
         return tuple(sorted(found, key=lambda m: (m.placement_start, m.ci_id)))
+
+    def profiles(self) -> tuple[MigProfileInfo, ...]:
+        """Every GPU-instance profile this GPU can create, with its placements, by GI profile id."""
+        found: list[MigProfileInfo] = []
+        for gi_profile_id, profile in sorted(self._gi_profiles.items()):
+            info = self._profile_info(gi_profile_id, profile)
+            if info is not None:
+                found.append(info)
+        return tuple(found)
+
+    def _profile_info(self, gi_profile_id: int, profile: _GiProfile) -> MigProfileInfo | None:
+        ci_enum = CI_PROFILE_ENUM_BY_SLICES.get(profile.slice_count)
+        name = self._profile_name(profile, profile.slice_count)
+        if ci_enum is None or name is None:
+            self._log_once("skipping a MIG profile that cannot be named or has no whole-GI compute instance",
+                           "profile", str(gi_profile_id), slices=profile.slice_count)
+            return None
+        placements = self._placements(gi_profile_id)
+        if not placements:
+            return None
+        sizes = {size for _start, size in placements}
+        if len(sizes) != 1:
+            self._log_once("skipping a MIG profile whose placements differ in size", "placement sizes",
+                           str(gi_profile_id), sizes=sorted(sizes))
+            return None
+        return MigProfileInfo(
+            name=name,
+            gi_profile_id=gi_profile_id,
+            ci_profile_id=ci_enum,
+            compute_slices=profile.slice_count,
+            memory_slices=sizes.pop(),
+            memory_bytes=profile.memory_mib * MIB,
+            multiprocessors=profile.multiprocessors,
+            copy_engines=profile.copy_engines,
+            decoders=profile.decoders,
+            encoders=profile.encoders,
+            jpeg_engines=profile.jpeg_engines,
+            ofa_engines=profile.ofa_engines,
+            placement_starts=tuple(sorted(start for start, _size in placements)),
+        )
+
+    def _placements(self, gi_profile_id: int) -> list[tuple[int, int]]:
+        """(start, size) of each possible placement; empty (logged once) if NVML cannot list them."""
+        nvml = self._nvml
+        try:
+            count = ctypes.c_uint(0)
+            nvml.nvmlDeviceGetGpuInstancePossiblePlacements(self._handle, gi_profile_id, None, ctypes.byref(count))
+            array = (nvml.c_nvmlGpuInstancePlacement_t * count.value)()
+            nvml.nvmlDeviceGetGpuInstancePossiblePlacements(self._handle, gi_profile_id, array, ctypes.byref(count))
+            return [(int(p.start), int(p.size)) for p in array[: count.value]]
+        # AttributeError: a pynvml too old to have the function at all.
+        except (nvml.NVMLError, AttributeError) as err:
+            self._log_once("MIG placements unavailable; leaving the profile out", "placements",
+                           str(gi_profile_id), error=str(err))
+            return []
+
+    def _log_once(self, message: str, what: str, detail: str, **extra: Any) -> None:
+        key = (self._gpu_uuid or str(self._gpu_index), what, detail)
+        if key in self._logged:
+            return
+        self._logged.add(key)
+        log.warning(message, extra={"gpu_index": self._gpu_index, "gpu_uuid": self._gpu_uuid,
+                                    "gi_profile_id": detail, **extra})
 
     def _instance(self, slot: int, mig_handle: Any) -> MigInstance | None:
         nvml = self._nvml
@@ -125,7 +203,8 @@ class MigScan:
         )
 
     def _profile_name(self, profile: _GiProfile, ci_slices: int) -> str | None:
-        if self._total_memory_bytes is not None and profile.memory_mib > 0:
+        # A GPU reporting no memory (None, or 0) cannot scale the name: NVML's own is all there is.
+        if self._total_memory_bytes and profile.memory_mib > 0:
             return profile_name(
                 ci_slices, profile.slice_count, profile.memory_mib, self._total_memory_bytes, profile.enum
             )

@@ -6,7 +6,8 @@ other NVML error for that query leaves the field None (logged at debug), so a mi
 becomes a missing attribute, never a crash. Only the identity of a GPU (handle, UUID, minor) is
 required; a GPU without it is skipped with a warning.
 
-Values are turned into published strings by ``nvmlvalues.py``; MIG devices are read by ``migscan.py``.
+Values are turned into published strings by ``nvmlvalues.py``; MIG devices, and the MIG profiles a GPU in
+MIG mode can create (dynamic MIG), are read by ``migscan.py``.
 
 pynvml loads ``libnvidia-ml.so.1`` by soname, which the plugin container's loader cannot find when
 the driver is mounted at a driver root. So, with a driver root other than ``/``, the library is
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from driver.gpu.discovery.cudarun import CudaSmCounts, SmCountSource, fill_sm_counts
-from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
+from driver.gpu.discovery.inventory import GpuInfo, NodeInventory, mig_memory_slices
 from driver.gpu.discovery.migscan import MigScan
 from driver.gpu.discovery.nvmlvalues import (
     addressing_mode_name,
@@ -117,6 +118,7 @@ class NvmlDiscovery:
         self._initialised = False
         self._sm_counts: SmCountSource = sm_counts if sm_counts is not None else CudaSmCounts(driver_root)
         self._sm_gaps_logged: set[tuple[str, str]] = set()
+        self._mig_gaps_logged: set[tuple[str, ...]] = set()  # MIG profile queries a GPU refused, logged once
 
     def close(self) -> None:
         if not self._initialised:
@@ -188,6 +190,8 @@ class NvmlDiscovery:
         memory_bytes = optional("memory", lambda: int(nvml.nvmlDeviceGetMemoryInfo(handle).total))
         pci_bus_id = optional("PCI info", lambda: normalise_pci_bus_id(nvml.nvmlDeviceGetPciInfo(handle).busId))
         mig_capable, mig_enabled = self._mig_mode(index, handle)
+        mig = MigScan(nvml, index, handle, memory_bytes, uuid, self._mig_gaps_logged) if mig_enabled else None
+        mig_profiles = mig.profiles() if mig is not None else ()
         return GpuInfo(
             minor=minor,
             index=index,
@@ -212,7 +216,9 @@ class NvmlDiscovery:
             ),
             mig_capable=mig_capable,
             mig_enabled=mig_enabled,
-            mig_instances=MigScan(nvml, index, handle, memory_bytes).instances() if mig_enabled else (),
+            mig_instances=mig.instances() if mig is not None else (),
+            mig_memory_slices=mig_memory_slices(mig_profiles),
+            mig_profiles=mig_profiles,
         )
 
     def _mig_mode(self, index: int, handle: Any) -> tuple[bool, bool]:

@@ -1,7 +1,9 @@
 """From GPU/MIG health to the published devices: which devices are unhealthy, and their taints.
 
 Health applies to every device that uses a GPU: the whole GPU, its MIG devices and its shares.
-A MIG device is also unhealthy on its own when an event names its GPU instance. Pure; no I/O.
+A MIG device is also unhealthy on its own when an event names its GPU instance; so is a dynamic MIG
+device (and the whole device of a dynamic MIG GPU) once the instance created for it is discovered. Pure;
+no I/O.
 """
 
 from __future__ import annotations
@@ -31,11 +33,25 @@ def unhealthy_devices(targets: Mapping[str, DeviceTarget], health: Health) -> di
     result: dict[str, DeviceCondition] = {}
     for name, target in targets.items():
         found = health.get(target.gpu.uuid)
-        if found is None and target.mig is not None:
-            found = health.get(target.mig.uuid)
+        instance = instance_uuid(target)
+        if found is None and instance is not None:
+            found = health.get(instance)
         if found is not None:
             result[name] = DeviceCondition(found.reason, found.message, found.since)
     return result
+
+
+def instance_uuid(target: DeviceTarget) -> str | None:
+    """The MIG UUID of the instance ``target`` stands for: a static MIG device's own, a dynamic MIG device's the
+    instance of its profile at exactly its placement (created for the claim holding it: the placement's
+    counters let no other instance be allocated there), None while none exists."""
+    if target.mig is not None:
+        return target.mig.uuid
+    placement = target.placement
+    if placement is None:
+        return None
+    return next((m.uuid for m in target.gpu.mig_instances if m.placement_start == placement.start
+                 and m.gi_profile_id == placement.profile.gi_profile_id), None)
 
 
 def taint_key(driver_name: str) -> str:

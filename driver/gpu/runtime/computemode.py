@@ -23,20 +23,17 @@ waits at most ``timeout`` seconds, shortened by the prepare's :class:`Deadline`;
 claim (it is rolled back) and is left to finish in the background. Until it does, further calls for that GPU fail
 at once, naming the stuck call, instead of piling up threads behind it; other GPUs go on. Unlike a hung
 nvidia-smi, such a call cannot be killed: its thread ends with the driver process (a hung GPU needs a reset anyway).
+The bounding and the session are ``nvmlbounded.py``'s, shared with the MIG partitioner.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections.abc import Callable, Iterable
 from enum import StrEnum
 from typing import Any
 
-from driver.gpu.discovery.nvml import end_nvml_session
+from driver.gpu.runtime.nvmlbounded import BoundedNvml, NvmlCallError, no_library_to_load
 from driver.kubeletplugin.types import Deadline
-
-log = logging.getLogger(__name__)
 
 
 class ComputeMode(StrEnum):
@@ -68,10 +65,6 @@ def exclusive_gpus(cuda_uuids: Iterable[str]) -> list[str]:
     return sorted({u for u in cuda_uuids if u.startswith("GPU-")})
 
 
-def _no_library_to_load() -> None:
-    """The library is already where pynvml finds it (driver root ``/``), or the NVML is simulated."""
-
-
 class NvmlComputeModes:
     """Reads and sets compute modes with ``nvmlDeviceGetComputeMode``/``nvmlDeviceSetComputeMode``.
 
@@ -80,15 +73,11 @@ class NvmlComputeModes:
     the first ``nvmlInit`` (``driver.nodelayout`` passes it). ``timeout`` bounds one call.
     """
 
-    def __init__(self, nvml: Any, load_library: Callable[[], None] = _no_library_to_load,
+    def __init__(self, nvml: Any, load_library: Callable[[], None] = no_library_to_load,
                  timeout: float = 10.0) -> None:
         self._nvml = nvml
-        self._load_library = load_library
         self.timeout = timeout
-        self._init_lock = threading.Lock()
-        self._initialised = False
-        self._lock = threading.Lock()
-        self._stuck: dict[str, str] = {}  # GPU UUID -> the call still running past its timeout
+        self._calls = BoundedNvml(nvml, "read or set compute modes", "nvml-compute-mode", load_library)
 
     def get(self, uuid: str, deadline: Deadline | None = None) -> ComputeMode:
         value = self._call(uuid, deadline, "nvmlDeviceGetComputeMode", self._nvml.nvmlDeviceGetComputeMode)
@@ -106,75 +95,21 @@ class NvmlComputeModes:
 
     def close(self) -> None:
         """End this object's NVML session (the others' stay: NVML counts them)."""
-        with self._init_lock:
-            if not self._initialised:
-                return
-            self._initialised = False
-            end_nvml_session(self._nvml)
+        self._calls.close()
 
     def _call(self, uuid: str, deadline: Deadline | None, what: str, op: Callable[[Any], Any]) -> Any:
         if not uuid.startswith("GPU-"):
             raise ComputeModeError(f"{uuid} is not a whole GPU (GPU-... UUID); MIG devices keep compute mode DEFAULT")
         timeout = self.timeout if deadline is None else deadline.bound(self.timeout)
-        if timeout <= 0:
-            raise ComputeModeError(f"no time left to call NVML {what} for {uuid}")
-        with self._lock:
-            stuck = self._stuck.get(uuid)
-        if stuck is not None:
-            raise ComputeModeError(f"{what} for {uuid} not tried: NVML has not returned from {stuck} for this GPU, "
-                                   "which overran its timeout (a hung GPU or NVIDIA driver; see the kernel log)")
-
-        def work() -> Any:
-            self._ensure_initialised()
-            return op(self._nvml.nvmlDeviceGetHandleByUUID(uuid))
-
-        return self._bounded(uuid, what, work, timeout)
-
-    def _bounded(self, uuid: str, what: str, work: Callable[[], Any], timeout: float) -> Any:
-        outcome: list[tuple[bool, Any]] = []
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                outcome.append((True, work()))
-            except BaseException as exc:  # handed to the caller, which raises it in its own thread
-                outcome.append((False, exc))
-            with self._lock:
-                done.set()
-                if self._stuck.get(uuid) == what:
-                    del self._stuck[uuid]
-                    log.warning("a stuck NVML compute-mode call returned", extra={"gpu_uuid": uuid, "call": what})
-
-        threading.Thread(target=run, name=f"nvml-compute-mode {uuid}", daemon=True).start()
-        done.wait(timeout)
-        with self._lock:
-            if not done.is_set():
-                self._stuck[uuid] = what
-                raise ComputeModeError(f"NVML did not return from {what} for {uuid} within {timeout:.1f} s (a hung "
-                                       "GPU or NVIDIA driver); the call goes on in the background and this GPU's "
-                                       "compute mode is not touched until it returns")
-        ok, value = outcome[0]
-        if ok:
-            return value
-        if isinstance(value, self._nvml.NVMLError):
-            code = getattr(value, "value", None)
+        try:
+            return self._calls.run(uuid, what, lambda: op(self._nvml.nvmlDeviceGetHandleByUUID(uuid)), timeout)
+        except NvmlCallError as exc:
+            raise ComputeModeError(str(exc)) from exc
+        except self._nvml.NVMLError as err:
+            code = getattr(err, "value", None)
             hint = _HINTS.get(code, "") if isinstance(code, int) else ""
-            raise ComputeModeError(f"{what} for {uuid} failed: NVML error {code}: {value}{hint}") from value
-        if isinstance(value, ComputeModeError):
-            raise value
-        raise ComputeModeError(f"{what} for {uuid} failed: {type(value).__name__}: {value}") from value
-
-    def _ensure_initialised(self) -> None:
-        with self._init_lock:
-            if self._initialised:
-                return
-            try:
-                self._load_library()
-            except (RuntimeError, OSError) as exc:
-                raise ComputeModeError(f"NVML cannot be loaded to read or set compute modes: {exc}") from exc
-            try:
-                self._nvml.nvmlInit()
-            except self._nvml.NVMLError as err:
-                raise ComputeModeError(f"NVML initialisation failed ({err}); compute modes cannot be read or set "
-                                       "(is the NVIDIA driver loaded?)") from err
-            self._initialised = True
+            raise ComputeModeError(f"{what} for {uuid} failed: NVML error {code}: {err}{hint}") from err
+        except ComputeModeError:
+            raise
+        except Exception as exc:
+            raise ComputeModeError(f"{what} for {uuid} failed: {type(exc).__name__}: {exc}") from exc

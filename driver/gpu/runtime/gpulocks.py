@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from driver.kubeletplugin.nodelock import hold_lock_file
+from driver.kubeletplugin.nodelock import LockFile
 
 _LOCK_NAME = re.compile(r"^GPU-[A-Za-z0-9-]{1,80}$")
 
@@ -29,12 +29,15 @@ class GpuBusy(Exception):
 class GpuLocks:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._mutexes: dict[str, threading.Lock] = {}
+        self._files: dict[str, LockFile] = {}
         self._table_lock = threading.Lock()
 
-    def _mutex(self, uuid: str) -> threading.Lock:
+    def _file(self, uuid: str) -> LockFile:
         with self._table_lock:
-            return self._mutexes.setdefault(uuid, threading.Lock())
+            found = self._files.get(uuid)
+            if found is None:
+                found = self._files[uuid] = LockFile(self.directory / f"{uuid}.lock")
+            return found
 
     @contextmanager
     def held(self, gpu_uuids: Iterable[str], timeout: float, purpose: str) -> Iterator[None]:
@@ -56,5 +59,5 @@ class GpuLocks:
                                f"in progress?); gave up {purpose}")
             return GpuBusy(f"GPU {uuid} stayed busy with another operation of this driver; gave up {purpose}")
 
-        with hold_lock_file(self.directory / f"{uuid}.lock", self._mutex(uuid), deadline, timed_out):
+        with self._file(uuid).held(deadline, timed_out):
             yield

@@ -103,6 +103,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if .Values.sharing.consumableCapacityGate }}
 {{- $_ := set $file "consumableCapacityGate" true }}
 {{- end }}
+{{- if .Values.sharing.partitionableDevicesGate }}
+{{- $_ := set $file "partitionableDevicesGate" true }}
+{{- end }}
 {{- toYaml $file }}
 {{- end }}
 

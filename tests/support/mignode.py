@@ -1,0 +1,54 @@
+"""Dynamic MIG around a running simulated node (``tests/support/node.py``): the test's handle on the simulated
+NVML the driver process uses (the same state file, ``driver/simulation/migstate.py``), read and changed as a
+test on a real node would use ``nvidia-smi mig``, and the node's boot ID, which a reboot changes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from driver.simulation.migengine import SimulatedMigHost, SimulatedMigPartitioner
+from driver.simulation.migstate import DEFAULT_STATE
+from tests.support.node import NODE, SimulatedNode
+
+BOOT_ID_FILE = "proc/sys/kernel/random/boot_id"  # under the host root, where the driver reads it first
+
+
+def state_file(node: SimulatedNode) -> Path:
+    """Where the driver's simulated partitioner keeps its instances (``<driver root>/var/lib/...``)."""
+    return node.sim_host.driver_root / DEFAULT_STATE
+
+
+def engine(node: SimulatedNode) -> SimulatedMigPartitioner:
+    """The simulated NVML over the driver's state file, keeping the host tree as the driver's does."""
+    return SimulatedMigPartitioner.for_layout(node.layout, NODE, state_file(node),
+                                              host=SimulatedMigHost(node.host, node.sim_host.driver_root))
+
+
+def instances(node: SimulatedNode, minor: int = 0) -> list[dict[str, Any]]:
+    """The GPU instances of GPU ``minor`` as the state file holds them (empty until the engine first changed it)."""
+    path = state_file(node)
+    if not path.exists():
+        return []
+    gpu = node.inventory.gpu_by_minor(minor)
+    assert gpu is not None
+    entries: list[dict[str, Any]] = json.loads(path.read_text())["gpus"].get(gpu.uuid, {}).get("gis", [])
+    return entries
+
+
+def placements(node: SimulatedNode, minor: int = 0) -> list[tuple[int, int, int | None]]:
+    """(placement start, size, CI id or None for a bare GPU instance) of each GPU instance, by start."""
+    return sorted((g["placement_start"], g["placement_size"], g.get("ci_id")) for g in instances(node, minor))
+
+
+def set_boot_id(node: SimulatedNode, boot_id: str) -> None:
+    path = node.host / BOOT_ID_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(boot_id + "\n")
+
+
+def proc_caps(node: SimulatedNode, minor: int = 0) -> list[str]:
+    """The MIG capability access files under the host tree's /proc for GPU ``minor``."""
+    base = node.host / "proc/driver/nvidia/capabilities" / f"gpu{minor}" / "mig"
+    return sorted(str(p.relative_to(base)) for p in base.rglob("access")) if base.exists() else []

@@ -1,0 +1,281 @@
+"""Dynamic MIG through DeviceState: prepare creates the claim's instance (intent recorded first), unprepare
+destroys it, refusals leave nothing, recovery destroys what an interrupted prepare made and re-creates what a
+reboot took, and instances Tessera did not create are never touched.
+
+The node is ``tests/support/dynamicmignode.py``: the ``dynamic-mig`` layout with the simulated MIG partitioner
+(NVIDIA's placement rules, NVML's refusals) over a state file, keeping the host tree's /proc capability files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from driver.gpu.checkpoint import ClaimPhase
+from driver.gpu.claimplan import plan_claim
+from driver.gpu.claimrecord import started_record
+from driver.gpu.errors import PrepareError
+from driver.gpu.migclaims import own_instances
+from driver.gpu.runtime.mig import MigCreateError, MigError
+from driver.gpu.state import DeviceState
+from driver.kubeletplugin.claimmodel import ResourceClaim
+from driver.kubeletplugin.types import Deadline
+from driver.simulation.hostroot import SIMULATED_CAPS_MAJOR, capability_minors
+from tests.support.dynamicmignode import DynamicMigNode
+from tests.support.statenode import claim, ref
+
+THREE_G = "gpu-0-mig-3g40gb-4"
+TWO_G_0, TWO_G_2 = "gpu-0-mig-2g20gb-0", "gpu-0-mig-2g20gb-2"
+
+
+def mig_config(**mps: object) -> dict[str, object]:
+    sharing: dict[str, object] = {"strategy": "MPS"}
+    if mps:
+        sharing["mpsConfig"] = mps
+    return {"source": "FromClaim", "requests": [],
+            "opaque": {"driver": "gpu.tessera.dev", "parameters": {
+                "apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "MigDeviceConfig", "sharing": sharing}}}
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[DynamicMigNode]:
+    yield DynamicMigNode(tmp_path)
+
+
+@pytest.fixture
+def state(node: DynamicMigNode) -> DeviceState:
+    return node.state()
+
+
+def test_prepare_creates_the_instance_and_writes_its_nodes(node: DynamicMigNode, state: DeviceState) -> None:
+    devices = state.prepare(claim("u1", THREE_G))
+    assert [d.device_name for d in devices] == [THREE_G]
+    assert node.instances() == [(4, 4, 0)]
+    [record] = state.prepared_claims()
+    [dev] = record.devices
+    assert record.phase == ClaimPhase.PREPARE_COMPLETED
+    assert dev.dynamic_mig is not None and dev.dynamic_mig.profile == "3g.40gb"
+    assert dev.dynamic_mig.placement_start == 4 and dev.dynamic_mig.create_started
+    [made] = node.engine.instances(node.gpu().uuid)
+    assert (dev.mig_gi_id, dev.mig_ci_id, dev.mig_uuid) == (made.gi_id, made.ci_id, made.uuid)
+    assert own_instances(node.checkpoint()) == {(node.gpu().uuid, made.gi_id)}
+    # The nodes the real driver's /proc names for the new instance, fully specified.
+    gi_minor, ci_minor = capability_minors(0, made.gi_id, made.ci_id)
+    nodes = node.spec_json("u1")["devices"][0]["containerEdits"]["deviceNodes"]
+    assert nodes == [{"path": "/dev/nvidia0"},
+                     {"path": f"/dev/nvidia-caps/nvidia-cap{gi_minor}", "type": "c", "major": SIMULATED_CAPS_MAJOR,
+                      "minor": gi_minor, "fileMode": 292},
+                     {"path": f"/dev/nvidia-caps/nvidia-cap{ci_minor}", "type": "c", "major": SIMULATED_CAPS_MAJOR,
+                      "minor": ci_minor, "fileMode": 292}]
+    assert node.proc_caps() == [f"gi{made.gi_id}/access", f"gi{made.gi_id}/ci0/access"]
+    annotations = node.spec_json("u1")["devices"][0]["annotations"]
+    assert annotations["gpu.tessera.dev/mig-uuid"] == made.uuid
+
+
+def test_a_repeated_prepare_returns_the_same_answer_and_creates_nothing(node: DynamicMigNode,
+                                                                       state: DeviceState) -> None:
+    first = state.prepare(claim("u1", THREE_G))
+    assert state.prepare(claim("u1", THREE_G)) == first
+    assert node.instances() == [(4, 4, 0)]
+
+
+def test_unprepare_destroys_the_instance_then_forgets_the_claim(node: DynamicMigNode, state: DeviceState) -> None:
+    state.prepare(claim("u1", TWO_G_0))
+    state.prepare(claim("u2", TWO_G_2))
+    state.unprepare(ref("u1"))
+    assert node.instances() == [(2, 2, 0)]
+    assert [r.uid for r in state.prepared_claims()] == ["u2"]
+    assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u2.json"]
+    state.unprepare(ref("u2"))
+    assert node.instances() == [] and node.proc_caps() == [] and node.cdi_files() == []
+    state.unprepare(ref("u2"))  # again: nothing to do
+
+
+@pytest.mark.parametrize("call", ["create-gi", "create-ci"])
+def test_an_nvml_refusal_is_the_claims_error_and_leaves_nothing(node: DynamicMigNode, state: DeviceState,
+                                                                call: str) -> None:
+    node.engine.inject_failure(call, placement=4)  # type: ignore[arg-type]
+    with pytest.raises(PrepareError) as err:
+        state.prepare(claim("u1", THREE_G))
+    message = str(err.value)
+    assert "3g.40gb at placement 4" in message and "GPU 0" in message and node.gpu().uuid in message
+    assert node.instances() == [] and state.prepared_claims() == [] and node.cdi_files() == []
+    state.prepare(claim("u1", THREE_G))  # the kubelet's retry
+    assert node.instances() == [(4, 4, 0)]
+
+
+def test_an_instance_tessera_did_not_create_is_named_and_left_alone(node: DynamicMigNode,
+                                                                   state: DeviceState) -> None:
+    profiles = {p.name: p for p in node.gpu().mig_profiles}
+    foreign = node.engine.create(node.gpu().uuid, profiles["1g.10gb"], 5)
+    with pytest.raises(PrepareError) as err:
+        state.prepare(claim("u1", THREE_G))
+    message = str(err.value)
+    assert f"GI {foreign.gi_id} (1g.10gb at placement 5" in message and "Tessera did not create" in message
+    assert "3g.40gb at placement 4" in message and node.gpu().uuid in message
+    assert node.instances() == [(5, 1, 0)], "someone else's instance is never touched"
+    assert state.prepared_claims() == [] and node.cdi_files() == []
+
+
+def test_a_placement_another_claim_holds_is_refused_before_anything_is_done(node: DynamicMigNode,
+                                                                            state: DeviceState) -> None:
+    state.prepare(claim("u1", THREE_G))
+    with pytest.raises(PrepareError, match=r"overlaps 'gpu-0-mig-3g40gb-4'.*claim default/claim-u1"):
+        state.prepare(claim("u2", "gpu-0-mig-1g10gb-5"))
+    assert node.instances() == [(4, 4, 0)]
+
+
+def test_without_a_partitioner_the_claim_is_refused_cleanly(node: DynamicMigNode) -> None:
+    state = node.state(with_partitioner=False)
+    with pytest.raises(PrepareError, match="without a way to create MIG devices"):
+        state.prepare(claim("u1", THREE_G))
+    assert state.prepared_claims() == [] and node.cdi_files() == []
+
+
+def test_the_whole_device_of_a_dynamic_gpu_is_its_full_size_instance(node: DynamicMigNode,
+                                                                      state: DeviceState) -> None:
+    state.prepare(claim("u1", "gpu-0"))
+    assert node.instances() == [(0, 8, 0)]
+    [record] = state.prepared_claims()
+    assert record.exclusive_gpus == [] and record.devices[0].kind == "gpu"
+    assert len(node.spec_json("u1")["devices"][0]["containerEdits"]["deviceNodes"]) == 3  # GPU, GI and CI caps
+    state.unprepare(ref("u1"))
+    assert node.instances() == []
+
+
+def test_mps_on_a_dynamic_mig_device_serves_the_created_instance(node: DynamicMigNode, state: DeviceState) -> None:
+    state.prepare(claim("u1", THREE_G, configs=[mig_config(defaultActiveThreadPercentage=50,
+                                                           defaultPinnedDeviceMemoryLimit="10Gi")]))
+    [made] = node.engine.instances(node.gpu().uuid)
+    [daemon_id] = node.mps.running
+    spec = node.mps.running[daemon_id].spec
+    assert spec.gpu_uuids == [made.uuid], "the daemon serves the MIG device, addressed by its MIG UUID"
+    assert spec.active_thread_percentage == 50 and spec.pinned_memory_limits == {made.uuid: 10 * 2**30}
+    [record] = state.prepared_claims()
+    assert record.exclusive_gpus == [] and node.modes.sets == [], "a GPU in MIG mode stays in DEFAULT"
+    env = node.spec_json("u1")["devices"][0]["containerEdits"]["env"]
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M" in env  # by ordinal: the container sees one device
+    state.unprepare(ref("u1"))
+    assert node.mps.stopped_after_start(daemon_id) and node.instances() == []
+
+
+def test_a_failed_daemon_start_destroys_the_instance_it_was_for(node: DynamicMigNode, state: DeviceState) -> None:
+    node.mps.fail_start = True
+    with pytest.raises(PrepareError):
+        state.prepare(claim("u1", THREE_G, configs=[mig_config()]))
+    assert node.instances() == [] and state.prepared_claims() == [] and node.cdi_files() == []
+
+
+# ----------------------------------------------------------------------------- crashes, restarts and reboots
+
+
+def _crash_mid_create(node: DynamicMigNode, state: DeviceState, *, create_started: bool, bare: bool = False) -> None:
+    """Leave what a kill -9 inside the create leaves: the PrepareStarted record (``create_started`` as given) and
+    the GPU instance NVML had made (with ``bare``, without its compute instance: the engine is told to fail the
+    CI and then the GI's destroy, as a process dying between the two NVML calls leaves it)."""
+    plan = plan_claim(claim("u1", THREE_G), driver_name="gpu.tessera.dev", pool_name="node-a", view=state.view)
+    assert plan is not None
+    record = started_record(plan, state.names, "node-a", None, "now")
+    assert record.devices[0].dynamic_mig is not None
+    record.devices[0].dynamic_mig.create_started = create_started
+    state.ledger.commit(lambda cp: cp.claims.__setitem__("u1", record))
+    three_g = {p.name: p for p in node.gpu().mig_profiles}["3g.40gb"]
+    if bare:
+        node.engine.inject_failure("create-ci", placement=4)
+        node.engine.inject_failure("destroy-gi", placement=4)
+        with pytest.raises(MigCreateError):
+            node.engine.create(node.gpu().uuid, three_g, 4)
+    else:
+        node.engine.create(node.gpu().uuid, three_g, 4)
+
+
+def test_a_create_that_hangs_past_the_deadline_leaves_nothing(node: DynamicMigNode, state: DeviceState) -> None:
+    node.engine.inject_failure("create-ci", placement=4, effect="hang-after", seconds=0.05)
+    with pytest.raises(PrepareError, match="injected hang ended"):
+        state.prepare(claim("u1", THREE_G), Deadline.after(30))
+    assert node.instances() == [] and state.prepared_claims() == [] and node.cdi_files() == []
+
+
+@pytest.mark.parametrize("bare", [False, True])
+def test_restart_destroys_what_an_interrupted_create_made(node: DynamicMigNode, state: DeviceState,
+                                                          bare: bool) -> None:
+    _crash_mid_create(node, state, create_started=True, bare=bare)
+    assert node.instances() == [(4, 4, None if bare else 0)]
+    restarted = node.state()
+    assert node.instances() == [] and restarted.prepared_claims() == [] and node.cdi_files() == []
+    restarted.prepare(claim("u1", THREE_G))  # the kubelet's retry
+    assert node.instances() == [(4, 4, 0)]
+
+
+def test_restart_leaves_an_instance_the_crashed_create_never_asked_for(node: DynamicMigNode,
+                                                                       state: DeviceState) -> None:
+    # Killed after the intent, before the placement was found free: what is there is someone else's.
+    _crash_mid_create(node, state, create_started=False)
+    node.state()
+    assert node.instances() == [(4, 4, 0)], "not checked free before the crash: never Tessera's to destroy"
+
+
+def test_restart_after_a_reboot_recreates_the_instances_of_prepared_claims(node: DynamicMigNode,
+                                                                           state: DeviceState) -> None:
+    state.prepare(claim("u1", TWO_G_2, configs=[mig_config(defaultActiveThreadPercentage=40)]))
+    state.prepare(claim("u2", "gpu-0-mig-1g10gb-6"))
+    before = {r.uid: r.devices[0] for r in state.prepared_claims()}
+    profiles = {p.name: p for p in node.gpu().mig_profiles}
+    node.engine.reboot()
+    node.set_boot_id("boot-2")
+    # After the reboot someone takes GI id 1 elsewhere before the driver starts: not the claim's, never touched.
+    foreign = node.engine.create(node.gpu().uuid, profiles["1g.10gb"], 0)
+    node.mps.running.clear()  # daemons do not survive a reboot either
+    restarted = node.state()
+    after = {r.uid: r.devices[0] for r in restarted.prepared_claims()}
+    assert node.instances() == [(0, 1, 0), (2, 2, 0), (6, 1, 0)]
+    for uid in ("u1", "u2"):
+        intent = after[uid].dynamic_mig
+        assert intent is not None and intent == before[uid].dynamic_mig, "the same profile at the same placement"
+        made = {m.gi_id: m for m in node.engine.instances(node.gpu().uuid)}[after[uid].mig_gi_id or -1]
+        assert made.uuid == after[uid].mig_uuid and made.placement_start == intent.placement_start
+        spec = node.spec_json(uid)["devices"][0]["annotations"]
+        assert spec["gpu.tessera.dev/mig-uuid"] == made.uuid, "CDI spec rewritten for the new instance"
+    assert foreign.gi_id not in {after["u1"].mig_gi_id, after["u2"].mig_gi_id}
+    [daemon] = node.mps.running.values()
+    assert daemon.spec.gpu_uuids == [after["u1"].mig_uuid], "the daemon restarted on the re-created instance"
+    restarted.unprepare(ref("u1"))
+    restarted.unprepare(ref("u2"))
+    assert node.instances() == [(0, 1, 0)], "the foreign instance stays"
+
+
+def test_an_instance_destroyed_behind_the_drivers_back_is_recreated_at_restart(node: DynamicMigNode,
+                                                                                state: DeviceState) -> None:
+    state.prepare(claim("u1", THREE_G))
+    [made] = node.engine.instances(node.gpu().uuid)
+    node.engine.destroy(node.gpu().uuid, made.gi_id, made.ci_id)
+    node.state()
+    assert node.instances() == [(4, 4, 0)]
+
+
+def test_a_refused_destroy_fails_the_unprepare_and_keeps_the_record_for_the_retry(node: DynamicMigNode,
+                                                                                  state: DeviceState) -> None:
+    state.prepare(claim("u1", THREE_G))
+    node.engine.inject_failure("destroy-ci", placement=4)
+    with pytest.raises(MigError, match="destroying CI 0 failed"):
+        state.unprepare(ref("u1"))
+    assert [r.uid for r in state.prepared_claims()] == ["u1"] and node.instances() == [(4, 4, 0)]
+    state.unprepare(ref("u1"))  # the kubelet's retry
+    assert state.prepared_claims() == [] and node.instances() == [] and node.cdi_files() == []
+
+
+def test_admin_access_to_a_dynamic_device_gets_the_gpu_node_and_creates_nothing(node: DynamicMigNode,
+                                                                               state: DeviceState) -> None:
+    state.prepare(claim("u1", THREE_G))
+    admin = ResourceClaim.model_validate({
+        "metadata": {"name": "monitor", "namespace": "default", "uid": "u2"},
+        "status": {"allocation": {"devices": {"results": [
+            {"request": "r0", "driver": "gpu.tessera.dev", "pool": "node-a", "device": THREE_G,
+             "adminAccess": True}], "config": []}}}})
+    state.prepare(admin)
+    assert node.instances() == [(4, 4, 0)], "no second instance"
+    assert node.spec_json("u2")["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}]
+    state.unprepare(ref("u2"))
+    assert node.instances() == [(4, 4, 0)], "the holder's instance stays"
