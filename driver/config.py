@@ -1,33 +1,40 @@
-"""Command-line flags and environment variables of ``python -m driver``, validated once at start."""
+"""Command-line flags and environment variables of ``python -m driver``, validated once at start.
+
+The settings are a pydantic model, validated before the plugin creates any socket: a bad flag exits 2
+with one line per problem and nothing registered. Importing pydantic and validating the settings is on
+the registration path (~45 ms of CPU and ~7 MiB on the 2-core dev machine, docs/benchmarks.md); the parsers of the
+XID list and the MPS ``/dev/shm`` size are imported only when those settings are given.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
+import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from driver import settingvalues as values
-from driver.kubeletplugin.calls import DEFAULT_PREPARE_DEADLINE
-from driver.settingvalues import SettingValueError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from driver.kubeletplugin.calls import DEFAULT_PREPARE_DEADLINE, KUBELET_PREPARE_TIMEOUT
 from driver.units import GIB
 
 DEFAULT_DRIVER_NAME = "gpu.tessera.dev"
 DEFAULT_PLAN_LABEL = f"{DEFAULT_DRIVER_NAME}/sharing-plan"
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(BaseModel):
     """Everything the driver process is configured with; the single source for ``run`` and ``inspect``.
 
     Built from flags and environment variables by :func:`settings_from_args` (every value parsed and
-    checked, paths made absolute); constructing one directly takes the values as they are (tests).
+    checked, paths made absolute).
     """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     driver_name: str = DEFAULT_DRIVER_NAME
     node_name: str = ""
@@ -49,11 +56,11 @@ class Settings:
     mps_shm_size: int = GIB  # driver.gpu.mps.model.DEFAULT_SHM_SIZE (tests/unit/test_config.py checks they agree)
     mps_shm_tmpfs: bool = False
     simulate: str | None = None
-    http_port: int = 8080
-    rescan_interval: float = 30.0
+    http_port: int = Field(default=8080, ge=0, le=65535)
+    rescan_interval: float = Field(default=30.0, gt=0)
     # Tenants can change a shared daemon's limits: they are read back this often (docs/sharing.md,
     # "Limits are watched"); at most 10 s, what the driver promises.
-    mps_limit_check_interval: float = 5.0
+    mps_limit_check_interval: float = Field(default=5.0, gt=0, le=10)
     prepare_deadline: float = DEFAULT_PREPARE_DEADLINE
     log_level: LogLevel = "info"
     log_format: Literal["json", "text"] = "json"
@@ -61,6 +68,63 @@ class Settings:
     ignored_xids: str = ""
     device_taints: Literal["auto", "always", "never"] = "auto"
     health_taint_effect: Literal["NoSchedule", "NoExecute"] = "NoSchedule"
+
+    @field_validator("ignored_xids")
+    @classmethod
+    def _xid_list(cls, value: str) -> str:
+        # Imported when the setting is given, never for the default: the XID table is not on the
+        # registration path.
+        from driver.gpu.health.xids import parse_ignored_xids
+
+        parse_ignored_xids(value)  # raises ValueError naming the bad entry
+        return value
+
+    @field_validator("mps_shm_size", mode="before")
+    @classmethod
+    def _shm_size(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        from driver.gpu.mps.shmmount import parse_shm_size  # as above: the MPS modules, only when given
+
+        return parse_shm_size(value)
+
+    @field_validator("driver_name")
+    @classmethod
+    def _driver_name_is_dns_subdomain(cls, value: str) -> str:
+        if len(value) > 63 or "." not in value or not _DNS_SUBDOMAIN.fullmatch(value):
+            raise ValueError(f"{value!r} is not a DNS subdomain of at most 63 characters (e.g. gpu.tessera.dev)")
+        return value
+
+    @field_validator("prepare_deadline")
+    @classmethod
+    def _deadline_inside_the_kubelets(cls, value: float) -> float:
+        # The kubelet cuts a prepare call off at 45 s; the driver must answer (and roll back) before that.
+        if not 0 < value < KUBELET_PREPARE_TIMEOUT:
+            limit = f"{KUBELET_PREPARE_TIMEOUT:g}"
+            raise ValueError(f"{value:g} is not between 0 and {limit} seconds exclusive (the kubelet gives up on a "
+                             f"prepare after {limit} s); default {DEFAULT_PREPARE_DEADLINE:g}")
+        return value
+
+    @field_validator("registrar_dir", "plugins_dir", "cdi_root", "driver_root", "host_root", "nvidia_cdi_spec",
+                     "sharing_plans", "mps_host_socket", "kubeconfig")
+    @classmethod
+    def _absolute_here(cls, value: Path | str | None) -> Path | str | None:
+        # Paths in this process's file system are made absolute against the working directory once, at
+        # start: a relative socket path handed to gRPC, or a directory read after a chdir (the MPS
+        # launcher runs daemons from /), would mean something else later. Symlinks are kept as given.
+        if value is None:
+            return None
+        absolute = os.path.abspath(value)
+        return absolute if isinstance(value, str) else Path(absolute)
+
+    @field_validator("driver_root_on_host")
+    @classmethod
+    def _host_path_is_absolute(cls, value: Path | None) -> Path | None:
+        # A path on the node, not here: no working directory could make a relative one mean anything.
+        if value is not None and not value.is_absolute():
+            raise ValueError(f"{str(value)!r} is not an absolute path (e.g. /run/nvidia/driver): it is the driver "
+                             "root's path on the node, not in this container")
+        return value
 
     @property
     def state_dir(self) -> Path:
@@ -73,48 +137,47 @@ class Settings:
         return self.state_dir / "mps-shm"
 
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
-
-# How each setting's text becomes its value (driver/settingvalues.py).
-_PARSERS: dict[str, values.Parse] = {
-    "driver_name": values.dns_subdomain, "node_name": values.text, "pod_uid": values.text,
-    "kubeconfig": values.local_path_text, "registrar_dir": values.local_path, "plugins_dir": values.local_path,
-    "cdi_root": values.local_path, "driver_root": values.local_path, "host_root": values.local_path,
-    "driver_root_on_host": values.host_path, "driver_libraries_required": values.boolean,
-    "nvidia_cdi_spec": values.local_path, "sharing_plans": values.local_path, "sharing_plan_label": values.text,
-    "mps_host_socket": values.local_path, "mps_shm_size": values.shm_size, "mps_shm_tmpfs": values.boolean,
-    "simulate": values.text, "http_port": values.whole_number(0, 65535), "rescan_interval": values.number(gt=0),
-    "mps_limit_check_interval": values.number(gt=0, le=10), "prepare_deadline": values.prepare_deadline,
-    "log_level": values.one_of("debug", "info", "warning", "error"), "log_format": values.one_of("json", "text"),
-    "ignored_xids": values.ignored_xids, "device_taints": values.one_of("auto", "always", "never"),
-    "health_taint_effect": values.one_of("NoSchedule", "NoExecute"),
-}
-
-
 class SettingsError(ValueError):
-    """Settings that cannot be used: every (field, problem), so all of them are reported at once."""
+    """Settings that cannot be used: every (field, problem), so all of them are reported at once.
+
+    The problems are pydantic's validation errors, each said in one line for people (:func:`_expected`):
+    pydantic's own text spans lines, names fields rather than flags and ends in a documentation URL.
+    """
 
     def __init__(self, problems: list[tuple[str, str]]):
         super().__init__("; ".join(f"{field}: {problem}" for field, problem in problems))
         self.problems = problems
 
+    @classmethod
+    def from_validation(cls, exc: ValidationError) -> SettingsError:
+        return cls([(str(error["loc"][0]) if error["loc"] else "", _expected(error))
+                    for error in exc.errors(include_url=False)])
+
 
 def settings_from_values(given: Mapping[str, str]) -> Settings:
     """Settings from the text of each given setting (field name -> text); SettingsError lists every problem."""
-    parsed: dict[str, object] = {}
-    problems: list[tuple[str, str]] = []
-    for field, raw in given.items():
-        parse = _PARSERS.get(field)
-        if parse is None:
-            problems.append((field, "not a setting"))
-            continue
-        try:
-            parsed[field] = parse(raw)
-        except SettingValueError as exc:
-            problems.append((field, str(exc)))
-    if problems:
-        raise SettingsError(problems)
-    return Settings(**parsed)  # type: ignore[arg-type]  # each value is of its field's type by its parser
+    try:
+        return Settings.model_validate(dict(given))
+    except ValidationError as exc:
+        raise SettingsError.from_validation(exc) from None
+
+
+def _expected(error: Mapping[str, Any]) -> str:
+    kind, ctx = error["type"], error.get("ctx") or {}
+    if kind == "value_error":  # raised by our validators, whose messages are written for people
+        return str(ctx.get("error", error["msg"]))
+    if kind == "extra_forbidden":
+        return "not a setting"
+    bounds = {"greater_than": "greater than", "greater_than_equal": "at least", "less_than": "less than",
+              "less_than_equal": "at most"}
+    if kind in bounds:
+        limit = next(iter(ctx.values()), "?")
+        return f"expected a number {bounds[kind]} {format(limit, 'g') if isinstance(limit, float) else limit}"
+    wanted = {"int_parsing": "a whole number", "int_from_float": "a whole number", "float_parsing": "a number",
+              "bool_parsing": "true or false", "literal_error": f"one of {ctx.get('expected', '')}"}
+    if kind in wanted:
+        return f"expected {wanted[kind]}"
+    return " ".join(str(error["msg"]).replace("Input should be", "expected").split())
 
 
 # flag -> (settings field, environment variable, help)
@@ -179,7 +242,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, only: frozenset[str]
     for flag, field, env, help_text in _FLAGS:
         if only is not None and field not in only:
             continue
-        default = _DEFAULTS[field]
+        default = Settings.model_fields[field].default
         shown = "unset" if default is None or default == "" else str(default).lower() if isinstance(default, bool) \
             else str(default)
         suffix = "" if "default" in help_text else f"; default {shown}"  # some say it better themselves

@@ -3,8 +3,8 @@
 The kubelet sends nothing before a plugin is registered, and while a plugin restarts or is upgraded
 no pod on the node that needs it can start, so registration comes first: the DRA and registration
 sockets and the HTTP port need only grpc, the generated stubs and ``http.server``
-(:mod:`driver.kubeletplugin.serving`). Everything prepare needs (the API client, NVML or the simulated
-node, pydantic models, OpenTelemetry, discovery, the sharing plan, recovery of interrupted prepares)
+(:mod:`driver.kubeletplugin.serving`). Everything prepare needs (the ``kubernetes`` API client, NVML or
+the simulated node, the OpenTelemetry SDK, discovery, the sharing plan, recovery of interrupted prepares)
 is imported and built on a thread behind them (:class:`driver.app.DriverApp`). Until that finishes:
 
 * a prepare or unprepare waits for it, bounded by its deadline (:mod:`driver.kubeletplugin.startgate`),

@@ -1,10 +1,11 @@
 """Fetching the ResourceClaim behind a kubelet prepare request, with errors a user can act on.
 
 The kubelet sends only namespace, name and UID; the plugin must read the claim itself, check it
-is the same object (UID) and that it is allocated. The claim is one plain GET on a kept-alive
-connection (:mod:`driver.kubeletplugin.kubeclient`) and its JSON body is parsed once, into
-:class:`driver.kubeletplugin.claimmodel.ResourceClaim`: a generated typed client would add argument
-validation, its own models and hundreds of ms of imports at start for nothing the driver uses.
+is the same object (UID) and that it is allocated. The claim is one plain GET through the
+``kubernetes`` client's REST layer (kept-alive connections, its TLS and retries;
+:mod:`driver.kubeletplugin.kubeclient`) and its JSON body is parsed once, into
+:class:`driver.kubeletplugin.claimmodel.ResourceClaim`: the generated ``ResourceV1Api`` would add
+argument validation, its own models and ~0.3 s of imports at start for nothing the driver uses.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from urllib.parse import quote
 from pydantic import ValidationError
 
 from driver.kubeletplugin.claimmodel import ResourceClaim
-from driver.kubeletplugin.kubeclient import KubeApiError, KubeClient
+from driver.kubeletplugin.kubeclient import KubeApiError, KubeClient, send
 from driver.kubeletplugin.podfetch import PodFetcher
 from driver.kubeletplugin.podsecurity import PodReader
 from driver.kubeletplugin.types import ClaimRef
@@ -49,7 +50,8 @@ class ClaimSource(Protocol):
 class ClaimFetcher:
     """Reads ResourceClaims (resource.k8s.io/v1) from the API server; needs RBAC ``get`` on them.
 
-    A hung server costs one read timeout: the client retries only connections that could not be made.
+    It uses ``api`` as it is: build it with :func:`driver.kubeletplugin.kubeclient.load_api_client`
+    so a hung server costs one read timeout, not one per urllib3 retry.
     """
 
     def __init__(self, api: KubeClient, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
@@ -76,7 +78,7 @@ class ClaimFetcher:
         path = (f"/apis/resource.k8s.io/v1/namespaces/{quote(ref.namespace, safe='')}"
                 f"/resourceclaims/{quote(ref.name, safe='')}")
         try:
-            response = self._api.request("GET", path, timeouts=self._timeouts)
+            response = send(self._api, "GET", path, timeouts=self._timeouts)
         except KubeApiError as err:
             raise ClaimError(
                 f"ResourceClaim {ref.namespace}/{ref.name}: cannot reach the API server ({err}); "

@@ -38,7 +38,7 @@ from driver.kubeletplugin.slicevalidation import validate_driver_and_pool
 from driver.kubeletplugin.telemetry import CONTENT_TYPE, Telemetry
 from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, DRADriver
 
-if TYPE_CHECKING:  # the OpenTelemetry SDK is loaded only when spans are exported (telemetry.py)
+if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
 log = logging.getLogger(__name__)

@@ -4,20 +4,19 @@ Served from the first moments of the process, before the driver has initialised,
 probes get an answer (``/readyz`` says not ready) instead of a refused connection; ``/metrics``
 answers 503 until the telemetry is attached (:meth:`RouteServer.serve_metrics`).
 
-A GET, its answer and the connection's end are all that probes and scrapers need, so this is plain
-sockets: ``http.server`` brings ``http.client``, ``email`` and ``html`` along, ~10 ms on the
-registration path and ~1 MiB for the life of the process (docs/benchmarks.md).
+The port is reachable from the pod network, so requests are parsed by the standard library's
+``http.server`` (``ThreadingHTTPServer``: one daemon thread per connection), not by hand.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 log = logging.getLogger(__name__)
 
@@ -32,73 +31,43 @@ DEFAULT_ROUTE_CACHE_S = 1.0
 # What binding an IPv6 socket fails with on a machine (or pod) without IPv6.
 _NO_IPV6_ERRNOS = frozenset({errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT})
 _TEXT = "text/plain; charset=utf-8"
-_MAX_REQUEST = 65536  # a probe's GET is a few hundred bytes
-_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error",
-            503: "Service Unavailable"}
 
 
 class RouteServer:
-    """Plain-text routes and ``/metrics`` on one port; each connection answered on a daemon thread, then closed."""
+    """Plain-text routes and ``/metrics`` on one port, served by ``http.server`` on a daemon thread."""
 
     def __init__(self, host: str, port: int, routes: Mapping[str, Route], *,
                  connection_timeout_s: float = DEFAULT_CONNECTION_TIMEOUT_S,
                  route_cache_s: float = DEFAULT_ROUTE_CACHE_S):
         """``host`` ``"::"`` listens on IPv6 and IPv4 alike, or on IPv4 only (``0.0.0.0``) where the
-        machine has no IPv6. A connection that sends no whole request within ``connection_timeout_s``
-        is closed. Each route's answer is reused for ``route_cache_s`` (:class:`CachedRoute`); their
-        text is sent as is, so it must not name host paths (the port is reachable from the pod network)."""
+        machine has no IPv6. A connection idle for ``connection_timeout_s`` is closed. Each route's
+        answer is reused for ``route_cache_s`` (:class:`CachedRoute`); their text is sent as is, so it
+        must not name host paths (the port is reachable from the pod network)."""
         self._routes = {path: CachedRoute(route, route_cache_s) for path, route in routes.items()}
-        self._connection_timeout_s = connection_timeout_s
         # The renderer of /metrics and its content type, once the telemetry exists (serve_metrics).
         self._metrics: tuple[Callable[[], bytes], str] | None = None
-        self._stopping = threading.Event()
-        self._listener = _listen(host, port)
-        # A short accept timeout keeps shutdown() prompt.
-        self._listener.settimeout(0.05)
-        self._thread = threading.Thread(target=self._accept, name="metrics-http", daemon=True)
+        self._server = _bind(host, port, self._handler(connection_timeout_s))
+        self._server.daemon_threads = True
+        # A short poll interval keeps shutdown() prompt.
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="metrics-http", daemon=True)
         self._thread.start()
 
     @property
     def port(self) -> int:
         """The bound port (useful when 0 was asked for)."""
-        return int(self._listener.getsockname()[1])
+        return int(self._server.server_address[1])
 
     def serve_metrics(self, render: Callable[[], bytes], content_type: str) -> None:
         """Answer ``/metrics`` with ``render()`` from now on."""
         self._metrics = (render, content_type)
 
     def shutdown(self) -> None:
-        self._stopping.set()
+        self._server.shutdown()
+        self._server.server_close()
         self._thread.join()
-        self._listener.close()
 
-    def _accept(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            threading.Thread(target=self._answer, args=(conn,), name="metrics-http-conn", daemon=True).start()
-
-    def _answer(self, conn: socket.socket) -> None:
-        with conn, contextlib.suppress(OSError):
-            conn.settimeout(self._connection_timeout_s)
-            request = b""
-            while b"\r\n\r\n" not in request and b"\n\n" not in request:
-                data = conn.recv(4096)
-                if not data or len(request) > _MAX_REQUEST:
-                    return  # gone, or not a probe's request
-                request += data
-            method, _, target = request.split(b"\r\n", 1)[0].decode("latin-1").partition(" ")
-            status, content_type, body = self._route(method, target.split(" ", 1)[0].split("?", 1)[0])
-            conn.sendall(f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: {content_type}\r\n"
-                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
-
-    def _route(self, method: str, path: str) -> tuple[int, str, bytes]:
-        if method != "GET":
-            return 405, _TEXT, b"only GET\n"
+    def _route(self, path: str) -> tuple[int, str, bytes]:
         metrics = self._metrics
         if path == "/metrics" and metrics is not None:
             render, content_type = metrics
@@ -109,6 +78,27 @@ class RouteServer:
             status, text = self._routes[path]()
             return status, _TEXT, text.encode()
         return 404, _TEXT, b"not found\n"
+
+    def _handler(self, connection_timeout_s: float) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class _Handler(BaseHTTPRequestHandler):
+            # Applied to each connection's socket by StreamRequestHandler.
+            timeout = connection_timeout_s
+
+            def do_GET(self) -> None:
+                status, content_type, body = server._route(self.path.split("?", 1)[0])
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                # Scrapes every few seconds would drown the driver's own log.
+                return
+
+        return _Handler
 
 
 class CachedRoute:
@@ -140,34 +130,26 @@ class CachedRoute:
             return self._answer
 
 
-def _listen(host: str, port: int) -> socket.socket:
+class _DualStackHTTPServer(ThreadingHTTPServer):
+    """Listens on IPv6 with IPv4 mapped in, so ``::`` also accepts IPv4 clients."""
+
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        # Linux defaults to dual-stack, but net.ipv6.bindv6only (and other systems) may not.
+        self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+def _bind(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
     if host == "::":
         try:
-            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            return _DualStackHTTPServer((host, port), handler)
         except OSError as err:
             if err.errno not in _NO_IPV6_ERRNOS:
                 raise
             log.warning("no IPv6 on this machine, serving HTTP on IPv4 only", extra={"port": port, "error": str(err)})
-            return _bound(socket.socket(socket.AF_INET, socket.SOCK_STREAM), ("0.0.0.0", port))
-        # Linux defaults to dual-stack, but net.ipv6.bindv6only (and other systems) may not.
-        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        try:
-            return _bound(sock, (host, port))
-        except OSError as err:
-            if err.errno not in _NO_IPV6_ERRNOS:
-                raise
-            log.warning("no IPv6 on this machine, serving HTTP on IPv4 only", extra={"port": port, "error": str(err)})
-            return _bound(socket.socket(socket.AF_INET, socket.SOCK_STREAM), ("0.0.0.0", port))
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return _bound(socket.socket(family, socket.SOCK_STREAM), (host, port))
-
-
-def _bound(sock: socket.socket, address: tuple[str, int]) -> socket.socket:
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(64)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+            host = "0.0.0.0"
+    if ":" in host:
+        return _DualStackHTTPServer((host, port), handler)
+    return ThreadingHTTPServer((host, port), handler)

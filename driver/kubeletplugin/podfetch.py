@@ -16,7 +16,7 @@ from urllib.parse import quote
 
 from pydantic import ValidationError
 
-from driver.kubeletplugin.kubeclient import KubeApiError, KubeClient
+from driver.kubeletplugin.kubeclient import KubeApiError, KubeClient, send
 from driver.kubeletplugin.podsecurity import Pod, PodsUnreadable, ReservedPods
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class PodFetcher:
         bound = max(_MIN_TIMEOUT_S, timeout_s)
         timeouts = (min(self._connect_timeout_s, bound), min(self._read_timeout_s, bound))
         try:
-            response = self._api.request("GET", path, timeouts=timeouts)
+            response = send(self._api, "GET", path, timeouts=timeouts)
         except KubeApiError as err:
             raise PodsUnreadable(f"cannot read pod {namespace}/{name} from the API server ({err}); "
                                  "the kubelet will retry") from err

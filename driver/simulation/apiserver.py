@@ -35,7 +35,9 @@ from datetime import UTC, datetime
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
-from driver.kubeletplugin.kubeclient import KubeClient, plain_client
+from kubernetes import client
+
+from driver.kubeletplugin.kubeclient import plain_client
 from driver.simulation.apihttp import handler_for
 from driver.simulation.apiobjects import (
     RESOURCE_API,
@@ -127,8 +129,9 @@ class FakeApiServer:
         }, indent=2))
         return target
 
-    def api_client(self) -> KubeClient:
-        """The driver's own client for this server (tests of the real ``kubernetes`` client build theirs)."""
+    def api_client(self) -> client.ApiClient:
+        """The real ``kubernetes`` client for this server, retrying as the driver's does
+        (:func:`driver.kubeletplugin.kubeclient.request_retries`)."""
         return plain_client(self.url)
 
     # ----- test helpers ----------------------------------------------------------------

@@ -156,11 +156,7 @@ def _mig_instance(spec: MigProfileSpec, uuid: str, start: int, gi_id: int, ci_id
         ci_id=ci_id,
         memory_bytes=spec.memory_mib * MIB,
         multiprocessors=spec.multiprocessors,
-        copy_engines=spec.copy_engines,
-        decoders=spec.decoders,
-        encoders=spec.encoders,
-        jpeg_engines=spec.jpeg_engines,
-        ofa_engines=spec.ofa_engines,
+        **spec.engines.model_dump(),
     )
 
 
@@ -192,8 +188,7 @@ def mig_profile_infos(specs: tuple[MigProfileSpec, ...]) -> tuple[MigProfileInfo
         MigProfileInfo(name=spec.name, gi_profile_id=spec.gi_profile_id, ci_profile_id=spec.ci_profile_enum,
                        compute_slices=spec.compute_slices, memory_slices=spec.memory_slices,
                        memory_bytes=spec.memory_mib * MIB, multiprocessors=spec.multiprocessors,
-                       copy_engines=spec.copy_engines, decoders=spec.decoders, encoders=spec.encoders,
-                       jpeg_engines=spec.jpeg_engines, ofa_engines=spec.ofa_engines,
+                       **spec.engines.model_dump(),
                        placement_starts=spec.placement_starts)
         for spec in sorted(specs, key=lambda p: p.gi_profile_id)
     )

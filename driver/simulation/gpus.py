@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
+from driver.gpu.discovery.inventory import MigEngines
 from driver.units import MIB
 
 _PROFILE_TABLE = "mig-profiles.json"
@@ -46,11 +47,7 @@ class MigProfileSpec(BaseModel):
     multiprocessors: int
     max_instances: int
     placement_starts: tuple[int, ...]
-    copy_engines: int | None = None
-    decoders: int | None = None
-    encoders: int | None = None
-    jpeg_engines: int | None = None
-    ofa_engines: int | None = None
+    engines: MigEngines = MigEngines()
 
 
 class GpuModel(BaseModel):
@@ -128,18 +125,13 @@ def _load_profile_tables() -> dict[str, _ProfileTable]:
     return _ProfileFile.model_validate_json(text).gpus
 
 
-class _CapturedProfile(BaseModel):
-    """What NVML's GPU-instance profile info said for one profile id on a real GPU."""
+class _CapturedProfile(MigEngines):
+    """What NVML's GPU-instance profile info said for one profile id on a real GPU (engines included)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     memory_mib: int
     multiprocessors: int
-    copy_engines: int
-    decoders: int
-    encoders: int
-    jpeg_engines: int
-    ofa_engines: int
     placements: list[int]
 
 
@@ -176,11 +168,7 @@ def _profile(row: _ProfileRow, captured: _CapturedProfile | None) -> MigProfileS
         multiprocessors=captured.multiprocessors if captured else row.sm_count,
         max_instances=row.max_instances,
         placement_starts=tuple(row.placement_starts),
-        copy_engines=captured.copy_engines if captured else row.compute_slices,
-        decoders=captured.decoders if captured else None,
-        encoders=captured.encoders if captured else None,
-        jpeg_engines=captured.jpeg_engines if captured else None,
-        ofa_engines=captured.ofa_engines if captured else None,
+        engines=captured.engines() if captured else MigEngines(copy_engines=row.compute_slices),
     )
 
 

@@ -1,6 +1,5 @@
-"""The Kubernetes API server double (driver.simulation.apiserver), driven by the real kubernetes client
-(which the driver no longer uses, but the double must keep serving like a real server), and the
-driver's own client (driver.kubeletplugin.kubeclient) against it."""
+"""The Kubernetes API server double (driver.simulation.apiserver), driven by the real kubernetes client,
+and the raw-JSON client helpers of driver.kubeletplugin.kubeclient against it."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ from driver.kubeletplugin.kubeclient import (
     load_api_client,
     open_json_lines,
     parse_minor_version,
-    plain_client,
     request_json,
     server_minor_version,
 )
@@ -39,14 +37,9 @@ def server() -> Iterator[FakeApiServer]:
     fake.stop()
 
 
-def typed(server: FakeApiServer) -> client.ApiClient:
-    """The real kubernetes client for the double."""
-    return client.ApiClient(client.Configuration(host=server.url))
-
-
 @pytest.fixture
 def resource_api(server: FakeApiServer) -> client.ResourceV1Api:
-    return client.ResourceV1Api(typed(server))
+    return client.ResourceV1Api(server.api_client())
 
 
 def slice_body(node: str = "node-1", devices: list[dict[str, Any]] | None = None, **spec: Any) -> dict[str, Any]:
@@ -67,7 +60,7 @@ def status_of(err: client.ApiException) -> dict[str, Any]:
 
 
 def test_version_and_nodes_through_the_typed_client(server: FakeApiServer) -> None:
-    api = typed(server)
+    api = server.api_client()
     assert client.VersionApi(api).get_code().minor == "36"
     uid = server.add_node("node-1")
     core: Any = client.CoreV1Api(api)
@@ -220,7 +213,7 @@ def test_immutable_fields_on_update(server: FakeApiServer) -> None:
 
 def test_status_body_lists_causes(server: FakeApiServer) -> None:
     with pytest.raises(client.ApiException) as err:
-        resource_api: Any = client.ResourceV1Api(typed(server))
+        resource_api: Any = client.ResourceV1Api(server.api_client())
         resource_api.create_resource_slice(slice_body(devices=[{"name": "A"}]))
     status = status_of(err.value)
     assert status["kind"] == "Status" and status["code"] == 422 and status["reason"] == "Invalid"
@@ -383,7 +376,7 @@ def test_server_minor_version_falls_back_to_oldest_supported_when_unreachable(ca
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    api = plain_client(f"http://127.0.0.1:{port}")
+    api = client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{port}"))
     assert server_minor_version(api) == 34
     assert "cannot read the API server version" in caplog.text
 
@@ -403,7 +396,8 @@ def test_runnable_as_a_module_for_manual_use() -> None:
         line = process.stdout.readline()
         assert "test double" in line
         url = line.rsplit(" ", 1)[-1].strip()
-        assert request_json(plain_client(url), "GET", "/api/v1/nodes/node-1")["metadata"]["name"] == "node-1"
+        api = client.ApiClient(client.Configuration(host=url))
+        assert request_json(api, "GET", "/api/v1/nodes/node-1")["metadata"]["name"] == "node-1"
     finally:
         process.terminate()
         process.wait(timeout=10)

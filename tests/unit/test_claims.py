@@ -1,4 +1,4 @@
-"""ClaimFetcher against a tiny local HTTP API server, through the driver's own client (kubeclient.py)."""
+"""ClaimFetcher against a tiny local HTTP API server, through the real kubernetes client."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import kubernetes.client
 import pytest
 
 from driver.kubeletplugin.claimfetch import ClaimError, ClaimFetcher, claim_uid_problem
 from driver.kubeletplugin.claimmodel import ResourceClaim
-from driver.kubeletplugin.kubeclient import KubeClient, plain_client
-from driver.kubeletplugin.kubeconfig import ClusterAccess
 from driver.kubeletplugin.types import ClaimRef
 
 CLAIM_PATH = "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
@@ -110,12 +109,15 @@ def apiserver() -> Iterator[FakeApiServer]:
         server.server_close()
 
 
-def url(port: int) -> str:
-    return f"http://127.0.0.1:{port}"
+def client_config(port: int) -> kubernetes.client.Configuration:
+    config = kubernetes.client.Configuration()
+    config.host = f"http://127.0.0.1:{port}"
+    return config
 
 
 def fetch(apiserver: FakeApiServer, ref: ClaimRef = REF) -> ResourceClaim:
-    return ClaimFetcher(plain_client(url(apiserver.port)), read_timeout_s=5).fetch(ref)
+    with kubernetes.client.ApiClient(client_config(apiserver.port)) as api:
+        return ClaimFetcher(api, read_timeout_s=5).fetch(ref)
 
 
 def test_fetches_and_parses_an_allocated_claim(apiserver: FakeApiServer) -> None:
@@ -130,14 +132,22 @@ def test_fetches_and_parses_an_allocated_claim(apiserver: FakeApiServer) -> None
 
 
 def test_every_read_sends_the_current_token_of_a_rotating_service_account(apiserver: FakeApiServer) -> None:
-    # In-cluster access re-reads the projected token file (kubeconfig.TokenFile); the client asks for
-    # the token on every request, so a rotated one is sent from the next request on.
+    # In-cluster configs refresh the projected token through refresh_api_key_hook; the plain GET
+    # must ask the configuration for it on every request, as the generated client does.
     apiserver.answer(200, claim_json())
+    config = client_config(apiserver.port)
+    config.api_key = {"BearerToken": "token-0"}
+    config.api_key_prefix = {"BearerToken": "Bearer"}
     rotations = iter(["token-1", "token-2"])
-    api = KubeClient(ClusterAccess(server=url(apiserver.port), token=lambda: next(rotations)))
-    fetcher = ClaimFetcher(api, read_timeout_s=5)
-    fetcher.fetch(REF)
-    fetcher.fetch(REF)
+
+    def rotate(configuration: kubernetes.client.Configuration) -> None:
+        configuration.api_key["BearerToken"] = next(rotations)
+
+    config.refresh_api_key_hook = rotate  # type: ignore[assignment]  # the stubs type it as None
+    with kubernetes.client.ApiClient(config) as api:
+        fetcher = ClaimFetcher(api, read_timeout_s=5)
+        fetcher.fetch(REF)
+        fetcher.fetch(REF)
     assert apiserver.authorizations == ["Bearer token-1", "Bearer token-2"]
 
 
@@ -197,8 +207,9 @@ def test_unreachable_api_server() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = int(probe.getsockname()[1])
-    api = KubeClient(ClusterAccess(server=url(port), token=lambda: None), connect_retries=0)
-    with pytest.raises(ClaimError, match="cannot reach the API server"):
+    config = client_config(port)
+    config.retries = 0
+    with kubernetes.client.ApiClient(config) as api, pytest.raises(ClaimError, match="cannot reach the API server"):
         ClaimFetcher(api, read_timeout_s=5).fetch(REF)
 
 

@@ -8,7 +8,6 @@ a host-installed driver is written as before.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path, PurePosixPath
@@ -260,7 +259,7 @@ def test_inspect_shows_device_root_and_the_missing_libraries(
     host.toolkit_spec.unlink()
     text = inspect(settings, as_json=False)
     assert "PROBLEM: node not ready: no usable driver libraries for containers" in text
-    report = json.loads(inspect(dataclasses.replace(settings, driver_libraries_required=False), as_json=True))
+    report = json.loads(inspect(settings.model_copy(update={"driver_libraries_required": False}), as_json=True))
     assert report["node_driver"]["driver_libraries"].startswith("not injected: ")
     assert not [p for p in report["problems"] if "not ready" in p]
 

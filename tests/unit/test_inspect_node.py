@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -238,6 +237,6 @@ def test_recorded_compute_modes_and_where_mps_daemons_run(settings: Settings) ->
     assert ("MPS daemons run as: child processes of the plugin process (they stop with it: in a pod, with the "
             "plugin container)") in text
 
-    hosted = dataclasses.replace(settings, mps_host_socket=Path("/run/tessera/mps-host/host.sock"))
+    hosted = settings.model_copy(update={"mps_host_socket": Path("/run/tessera/mps-host/host.sock")})
     assert collect(hosted)["mps_daemons_run_by"] == ("MPS host at /run/tessera/mps-host/host.sock "
                                                      "(daemons outlive the plugin)")

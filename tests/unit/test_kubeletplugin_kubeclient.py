@@ -1,6 +1,5 @@
-"""kubeclient against misbehaving servers: a hung API server costs one read timeout, a refused
-connection is tried again, a kept-alive connection the server closed is replaced, and a watch stream
-can be interrupted whatever state it is in."""
+"""kubeclient against misbehaving servers: a hung API server costs one read timeout, and a watch
+stream can be interrupted whatever state it is in."""
 
 from __future__ import annotations
 
@@ -10,15 +9,13 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
+from kubernetes import client
 
-from driver.kubeletplugin import kubeclient
 from driver.kubeletplugin.claimfetch import ClaimError, ClaimFetcher
 from driver.kubeletplugin.kubeclient import (
     KubeApiError,
-    KubeClient,
     load_api_client,
     open_json_lines,
     plain_client,
@@ -91,33 +88,54 @@ def test_raw_request_to_a_hung_server_is_sent_once(silent: SilentServer, tmp_pat
     assert silent.connections() == 1
 
 
-def test_a_refused_connection_is_tried_twice_more(monkeypatch: pytest.MonkeyPatch) -> None:
-    server = OneAnswerServer()
-    attempts: list[int] = []
-    real = kubeclient.Connection
+def test_loaded_client_retries_only_connection_attempts(tmp_path: Path) -> None:
+    api = load_api_client(kubeconfig_for("http://127.0.0.1:1", tmp_path / "kubeconfig"))
+    retries = api.configuration.retries
+    assert (retries.connect, retries.read, retries.status, retries.other, retries.redirect) == (2, 0, 0, 0, 0)
 
-    def refused_twice(*args: Any, **kwargs: Any) -> kubeclient.Connection:
-        attempts.append(1)
-        if len(attempts) <= 2:
-            raise ConnectionRefusedError("simulated: nothing listens yet")
-        return real(*args, **kwargs)
 
-    def always_refused(*args: Any, **kwargs: Any) -> kubeclient.Connection:
-        attempts.append(1)
-        raise ConnectionRefusedError("simulated: nothing listens")
+# ----- interrupting a watch stream ----------------------------------------------------------
 
-    monkeypatch.setattr(kubeclient.time, "sleep", lambda _s: None)  # the backoff between attempts
+
+class _ChunkedLines(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # chunked transfer needs 1.1
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for line in (b'{"type": "ADDED", "object": {}}\n', b'{"type": "DELETED", "object": {}}\n'):
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+        self.wfile.write(b"0\r\n\r\n")
+
+    def log_message(self, format: str, *args: object) -> None:
+        return
+
+
+@pytest.fixture
+def lines_api() -> Iterator[client.ApiClient]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ChunkedLines)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     try:
-        monkeypatch.setattr(kubeclient, "Connection", refused_twice)
-        assert request_json(plain_client(server.url), "GET", "/version") == {"major": "1"}
-        assert len(attempts) == 3
-        attempts.clear()
-        monkeypatch.setattr(kubeclient, "Connection", always_refused)
-        with pytest.raises(KubeApiError, match="ConnectionError"):
-            request_json(plain_client(server.url), "GET", "/version")
-        assert len(attempts) == 1 + kubeclient.CONNECT_RETRIES == 3
+        yield client.ApiClient(client.Configuration(host=f"http://127.0.0.1:{server.server_address[1]}"))
     finally:
-        server.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_interrupt_after_close_is_a_no_op(lines_api: client.ApiClient) -> None:
+    stream = open_json_lines(lines_api, "/watch", query=[], timeout=5)
+    stream.close()
+    stream.interrupt()  # urllib3 raises ValueError here
+
+
+def test_interrupt_after_the_stream_ended_is_a_no_op(lines_api: client.ApiClient) -> None:
+    stream = open_json_lines(lines_api, "/watch", query=[], timeout=5)
+    assert [event["type"] for event in stream] == ["ADDED", "DELETED"]
+    stream.interrupt()  # the connection went back to the pool: urllib3 raises RuntimeError here
+    stream.close()
 
 
 class OneAnswerServer:
@@ -163,63 +181,3 @@ def test_a_kept_alive_connection_the_server_closed_is_not_used_again() -> None:
         assert server.connections == 3
     finally:
         server.close()
-
-
-def test_a_get_on_a_connection_closed_under_it_is_sent_again_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    server = OneAnswerServer()
-    try:
-        api = plain_client(server.url)
-        assert request_json(api, "GET", "/version") == {"major": "1"}
-        # The server closes right after its answer; pretend the close had not arrived yet when the
-        # idle connection was taken: the request goes out on it, gets no answer, and is sent again.
-        monkeypatch.setattr(kubeclient, "_readable", lambda _sock: False)
-        assert request_json(api, "GET", "/version") == {"major": "1"}
-        assert server.connections == 2
-        with pytest.raises(KubeApiError, match="ConnectionError"):  # a POST is never sent twice
-            request_json(api, "POST", "/version", body={})
-    finally:
-        server.close()
-
-
-# ----- interrupting a watch stream ----------------------------------------------------------
-
-
-class _ChunkedLines(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # chunked transfer needs 1.1
-
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        for line in (b'{"type": "ADDED", "object": {}}\n', b'{"type": "DELETED", "object": {}}\n'):
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
-        self.wfile.write(b"0\r\n\r\n")
-
-    def log_message(self, format: str, *args: object) -> None:
-        return
-
-
-@pytest.fixture
-def lines_api() -> Iterator[KubeClient]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _ChunkedLines)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-    try:
-        yield plain_client(f"http://127.0.0.1:{server.server_address[1]}")
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-def test_interrupt_after_close_is_a_no_op(lines_api: KubeClient) -> None:
-    stream = open_json_lines(lines_api, "/watch", query=[], timeout=5)
-    stream.close()
-    stream.interrupt()
-
-
-def test_interrupt_after_the_stream_ended_is_a_no_op(lines_api: KubeClient) -> None:
-    stream = open_json_lines(lines_api, "/watch", query=[], timeout=5)
-    assert [event["type"] for event in stream] == ["ADDED", "DELETED"]
-    stream.interrupt()
-    stream.close()

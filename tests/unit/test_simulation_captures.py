@@ -34,4 +34,4 @@ def test_simulated_h200_profiles_are_the_captured_ones() -> None:
 
 def test_models_without_a_capture_keep_the_table_and_the_copy_engine_rule() -> None:
     one = next(p for p in gpu_model("H100-80GB").mig_profiles if p.name == "1g.10gb")
-    assert (one.memory_mib, one.copy_engines, one.decoders) == (9984, 1, None)
+    assert (one.memory_mib, one.engines.copy_engines, one.engines.decoders) == (9984, 1, None)

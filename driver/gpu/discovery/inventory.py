@@ -13,7 +13,24 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict
 
 
-class MigInstance(BaseModel):
+class MigEngines(BaseModel):
+    """The engines of a MIG profile, as NVML's GPU-instance profile info counts them (None: not reported)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    copy_engines: int | None = None
+    decoders: int | None = None
+    encoders: int | None = None
+    jpeg_engines: int | None = None
+    ofa_engines: int | None = None
+
+    def engines(self) -> MigEngines:
+        """Just the engine counts (of a MIG device or profile), to build another model with them."""
+        return MigEngines(copy_engines=self.copy_engines, decoders=self.decoders, encoders=self.encoders,
+                          jpeg_engines=self.jpeg_engines, ofa_engines=self.ofa_engines)
+
+
+class MigInstance(MigEngines):
     """An existing MIG device (GPU instance + compute instance) on a MIG-enabled GPU."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -27,14 +44,9 @@ class MigInstance(BaseModel):
     ci_id: int
     memory_bytes: int | None = None
     multiprocessors: int | None = None
-    copy_engines: int | None = None
-    decoders: int | None = None
-    encoders: int | None = None
-    jpeg_engines: int | None = None
-    ofa_engines: int | None = None
 
 
-class MigProfileInfo(BaseModel):
+class MigProfileInfo(MigEngines):
     """One GPU-instance profile a MIG-capable GPU can create, and where (for dynamic MIG).
 
     On hardware: NVML's GPU-instance profile info and its possible placements; in the simulation:
@@ -50,11 +62,6 @@ class MigProfileInfo(BaseModel):
     memory_slices: int  # placement size
     memory_bytes: int
     multiprocessors: int
-    copy_engines: int | None = None
-    decoders: int | None = None
-    encoders: int | None = None
-    jpeg_engines: int | None = None
-    ofa_engines: int | None = None
     placement_starts: tuple[int, ...] = ()  # NVML's possible placements' starts; each covers memory_slices
 
 

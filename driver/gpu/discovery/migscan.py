@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from driver.gpu.discovery.inventory import MigInstance, MigProfileInfo
+from driver.gpu.discovery.inventory import MigEngines, MigInstance, MigProfileInfo
 from driver.gpu.discovery.migprofiles import profile_name
 from driver.gpu.discovery.nvmlvalues import as_text
 from driver.units import MIB
@@ -44,11 +44,7 @@ class _GiProfile:
     slice_count: int
     memory_mib: int
     multiprocessors: int
-    copy_engines: int
-    decoders: int
-    encoders: int
-    jpeg_engines: int
-    ofa_engines: int
+    engines: MigEngines
     nvml_name: str | None  # only the v2 struct has it; a fallback when the name cannot be computed
 
 
@@ -128,13 +124,9 @@ class MigScan:
             ci_profile_id=ci_enum,
             compute_slices=profile.slice_count,
             memory_slices=sizes.pop(),
+            **profile.engines.model_dump(),
             memory_bytes=profile.memory_mib * MIB,
             multiprocessors=profile.multiprocessors,
-            copy_engines=profile.copy_engines,
-            decoders=profile.decoders,
-            encoders=profile.encoders,
-            jpeg_engines=profile.jpeg_engines,
-            ofa_engines=profile.ofa_engines,
             placement_starts=tuple(sorted(start for start, _size in placements)),
         )
 
@@ -195,11 +187,7 @@ class MigScan:
             ci_id=ci_id,
             memory_bytes=profile.memory_mib * MIB,
             multiprocessors=ci_shape.multiprocessors,
-            copy_engines=profile.copy_engines,
-            decoders=profile.decoders,
-            encoders=profile.encoders,
-            jpeg_engines=profile.jpeg_engines,
-            ofa_engines=profile.ofa_engines,
+            **profile.engines.model_dump(),
         )
 
     def _profile_name(self, profile: _GiProfile, ci_slices: int) -> str | None:
@@ -232,11 +220,9 @@ class MigScan:
                     slice_count=int(info.sliceCount),
                     memory_mib=int(info.memorySizeMB),
                     multiprocessors=int(info.multiprocessorCount),
-                    copy_engines=int(info.copyEngineCount),
-                    decoders=int(info.decoderCount),
-                    encoders=int(info.encoderCount),
-                    jpeg_engines=int(info.jpegCount),
-                    ofa_engines=int(info.ofaCount),
+                    engines=MigEngines(copy_engines=int(info.copyEngineCount), decoders=int(info.decoderCount),
+                                       encoders=int(info.encoderCount), jpeg_engines=int(info.jpegCount),
+                                       ofa_engines=int(info.ofaCount)),
                     nvml_name=as_text(name) if name else None,
                 ),
             )
