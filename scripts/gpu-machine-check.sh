@@ -48,6 +48,12 @@ step check-node 180 $py -m driver check-node --verbose "${spec[@]}"
 step check-node-json 180 $py -m driver check-node --json "${spec[@]}"
 step mig-profiles 60 $py scripts/mig-profile-probe.py
 step real-node-e2e 240 $py scripts/real-node-e2e.py --driver-libraries-required "$libs" "${spec[@]}"
+# A dynamic MIG plan for every GPU: a GPU in MIG mode without instances publishes its placements, any
+# other GPU is published as before with the reason logged (nothing is created: no claim asks for MIG).
+printf 'defaultPlan: dynamic\nplans:\n  dynamic:\n    gpus:\n    - match: {all: true}\n      dynamicMig: {}\n' >"$out/dynamic-plan.yaml"
+step check-plan-dynamic 60 $py -m driver check-plan "$out/dynamic-plan.yaml"
+step real-node-e2e-dynamic 240 $py scripts/real-node-e2e.py --driver-libraries-required "$libs" "${spec[@]}" \
+    --sharing-plans "$out/dynamic-plan.yaml"
 
 after=$(nvidia-smi --query-gpu=uuid,compute_mode,mig.mode.current --format=csv,noheader)
 left=$(pgrep -a -f 'nvidia-cuda-mps-(control|server)' || true)

@@ -65,6 +65,7 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--driver-libraries-required", default="true")
     parser.add_argument("--nvidia-cdi-spec", default=None, help="the toolkit's CDI spec, where not auto-detected")
+    parser.add_argument("--sharing-plans", default=None, help="sharing plans for the driver (its defaultPlan)")
     parser.add_argument("--server-minor", type=int, default=36)
     parser.add_argument("--simulate", default=None,
                         help="SIMULATION: a simulated layout instead of the real GPUs (to try this script without one)")
@@ -83,10 +84,14 @@ def main() -> int:
                  "--driver-root", args.driver_root, "--driver-libraries-required", args.driver_libraries_required]
     if args.nvidia_cdi_spec:
         node_args += ["--nvidia-cdi-spec", args.nvidia_cdi_spec]
+    if args.sharing_plans:
+        node_args += ["--sharing-plans", str(Path(args.sharing_plans).resolve())]
     if args.simulate:
         discovery = SimulatedDiscovery(args.simulate, NODE)
         host = build_host_root(work / "host", discovery.discover(), discovery.driver_layout)
-        node_args = [*node_args[:6], "--simulate", args.simulate, *host.driver_args()]
+        real_roots = {"--driver-root": args.driver_root}
+        node_args = [a for i, a in enumerate(node_args) if a not in real_roots and node_args[i - 1] not in real_roots]
+        node_args += ["--simulate", args.simulate, *host.driver_args()]
     cmd = [sys.executable, "-m", "driver", "run", *node_args, "--kubeconfig", str(kubeconfig),
            "--registrar-dir", str(work / "registry"), "--http-port", "0", "--log-format", "text"]
     failures: list[str] = []
