@@ -16,6 +16,7 @@ prepares, the publisher backs off), so their timeouts must mean what they say.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import logging
 import re
@@ -236,15 +237,31 @@ def _open(api: KubeClient, method: str, path: str, *, query: Sequence[tuple[str,
     url = api.configuration.host + path
     if query:
         url += "?" + urlencode(list(query))
-    try:
-        answer = api.rest_client.request(  # type: ignore[no-untyped-call]
-            method, url, headers=headers, body=body, _request_timeout=timeouts)
-    except urllib3.exceptions.HTTPError as err:
-        raise KubeApiError(0, "ConnectionError", f"{method} {path}: {err}") from err
-    except client.ApiException as err:
-        raise KubeApiError(int(err.status or 0), str(err.reason or "Error"), f"{method} {path}") from err
+    for attempt in (1, 2):
+        try:
+            answer = api.rest_client.request(  # type: ignore[no-untyped-call]
+                method, url, headers=headers, body=body, _request_timeout=timeouts)
+            break
+        except urllib3.exceptions.HTTPError as err:
+            if attempt == 1 and method == "GET" and _closed_before_answering(err):
+                continue
+            raise KubeApiError(0, "ConnectionError", f"{method} {path}: {err}") from err
+        except client.ApiException as err:
+            raise KubeApiError(int(err.status or 0), str(err.reason or "Error"), f"{method} {path}") from err
     response: urllib3.HTTPResponse = answer.response
     return response
+
+
+def _closed_before_answering(err: urllib3.exceptions.HTTPError) -> bool:
+    """Whether the server closed the connection without a byte of answer: a kept-alive connection it had
+    just closed for idleness (urllib3 checks a pooled connection before reuse, but the close can come a
+    moment after). A GET is sent again once on a new connection; a read timeout is not this, and is not
+    repeated (:func:`request_retries`)."""
+    reason = err.reason if isinstance(err, urllib3.exceptions.MaxRetryError) else err
+    if not isinstance(reason, urllib3.exceptions.ProtocolError):
+        return False
+    cause = reason.args[1] if len(reason.args) > 1 else None
+    return isinstance(cause, http.client.RemoteDisconnected | ConnectionResetError)
 
 
 def _error_from_answer(method: str, path: str, status: int, data: bytes) -> KubeApiError:

@@ -181,3 +181,34 @@ def test_a_kept_alive_connection_the_server_closed_is_not_used_again() -> None:
         assert server.connections == 3
     finally:
         server.close()
+
+
+class ClosesFirstServer(OneAnswerServer):
+    """Reads the first request and closes the connection without a byte of answer (an idle close racing the
+    request), then answers as OneAnswerServer does."""
+
+    def _serve(self) -> None:
+        conn, _ = self._listener.accept()
+        self.connections += 1
+        with conn:
+            conn.recv(4096)
+        super()._serve()
+
+
+def test_a_get_whose_connection_closed_unanswered_is_sent_once_more() -> None:
+    server = ClosesFirstServer()
+    try:
+        assert request_json(plain_client(server.url), "GET", "/version") == {"major": "1"}
+        assert server.connections == 2
+    finally:
+        server.close()
+
+
+def test_a_write_whose_connection_closed_unanswered_is_not_repeated() -> None:
+    server = ClosesFirstServer()
+    try:
+        with pytest.raises(KubeApiError, match="ConnectionError"):
+            request_json(plain_client(server.url), "POST", "/api/v1/namespaces/default/events", body={"a": 1})
+        assert server.connections == 1
+    finally:
+        server.close()
