@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -130,7 +131,16 @@ class CachedRoute:
             return self._answer
 
 
-class _DualStackHTTPServer(ThreadingHTTPServer):
+class _HTTPServer(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        # socketserver prints a traceback to stderr for any exception in a handler: a scraper that hangs up
+        # mid-answer, or a client sending garbage to a port reachable from the pod network. Neither is the
+        # driver's fault; one debug line says what happened.
+        log.debug("an HTTP client went away or sent what could not be answered",
+                  extra={"client": str(client_address), "error": repr(sys.exc_info()[1])})
+
+
+class _DualStackHTTPServer(_HTTPServer):
     """Listens on IPv6 with IPv4 mapped in, so ``::`` also accepts IPv4 clients."""
 
     address_family = socket.AF_INET6
@@ -152,4 +162,4 @@ def _bind(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> Thread
             host = "0.0.0.0"
     if ":" in host:
         return _DualStackHTTPServer((host, port), handler)
-    return ThreadingHTTPServer((host, port), handler)
+    return _HTTPServer((host, port), handler)
