@@ -180,6 +180,7 @@ class DriverApp:
                                f"(label {settings.sharing_plan_label}): {exc}") from exc
         self._helper: Helper | None = None
         self._next_scan = 0.0
+        self._mig_changes_seen = 0
         paths = state_paths(settings)
         self.mps_launcher = choose_launcher(settings)
         self.mps = MpsManager(settings.driver_root, settings.state_dir / "mps", self.mps_launcher,
@@ -333,11 +334,16 @@ class DriverApp:
                                           "mps_daemons": self.mps_launcher.describe()})
         self._follow_multi_user_safely()
         self._next_scan = time.monotonic() + settings.rescan_interval
+        self._mig_changes_seen = self.state.mig.changes
 
     def tick(self) -> None:
-        """Once a second on the main thread: the multi-user probe's answer, and a rescan when one is due."""
+        """Once a second on the main thread: the multi-user probe's answer, and a rescan when one is due, or
+        at once after a MIG instance was created or destroyed: until discovery lists it, NVML's health events
+        in it would name its whole GPU and taint every device of the GPU, other claims' instances too."""
         self._follow_multi_user_safely()
-        if time.monotonic() >= self._next_scan:
+        mig_changes = self.state.mig.changes
+        if time.monotonic() >= self._next_scan or mig_changes != self._mig_changes_seen:
+            self._mig_changes_seen = mig_changes
             self._next_scan = time.monotonic() + self.settings.rescan_interval
             try:
                 self.rescan()

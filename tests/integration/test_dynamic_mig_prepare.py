@@ -234,3 +234,20 @@ def test_a_health_event_on_a_dynamic_instance_taints_its_device_only(node: Simul
     wait_until(lambda: tainted() == {THREE_G: "xid-94"}, 30, f"only {THREE_G} tainted (have {tainted()})")
     other = node.claim("d", [("mig", "gpu-0-mig-1g10gb-0")])
     node.prepare_ok(other)  # the GPU's other placements stay usable
+
+
+def test_a_created_instance_is_known_to_health_before_the_next_periodic_rescan(node: SimulatedNode) -> None:
+    """With a rescan due only in 10 minutes, the driver still rediscovers right after creating the instance,
+    so an event in it taints its device alone (not, by its GPU, every placement of the GPU)."""
+    node.start("--rescan-interval", "600", env={"TESSERA_SIM_EVENTS": str(node.events_file)})
+    wait_until(lambda: THREE_G in node.device_names(), 30, "the dynamic MIG placements published")
+    ref = node.claim("c", [("mig", THREE_G)])
+    node.prepare_ok(ref)
+    mig_uuid = node.checkpoint()["claims"][ref.uid]["devices"][0]["mig_uuid"]
+    with node.events_file.open("a") as handle:
+        handle.write(json.dumps({"uuid": mig_uuid, "xid": 94}) + "\n")
+
+    def tainted() -> dict[str, str]:
+        return {d["name"]: d["taints"][0]["value"] for d in node.devices() if d.get("taints")}
+
+    wait_until(lambda: tainted() == {THREE_G: "xid-94"}, 30, f"only {THREE_G} tainted (have {tainted()})")
