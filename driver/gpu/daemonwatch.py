@@ -18,7 +18,9 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from driver.gpu.checkpoint import ClaimPhase, ClaimRecord
 from driver.gpu.mps.limits import LimitDrift
+from driver.gpu.runtime.gpulocks import RESCAN_GPU_WAIT
 from driver.gpu.runtime.interfaces import ServedClaim
 from driver.kubeletplugin.events import EventRecorder, EventSpec, ObjectRef
 from driver.kubeletplugin.telemetry import Telemetry
@@ -60,6 +62,41 @@ class DaemonWatcher:
                 self.state.check_daemons(limits=True)
             except Exception:
                 log.exception("checking the MPS daemons failed; will retry")
+
+
+def check_daemons(state: DeviceState, limits: bool = False) -> list[str]:
+    """Restart MPS daemons that died since the last check (each rescan; with ``limits`` also revert limits
+    a client changed), each under its GPUs' locks; a busy GPU is checked next time."""
+    cp = state.ledger.read()
+    restarted: list[str] = []
+    for daemon_id in sorted(cp.mps_daemons):
+        users = [r for r in cp.claims.values() if _uses_daemon(r, daemon_id)]
+        gpus = sorted({g for r in users for g in r.gpu_uuids})
+        if not gpus:
+            continue  # an orphan: stopped at the next start
+        try:
+            with state.gpu_locks.held(gpus, RESCAN_GPU_WAIT, f"checking MPS daemon {daemon_id}"):
+                if not state.sharing.check_daemon(daemon_id, limits):
+                    continue
+                restarted.append(daemon_id)
+                current = state.ledger.read()
+                for record in current.claims.values():
+                    if _uses_daemon(record, daemon_id):
+                        state.write_cdi(record, current)
+        except Exception as exc:
+            log.error("checking an MPS daemon failed; retried at the next rescan",
+                      extra={"daemon_id": daemon_id, "reason": str(exc)})
+    if restarted:
+        log.warning("restarted MPS daemons that had died; their clients must reconnect",
+                    extra={"daemons": restarted})
+    return restarted
+
+
+def _uses_daemon(record: ClaimRecord, daemon_id: str) -> bool:
+    """Whether prepared claim ``record`` is served by ``daemon_id``. A PrepareStarted record is a failed
+    prepare whose rollback is to be retried: reviving its daemon or spec would undo that rollback."""
+    return record.phase == ClaimPhase.PREPARE_COMPLETED and daemon_id in (*record.owned_mps_daemons,
+                                                                          *record.shared_mps_daemons)
 
 
 class MpsReports:

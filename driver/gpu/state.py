@@ -40,6 +40,7 @@ from driver.gpu.claimcdi.toolkit import ToolkitEdits
 from driver.gpu.claimconfig.api import ConfigError
 from driver.gpu.claimplan import ClaimPlan, plan_claim
 from driver.gpu.claimrecord import started_record
+from driver.gpu.daemonwatch import check_daemons
 from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
 from driver.gpu.healthgate import DeviceTaints, check_device_health
@@ -50,7 +51,7 @@ from driver.gpu.mps.model import MpsError
 from driver.gpu.rebuild import rebuild_checkpoint
 from driver.gpu.recovery import RecoveryReport, recover
 from driver.gpu.runtime.computemode import ComputeModeError
-from driver.gpu.runtime.gpulocks import GpuBusy, GpuLocks
+from driver.gpu.runtime.gpulocks import RESCAN_GPU_WAIT, GpuBusy, GpuLocks
 from driver.gpu.runtime.interfaces import ComputeModeControl, MpsDaemons, TimeSlices
 from driver.gpu.runtime.mig import MigPartitioner
 from driver.gpu.runtime.migruntime import MigRuntime
@@ -66,8 +67,6 @@ from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, ClaimRef, Deadl
 
 log = logging.getLogger(__name__)
 
-# How long a rescan waits for a GPU another operation holds before leaving it to the next rescan.
-RESCAN_GPU_WAIT = 1.0
 # How long an unprepare waits for its GPUs (a prepare on them is bounded by its own deadline).
 UNPREPARE_GPU_WAIT = DEFAULT_PREPARE_DEADLINE + 10.0
 _RESERVE_ATTEMPTS = 3
@@ -354,42 +353,13 @@ class DeviceState:
     # ----------------------------------------------------------------------------- rescans
 
     def check_daemons(self, limits: bool = False) -> list[str]:
-        """Restart MPS daemons that died since the last check (each rescan; with ``limits`` also revert limits
-        a client changed: ``daemonwatch.py``), each under its GPUs' locks; a busy GPU is checked next time."""
-        cp = self.ledger.read()
-        restarted: list[str] = []
-        for daemon_id in sorted(cp.mps_daemons):
-            users = [r for r in cp.claims.values() if _uses_daemon(r, daemon_id)]
-            gpus = sorted({g for r in users for g in r.gpu_uuids})
-            if not gpus:
-                continue  # an orphan: stopped at the next start
-            try:
-                with self.gpu_locks.held(gpus, RESCAN_GPU_WAIT, f"checking MPS daemon {daemon_id}"):
-                    if not self.sharing.check_daemon(daemon_id, limits):
-                        continue
-                    restarted.append(daemon_id)
-                    current = self.ledger.read()
-                    for record in current.claims.values():
-                        if _uses_daemon(record, daemon_id):
-                            self.write_cdi(record, current)
-            except Exception as exc:
-                log.error("checking an MPS daemon failed; retried at the next rescan",
-                          extra={"daemon_id": daemon_id, "reason": str(exc)})
-        if restarted:
-            log.warning("restarted MPS daemons that had died; their clients must reconnect",
-                        extra={"daemons": restarted})
-        return restarted
+        """Restart MPS daemons that died since the last check; with ``limits`` also revert limits a client
+        changed (``daemonwatch.check_daemons``). Returns the daemons restarted."""
+        return check_daemons(self, limits)
 
     def recover(self) -> RecoveryReport:
         """Run once at start: finish or roll back what a crash or reboot interrupted (``recovery.py``)."""
         return recover(self)
-
-
-def _uses_daemon(record: ClaimRecord, daemon_id: str) -> bool:
-    """Whether prepared claim ``record`` is served by ``daemon_id``. A PrepareStarted record is a failed
-    prepare whose rollback is to be retried: reviving its daemon or spec would undo that rollback."""
-    return record.phase == ClaimPhase.PREPARE_COMPLETED and daemon_id in (*record.owned_mps_daemons,
-                                                                          *record.shared_mps_daemons)
 
 
 def _complete(cp: Checkpoint, uid: str) -> None:

@@ -21,6 +21,9 @@ from driver.kubeletplugin.nodelock import LockFile
 
 _LOCK_NAME = re.compile(r"^GPU-[A-Za-z0-9-]{1,80}$")
 
+# How long a rescan or the daemon watcher waits for a GPU another operation holds before leaving it to
+# the next round.
+RESCAN_GPU_WAIT = 1.0
 
 class GpuBusy(Exception):
     """A GPU's lock was not free within the time allowed; the message names the GPU."""
