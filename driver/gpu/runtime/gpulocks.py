@@ -25,6 +25,7 @@ _LOCK_NAME = re.compile(r"^GPU-[A-Za-z0-9-]{1,80}$")
 # the next round.
 RESCAN_GPU_WAIT = 1.0
 
+
 class GpuBusy(Exception):
     """A GPU's lock was not free within the time allowed; the message names the GPU."""
 
