@@ -211,9 +211,6 @@ class FakeApiServer:
                 self.delete_object("pods", namespace, meta["name"], preconditions={})
             return self.create_object("pods", namespace, body)
 
-    def delete_pod(self, namespace: str, name: str) -> None:
-        self.delete_object("pods", namespace, name, preconditions={})
-
     def wipe_slices(self, node: str) -> int:
         """Delete every slice of a node, as the kubelet does; returns how many were deleted."""
         with self._cond:

@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import subprocess
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.support.node import SimulatedNode
+from tests.support.processes import kill_processes_mentioning
 
 
 @pytest.fixture
@@ -15,3 +19,15 @@ def node() -> Iterator[SimulatedNode]:
         yield n
     finally:
         n.close()
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """A demo --workdir, with everything the demo started there stopped and removed afterwards."""
+    # /tmp, not tmp_path: the driver's Unix socket paths under it must stay short.
+    top = Path(tempfile.mkdtemp(prefix="tdemo-", dir="/tmp"))
+    try:
+        yield top / "work"
+    finally:
+        kill_processes_mentioning(str(top), in_environment=True)
+        subprocess.run(["rm", "-rf", str(top)], check=False)

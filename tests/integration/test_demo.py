@@ -12,24 +12,11 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.processes import kill_processes_mentioning, processes_mentioning
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    # /tmp, not tmp_path: the driver's Unix socket paths under it must stay short.
-    top = Path(tempfile.mkdtemp(prefix="tdemo-", dir="/tmp"))
-    try:
-        yield top / "work"
-    finally:
-        kill_processes_mentioning(str(top), in_environment=True)
-        subprocess.run(["rm", "-rf", str(top)], check=False)
+from tests.support.processes import processes_mentioning
 
 
 def _demo(*args: str) -> list[str]:

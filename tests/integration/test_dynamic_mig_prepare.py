@@ -220,8 +220,8 @@ def test_mps_serves_a_dynamic_mig_device_with_the_claims_limits(node: SimulatedN
     assert mignode.instances(node) == []
 
 
-def test_a_health_event_on_a_dynamic_instance_taints_its_device_only(node: SimulatedNode) -> None:
-    start(node)
+def _xid_in_a_new_instance_taints_its_device_only(node: SimulatedNode) -> None:
+    """Prepare a 3g.40gb, report XID 94 inside its instance, and wait until that device alone is tainted."""
     ref = node.claim("c", [("mig", THREE_G)])
     node.prepare_ok(ref)
     mig_uuid = node.checkpoint()["claims"][ref.uid]["devices"][0]["mig_uuid"]
@@ -232,6 +232,11 @@ def test_a_health_event_on_a_dynamic_instance_taints_its_device_only(node: Simul
         return {d["name"]: d["taints"][0]["value"] for d in node.devices() if d.get("taints")}
 
     wait_until(lambda: tainted() == {THREE_G: "xid-94"}, 30, f"only {THREE_G} tainted (have {tainted()})")
+
+
+def test_a_health_event_on_a_dynamic_instance_taints_its_device_only(node: SimulatedNode) -> None:
+    start(node)
+    _xid_in_a_new_instance_taints_its_device_only(node)
     other = node.claim("d", [("mig", "gpu-0-mig-1g10gb-0")])
     node.prepare_ok(other)  # the GPU's other placements stay usable
 
@@ -241,13 +246,4 @@ def test_a_created_instance_is_known_to_health_before_the_next_periodic_rescan(n
     so an event in it taints its device alone (not, by its GPU, every placement of the GPU)."""
     node.start("--rescan-interval", "600", env={"TESSERA_SIM_EVENTS": str(node.events_file)})
     wait_until(lambda: THREE_G in node.device_names(), 30, "the dynamic MIG placements published")
-    ref = node.claim("c", [("mig", THREE_G)])
-    node.prepare_ok(ref)
-    mig_uuid = node.checkpoint()["claims"][ref.uid]["devices"][0]["mig_uuid"]
-    with node.events_file.open("a") as handle:
-        handle.write(json.dumps({"uuid": mig_uuid, "xid": 94}) + "\n")
-
-    def tainted() -> dict[str, str]:
-        return {d["name"]: d["taints"][0]["value"] for d in node.devices() if d.get("taints")}
-
-    wait_until(lambda: tainted() == {THREE_G: "xid-94"}, 30, f"only {THREE_G} tainted (have {tainted()})")
+    _xid_in_a_new_instance_taints_its_device_only(node)

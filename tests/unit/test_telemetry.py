@@ -260,3 +260,22 @@ def test_a_metric_name_is_registered_once(telemetry: Telemetry) -> None:
     telemetry.observe_gauge("prepared_claims", "Claims prepared", lambda: 1.0)
     with pytest.raises(ValueError, match="registered twice"):
         telemetry.observe_gauge("prepared_claims", "Claims prepared", lambda: 1.0)
+
+
+def test_clients_that_reset_mid_answer_or_send_garbage_leave_no_traceback_and_the_port_serving(
+        serve: Callable[..., int], capsys: pytest.CaptureFixture[str]) -> None:
+    # Anyone on the pod network reaches this port: a scraper hanging up mid-answer or bytes that are not
+    # HTTP are not the driver's errors, and socketserver would print a traceback to stderr for the first.
+    port = serve("127.0.0.1", 0, {"/big": lambda: (200, "x" * (8 << 20))}, route_cache_s=0.0)
+    for _ in range(5):
+        with socket.create_connection(("127.0.0.1", port)) as rude:
+            rude.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            rude.recv(1)
+            # Close with a reset (linger 0) while the 8 MiB answer is still being written.
+            rude.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    with socket.create_connection(("127.0.0.1", port)) as garbage:
+        garbage.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\xff" * 64 + b"\r\n\r\n")
+        garbage.settimeout(10)
+        garbage.recv(4096)
+    assert _get(port, "/metrics")[0] == 200
+    assert "Traceback" not in capsys.readouterr().err
