@@ -251,11 +251,11 @@ def measure(node: SimulatedNode, claims: int, streams: int, rounds: int, scratch
     return results
 
 
-def time_to_registration(runs: int) -> tuple[list[float], list[float]]:
+def time_to_registration(runs: int, python: str) -> tuple[list[float], list[float]]:
     """Wall time from Popen to registration, and the driver's CPU time by then (what load skews less)."""
     times, cpu = [], []
     for _ in range(runs):
-        node = SimulatedNode("dgx-h100")
+        node = SimulatedNode("dgx-h100", python=python)
         try:
             started = time.perf_counter()
             node.start(register=False)
@@ -276,17 +276,17 @@ def compile_bytecode() -> None:
         compileall.compile_dir(root / package, quiet=1)
 
 
-def interpreter_start(runs: int) -> float:
+def interpreter_start(runs: int, python: str) -> float:
     """The floor of any start-up: a bare interpreter with site-packages, doing nothing."""
     times = []
     for _ in range(runs):
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        subprocess.run([python, "-c", "pass"], check=True)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
 
-def mps_share_latency(repeats: int, daemon: MpsDaemonKind = STANDIN,
+def mps_share_latency(repeats: int, python: str, daemon: MpsDaemonKind = STANDIN,
                       cycles: int = 5) -> tuple[list[float], list[float], int]:
     """Plan MPS share prepares on a GPU of 8 shares: the cold one (starts the GPU's daemon, reads the compute
     mode and sets EXCLUSIVE_PROCESS through NVML) and the following ones (daemon running). ``cycles`` times
@@ -300,7 +300,7 @@ def mps_share_latency(repeats: int, daemon: MpsDaemonKind = STANDIN,
     following: list[float] = []
     smi_compute_mode_runs = 0
     for _ in range(repeats):
-        node = SimulatedNode("l4", plans=plans, plan="mps")
+        node = SimulatedNode("l4", plans=plans, plan="mps", python=python)
         try:
             daemon.install(node.sim_host.driver_root / "usr" / "bin")
             node.start(*PRODUCTION_RESCAN)
@@ -342,7 +342,7 @@ def _time_prepares(node: SimulatedNode, refs: list[ClaimRef], first: list[float]
     node.unprepare(*refs)
 
 
-def consumable_share_latency(repeats: int, claims: int = 4) -> tuple[list[float], list[float]]:
+def consumable_share_latency(repeats: int, python: str, claims: int = 4) -> tuple[list[float], list[float]]:
     """Prepare of consumable shares of one GPU: the first claim, then the GPU's following claims.
 
     Each consumable claim gets an MPS daemon of its own (docs/sharing.md, C.), so every prepare
@@ -353,7 +353,7 @@ def consumable_share_latency(repeats: int, claims: int = 4) -> tuple[list[float]
     first: list[float] = []
     following: list[float] = []
     for _ in range(repeats):
-        node = SimulatedNode("l4", plans=plans, plan="c")
+        node = SimulatedNode("l4", plans=plans, plan="c", python=python)
         try:
             node.start(*PRODUCTION_RESCAN)
             node.wait_for_devices(["gpu-0-shared"])
@@ -375,6 +375,24 @@ def consumable_share_latency(repeats: int, claims: int = 4) -> tuple[list[float]
 
 
 # ----------------------------------------------------------------------------- report
+
+# Test-side packages that a runtime package imports whenever they are installed, so a driver run from the
+# development environment carries them and the image's does not: `kubernetes.dynamic` (which
+# `import kubernetes` loads) imports kubernetes-validate, and with it jsonschema, referencing and rpds.
+TEST_ONLY_IMPORTED = ("kubernetes_validate",)
+
+
+def driver_environment(python: str) -> str:
+    """Which interpreter runs the driver, and whether its environment differs from the image's."""
+    found = subprocess.run(
+        [python, "-c", "import importlib.util as u, sys; print(*[m for m in sys.argv[1:] if u.find_spec(m)])",
+         *TEST_ONLY_IMPORTED], check=True, capture_output=True, text=True).stdout.split()
+    if not found:
+        return f"driver run by {python}: no test-only package it would import"
+    return (f"driver run by {python}, which also imports the test-only {', '.join(found)} (~3 MiB, ~35 ms on the "
+            "initialisation thread); for the image's figures build its environment with "
+            "`sh deploy/build-venv.sh DIR` and pass --driver-python DIR/bin/python")
+
 
 
 def machine() -> str:
@@ -398,16 +416,20 @@ def main() -> None:
     parser.add_argument("--mps-runs", type=int, default=3, help="0 skips the MPS share rows")
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="py-spy's raw profile of the driver during the measured cycles (needs py-spy)")
+    parser.add_argument("--driver-python", default=sys.executable, metavar="PYTHON",
+                        help="the interpreter the driver runs with (default: this one); give the image's "
+                             "environment, built by deploy/build-venv.sh, for the image's memory and start figures")
     args = parser.parse_args()
     if not 1 <= args.streams < GPUS:
         parser.error(f"--streams must be between 1 and {GPUS - 1} (one simulated GPU per stream, one for warm-up)")
 
     load_before = os.getloadavg()[0]
     compile_bytecode()
-    bare_start = interpreter_start(args.registration_runs)
-    registration_times, registration_cpu = time_to_registration(args.registration_runs)
+    python = args.driver_python
+    bare_start = interpreter_start(args.registration_runs, python)
+    registration_times, registration_cpu = time_to_registration(args.registration_runs, python)
     registration = statistics.median(registration_times)
-    node = SimulatedNode("dgx-h100")
+    node = SimulatedNode("dgx-h100", python=python)
     try:
         node.start(*PRODUCTION_RESCAN)
         node.wait_for_devices([f"gpu-{i}" for i in range(GPUS)])
@@ -421,11 +443,12 @@ def main() -> None:
         peak_rss = proc_status_mib(node.proc.pid, "VmHWM")
     finally:
         node.close()
-    mps_first, mps_following, smi_runs = mps_share_latency(args.mps_runs) if args.mps_runs else ([], [], 0)
+    mps_first, mps_following, smi_runs = mps_share_latency(args.mps_runs, python) if args.mps_runs else ([], [], 0)
     nvidia = nvidia_daemon()
-    nv_first, nv_following, nv_smi_runs = (mps_share_latency(args.mps_runs, nvidia) if args.mps_runs and nvidia
-                                           else ([], [], 0))
-    shares_first, shares_following = consumable_share_latency(args.mps_runs) if args.mps_runs else ([], [])
+    nv_first, nv_following, nv_smi_runs = (mps_share_latency(args.mps_runs, python, nvidia)
+                                           if args.mps_runs and nvidia else ([], [], 0))
+    shares_first, shares_following = (consumable_share_latency(args.mps_runs, python) if args.mps_runs
+                                      else ([], []))
 
     floor_seq, floor_par, seq, par = results.floor_seq, results.floor_par, results.seq, results.par
     cpu_per_cycle = results.driver_cpu_s / (seq.cycles + par.cycles)
@@ -436,6 +459,7 @@ def main() -> None:
     par99, fpar99 = percentile(par.prepare, 99), percentile(floor_par.prepare, 99)
     scaling = par.per_second / seq.per_second
     print(f"machine: {machine()} at the end, {load_before:.1f} at the start (a busy machine skews the figures)")
+    print(driver_environment(python))
     print(f"{seq.cycles} sequential and {par.cycles} concurrent cycles ({n} streams) each, 8 simulated GPUs, "
           f"floor = bare loop of the same I/O, interleaved with Tessera in {args.rounds} rounds; the driver's "
           "bytecode compiled first, as in the image\n")

@@ -3,11 +3,17 @@
 Pure logic, no I/O. Names:
 
 * whole GPU: ``gpu-<minor>``;
-* MIG device: ``gpu-<minor>-mig-<profile fragment>-<placement start>`` (``gpu-0-mig-1g10gb-3``);
+* MIG device (an instance that exists): ``gpu-<minor>-mig-<profile fragment>-<placement start>``
+  (``gpu-0-mig-1g10gb-3``);
 * shares: ``gpu-<minor>-mps-<k>`` / ``gpu-<minor>-ts-<k>``, k = 0 .. count-1;
 * consumable GPU (one device many claims share by capacity): ``gpu-<minor>-shared``;
-* a dynamic MIG GPU's placements have the static MIG names (the placement is the start a created
-  instance will have); its counter set (not a device) is ``gpu-<minor>-counter-set``.
+* dynamic MIG placement (an instance prepare will create): ``gpu-<minor>-dynmig-<profile fragment>-<start>``
+  (``gpu-0-dynmig-3g40gb-4``); its GPU's counter set (not a device) is ``gpu-<minor>-counter-set``.
+
+A placement is never named as the instance that could later stand at the same place: if something
+other than Tessera creates an instance there between a claim's allocation and its prepare (and the
+GPU is then published as that static MIG device), the claim's name must not resolve to that instance,
+which another workload may be using.
 
 The minor (``/dev/nvidia<minor>``) is used rather than the NVML index because the index changes
 when a GPU drops off the bus.
@@ -46,9 +52,17 @@ def gpu_device_name(minor: int) -> str:
 
 
 def mig_device_name(minor: int, profile: str, placement_start: int) -> str:
+    return _mig_name(minor, "mig", profile, placement_start)
+
+
+def dynamic_mig_device_name(minor: int, profile: str, placement_start: int) -> str:
+    return _mig_name(minor, "dynmig", profile, placement_start)
+
+
+def _mig_name(minor: int, infix: str, profile: str, placement_start: int) -> str:
     if placement_start < 0:
         raise ValueError(f"MIG placement start must be >= 0, got {placement_start}")
-    return _checked_name(f"{gpu_device_name(minor)}-mig-{device_name_fragment(profile)}-{placement_start}")
+    return _checked_name(f"{gpu_device_name(minor)}-{infix}-{device_name_fragment(profile)}-{placement_start}")
 
 
 def share_device_name(minor: int, strategy: ShareStrategy, k: int) -> str:
@@ -78,11 +92,12 @@ class ParsedDeviceName(BaseModel):
     mig_profile: str | None = None
     placement_start: int | None = None
     share_index: int | None = None
+    dynamic: bool = False  # a dynamic MIG placement (``-dynmig-``): the instance is created at prepare
 
 
 _NUMBER = r"(0|[1-9][0-9]*)"
 _GPU_NAME = re.compile(rf"^gpu-{_NUMBER}$")
-_MIG_NAME = re.compile(rf"^gpu-{_NUMBER}-mig-([a-z0-9]+(?:-[a-z0-9]+)*)-{_NUMBER}$")
+_MIG_NAME = re.compile(rf"^gpu-{_NUMBER}-(mig|dynmig)-([a-z0-9]+(?:-[a-z0-9]+)*)-{_NUMBER}$")
 _SHARE_NAME = re.compile(rf"^gpu-{_NUMBER}-(mps|ts)-{_NUMBER}$")
 _CONSUMABLE_NAME = re.compile(rf"^gpu-{_NUMBER}-shared$")
 
@@ -96,10 +111,12 @@ def parse_device_name(name: str) -> ParsedDeviceName:
     if match := _CONSUMABLE_NAME.match(name):
         return ParsedDeviceName(kind="consumable", minor=int(match[1]))
     if match := _MIG_NAME.match(name):
-        return ParsedDeviceName(kind="mig", minor=int(match[1]), mig_profile=match[2], placement_start=int(match[3]))
+        return ParsedDeviceName(kind="mig", minor=int(match[1]), mig_profile=match[3], placement_start=int(match[4]),
+                                dynamic=match[2] == "dynmig")
     raise ValueError(
         f"device name {name!r} is not one of this driver's: expected gpu-<minor>, "
-        "gpu-<minor>-mig-<profile>-<start>, gpu-<minor>-mps-<k>, gpu-<minor>-ts-<k> or gpu-<minor>-shared"
+        "gpu-<minor>-mig-<profile>-<start>, gpu-<minor>-dynmig-<profile>-<start>, gpu-<minor>-mps-<k>, "
+        "gpu-<minor>-ts-<k> or gpu-<minor>-shared"
     )
 
 

@@ -15,6 +15,7 @@ from driver.gpu.devicenames import (
     ShareStrategy,
     consumable_device_name,
     counter_set_name,
+    dynamic_mig_device_name,
     gpu_device_name,
     mig_device_name,
     share_device_name,
@@ -207,7 +208,7 @@ def _dynamic_mig(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares,
              "ofaEngines": profile.ofa_engines}, profile.memory_bytes, placement.memory_slices)
         consumes = DeviceCounterConsumption(
             counter_set=set_name, counters=counters(_counter_quantities(placement_consumption(placement, offered))))
-        name = mig_device_name(gpu.minor, profile.name, placement.start)
+        name = dynamic_mig_device_name(gpu.minor, profile.name, placement.start)
         device = Device(name=name, attributes=attributes, capacity=capacity, consumes_counters=(consumes,))
         entries.append((_checked(device), DeviceTarget(name, "mig", gpu, shares=shares, placement=placement)))
     return entries, CounterSet(name=set_name, counters=counters(_counter_quantities(offered)))

@@ -17,8 +17,8 @@ def test_the_dynamic_mig_demo_creates_the_mix_and_the_full_gpu_after_it(workdir:
     assert done.returncode == 0, out + done.stderr
     assert "Traceback" not in out + done.stderr and "FAILED" not in out
     allocated = [line.split(" allocated: ")[1] for line in out.splitlines() if " allocated: mig -> " in line]
-    assert allocated == ["mig -> gpu-0-mig-2g20gb-0", "mig -> gpu-0-mig-2g20gb-2", "mig -> gpu-0-mig-3g40gb-4",
-                         "mig -> gpu-0-mig-7g80gb-0"]
+    assert allocated == ["mig -> gpu-0-dynmig-2g20gb-0", "mig -> gpu-0-dynmig-2g20gb-2", "mig -> gpu-0-dynmig-3g40gb-4",
+                         "mig -> gpu-0-dynmig-7g80gb-0"]
     created = [line.strip() for line in out.splitlines() if line.strip().startswith("MIG instance for claim")]
     assert [line.split(": ", 1)[1].split(" (")[0] for line in created] == [
         "2g.20gb at placement 0", "2g.20gb at placement 2", "3g.40gb at placement 4",  # all three at once

@@ -25,9 +25,9 @@ from tests.support import mignode
 from tests.support.node import DRIVER, SimulatedNode, kill_9_while_daemon_starts, pid_alive, wait_until
 
 PLANS = {"defaultPlan": "p", "plans": {"p": {"gpus": [{"match": {"minor": 0}, "dynamicMig": {}}]}}}
-THREE_G = "gpu-0-mig-3g40gb-4"
-TWO_G = "gpu-0-mig-2g20gb-2"
-ONE_G = "gpu-0-mig-1g10gb-6"
+THREE_G = "gpu-0-dynmig-3g40gb-4"
+TWO_G = "gpu-0-dynmig-2g20gb-2"
+ONE_G = "gpu-0-dynmig-1g10gb-6"
 
 
 def mig_mps_config(**mps: Any) -> dict[str, Any]:
@@ -108,6 +108,33 @@ def test_someone_elses_instance_in_the_way_is_named_and_never_touched(node: Simu
     error = node.prepare(ref)[ref.uid].error
     assert error is not None and "1g.10gb at placement 5" in error and "Tessera did not create" in error
     assert mignode.placements(node) == [(5, 1, 0)]
+    assert node.cdi_files() == [] and node.checkpoint()["claims"] == {}
+
+
+@pytest.mark.parametrize(("profile", "start_slice", "size", "whole"), [
+    ("3g.40gb", 4, 4, False),  # a placement
+    ("7g.80gb", 0, 8, True),  # the whole device of a dynamic GPU: its full-size profile at 0
+])
+def test_a_claim_for_a_placement_is_never_given_an_instance_someone_else_made_there(
+        node: SimulatedNode, profile: str, start_slice: int, size: int, whole: bool) -> None:
+    """The attacker: a process on the node creates a MIG instance exactly at the placement of a claim that is
+    allocated but not yet prepared, and the driver's rescan publishes the GPU as that static MIG device. The
+    claim asked for an instance of its own: handing it the other instance (another workload's) would put two
+    tenants in one MIG instance. It is refused, and the other instance is left alone."""
+    start(node)
+    attrs = {d["name"]: d.get("attributes", {}) for d in node.devices()}
+    stale = "gpu-0" if whole else next(name for name, a in attrs.items()
+                                       if a.get("placement") == {"int": start_slice}
+                                       and a.get("profile") == {"string": profile})
+    ref = node.claim("c", [("gpu" if whole else "mig", stale)])
+    gpu = node.inventory.gpus[0]
+    made = next(p for p in gpu.mig_profiles if p.name == profile)
+    foreign = mignode.engine(node).create(gpu.uuid, made, start_slice)
+    wait_until(lambda: any(d.get("attributes", {}).get("uuid") == {"string": foreign.uuid} for d in node.devices()),
+               30, "the other instance published as a static MIG device")
+    error = node.prepare(ref)[ref.uid].error
+    assert error is not None and stale in error
+    assert mignode.placements(node) == [(start_slice, size, 0)], "the other instance is never touched"
     assert node.cdi_files() == [] and node.checkpoint()["claims"] == {}
 
 
@@ -237,7 +264,7 @@ def _xid_in_a_new_instance_taints_its_device_only(node: SimulatedNode) -> None:
 def test_a_health_event_on_a_dynamic_instance_taints_its_device_only(node: SimulatedNode) -> None:
     start(node)
     _xid_in_a_new_instance_taints_its_device_only(node)
-    other = node.claim("d", [("mig", "gpu-0-mig-1g10gb-0")])
+    other = node.claim("d", [("mig", "gpu-0-dynmig-1g10gb-0")])
     node.prepare_ok(other)  # the GPU's other placements stay usable
 
 

@@ -34,8 +34,8 @@ gpus:
 PROFILES = ["1g.10gb", "3g.40gb", "4g.40gb", "7g.80gb"]
 # gpu-0's devices in publishing order: its whole device, then its placements profile by profile in the
 # order the GPU lists its profiles (the simulation lists them by GI profile id: 7g, 4g, 3g, 1g).
-DYNAMIC = ["gpu-0", "gpu-0-mig-7g80gb-0", "gpu-0-mig-4g40gb-0", "gpu-0-mig-3g40gb-0", "gpu-0-mig-3g40gb-4",
-           *(f"gpu-0-mig-1g10gb-{s}" for s in range(7))]
+DYNAMIC = ["gpu-0", "gpu-0-dynmig-7g80gb-0", "gpu-0-dynmig-4g40gb-0", "gpu-0-dynmig-3g40gb-0", "gpu-0-dynmig-3g40gb-4",
+           *(f"gpu-0-dynmig-1g10gb-{s}" for s in range(7))]
 OTHERS = ["gpu-1-mig-1g10gb-0", "gpu-2", "gpu-3"]
 REASONS = [
     "gpu-1 (NVIDIA H100 80GB HBM3): has MIG instances Tessera did not create (1g.10gb@0), published as those MIG "
@@ -92,7 +92,7 @@ def test_published_in_the_layout_of_the_release(layout: Path, minor: int) -> Non
         [counter_set] = [c for s in slices for c in s["spec"].get("sharedCounters", [])]
         assert counter_set["counters"]["memory-slice-7"] == {"value": "1"}
         assert devices["gpu-0"]["consumesCounters"][0]["counters"] == counter_set["counters"]
-        three = devices["gpu-0-mig-3g40gb-4"]
+        three = devices["gpu-0-dynmig-3g40gb-4"]
         assert three["attributes"]["placement"] == {"int": 4} and "uuid" not in three["attributes"]
         assert sorted(three["consumesCounters"][0]["counters"]) == sorted(
             ["multiprocessors", "copy-engines", "memory", *(f"memory-slice-{i}" for i in range(4, 8))])
@@ -137,7 +137,7 @@ def test_the_allocator_places_claims_by_the_published_counters(layout: Path) -> 
         taken = set()
         allocate(claim("4g.40gb"), slices, DRIVER, taken)
         allocate(claim("3g.40gb"), slices, DRIVER, taken)
-        assert taken == {"gpu-0-mig-4g40gb-0", "gpu-0-mig-3g40gb-4"}
+        assert taken == {"gpu-0-dynmig-4g40gb-0", "gpu-0-dynmig-3g40gb-4"}
         with pytest.raises(AllocationError):
             allocate(claim("4g.40gb"), slices, DRIVER, taken)
     finally:

@@ -84,7 +84,10 @@ def pid_alive(pid: int) -> bool:
 
 class SimulatedNode:
     def __init__(self, layout: str = "demo", plans: dict[str, Any] | None = None, plan: str | None = None,
-                 minor_version: int = 36):
+                 minor_version: int = 36, python: str = sys.executable):
+        # The interpreter the driver's processes run with: scripts/benchmark.py can give the image's environment
+        # (deploy/build-venv.sh), which lacks the test-only packages that runtime packages import when present.
+        self.python = python
         # Short paths: Unix socket paths must stay under 108 bytes.
         self.work = Path(tempfile.mkdtemp(prefix="tsn-", dir="/tmp"))
         self.layout = layout
@@ -174,7 +177,7 @@ class SimulatedNode:
     # ----------------------------------------------------------------------------- process
 
     def args(self, *extra: str) -> list[str]:
-        args = [sys.executable, "-m", "driver", "run", "--simulate", self.layout, "--node-name", NODE,
+        args = [self.python, "-m", "driver", "run", "--simulate", self.layout, "--node-name", NODE,
                 "--kubeconfig", str(self.kubeconfig), "--registrar-dir", str(self.work / "reg"),
                 "--plugins-dir", str(self.work / "plugins"), "--cdi-root", str(self.cdi_dir),
                 *self.sim_host.driver_args(),
@@ -185,7 +188,7 @@ class SimulatedNode:
 
     def inspect_args(self, *extra: str) -> list[str]:
         """``python -m driver inspect`` with the settings the driver runs with, as an operator would run it."""
-        return [sys.executable, "-m", "driver", "inspect", "--simulate", self.layout,
+        return [self.python, "-m", "driver", "inspect", "--simulate", self.layout,
                 "--plugins-dir", str(self.work / "plugins"), "--cdi-root", str(self.cdi_dir),
                 *self.sim_host.driver_args(), *extra]
 
@@ -208,7 +211,7 @@ class SimulatedNode:
         Start the driver with ``"--mps-host-socket", str(node.mps_host_socket)`` to use it.
         """
         assert self.mps_host is None or self.mps_host.poll() is not None, "MPS host already running"
-        args = [sys.executable, "-m", "driver", "mps-host", "--socket", str(self.mps_host_socket),
+        args = [self.python, "-m", "driver", "mps-host", "--socket", str(self.mps_host_socket),
                 "--mps-dir", str(self.state_dir / "mps"), "--driver-root", str(self.host), *extra]
         log = open(self.work / "mps-host.log", "ab")  # noqa: SIM115 - handed to the child process
         host = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self._environment(None))

@@ -56,7 +56,7 @@ def place(slices: list[Obj], taken: set[str], *profiles: str | None) -> list[str
 def test_seven_1g10gb_fit_on_an_h100_an_eighth_does_not(slices: list[Obj]) -> None:
     taken: set[str] = set()
     placed = [place(slices, taken, "1g.10gb")[0] for _ in range(7)]
-    assert placed == [f"gpu-0-mig-1g10gb-{s}" for s in range(7)]
+    assert placed == [f"gpu-0-dynmig-1g10gb-{s}" for s in range(7)]
     for profile in ("1g.10gb", "1g.10gb+me", "1g.20gb", None):
         with pytest.raises(AllocationError, match="no free"):
             place(slices, taken, profile)
@@ -64,7 +64,7 @@ def test_seven_1g10gb_fit_on_an_h100_an_eighth_does_not(slices: list[Obj]) -> No
 
 def test_4g40gb_and_3g40gb_fit_together(slices: list[Obj]) -> None:
     taken: set[str] = set()
-    assert place(slices, taken, "4g.40gb", "3g.40gb") == ["gpu-0-mig-4g40gb-0", "gpu-0-mig-3g40gb-4"]
+    assert place(slices, taken, "4g.40gb", "3g.40gb") == ["gpu-0-dynmig-4g40gb-0", "gpu-0-dynmig-3g40gb-4"]
     with pytest.raises(AllocationError):
         place(slices, taken, "1g.10gb")
 
@@ -79,11 +79,11 @@ def test_4g40gb_twice_does_not_fit(slices: list[Obj]) -> None:
 def test_a_3g40gb_first_leaves_no_room_for_a_4g40gb_by_counters(slices: list[Obj]) -> None:
     # 4g.40gb has the one placement 0, which the first 3g.40gb takes slices 0-3 of: only counters tell.
     taken: set[str] = set()
-    assert place(slices, taken, "3g.40gb") == ["gpu-0-mig-3g40gb-0"]
-    assert "gpu-0-mig-4g40gb-0" not in taken
+    assert place(slices, taken, "3g.40gb") == ["gpu-0-dynmig-3g40gb-0"]
+    assert "gpu-0-dynmig-4g40gb-0" not in taken
     with pytest.raises(AllocationError):
         place(slices, taken, "4g.40gb")
-    assert place(slices, taken, "3g.40gb") == ["gpu-0-mig-3g40gb-4"]
+    assert place(slices, taken, "3g.40gb") == ["gpu-0-dynmig-3g40gb-4"]
 
 
 def test_the_whole_gpu_and_any_placement_never_both(slices: list[Obj]) -> None:
@@ -102,7 +102,7 @@ def test_freeing_a_placement_frees_its_counters(slices: list[Obj]) -> None:
     taken: set[str] = set()
     place(slices, taken, "1g.10gb")
     taken.clear()  # the claim was deallocated
-    assert place(slices, taken, "7g.80gb") == ["gpu-0-mig-7g80gb-0"]
+    assert place(slices, taken, "7g.80gb") == ["gpu-0-dynmig-7g80gb-0"]
 
 
 def test_one_gpus_counters_do_not_limit_another(slices: list[Obj]) -> None:
@@ -110,7 +110,7 @@ def test_one_gpus_counters_do_not_limit_another(slices: list[Obj]) -> None:
     other = {"name": "r", "exactly": {"deviceClassName": f"mig.{DRIVER}", "selectors": [{"cel": {
         "expression": f"device.attributes['{DRIVER}'].profile == '7g.80gb'"}}]}}
     [result] = allocate(claim(other), slices, DRIVER, taken)["status"]["allocation"]["devices"]["results"]
-    assert result["device"] == "gpu-1-mig-7g80gb-0"
+    assert result["device"] == "gpu-1-dynmig-7g80gb-0"
 
 
 def test_admin_access_sees_a_placement_whose_counters_are_taken(slices: list[Obj]) -> None:
@@ -118,7 +118,7 @@ def test_admin_access_sees_a_placement_whose_counters_are_taken(slices: list[Obj
     admin = request("1g.10gb")
     admin["exactly"]["adminAccess"] = True
     [result] = allocate(claim(admin), slices, DRIVER, taken)["status"]["allocation"]["devices"]["results"]
-    assert result["device"] == "gpu-0-mig-1g10gb-0" and result["adminAccess"] is True
+    assert result["device"] == "gpu-0-dynmig-1g10gb-0" and result["adminAccess"] is True
 
 
 def test_synthetic_counters_other_than_memory_slices_limit_too() -> None:

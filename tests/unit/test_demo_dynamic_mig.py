@@ -61,7 +61,7 @@ def test_the_mix_fits_side_by_side_and_the_full_gpu_only_after_it() -> None:
     for index, profile in enumerate(MIX):
         allocate(claim_from_template(claim_for(template(), profile, "abc"[index]), "c"), slices, DEFAULT_DRIVER_NAME,
                  taken)
-    assert taken == {"gpu-0-mig-2g20gb-0", "gpu-0-mig-2g20gb-2", "gpu-0-mig-3g40gb-4"}
+    assert taken == {"gpu-0-dynmig-2g20gb-0", "gpu-0-dynmig-2g20gb-2", "gpu-0-dynmig-3g40gb-4"}
     with pytest.raises(AllocationError):
         allocate(claim_from_template(claim_for(template(), FULL, "a"), "c"), slices, DEFAULT_DRIVER_NAME, taken)
     allocate(claim_from_template(claim_for(template(), FULL, "a"), "c"), slices, DEFAULT_DRIVER_NAME, set())

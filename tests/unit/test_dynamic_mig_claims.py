@@ -78,7 +78,7 @@ def record_of(plan: ClaimPlan, *ids: tuple[int, int, str]) -> ClaimRecord:
 
 
 def test_the_prepare_record_names_the_profile_and_placement_before_anything_exists() -> None:
-    [dev] = record_of(planned("u", "gpu-0-mig-3g40gb-4")).devices
+    [dev] = record_of(planned("u", "gpu-0-dynmig-3g40gb-4")).devices
     intent = dev.dynamic_mig
     assert intent is not None and (intent.profile, intent.placement_start, intent.memory_slices) == ("3g.40gb", 4, 4)
     assert intent.gi_profile_id == 9 and not intent.create_started
@@ -95,19 +95,19 @@ def test_the_whole_device_of_a_dynamic_gpu_records_its_full_size_profile_at_0() 
 
 
 def test_admin_access_to_a_dynamic_device_creates_nothing() -> None:
-    [dev] = record_of(planned("u", "gpu-0-mig-3g40gb-4", admin=True)).devices
+    [dev] = record_of(planned("u", "gpu-0-dynmig-3g40gb-4", admin=True)).devices
     assert dev.admin_access and dev.dynamic_mig is None
 
 
 def test_own_instances_are_the_recorded_ids() -> None:
-    made = record_of(planned("a", "gpu-0-mig-3g40gb-4"), (3, 0, "MIG-a"))
-    pending = record_of(planned("b", "gpu-0-mig-1g10gb-0"))
+    made = record_of(planned("a", "gpu-0-dynmig-3g40gb-4"), (3, 0, "MIG-a"))
+    pending = record_of(planned("b", "gpu-0-dynmig-1g10gb-0"))
     cp = Checkpoint(claims={"a": made, "b": pending})
     assert own_instances(cp) == {("GPU-h100-0", 3)}
 
 
 def test_an_instance_a_create_in_progress_made_is_own_too() -> None:
-    creating = record_of(planned("a", "gpu-0-mig-3g40gb-4"))
+    creating = record_of(planned("a", "gpu-0-dynmig-3g40gb-4"))
     assert creating.devices[0].dynamic_mig is not None
     creating.devices[0].dynamic_mig.create_started = True
     made = instance("3g.40gb", 4, gi_id=5, size=4).model_copy(update={"gi_profile_id": 9})
@@ -122,11 +122,11 @@ def test_an_instance_a_create_in_progress_made_is_own_too() -> None:
 
 
 @pytest.mark.parametrize(("device", "refused"), [
-    ("gpu-0-mig-1g10gb-5", True), ("gpu-0-mig-2g20gb-4", True), ("gpu-0", True),
-    ("gpu-0-mig-3g40gb-0", False), ("gpu-0-mig-4g40gb-0", False), ("gpu-0-mig-1g10gb-3", False),
+    ("gpu-0-dynmig-1g10gb-5", True), ("gpu-0-dynmig-2g20gb-4", True), ("gpu-0", True),
+    ("gpu-0-dynmig-3g40gb-0", False), ("gpu-0-dynmig-4g40gb-0", False), ("gpu-0-dynmig-1g10gb-3", False),
 ])
 def test_a_placement_meeting_another_claims_is_refused(device: str, refused: bool) -> None:
-    cp = Checkpoint(claims={"a": record_of(planned("a", "gpu-0-mig-3g40gb-4"))})
+    cp = Checkpoint(claims={"a": record_of(planned("a", "gpu-0-dynmig-3g40gb-4"))})
     plan = planned("b", device)
     if refused:
         with pytest.raises(PrepareError, match=r"claim ns/c-a \(a\) holds; the allocation is stale"):
@@ -136,10 +136,10 @@ def test_a_placement_meeting_another_claims_is_refused(device: str, refused: boo
 
 
 def test_the_claims_own_record_and_admin_access_are_not_in_its_way() -> None:
-    plan = planned("a", "gpu-0-mig-3g40gb-4")
+    plan = planned("a", "gpu-0-dynmig-3g40gb-4")
     check_placements_free(Checkpoint(claims={"a": record_of(plan)}), plan)
     check_placements_free(Checkpoint(claims={"a": record_of(plan)}),
-                          planned("b", "gpu-0-mig-3g40gb-4", admin=True))
+                          planned("b", "gpu-0-dynmig-3g40gb-4", admin=True))
 
 
 def test_instances_at_the_placement_and_in_its_way() -> None:
@@ -158,7 +158,7 @@ def test_instances_at_the_placement_and_in_its_way() -> None:
 
 
 def test_a_planned_daemon_moves_onto_the_created_instance() -> None:
-    plan = planned("u", "gpu-0-mig-3g40gb-4", configs=[mig_mps(defaultActiveThreadPercentage=30,
+    plan = planned("u", "gpu-0-dynmig-3g40gb-4", configs=[mig_mps(defaultActiveThreadPercentage=30,
                                                                 defaultPinnedDeviceMemoryLimit="4Gi")])
     [daemon] = plan.daemons
     assert daemon.spec.gpu_uuids == ["GPU-h100-0"], "the parent GPU until the instance exists"
@@ -179,13 +179,13 @@ def test_a_recreated_instance_takes_over_its_daemons_spec() -> None:
 
 
 def test_two_dynamic_devices_in_one_claim_are_two_instances() -> None:
-    plan = planned("u", "gpu-0-mig-1g10gb-0", "gpu-0-mig-1g10gb-1")
+    plan = planned("u", "gpu-0-dynmig-1g10gb-0", "gpu-0-dynmig-1g10gb-1")
     assert [d.dynamic_mig.placement_start for d in record_of(plan).devices if d.dynamic_mig] == [0, 1]
 
 
 def test_two_dynamic_devices_on_one_mps_daemon_are_refused_with_the_reason() -> None:
     with pytest.raises(PrepareError, match="a CUDA process sees only one MIG device"):
-        planned("u", "gpu-0-mig-1g10gb-0", "gpu-0-mig-1g10gb-1", configs=[mig_mps()])
+        planned("u", "gpu-0-dynmig-1g10gb-0", "gpu-0-dynmig-1g10gb-1", configs=[mig_mps()])
 
 
 def test_time_slicing_on_the_whole_device_of_a_dynamic_gpu_does_nothing() -> None:
@@ -200,18 +200,18 @@ def test_a_dynamic_device_stands_for_its_profiles_instance_at_its_placement() ->
     mine = instance("3g.40gb", 4, gi_id=2, size=4).model_copy(update={"gi_profile_id": 9, "uuid": "MIG-mine"})
     other = instance("1g.10gb", 0, gi_id=3)
     v = view(mine, other)
-    assert instance_uuid(v.targets["gpu-0-mig-3g40gb-4"]) == "MIG-mine"
-    assert instance_uuid(v.targets["gpu-0-mig-3g40gb-0"]) is None
-    assert instance_uuid(v.targets["gpu-0-mig-1g10gb-4"]) is None, "another profile at the same start"
+    assert instance_uuid(v.targets["gpu-0-dynmig-3g40gb-4"]) == "MIG-mine"
+    assert instance_uuid(v.targets["gpu-0-dynmig-3g40gb-0"]) is None
+    assert instance_uuid(v.targets["gpu-0-dynmig-1g10gb-4"]) is None, "another profile at the same start"
     health = {"MIG-mine": UuidHealth("xid-94", "contained ECC error", 1.0, "GPU-h100-0")}
-    assert set(unhealthy_devices(v.targets, health)) == {"gpu-0-mig-3g40gb-4"}
+    assert set(unhealthy_devices(v.targets, health)) == {"gpu-0-dynmig-3g40gb-4"}
 
 
 # ----------------------------------------------------------------------------- the checkpoint
 
 
 def test_a_record_from_a_newer_driver_still_loads() -> None:
-    placement = view().targets["gpu-0-mig-2g20gb-2"].placement
+    placement = view().targets["gpu-0-dynmig-2g20gb-2"].placement
     assert placement is not None
     device = PreparedDeviceRecord.model_validate({
         "device": PreparedDevice(request_names=["r"], pool_name="p", device_name="d", cdi_device_ids=["x"]),

@@ -36,18 +36,18 @@ def wire(v: NodeView, name: str) -> dict[str, Any]:
 def test_one_device_per_placement_of_each_allowed_profile_after_the_whole_gpu() -> None:
     v = view("1g.10gb", "3g.40gb")
     assert [d.name for d in v.devices] == [
-        "gpu-1", *(f"gpu-1-mig-1g10gb-{s}" for s in range(7)), "gpu-1-mig-3g40gb-0", "gpu-1-mig-3g40gb-4"]
+        "gpu-1", *(f"gpu-1-dynmig-1g10gb-{s}" for s in range(7)), "gpu-1-dynmig-3g40gb-0", "gpu-1-dynmig-3g40gb-4"]
     assert len(view().devices) == 1 + 7 + 7 + 4 + 3 + 2 + 1 + 1  # every H100 placement
 
 
 def test_names_parse_like_static_mig_names() -> None:
-    parsed = parse_device_name("gpu-1-mig-1g10gbme-3")
+    parsed = parse_device_name("gpu-1-dynmig-1g10gbme-3")
     assert (parsed.kind, parsed.minor, parsed.mig_profile, parsed.placement_start) == ("mig", 1, "1g10gbme", 3)
-    assert "gpu-1-mig-1g10gbme-3" in view().targets
+    assert "gpu-1-dynmig-1g10gbme-3" in view().targets
 
 
 def test_placement_device_has_the_static_mig_attributes_less_the_uuid_plus_placement() -> None:
-    dev = wire(view("3g.40gb"), "gpu-1-mig-3g40gb-4")
+    dev = wire(view("3g.40gb"), "gpu-1-dynmig-3g40gb-4")
     attributes = dev["attributes"]
     assert attributes["type"] == {"string": "mig"} and attributes["profile"] == {"string": "3g.40gb"}
     assert attributes["placement"] == {"int": 4}
@@ -60,7 +60,7 @@ def test_placement_device_has_the_static_mig_attributes_less_the_uuid_plus_place
 
 
 def test_placement_consumes_its_profile_and_its_memory_slices() -> None:
-    dev = wire(view("3g.40gb"), "gpu-1-mig-3g40gb-4")
+    dev = wire(view("3g.40gb"), "gpu-1-dynmig-3g40gb-4")
     assert dev["consumesCounters"] == [{"counterSet": "gpu-1-counter-set", "counters": {
         "copy-engines": {"value": "3"}, "memory": {"value": "40448Mi"}, "multiprocessors": {"value": "60"},
         **{f"memory-slice-{i}": {"value": "1"} for i in range(4, 8)}}}]
@@ -93,7 +93,7 @@ def test_also_whole_gpu_false_leaves_the_whole_gpu_out() -> None:
 
 def test_targets_carry_the_placement_for_the_prepare_path() -> None:
     v = view("3g.40gb")
-    target = v.targets["gpu-1-mig-3g40gb-4"]
+    target = v.targets["gpu-1-dynmig-3g40gb-4"]
     assert target.kind == "mig" and target.mig is None and target.dynamic_mig
     assert target.placement is not None and target.placement.start == 4 and target.placement.size == 4
     assert target.placement.profile.gi_profile_id == 9 and target.placement.profile.ci_profile_id == 2
@@ -119,13 +119,13 @@ def test_own_instances_are_not_published_as_static_mig_devices() -> None:
 def test_a_dynamic_gpu_ignores_its_instances_they_are_its_claims_placements() -> None:
     g = h100(0, instances=(instance("1g.10gb", 2, gi_id=7),))
     v = make_view(node(g), {g.uuid: dynamic(("1g.10gb",))})
-    assert "gpu-0-mig-1g10gb-2" in v.targets and v.targets["gpu-0-mig-1g10gb-2"].mig is None
+    assert "gpu-0-dynmig-1g10gb-2" in v.targets and v.targets["gpu-0-dynmig-1g10gb-2"].mig is None
 
 
 def test_other_gpus_keep_their_forms_beside_a_dynamic_one() -> None:
     g = h100(0)
     v = make_view(node(g, l4(1)), {g.uuid: dynamic(("7g.80gb",))})
-    assert [d.name for d in v.devices] == ["gpu-0", "gpu-0-mig-7g80gb-0", "gpu-1"]
+    assert [d.name for d in v.devices] == ["gpu-0", "gpu-0-dynmig-7g80gb-0", "gpu-1"]
     assert not wire(v, "gpu-1").get("consumesCounters") and len(v.counter_sets) == 1
 
 

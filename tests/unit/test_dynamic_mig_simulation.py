@@ -97,7 +97,7 @@ def test_only_creates_can_hang() -> None:
 def test_a_rebuilt_checkpoint_keeps_the_claims_instance(tmp_path: Path) -> None:
     node = DynamicMigNode(tmp_path)
     state = node.state()
-    state.prepare(claim("u1", "gpu-0-mig-3g40gb-4"))
+    state.prepare(claim("u1", "gpu-0-dynmig-3g40gb-4"))
     [before] = state.prepared_claims()
     rebuilt = rebuild_checkpoint(node.paths.cdi_root, state.names, "node-a", "now")
     [dev] = rebuilt.claims["u1"].devices
@@ -109,7 +109,7 @@ def test_a_rebuilt_checkpoint_keeps_the_claims_instance(tmp_path: Path) -> None:
 def test_check_node_says_which_mig_gpus_dynamic_mig_can_serve(tmp_path: Path) -> None:
     node = DynamicMigNode(tmp_path)
     state = node.state()
-    state.prepare(claim("u1", "gpu-0-mig-3g40gb-4"))
+    state.prepare(claim("u1", "gpu-0-dynmig-3g40gb-4"))
     settings = Settings(plugins_dir=node.paths.state_dir.parent)
     (node.paths.state_dir.parent / "gpu.tessera.dev").mkdir(exist_ok=True)
     (node.paths.state_dir.parent / "gpu.tessera.dev" / "checkpoint.json").write_bytes(
@@ -127,7 +127,7 @@ def test_check_node_says_which_mig_gpus_dynamic_mig_can_serve(tmp_path: Path) ->
 def test_inspect_shows_each_claims_created_instance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     node = DynamicMigNode(tmp_path)
     state = node.state()
-    state.prepare(claim("u1", "gpu-0-mig-3g40gb-4"))
+    state.prepare(claim("u1", "gpu-0-dynmig-3g40gb-4"))
     [made] = node.engine.instances(node.gpu().uuid)
     monkeypatch.setenv("TESSERA_SIM_MIG_STATE", str(node.mig_state))
     settings = Settings(plugins_dir=tmp_path, simulate="dynamic-mig", node_name="node-a", host_root=node.host,

@@ -26,8 +26,8 @@ from driver.simulation.hostroot import SIMULATED_CAPS_MAJOR, capability_minors
 from tests.support.dynamicmignode import DynamicMigNode
 from tests.support.statenode import claim, ref
 
-THREE_G = "gpu-0-mig-3g40gb-4"
-TWO_G_0, TWO_G_2 = "gpu-0-mig-2g20gb-0", "gpu-0-mig-2g20gb-2"
+THREE_G = "gpu-0-dynmig-3g40gb-4"
+TWO_G_0, TWO_G_2 = "gpu-0-dynmig-2g20gb-0", "gpu-0-dynmig-2g20gb-2"
 
 
 def mig_config(**mps: object) -> dict[str, object]:
@@ -122,8 +122,8 @@ def test_an_instance_tessera_did_not_create_is_named_and_left_alone(node: Dynami
 def test_a_placement_another_claim_holds_is_refused_before_anything_is_done(node: DynamicMigNode,
                                                                             state: DeviceState) -> None:
     state.prepare(claim("u1", THREE_G))
-    with pytest.raises(PrepareError, match=r"overlaps 'gpu-0-mig-3g40gb-4'.*claim default/claim-u1"):
-        state.prepare(claim("u2", "gpu-0-mig-1g10gb-5"))
+    with pytest.raises(PrepareError, match=r"overlaps 'gpu-0-dynmig-3g40gb-4'.*claim default/claim-u1"):
+        state.prepare(claim("u2", "gpu-0-dynmig-1g10gb-5"))
     assert node.instances() == [(4, 4, 0)]
 
 
@@ -220,7 +220,7 @@ def test_restart_leaves_an_instance_the_crashed_create_never_asked_for(node: Dyn
 def test_restart_after_a_reboot_recreates_the_instances_of_prepared_claims(node: DynamicMigNode,
                                                                            state: DeviceState) -> None:
     state.prepare(claim("u1", TWO_G_2, configs=[mig_config(defaultActiveThreadPercentage=40)]))
-    state.prepare(claim("u2", "gpu-0-mig-1g10gb-6"))
+    state.prepare(claim("u2", "gpu-0-dynmig-1g10gb-6"))
     before = {r.uid: r.devices[0] for r in state.prepared_claims()}
     profiles = {p.name: p for p in node.gpu().mig_profiles}
     node.engine.reboot()
