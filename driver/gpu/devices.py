@@ -26,6 +26,8 @@ from driver.gpu.migplacement import (
     MigPlacement,
     OwnInstances,
     counter_values,
+    covers,
+    foreign_mig_instances,
     full_profile,
     placement_consumption,
     placements,
@@ -180,19 +182,23 @@ def _counter_quantities(amounts: dict[str, int]) -> dict[str, str]:
     return {k: quantity_from_bytes(v) if k == MEMORY else str(v) for k, v in amounts.items()}
 
 
-def _dynamic_mig(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares,
-                 policy: DynamicMigPolicy) -> tuple[list[Entry], CounterSet | None]:
+def _dynamic_mig(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, policy: DynamicMigPolicy,
+                 own: OwnInstances | None) -> tuple[list[Entry], CounterSet | None]:
     """Every placement of the allowed profiles (and the whole GPU) as devices consuming the GPU's
     counter set; the same attributes as a static MIG device of the profile, less the MIG UUID (no
     instance exists yet), plus ``placement``. Nothing while the counters cannot be derived (NVML
     stopped listing the profiles of a GPU kept dynamic for its claims): no device then is safer
-    than devices the scheduler cannot count."""
+    than devices the scheduler cannot count. With ``own`` known, nothing that covers an instance
+    Tessera did not create: a GPU kept dynamic for its prepared claims can get one, which no counter
+    accounts for, so the scheduler would hand out a placement over it (or the whole GPU) that no
+    prepare can create."""
     offered = counter_values(gpu)
     if not offered:
         return [], None
+    foreign = foreign_mig_instances(gpu, own) if own is not None else []
     set_name = counter_set_name(gpu.minor)
     entries: list[Entry] = []
-    if policy.also_whole_gpu:
+    if policy.also_whole_gpu and not foreign:
         whole, target = _whole_gpu(inventory, gpu)
         consumes = DeviceCounterConsumption(counter_set=set_name, counters=counters(_counter_quantities(offered)))
         full = full_profile(gpu)
@@ -200,6 +206,8 @@ def _dynamic_mig(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares,
                         DeviceTarget(target.name, "gpu", gpu, shares=shares,
                                      placement=MigPlacement(profile=full, start=0) if full is not None else None)))
     for placement in placements(gpu, policy.profiles):
+        if any(covers(placement, instance) for instance in foreign):
+            continue
         profile = placement.profile
         attributes = {**_mig_attributes(inventory, gpu, profile.name), "placement": int_attr(placement.start)}
         capacity = _mig_capacity(
@@ -298,14 +306,16 @@ def _gpu_entries(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares | Non
 
 
 def make_view(inventory: NodeInventory, layout: Mapping[str, GpuShares], mps_multi_user: bool = False,
-              own_instances: OwnInstances = ()) -> NodeView:
+              own_instances: OwnInstances | None = None) -> NodeView:
     """The node as published under ``layout``: every device, and what each device name stands for.
 
     Devices are ordered by GPU minor then placement start / share index (a dynamic MIG GPU: its
     whole device, then its placements profile by profile). A GPU in ``layout`` is published only as
     its shares or (``DynamicMig``) its placements with its counter set; a MIG-enabled GPU only as its
     MIG instances (none at all if it has none: the caller decides how to report that), less
-    ``own_instances`` (those Tessera created for claims); any other GPU whole. Layout entries for
+    ``own_instances`` (those Tessera created for claims); any other GPU whole. A dynamic GPU leaves
+    out what covers an instance not in ``own_instances``; None (not known yet: recovery's first view)
+    takes every instance of a dynamic GPU for its claims'. Layout entries for
     GPUs not in the inventory are ignored. Attributes whose source is unknown (None) are left out.
     ``mps_multi_user``: the node's MPS daemons for plan shares run in multi-user mode (on GPUs
     that support it). ValueError for a layout that shares a MIG-enabled GPU, or that makes a GPU
@@ -319,10 +329,10 @@ def make_view(inventory: NodeInventory, layout: Mapping[str, GpuShares], mps_mul
         if shares is not None and shares.dynamic_mig is not None:
             if not gpu.mig_enabled:
                 raise ValueError(f"GPU {gpu.uuid} (minor {gpu.minor}) is not in MIG mode and cannot be dynamic MIG")
-            entries, counter_set = _dynamic_mig(inventory, gpu, shares, shares.dynamic_mig)
+            entries, counter_set = _dynamic_mig(inventory, gpu, shares, shares.dynamic_mig, own_instances)
             counter_sets.extend([counter_set] if counter_set is not None else [])
         else:
-            entries = _gpu_entries(inventory, gpu, shares, mps_multi_user, own_instances)
+            entries = _gpu_entries(inventory, gpu, shares, mps_multi_user, own_instances or ())
         for device, target in entries:
             devices.append(device)
             targets[target.name] = target

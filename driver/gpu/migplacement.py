@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from driver.gpu.discovery.inventory import GpuInfo, MigProfileInfo
+from driver.gpu.discovery.inventory import GpuInfo, MigInstance, MigProfileInfo
 
 # Instances Tessera created for claims, by (GPU UUID, GPU instance id): a GPU whose only instances
 # are these stays dynamic, and they are not published as static MIG devices.
@@ -67,9 +67,20 @@ def full_profile(gpu: GpuInfo) -> MigProfileInfo | None:
     return max(spanning, key=lambda p: p.multiprocessors, default=None)
 
 
+def foreign_mig_instances(gpu: GpuInfo, own: OwnInstances) -> list[MigInstance]:
+    """The GPU's MIG instances Tessera did not create."""
+    return [m for m in gpu.mig_instances if (gpu.uuid, m.gi_id) not in own]
+
+
 def foreign_instances(gpu: GpuInfo, own: OwnInstances) -> list[str]:
     """The GPU's MIG instances Tessera did not create, as ``profile@start``."""
-    return [f"{m.profile}@{m.placement_start}" for m in gpu.mig_instances if (gpu.uuid, m.gi_id) not in own]
+    return [f"{m.profile}@{m.placement_start}" for m in foreign_mig_instances(gpu, own)]
+
+
+def covers(placement: MigPlacement, instance: MigInstance) -> bool:
+    """Whether ``placement`` shares a memory slice with an existing ``instance``."""
+    return (placement.start < instance.placement_start + instance.placement_size
+            and instance.placement_start < placement.start + placement.size)
 
 
 def placements(gpu: GpuInfo, allowed: Iterable[str]) -> list[MigPlacement]:

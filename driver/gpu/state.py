@@ -319,7 +319,14 @@ class DeviceState:
     def ensure_claim_runtime(self, record: ClaimRecord) -> tuple[bool, list[str]]:
         """Make a completed claim whole again: its MIG instances there, its daemons running and its CDI spec on disk,
         whole (written again for instances created again: their ids and MIG UUIDs changed)."""
-        remade = self.mig.ensure_instances(record)
+        try:
+            remade = self.mig.ensure_instances(record)
+        except Exception:
+            # The claim's instance could not be made whole (after a reboot another tool took its placement first).
+            # Its spec names capability nodes by GI/CI ids NVML may have handed to that other instance: a container
+            # started from the kubelet's cached CDI ids must find nothing rather than open someone else's instance.
+            cdi.remove_spec(self.paths.cdi_root, record.cdi_spec_file)
+            raise
         record = self.ledger.read().claims.get(record.uid, record) if remade else record
         restarted = self.sharing.ensure_claim_daemons(record)
         recreated = False

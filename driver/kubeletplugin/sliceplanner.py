@@ -221,7 +221,8 @@ def _desired_spec(planned: PlannedSlice, *, generation: int, count: int, driver_
         "nodeName": node_name,
         "pool": {"name": node_name, "generation": generation, "resourceSliceCount": count},
     }
-    # A counters-only slice leaves devices out (1.35+ reads an empty list the same; 1.34 never sees one).
+    # A counters-only slice leaves devices out (1.35+ reads an empty list the same; on 1.34 only a dynamic GPU all of
+    # whose placements someone else's instance covers gives one, which the strict 1.34 schema accepts).
     if wire or not planned.shared_counters:
         spec["devices"] = wire
     if planned.shared_counters:

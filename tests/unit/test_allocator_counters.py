@@ -12,7 +12,7 @@ from driver.gpu.sharelayout import DynamicMigPolicy, GpuShares
 from driver.kubeletplugin.slicelimits import limits_for
 from driver.kubeletplugin.sliceplanner import plan_slices, plan_sync
 from driver.simulation.allocator import AllocationError, allocate
-from tests.support.mig import H100_MEMORY, h100, node
+from tests.support.mig import H100_MEMORY, h100, instance, node
 
 DRIVER = "gpu.tessera.dev"
 NODE = "node-1"
@@ -139,3 +139,23 @@ def test_synthetic_counters_other_than_memory_slices_limit_too() -> None:
     assert picked == ["a", "d"]  # b: too many SMs after a; c: too much memory after a
     with pytest.raises(AllocationError):
         allocate(claim(mig), [counter_slice, device_slice], DRIVER, taken)
+
+
+@pytest.mark.parametrize("minor", [34, 36])
+def test_a_gpu_kept_dynamic_for_its_claims_is_never_allocated_over_someone_elses_instance(minor: int) -> None:
+    # GPU 0 keeps its dynamic form while a claim holds its 3g.40gb at 4; someone else then made a 1g.10gb at 0,
+    # which no counter knows of. First fit must not land on it: every prepare of such a claim would fail.
+    own, foreign = instance("3g.40gb", 4, gi_id=7, size=4), instance("1g.10gb", 0, gi_id=8)
+    gpu = h100(0, instances=(own, foreign))
+    shares = GpuShares(strategy="DynamicMig", count=1, memory_bytes_per_share=H100_MEMORY,
+                       dynamic_mig=DynamicMigPolicy(profiles=ALL_H100))
+    view = make_view(node(gpu), {gpu.uuid: shares}, own_instances={(gpu.uuid, 7)})
+    planned = plan_slices(list(view.devices), DRIVER, limits_for(minor), list(view.counter_sets))
+    published = [{"spec": c["spec"]} for c in plan_sync(
+        [], planned, driver_name=DRIVER, node_name=NODE, owner=None, adopted={}).creates]
+    taken = {"gpu-0-dynmig-3g40gb-4"}
+    assert place(published, taken, "1g.10gb", "1g.10gb", "1g.10gb") == [
+        "gpu-0-dynmig-1g10gb-1", "gpu-0-dynmig-1g10gb-2", "gpu-0-dynmig-1g10gb-3"]
+    for profile in ("1g.10gb", "2g.20gb", "4g.40gb", "7g.80gb", None):
+        with pytest.raises(AllocationError):
+            place(published, taken, profile)

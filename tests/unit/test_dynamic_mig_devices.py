@@ -122,6 +122,23 @@ def test_a_dynamic_gpu_ignores_its_instances_they_are_its_claims_placements() ->
     assert "gpu-0-dynmig-1g10gb-2" in v.targets and v.targets["gpu-0-dynmig-1g10gb-2"].mig is None
 
 
+def test_a_gpu_kept_dynamic_offers_nothing_over_an_instance_tessera_did_not_create() -> None:
+    # A GPU stays dynamic while claims are prepared on it (merge_layout), even after someone else creates an
+    # instance there (e.g. after a reboot, before recovery re-created the claims'). The scheduler does not count
+    # that instance: a placement over it, or the whole GPU, would be allocated and then fail at every prepare.
+    created = instance("3g.40gb", 4, gi_id=7, size=4)
+    foreign = instance("1g.10gb", 1, gi_id=8)
+    g = h100(0, instances=(created, foreign))
+    v = make_view(node(g), {g.uuid: dynamic()}, own_instances={(g.uuid, 7)})
+    over_foreign = {name for name, t in v.targets.items()
+                    if t.placement is not None and t.placement.start <= 1 < t.placement.start + t.placement.size}
+    assert over_foreign == set(), "no placement covering memory slice 1"
+    assert "gpu-0" not in v.targets, "the whole GPU covers the other instance too"
+    assert {"gpu-0-dynmig-3g40gb-4", "gpu-0-dynmig-1g10gb-0", "gpu-0-dynmig-1g10gb-2",
+            "gpu-0-dynmig-2g20gb-2"} <= set(v.targets), "placements clear of it stay, the claim's own included"
+    assert [d.name for d in v.devices] == list(v.targets) and len(v.counter_sets) == 1
+
+
 def test_other_gpus_keep_their_forms_beside_a_dynamic_one() -> None:
     g = h100(0)
     v = make_view(node(g, l4(1)), {g.uuid: dynamic(("7g.80gb",))})

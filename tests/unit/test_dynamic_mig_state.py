@@ -16,13 +16,15 @@ import pytest
 from driver.gpu.checkpoint import ClaimPhase
 from driver.gpu.claimplan import plan_claim
 from driver.gpu.claimrecord import started_record
+from driver.gpu.discovery.inventory import MigProfileInfo
 from driver.gpu.errors import PrepareError
 from driver.gpu.migclaims import own_instances
-from driver.gpu.runtime.mig import MigCreateError, MigError
+from driver.gpu.runtime.mig import CreatedMig, MigCreateError, MigError
 from driver.gpu.state import DeviceState
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import Deadline
 from driver.simulation.hostroot import SIMULATED_CAPS_MAJOR, capability_minors
+from driver.simulation.migengine import SimulatedMigPartitioner
 from tests.support.dynamicmignode import DynamicMigNode
 from tests.support.statenode import claim, ref
 
@@ -279,3 +281,97 @@ def test_admin_access_to_a_dynamic_device_gets_the_gpu_node_and_creates_nothing(
     assert node.spec_json("u2")["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}]
     state.unprepare(ref("u2"))
     assert node.instances() == [(4, 4, 0)], "the holder's instance stays"
+
+
+# ----------------------------------------------------------------------------- review: someone else's instances
+
+
+def another_tool_creates_first(node: DynamicMigNode, monkeypatch: pytest.MonkeyPatch) -> list[CreatedMig]:
+    """Another tool creates a 3g.40gb at 4 just before the driver's next create; the list gets that instance."""
+    three_g = {p.name: p for p in node.gpu().mig_profiles}["3g.40gb"]
+    real_create = SimulatedMigPartitioner.create
+    foreign: list[CreatedMig] = []
+
+    def raced(self: SimulatedMigPartitioner, gpu_uuid: str, profile: MigProfileInfo, start: int,
+              deadline: Deadline | None = None) -> CreatedMig:
+        if not foreign:
+            foreign.append(real_create(node.engine, gpu_uuid, three_g, 4))
+        return real_create(self, gpu_uuid, profile, start, deadline)
+
+    monkeypatch.setattr(SimulatedMigPartitioner, "create", raced)
+    return foreign
+
+
+def test_a_create_refused_because_another_tool_took_the_placement_leaves_its_instance_alone(
+        node: DynamicMigNode, state: DeviceState, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another tool creates the very instance between the driver's check of the placement and its create: NVML
+    # refuses the driver's (occupied), nothing of the claim's was made, and the rollback must not take theirs.
+    foreign = another_tool_creates_first(node, monkeypatch)
+    with pytest.raises(PrepareError, match=r"3g.40gb at placement 4.*\(occupied\)"):
+        state.prepare(claim("u1", THREE_G))
+    assert [m.uuid for m in node.engine.instances(node.gpu().uuid)] == [foreign[0].uuid], \
+        "someone else's instance is never touched"
+    assert state.prepared_claims() == [] and node.cdi_files() == []
+
+
+def test_a_re_create_refused_after_a_reboot_leaves_the_other_tools_instance_alone_at_unprepare(
+        node: DynamicMigNode, state: DeviceState, monkeypatch: pytest.MonkeyPatch) -> None:
+    state.prepare(claim("u1", THREE_G))
+    node.engine.reboot()
+    node.set_boot_id("boot-2")
+    foreign = another_tool_creates_first(node, monkeypatch)
+    restarted = node.state()  # recovery's re-create is refused: logged, the claim cannot get its instance back
+    monkeypatch.undo()
+    restarted.unprepare(ref("u1"))
+    assert [m.uuid for m in node.engine.instances(node.gpu().uuid)] == [foreign[0].uuid], \
+        "someone else's instance is never touched"
+    assert restarted.prepared_claims() == []
+
+
+def test_unprepare_leaves_an_instance_another_tool_made_where_the_claims_was(node: DynamicMigNode,
+                                                                            state: DeviceState) -> None:
+    # The claim's instance is destroyed outside Tessera and another tool creates one of the same profile at the
+    # same placement: NVML hands the same GI id out again, but it is another instance (another MIG UUID).
+    state.prepare(claim("u1", THREE_G))
+    uuid = node.gpu().uuid
+    [made] = node.engine.instances(uuid)
+    node.engine.destroy(uuid, made.gi_id, made.ci_id)
+    foreign = node.engine.create(uuid, {p.name: p for p in node.gpu().mig_profiles}["3g.40gb"], 4)
+    assert (foreign.gi_id, foreign.ci_id) == (made.gi_id, made.ci_id) and foreign.uuid != made.uuid
+    state.unprepare(ref("u1"))
+    assert [m.uuid for m in node.engine.instances(uuid)] == [foreign.uuid], "someone else's instance stays"
+    assert state.prepared_claims() == [] and node.cdi_files() == []
+
+
+def test_an_unprepare_cut_short_between_its_two_destroys_leaves_nothing_after_a_restart(
+        node: DynamicMigNode, state: DeviceState) -> None:
+    # What a kill -9 between destroying the compute instance and the GPU instance leaves: the record (ids
+    # recorded) and the claim's GPU instance, bare. The restart makes the claim whole, the retry removes it.
+    state.prepare(claim("u1", THREE_G))
+    node.engine.inject_failure("destroy-gi", placement=4)
+    with pytest.raises(MigError):
+        state.unprepare(ref("u1"))
+    assert node.instances() == [(4, 4, None)]
+    restarted = node.state()
+    assert node.instances() == [(4, 4, 0)], "recovery makes the claim whole again"
+    restarted.unprepare(ref("u1"))  # the kubelet's retry
+    assert node.instances() == [] and restarted.prepared_claims() == [] and node.cdi_files() == []
+
+
+def test_a_claim_whose_instance_cannot_be_made_again_loses_its_cdi_spec(node: DynamicMigNode,
+                                                                         state: DeviceState) -> None:
+    # After a reboot another tool takes the claim's placement first, and NVML gives its instance the ids the
+    # claim's had: the claim's old spec names those ids' capability nodes, so a container started from the
+    # kubelet's cached CDI ids would open the other tool's instance. The spec goes, and the claim's next prepare
+    # is refused (its placement is no longer published).
+    state.prepare(claim("u1", THREE_G))
+    before = node.spec_json("u1")["devices"][0]["containerEdits"]["deviceNodes"]
+    node.engine.reboot()
+    node.set_boot_id("boot-2")
+    foreign = node.engine.create(node.gpu().uuid, {p.name: p for p in node.gpu().mig_profiles}["3g.40gb"], 4)
+    assert (foreign.gi_id, foreign.ci_id) == (1, 0) and len(before) == 3, "the other instance got the claim's ids"
+    restarted = node.state()
+    assert not node.spec_path("u1").exists()
+    with pytest.raises(PrepareError, match="not published by this node"):
+        restarted.prepare(claim("u1", THREE_G))
+    assert [m.uuid for m in node.engine.instances(node.gpu().uuid)] == [foreign.uuid]

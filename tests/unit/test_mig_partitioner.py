@@ -302,6 +302,17 @@ def test_no_room_left_for_the_profile_is_insufficient_resources(nvml: FakeNvml, 
     assert "no room left" in str(err.value)
 
 
+def test_insufficient_resources_with_room_counted_says_so_rather_than_no_room(nvml: FakeNvml,
+                                                                            mig: NvmlMigPartitioner) -> None:
+    # nvml.h gives INSUFFICIENT_RESOURCES no cause: where the GPU's state shows room and nothing in the way,
+    # the message says what was seen instead of claiming the GPU is full.
+    nvml.fail["nvmlDeviceCreateGpuInstanceWithPlacement"] = FakeNvmlError(23)
+    with pytest.raises(MigCreateError) as err:
+        mig.create(GPU, ONE_G, 3)
+    assert err.value.reason == "insufficient-resources"
+    assert "no room left" not in str(err.value) and "counts room for 7 more" in str(err.value)
+
+
 def test_a_placement_the_profile_does_not_offer_is_refused_without_asking_nvml(
         nvml: FakeNvml, mig: NvmlMigPartitioner) -> None:
     with pytest.raises(MigCreateError, match=r"not one of the profile's placements \(0, 4\)") as err:

@@ -9,12 +9,16 @@ Return codes (nvml.h, ``nvmlDeviceCreateGpuInstanceWithPlacement``; nvidia-gpu r
 
 * ``NVML_ERROR_INVALID_ARGUMENT`` (2): "device, profileId, placement or gpuInstance are invalid", a placement
   that is not one of the profile's possible placements included;
-* ``NVML_ERROR_NOT_SUPPORTED`` (3): "device doesn't have MIG mode enabled", or the profile is not supported;
+* ``NVML_ERROR_NOT_SUPPORTED`` (3): "device doesn't have MIG mode enabled or in vGPU guest" (nvml.h of CUDA
+  13.4); older headers also gave it for a profile id the GPU does not support (13.4 lists that under
+  INVALID_ARGUMENT);
 * ``NVML_ERROR_INSUFFICIENT_RESOURCES`` (23): "the requested GPU instance could not be created". nvml.h does not
-  say more; the reference (3.5) and public NVML users (e.g. InstaSlice, which lists the GIs on this code) report
-  that an occupied placement answers this code too, not INVALID_ARGUMENT and not "already exists". Not checked
-  on hardware here. One code, two causes: the caller tells them apart from the GPU's state
-  (:func:`create_refusal_reason`).
+  say more: it says only that a create "will fail if there is overlap with the already occupied memory slices".
+  That an occupied placement answers this code (not INVALID_ARGUMENT, not "already exists") rests on a comment
+  in NVIDIA's own DRA driver (kubernetes-sigs/dra-driver-nvidia-gpu, cmd/gpu-kubelet-plugin/nvlib.go,
+  ``createMigDevice``: "one cannot rely on the error code alone. One must check the device state") and on
+  InstaSlice, which lists the GIs on this code. Not checked on hardware here. One code, two causes: the caller
+  tells them apart from the GPU's state (:func:`create_refusal_reason`); NVIDIA's tools do not try.
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ def create_refusal_reason(code: int | None, mig_enabled: bool | None = None, cap
     if code == NVML_ERROR_INVALID_ARGUMENT:
         return "invalid"
     if code == NVML_ERROR_NOT_SUPPORTED:
-        # The same code for "MIG off" and "profile not on this GPU" (nvml.h).
+        # "MIG off" (or a vGPU guest) in every header; "profile not on this GPU" in older ones.
         return "invalid" if mig_enabled else "not-mig-mode"
     return "failed"
 
@@ -135,7 +139,8 @@ def describe_refusal(reason: MigRefusal) -> str:
     """A clause for messages: why NVML refused, in words an operator acts on."""
     return {
         "occupied": "the placement overlaps an existing GPU instance",
-        "insufficient-resources": "no room left on the GPU for another instance of this profile",
+        "insufficient-resources": "NVML had no room for it (the profile's instances are used up, or its memory "
+                                  "slices are taken)",
         "invalid": "this GPU does not offer the profile at that placement",
         "not-mig-mode": "MIG mode is not enabled on the GPU",
         "failed": "NVML failed",

@@ -102,7 +102,15 @@ class MigRuntime:
                 deadline: Deadline | None) -> CreatedMig:
         """Commit ``create_started`` (durably), create, commit what was created; the claim's daemons follow it."""
         self._ledger.commit(lambda cp: _change_device(cp, uid, index, _started))
-        made = self.partitioner.create(dev.gpu_uuid, intent.profile_info(), intent.placement_start, deadline)
+        try:
+            made = self.partitioner.create(dev.gpu_uuid, intent.profile_info(), intent.placement_start, deadline)
+        except MigCreateError as exc:
+            if exc.reason != "failed":
+                # NVML refused the GPU instance itself: nothing of this create exists. What is at the placement now
+                # (another tool's create since the check, the very reason for "occupied") is not the claim's, so
+                # ``create_started`` goes, or the rollback (or unprepare) would destroy it as this create's.
+                self._forget(uid, index)
+            raise
         self.changes += 1
         self._ledger.commit(lambda cp: _change_device(cp, uid, index, lambda d: _created(d, made), move_daemon=True))
         log.info("MIG device created for a claim", extra={
@@ -137,7 +145,10 @@ class MigRuntime:
         if dev.mig_gi_id is None:
             return at_placement(intent, found)
         same_id = [g for g in found if g.gi_id == dev.mig_gi_id]
-        mine = at_placement(intent, same_id)
+        # NVML hands a destroyed instance's ids out again: a MIG device there with another MIG UUID is another
+        # tool's. A bare GPU instance has no UUID: the claim's whose compute instance went first (an unprepare
+        # cut short between its two destroys, or ``nvidia-smi mig -dci``), as the doc's table says.
+        mine = [g for g in at_placement(intent, same_id) if not isinstance(g, CreatedMig) or g.uuid == dev.mig_uuid]
         if same_id and not mine:
             log.warning("the GPU instance id recorded for a claim's MIG device now names another instance; left alone",
                         extra={"device": dev.device.device_name, "gpu_uuid": dev.gpu_uuid, "gi_id": dev.mig_gi_id,
@@ -164,9 +175,11 @@ class MigRuntime:
                             "destroyed outside Tessera); creating it again at the same placement", extra={
                                 "claim_uid": record.uid, "device": dev.device.device_name, "gpu_uuid": dev.gpu_uuid,
                                 "profile": intent.profile, "placement_start": intent.placement_start})
-                if intent.create_started and dev.mig_gi_id is None:
-                    # A re-create cut short by a crash: what it made (module doc) is destroyed and made again.
-                    for gi in at_placement(intent, found):
+                if dev.mig_gi_id is not None or intent.create_started:
+                    # What is left of the claim's instance (its bare GPU instance: forgotten, it would read as
+                    # someone else's and stay forever), or what a re-create cut short by a crash made (module doc):
+                    # destroyed and made again.
+                    for gi in self._made_for(dev, intent, found):
                         self.partitioner.destroy(dev.gpu_uuid, gi.gi_id, gi.ci_id if isinstance(gi, CreatedMig)
                                                  else None)
                         self.changes += 1
@@ -206,13 +219,15 @@ class MigRuntime:
         """PrepareError naming what is in the way if any instance meets the placement."""
         owners = holders(self._ledger.read(), dev.gpu_uuid)
         gpu = self._gpu(dev.gpu_uuid)
+        # nvidia-smi's -i is NVML's enumeration index, which need not be the minor the device names use.
+        smi_gpu = gpu.index if gpu is not None else dev.gpu_uuid
         problems = []
         for gi in overlapping(intent, found):
             holder = owners.get(gi.gi_id)
             if holder is None:
                 problems.append(f"{describe_instance(gi, gpu)}, an instance Tessera did not create (it is never "
-                                "touched: remove it with `nvidia-smi mig -i "
-                                f"{dev.gpu_minor} -dci -gi {gi.gi_id}` then `-dgi -gi {gi.gi_id}` if nothing uses it)")
+                                f"touched: remove it with `nvidia-smi mig -i {smi_gpu} -dci -gi {gi.gi_id}` then "
+                                f"`-dgi -gi {gi.gi_id}` if nothing uses it)")
             elif holder.uid != uid:
                 problems.append(f"{describe_instance(gi, gpu)}, created by Tessera for claim "
                                 f"{holder.namespace}/{holder.name} ({holder.uid})")

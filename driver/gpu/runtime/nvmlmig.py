@@ -210,6 +210,11 @@ class NvmlMigPartitioner:
         if reason == "occupied":
             taken = ", ".join(f"GI {g.gi_id} at {g.placement_start}:{g.placement_size}" for g in overlapping)
             detail += f" ({taken})"
+        elif reason == "insufficient-resources" and capacity_left is not None:
+            # Say what the state showed: NVML's code alone does not tell "used up" from the unexplained.
+            detail += (": no room left for another instance of this profile" if capacity_left == 0 else
+                       f", though it counts room for {capacity_left} more of this profile and no instance overlaps "
+                       "the placement")
         hint = "; creating MIG devices needs root" if code == NVML_ERROR_NO_PERMISSION else ""
         return MigCreateError(reason, f"{what} on {gpu_uuid} refused: {detail} (NVML error {code}: {err}){hint}")
 
