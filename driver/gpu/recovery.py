@@ -20,6 +20,7 @@ import cdi
 from driver.gpu.checkpoint import Checkpoint, CheckpointCorrupt, ClaimPhase, current_boot_id
 from driver.gpu.devices import make_view
 from driver.gpu.rebuild import rebuild_checkpoint
+from driver.gpu.targets import drop_unfit
 
 if TYPE_CHECKING:
     from driver.gpu.state import DeviceState
@@ -54,10 +55,7 @@ def recover(state: DeviceState) -> RecoveryReport:
         present = {g.uuid for g in inventory.gpus}
         # A GPU switched to MIG since cannot be published as shares, nor one switched out of MIG as dynamic
         # MIG; apply_layout sorts them out.
-        mig_mode = {g.uuid: g.mig_enabled for g in inventory.gpus}
-        state.set_view(make_view(inventory, {u: s for u, s in cp.layout.items()
-                                             if u in mig_mode and mig_mode[u] == (s.dynamic_mig is not None)},
-                                 state.mps_multi_user))
+        state.set_view(make_view(inventory, drop_unfit(cp.layout, {}, inventory)[0], state.mps_multi_user))
     gpus = present | {g for r in cp.claims.values() for g in r.gpu_uuids} | set(cp.compute_modes) \
         | set(cp.plan_timeslices)
     with state.gpu_locks.held(gpus, RECOVERY_GPU_WAIT, "recovering the node's state at start"):

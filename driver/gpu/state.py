@@ -59,7 +59,7 @@ from driver.gpu.runtime.sharing import SharingRuntime
 from driver.gpu.runtime.timeslice import TimeSliceError
 from driver.gpu.sharecheck import check_no_overlap, check_shares_fit
 from driver.gpu.sharelayout import SharingLayout
-from driver.gpu.targets import NodeView, merge_layout
+from driver.gpu.targets import NodeView, drop_unfit, merge_layout
 from driver.gpu.tenancy import check_clients, client_rules
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.nodelock import LockTimeout, NodeLock
@@ -156,11 +156,17 @@ class DeviceState:
             cp = self.ledger.load_locked()
             busy = {uuid for rec in cp.claims.values() for uuid in rec.held_gpu_uuids}
             effective, deferred = merge_layout(self.view.layout, desired, busy)
+            effective, unfit = drop_unfit(effective, desired, view.inventory)
             new_view = make_view(view.inventory, effective, self.mps_multi_user, own_instances(cp, view.inventory))
             if cp.layout != effective:  # rescans mostly change nothing: no write then
                 cp.layout = dict(effective)
                 self.ledger.store.save(cp)
             self.set_view(new_view)
+        for uuid in sorted(unfit):
+            log.error("the GPU's MIG mode changed under its prepared claims, so their form cannot keep it; "
+                      "published as it now is: delete their pods", extra={
+                          "gpu_uuid": uuid, "claims": sorted(r.uid for r in cp.claims.values() if uuid in r.gpu_uuids)})
+        deferred -= unfit
         for uuid in sorted(deferred):
             log.warning("sharing plan change for this GPU deferred until its prepared claims are gone",
                         extra={"gpu_uuid": uuid})

@@ -89,3 +89,32 @@ def merge_layout(
         if chosen is not None:
             effective[uuid] = chosen
     return effective, deferred
+
+
+def form_fits(shares: GpuShares, gpu: GpuInfo) -> bool:
+    """Whether ``gpu`` can be published as ``shares``: dynamic MIG needs MIG mode on; MPS, time-slice and
+    consumable shares of a whole GPU need it off."""
+    return gpu.mig_enabled == (shares.dynamic_mig is not None)
+
+
+def drop_unfit(layout: SharingLayout, desired: SharingLayout,
+               inventory: NodeInventory) -> tuple[SharingLayout, set[str]]:
+    """``layout`` less the forms its GPUs can no longer take, and the GPUs that lost one.
+
+    A form kept for prepared claims can stop fitting when an operator switches the GPU's MIG mode (a GPU
+    reset: what the claims had on it is gone anyway). Such a GPU takes its desired form if that fits, else
+    none (published as the hardware is); keeping the impossible form would fail every rescan of the node.
+    """
+    gpus = {g.uuid: g for g in inventory.gpus}
+    fitting: SharingLayout = {}
+    dropped: set[str] = set()
+    for uuid, shares in layout.items():
+        gpu = gpus.get(uuid)
+        if gpu is None or form_fits(shares, gpu):
+            fitting[uuid] = shares
+            continue
+        dropped.add(uuid)
+        wanted = desired.get(uuid)
+        if wanted is not None and form_fits(wanted, gpu):
+            fitting[uuid] = wanted
+    return fitting, dropped

@@ -16,6 +16,7 @@ import pytest
 from driver.gpu.checkpoint import ClaimPhase
 from driver.gpu.claimplan import plan_claim
 from driver.gpu.claimrecord import started_record
+from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import MigProfileInfo
 from driver.gpu.errors import PrepareError
 from driver.gpu.migclaims import own_instances
@@ -26,7 +27,7 @@ from driver.kubeletplugin.types import Deadline
 from driver.simulation.hostroot import SIMULATED_CAPS_MAJOR, capability_minors
 from driver.simulation.migengine import SimulatedMigPartitioner
 from tests.support.dynamicmignode import DynamicMigNode
-from tests.support.statenode import claim, ref
+from tests.support.statenode import claim, mps_shares, ref
 
 THREE_G = "gpu-0-dynmig-3g40gb-4"
 TWO_G_0, TWO_G_2 = "gpu-0-dynmig-2g20gb-0", "gpu-0-dynmig-2g20gb-2"
@@ -375,3 +376,21 @@ def test_a_claim_whose_instance_cannot_be_made_again_loses_its_cdi_spec(node: Dy
     with pytest.raises(PrepareError, match="not published by this node"):
         restarted.prepare(claim("u1", THREE_G))
     assert [m.uuid for m in node.engine.instances(node.gpu().uuid)] == [foreign.uuid]
+
+
+def test_a_busy_dynamic_gpu_whose_mig_mode_went_off_does_not_stop_the_node_publishing(
+        node: DynamicMigNode, state: DeviceState, caplog: pytest.LogCaptureFixture) -> None:
+    # An operator turns MIG mode off (a GPU reset; the instances go) while a claim is prepared on the dynamic GPU.
+    # Its form cannot be kept (a GPU out of MIG mode cannot be dynamic MIG); before, every rescan raised, and no
+    # GPU of the node could change its publication until the claim was gone.
+    state.prepare(claim("u1", THREE_G))
+    gpu0 = node.gpu()
+    inventory = node.inventory()
+    off = inventory.model_copy(update={"gpus": [g.model_copy(update={"mig_enabled": False, "mig_instances": []})
+                                                if g.uuid == gpu0.uuid else g for g in inventory.gpus]})
+    other = node.gpu(2).uuid
+    view, deferred = state.apply_layout(make_view(off, {}), {other: mps_shares(2)})
+    assert "gpu-2-mps-0" in view.targets, "the node's other GPUs still follow the plan"
+    assert "gpu-0" in view.targets and view.targets["gpu-0"].placement is None, "gpu-0 is published as it now is"
+    assert deferred == set()
+    assert any("cannot keep" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
-from driver.gpu.sharelayout import GpuShares, SharingLayout
-from driver.gpu.targets import DeviceTarget, merge_layout
+from driver.gpu.sharelayout import DynamicMigPolicy, GpuShares, SharingLayout
+from driver.gpu.targets import DeviceTarget, drop_unfit, merge_layout
 from driver.units import GIB
 
 
@@ -149,3 +149,22 @@ def test_merge_does_not_modify_its_inputs() -> None:
     current, desired = {"A": _mps()}, {"B": _ts()}
     merge_layout(current, desired, busy_gpus={"A"})
     assert current == {"A": _mps()} and desired == {"B": _ts()}
+
+
+# ----------------------------------------------------------------------------- drop_unfit
+
+
+def test_forms_the_gpus_mig_mode_no_longer_allows_are_dropped_or_replaced_by_a_fitting_one() -> None:
+    # A busy GPU keeps its form (merge_layout), unless an operator switched its MIG mode (a GPU reset): then
+    # keeping it would make every view of the node fail.
+    dynamic = GpuShares(strategy="DynamicMig", count=1, memory_bytes_per_share=80 * GIB,
+                        dynamic_mig=DynamicMigPolicy(profiles=("1g.10gb",)))
+    into_mig = GpuInfo(minor=0, index=0, uuid="A", product_name="H100", mig_capable=True, mig_enabled=True)
+    out_of_mig = GpuInfo(minor=1, index=1, uuid="B", product_name="H100", mig_capable=True, mig_enabled=False)
+    unchanged = GpuInfo(minor=2, index=2, uuid="C", product_name="L4")
+    inventory = _inventory(into_mig, out_of_mig, unchanged)
+    layout = {"A": _mps(), "B": dynamic, "C": _ts(), "gone": _mps()}
+    fitting, dropped = drop_unfit(layout, {"A": dynamic, "B": dynamic}, inventory)
+    assert fitting == {"A": dynamic, "C": _ts(), "gone": _mps()}, "A takes its desired form, which fits; B none"
+    assert dropped == {"A", "B"}
+    make_view(inventory, fitting)  # no longer refused
