@@ -65,6 +65,10 @@ from driver.startup import StartupError
 
 log = logging.getLogger(__name__)
 
+# The API server's feature gates whose fields the sharing plan's devices need (1.34/1.35 alpha, on from 1.36).
+PARTITIONABLE_GATE = "DRAPartitionableDevices"
+CONSUMABLE_GATE = "DRAConsumableCapacity"
+
 
 @dataclass
 class PlanSource:
@@ -75,6 +79,9 @@ class PlanSource:
     minor_version: int | None = None  # the API server's, read once when a plan first needs it
     kernel: KernelMemoryLimits | None = None  # kernel memory limits, detected at start and every rescan
     use: PlanUse | None = None  # the plan in use and each GPU's entry, as last logged
+    # Feature gates the API server showed to be off (it dropped our fields that need them), whatever its release
+    # or the plans file says: what needs them is not published again.
+    gates_off: frozenset[str] = frozenset()
 
     def desired_layout(self, inventory: NodeInventory, own: OwnInstances = ()) -> SharingLayout:
         """``own``: MIG instances Tessera created for claims, which keep their GPU dynamic MIG."""
@@ -91,11 +98,12 @@ class PlanSource:
         name, plan = select_plan(plans, labels, key)
         if self.minor_version is None and any(e.consumable is not None or e.dynamicMig is not None for e in plan.gpus):
             self.minor_version = server_minor_version(self.api)
-        supported = consumable_supported(self.minor_version or 0, plans.consumableCapacityGate)
+        supported = (consumable_supported(self.minor_version or 0, plans.consumableCapacityGate)
+                     and CONSUMABLE_GATE not in self.gates_off)
+        partitionable = (partitionable_supported(self.minor_version or 0, plans.partitionableDevicesGate)
+                         and PARTITIONABLE_GATE not in self.gates_off)
         resolved = resolve_plan(plan, inventory, name, consumable_supported=supported,
-                                kernel=self.detect_kernel_memory(inventory),
-                                partitionable_supported=partitionable_supported(self.minor_version or 0,
-                                                                                plans.partitionableDevicesGate),
+                                kernel=self.detect_kernel_memory(inventory), partitionable_supported=partitionable,
                                 own_instances=own)
         self._record(plan_use(plan, name, path, chosen_how(key, labels.get(key), name), inventory, resolved.layout,
                               resolved.notes))
@@ -342,6 +350,14 @@ class DriverApp:
         in it would name its whole GPU and taint every device of the GPU, other claims' instances too."""
         self._follow_multi_user_safely()
         mig_changes = self.state.mig.changes
+        gates_off = self.helper.server_gates_off & {PARTITIONABLE_GATE, CONSUMABLE_GATE}
+        if gates_off != self.plans.gates_off:
+            log.error("the API server runs without %s: it dropped the fields of our ResourceSlices that need it, so "
+                      "what needs it is withdrawn (dynamic MIG placements need %s, consumable GPUs %s); restart the "
+                      "plugin once the gate is on", ", ".join(sorted(gates_off - self.plans.gates_off)),
+                      PARTITIONABLE_GATE, CONSUMABLE_GATE, extra={"feature_gates": sorted(gates_off)})
+            self.plans.gates_off = gates_off
+            self._next_scan = 0.0  # at once: the scheduler may be allocating from what the server kept
         if time.monotonic() >= self._next_scan or mig_changes != self._mig_changes_seen:
             self._mig_changes_seen = mig_changes
             self._next_scan = time.monotonic() + self.settings.rescan_interval

@@ -105,6 +105,12 @@ class Helper:
         return self._publishing().kubernetes_minor_version
 
     @property
+    def server_gates_off(self) -> frozenset[str]:
+        """Feature gates the API server showed to be off by dropping fields it was sent (none known yet before
+        publishing): what needs one should not be published again."""
+        return self._publisher.server_gates_off if self._publisher is not None else frozenset()
+
+    @property
     def published_device_count(self) -> int:
         """Devices in the last state confirmed to be on the API server."""
         return self._publisher.published_device_count if self._publisher is not None else 0

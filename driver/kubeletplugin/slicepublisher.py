@@ -107,6 +107,11 @@ class ResourceSlicePublisher:
         return self._limits.minor_version
 
     @property
+    def server_gates_off(self) -> frozenset[str]:
+        """Feature gates the API server showed to be off by dropping fields of the slices sent to it."""
+        return self._writer.gates_off
+
+    @property
     def published_device_count(self) -> int:
         """Devices in the last state confirmed to be on the server."""
         with self._cond:

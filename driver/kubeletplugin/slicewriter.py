@@ -37,11 +37,18 @@ class SliceWriter:
         self._adopted: dict[str, str] = {}
         self._owner: Obj | None = None
         self._owner_warned = False
+        # Replaced, never changed in place: read from other threads.
+        self._gates_off: frozenset[str] = frozenset()
 
     @property
     def adopted(self) -> dict[str, str]:
         """Canonical sent spec -> canonical stored spec, for the planner."""
         return self._adopted
+
+    @property
+    def gates_off(self) -> frozenset[str]:
+        """Feature gates the API server showed to be off by dropping fields that need them."""
+        return self._gates_off
 
     def list(self, field_selector: str) -> Obj:
         """The ResourceSliceList of the slices ``field_selector`` picks."""
@@ -88,6 +95,7 @@ class SliceWriter:
                       "off on the API server%s. Keeping what the server stored; not retrying.",
                       name, ", ".join(dropped), f" ({', '.join(gates)})" if gates else "",
                       extra={**self._log_extra, "slice": name, "fields": dropped, "feature_gates": gates})
+            self._gates_off = self._gates_off | set(gates)
         else:
             log.debug("the API server added defaults to ResourceSlice %s", name, extra={**self._log_extra})
         self._adopted[sent_key] = stored_key

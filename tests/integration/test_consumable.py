@@ -100,6 +100,22 @@ def test_without_consumable_capacity_the_plan_falls_back() -> None:
         node.close()
 
 
+def test_a_server_running_without_consumable_capacity_gets_the_fallback_once_it_drops_the_fields() -> None:
+    # A 1.36 server whose admin turned DRAConsumableCapacity off stores the consumable GPU without
+    # allowMultipleAllocations, silently: one claim would then take the whole GPU, or the scheduler would give
+    # it out once per claim with nothing counted. Seen in what it stored, the plan's fallback is published.
+    node = SimulatedNode("demo", plans=PLANS, plan="c", minor_version=36)
+    node.api.consumable_capacity = False  # SIMULATION: the server's gate, off on a release that has it on
+    try:
+        node.start()
+        node.wait_for_devices(["gpu-0-mps-0", "gpu-0-mps-1", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4",
+                               "gpu-1-mig-1g10gb-6", "gpu-2"], timeout=30)
+        assert any("DRAConsumableCapacity" in str(line.get("msg")) and line.get("level") in ("ERROR", "error")
+                   for line in node.log())
+    finally:
+        node.close()
+
+
 def test_kill_9_mid_prepare_of_a_share_rolls_back_its_daemon_and_a_retry_prepares_it_with_the_kernel_limit() -> None:
     # The R615 layout also shows detection end to end: the device says `kernel` and the spec carries the hook.
     node = SimulatedNode("kernel-memory", plans=PLANS, plan="c")

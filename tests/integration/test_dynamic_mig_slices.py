@@ -116,6 +116,25 @@ def test_1_35_without_the_gate_publishes_no_placements_and_says_why(layout: Path
         node.close()
 
 
+@pytest.mark.parametrize("minor", [35, 36])
+def test_placements_are_withdrawn_when_the_server_drops_their_counters(layout: Path, minor: int) -> None:
+    # The plans file says the gate is on (1.35) or the release has it on by default (1.36), but the API server
+    # runs with DRAPartitionableDevices off: it stores the placements without their counters, silently, and the
+    # scheduler could then hand out overlapping placements. Seen in what the server stored, the placements go.
+    plans = {"defaultPlan": "p", "partitionableDevicesGate": True,
+             "plans": {"p": {"gpus": [{"match": {"all": True}, "dynamicMig": {"profiles": PROFILES}}]}}}
+    node = SimulatedNode(str(layout), plans=plans, minor_version=minor)
+    node.api.partitionable_devices = False  # SIMULATION: the server's gate, off whatever the plans file says
+    node.start()
+    try:
+        node.wait_for_devices(OTHERS, timeout=30)
+        assert not any(s["spec"].get("sharedCounters") for s in node.api.slices(DRIVER, NODE))
+        errors = [str(e.get("msg")) for e in node.log() if e.get("level") in ("ERROR", "error")]
+        assert any("DRAPartitionableDevices" in e and "withdrawn" in e for e in errors), errors
+    finally:
+        node.close()
+
+
 def test_the_allocator_places_claims_by_the_published_counters(layout: Path) -> None:
     node = started(layout, 36, gate=False)
     try:
