@@ -27,11 +27,14 @@ def dynamic_devices(record: ClaimRecord) -> list[tuple[int, PreparedDeviceRecord
 
 def own_instances(cp: Checkpoint, inventory: NodeInventory | None = None) -> set[tuple[str, int]]:
     """(GPU UUID, GPU instance id) of every instance Tessera created for a claim and still records; with
-    ``inventory``, also those a create in progress has made but not recorded yet (``create_started``: the
-    instance of its profile at exactly its placement, ``runtime/migruntime.py``), so a rescan in between
-    does not take the GPU for one with someone else's instances."""
+    ``inventory``, less those listed there with another MIG UUID (ids come back: another tool's instance
+    where the claim's was destroyed), and plus those a create in progress has made but not recorded yet
+    (``create_started``: the instance of its profile at exactly its placement, ``runtime/migruntime.py``),
+    so a rescan in between does not take the GPU for one with someone else's instances."""
+    listed = {(gpu.uuid, m.gi_id): m.uuid for gpu in (inventory.gpus if inventory is not None else ())
+              for m in gpu.mig_instances}
     own = {(d.gpu_uuid, d.mig_gi_id) for r in cp.claims.values() for _, d, _ in dynamic_devices(r)
-           if d.mig_gi_id is not None}
+           if d.mig_gi_id is not None and listed.get((d.gpu_uuid, d.mig_gi_id), d.mig_uuid) == d.mig_uuid}
     creating = [(d.gpu_uuid, m) for r in cp.claims.values() for _, d, m in dynamic_devices(r)
                 if d.mig_gi_id is None and m.create_started]
     for gpu in inventory.gpus if inventory is not None and creating else ():

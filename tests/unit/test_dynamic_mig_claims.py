@@ -106,6 +106,18 @@ def test_own_instances_are_the_recorded_ids() -> None:
     assert own_instances(cp) == {("GPU-h100-0", 3)}
 
 
+def test_an_instance_with_a_recorded_id_but_another_mig_uuid_is_not_own() -> None:
+    # The claim's instance was destroyed outside Tessera and another tool made one at the same place, which NVML
+    # gave the same GPU instance id: it is that tool's (its placements stay unpublished), not the claim's.
+    made = record_of(planned("a", "gpu-0-dynmig-3g40gb-4"), (3, 0, "MIG-a"))
+    other = instance("3g.40gb", 4, gi_id=3, size=4).model_copy(update={"gi_profile_id": 9, "uuid": "MIG-other"})
+    cp = Checkpoint(claims={"a": made})
+    assert own_instances(cp, node(h100(0, instances=(other,)))) == set()
+    assert own_instances(cp, node(h100(0, instances=(other.model_copy(update={"uuid": "MIG-a"}),)))) == {
+        ("GPU-h100-0", 3)}
+    assert own_instances(cp) == {("GPU-h100-0", 3)}, "without an inventory: the recorded ids"
+
+
 def test_an_instance_a_create_in_progress_made_is_own_too() -> None:
     creating = record_of(planned("a", "gpu-0-dynmig-3g40gb-4"))
     assert creating.devices[0].dynamic_mig is not None
