@@ -46,7 +46,7 @@ from driver.gpu.errors import PrepareError
 from driver.gpu.healthgate import DeviceTaints, check_device_health
 from driver.gpu.kernelmemory import warn_if_shared_pod
 from driver.gpu.ledger import UNCHANGED, NodeLedger
-from driver.gpu.migclaims import check_placements_free, own_instances
+from driver.gpu.migclaims import check_placements_free, dynamic_devices, own_instances
 from driver.gpu.mps.model import MpsError
 from driver.gpu.rebuild import rebuild_checkpoint
 from driver.gpu.recovery import RecoveryReport, recover
@@ -328,10 +328,13 @@ class DeviceState:
         try:
             remade = self.mig.ensure_instances(record)
         except Exception:
-            # The claim's instance could not be made whole (after a reboot another tool took its placement first).
-            # Its spec names capability nodes by GI/CI ids NVML may have handed to that other instance: a container
-            # started from the kubelet's cached CDI ids must find nothing rather than open someone else's instance.
-            cdi.remove_spec(self.paths.cdi_root, record.cdi_spec_file)
+            # An instance of the claim is gone (its ids forgotten) and could not be made again: after a reboot another
+            # tool took its placement first. Its spec names capability nodes by GI/CI ids NVML may have handed to that
+            # tool's instance: a container started from the kubelet's cached CDI ids must find nothing rather than
+            # open it. (A claim whose ids still stand, e.g. NVML did not answer a listing, keeps its spec.)
+            current = self.ledger.read().claims.get(record.uid, record)
+            if any(d.mig_gi_id is None and not d.admin_access for _, d, _ in dynamic_devices(current)):
+                cdi.remove_spec(self.paths.cdi_root, record.cdi_spec_file)
             raise
         record = self.ledger.read().claims.get(record.uid, record) if remade else record
         restarted = self.sharing.ensure_claim_daemons(record)

@@ -394,3 +394,17 @@ def test_a_busy_dynamic_gpu_whose_mig_mode_went_off_does_not_stop_the_node_publi
     assert "gpu-0" in view.targets and view.targets["gpu-0"].placement is None, "gpu-0 is published as it now is"
     assert deferred == set()
     assert any("cannot keep" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
+
+
+def test_a_claim_whose_instances_cannot_be_listed_at_a_restart_keeps_its_cdi_spec(
+        node: DynamicMigNode, state: DeviceState, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NVML failing to list the GPU's instances says nothing about the claim's: its recorded ids still name it, so
+    # its spec stays and its containers can restart (only a claim whose instance is gone loses its spec).
+    state.prepare(claim("u1", THREE_G))
+
+    def unanswered(self: SimulatedMigPartitioner, gpu_uuid: str, deadline: Deadline | None = None) -> list[CreatedMig]:
+        raise MigError(f"listing the MIG devices of {gpu_uuid}: NVML did not answer")
+
+    monkeypatch.setattr(SimulatedMigPartitioner, "instances", unanswered)
+    node.state()
+    assert node.spec_path("u1").exists()
