@@ -98,7 +98,7 @@ class ClaimBatch:
             _describe_claim(span, ref)
             result = self._run_prepare(ref, deadline)
             if result.error:
-                result = PrepareResult(error=result.error)
+                result = PrepareResult(error=bounded_error(result.error))
                 span.set_status(Status(StatusCode.ERROR, result.error))
             else:
                 span.set_attribute("dra.claim.devices", len(result.devices))
@@ -133,6 +133,7 @@ class ClaimBatch:
             _describe_claim(span, ref)
             error = self._run_unprepare(ref, is_active)
             if error:
+                error = bounded_error(error)
                 span.set_status(Status(StatusCode.ERROR, error))
         seconds = time.monotonic() - start
         self._telemetry.unprepare_total.add(1, {"result": "error" if error else "success"})
@@ -178,6 +179,19 @@ def _describe_claim(span: Span, ref: ClaimRef) -> None:
     span.set_attribute("dra.claim.uid", ref.uid)
     span.set_attribute("dra.claim.namespace", ref.namespace)
     span.set_attribute("dra.claim.name", ref.name)
+
+
+# Every claim of a request is answered in one gRPC message, which the kubelet's client takes up to 4 MiB (grpc-go's
+# default): one claim's error, long because of what a tenant wrote into it, must not cost the others their answer.
+# Paths a tenant reaches are bounded where their text is made; this is the last line.
+MAX_ERROR_CHARS = 8192
+
+
+def bounded_error(error: str) -> str:
+    """``error``, cut to :data:`MAX_ERROR_CHARS` characters with a note of how much was left out."""
+    if len(error) <= MAX_ERROR_CHARS:
+        return error
+    return f"{error[:MAX_ERROR_CHARS]} ... ({len(error) - MAX_ERROR_CHARS} more characters not shown)"
 
 
 def _unexpected(action: str, ref: ClaimRef, err: Exception) -> str:

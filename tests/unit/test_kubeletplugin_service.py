@@ -411,3 +411,16 @@ def test_span_names_come_from_the_telemetry_scope() -> None:
     finally:
         telemetry.shutdown()
     assert sorted(s.name for s in spans.get_finished_spans()) == ["acme.gpu.prepare_claim", "acme.gpu.unprepare_claim"]
+
+
+def test_one_claims_huge_error_does_not_cost_the_other_claims_their_answer(served: Served) -> None:
+    # All answers travel in one gRPC message, which the kubelet takes up to 4 MiB: an error grown from what a
+    # tenant wrote must be cut, or the whole request fails (RESOURCE_EXHAUSTED) and no claim is answered.
+    served.driver.outcomes[uid("huge")] = PrepareResult(error="x" * (5 << 20))
+    served.driver.unprepare_outcomes[uid("huge")] = "y" * (5 << 20)
+    response = served.v1().NodePrepareResources(v1_request("ok", "huge"), timeout=10)
+    assert response.claims[uid("ok")].error == "" and len(response.claims[uid("ok")].devices) == 1
+    huge = response.claims[uid("huge")].error
+    assert huge.startswith("xxx") and len(huge) < 10_000 and huge.endswith("more characters not shown)")
+    unprepared = served.v1().NodeUnprepareResources(v1_unprepare_request("ok", "huge"), timeout=10)
+    assert unprepared.claims[uid("ok")].error == "" and len(unprepared.claims[uid("huge")].error) < 10_000

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Final, Literal, Union, get_args, get_origin
 
 from pydantic import (
@@ -196,7 +196,24 @@ def parse_config(parameters: Mapping[str, Any]) -> DeviceConfig:
     try:
         return model.model_validate(parameters)
     except ValidationError as exc:
-        raise ConfigError("\n".join(describe_validation_error(exc, model, kind))) from None
+        # Only those shown are described: all ~1,500 of a hostile config took 15 ms per config.
+        lines = describe_validation_error(exc, model, kind, limit=MAX_PROBLEMS)
+        raise ConfigError(join_problems(lines, total=exc.error_count())) from None
+
+
+# A config within the API server's 10 KiB can hold ~1,500 unknown fields, and a claim 32 such configs:
+# one line each, prefixed per config, made a claim's error ~100 MB in the driver process and more than
+# the kubelet's gRPC client takes (4 MiB). The first few problems are what a user fixes first anyway.
+MAX_PROBLEMS = 10
+
+
+def join_problems(lines: Sequence[str], total: int | None = None) -> str:
+    """The first :data:`MAX_PROBLEMS` of ``lines``, one per line, then a count of the rest (of ``total``)."""
+    shown = list(lines[:MAX_PROBLEMS])
+    more = (len(lines) if total is None else total) - len(shown)
+    if more > 0:
+        shown.append(f"... and {more} more not shown")
+    return "\n".join(shown)
 
 
 class MpsLimits(BaseModel):
@@ -292,12 +309,14 @@ _TYPE_MESSAGES = {
 }
 
 
-def describe_validation_error(exc: ValidationError, model: type[BaseModel], root: str = "") -> list[str]:
+def describe_validation_error(exc: ValidationError, model: type[BaseModel], root: str = "",
+                              limit: int | None = None) -> list[str]:
     """One readable line per problem: ``<path>: <what is wrong>``, paths in the API's field names.
 
     ``root`` prefixes every path (e.g. the kind); list items are shown as ``[i]``, mapping keys as ``.key``.
+    ``limit``: describe only the first that many problems.
     """
-    return [_describe(error, model, root) for error in exc.errors(include_url=False)]
+    return [_describe(error, model, root) for error in exc.errors(include_url=False)[:limit]]
 
 
 def _describe(error: ErrorDetails, model: type[BaseModel], root: str) -> str:
@@ -336,13 +355,19 @@ def _path(root: str, loc: list[int | str]) -> str:
     return path
 
 
+# Values are echoed in errors; a tenant's 10 KiB string or list is cut, so one line stays one short line.
+_SHOWN_CHARS = 80
+
+
 def _show(value: object) -> str:
     if isinstance(value, str):
-        return json.dumps(value)
+        text = json.dumps(value[:_SHOWN_CHARS])
+        return text if len(value) <= _SHOWN_CHARS else f"{text}... ({len(value)} characters)"
     try:
-        return json.dumps(value, default=str)
+        text = json.dumps(value, default=str)
     except ValueError:
-        return repr(value)
+        text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} characters)"
 
 
 def _field_names(model: type[BaseModel]) -> list[str]:

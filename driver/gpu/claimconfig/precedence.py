@@ -13,7 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from driver.gpu.claimconfig.api import ConfigError, DeviceConfig, GpuConfig, MigDeviceConfig, parse_config
+from driver.gpu.claimconfig.api import (
+    ConfigError,
+    DeviceConfig,
+    GpuConfig,
+    MigDeviceConfig,
+    join_problems,
+    parse_config,
+)
 from driver.kubeletplugin.claimmodel import DeviceAllocationConfiguration, DeviceRequestAllocationResult
 
 DEVICE_KINDS = ("gpu", "mig", "mps", "timeslice", "consumable")
@@ -71,7 +78,7 @@ def resolve_configs(
         except ConfigError as exc:
             problems.append(str(exc))
     if problems:
-        raise ConfigError("\n".join(problems))
+        raise ConfigError(join_problems(problems))
     return resolved
 
 
@@ -84,6 +91,9 @@ def group_by_config(resolved: Sequence[ResolvedConfig]) -> list[ConfigGroup]:
     return list(groups.values())
 
 
+_REQUESTS_SHOWN = 3
+
+
 def _decode(configs: Sequence[DeviceAllocationConfiguration]) -> list[_Entry]:
     entries: list[_Entry] = []
     problems: list[str] = []
@@ -91,7 +101,11 @@ def _decode(configs: Sequence[DeviceAllocationConfiguration]) -> list[_Entry]:
     for config in configs:
         label = _SOURCE_LABELS.get(config.source, "config")
         positions[label] = positions.get(label, 0) + 1
-        requests = f"[{', '.join(config.requests)}]" if config.requests else "all"
+        # A label starts every line of the config's problems: 32 request names of 63 characters would make each ~2 KB.
+        shown = list(config.requests[:_REQUESTS_SHOWN])
+        if len(config.requests) > _REQUESTS_SHOWN:
+            shown.append(f"+{len(config.requests) - _REQUESTS_SHOWN} more")
+        requests = f"[{', '.join(shown)}]" if config.requests else "all"
         origin = f"{label} #{positions[label]} (requests: {requests})"
         if config.opaque is None:
             problems.append(f"{origin}: has no opaque parameters; this driver is configured only through opaque")
@@ -101,7 +115,7 @@ def _decode(configs: Sequence[DeviceAllocationConfiguration]) -> list[_Entry]:
         except ConfigError as exc:
             problems.extend(f"{origin}: {line}" for line in str(exc).splitlines())
     if problems:
-        raise ConfigError("\n".join(problems))
+        raise ConfigError(join_problems(problems))  # 32 configs of a tenant's: bounded again (api.MAX_PROBLEMS)
     return entries
 
 
