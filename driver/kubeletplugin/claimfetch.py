@@ -68,6 +68,12 @@ class ClaimFetcher:
         try:
             claim = ResourceClaim.model_validate_json(body)
         except ValidationError as err:
+            if any(e["type"] == "json_invalid" and "recursion limit" in e["msg"] for e in err.errors()):
+                # The server accepts any depth in opaque parameters (any driver's): the claim's author can fix this,
+                # not the cluster's operator.
+                raise ClaimError(
+                    f"ResourceClaim {ref.namespace}/{ref.name} nests its JSON deeper than this driver reads (about "
+                    "200 levels, e.g. in a config's opaque parameters); flatten the parameters") from err
             raise ClaimError(
                 f"ResourceClaim {ref.namespace}/{ref.name}: the API server returned an object this driver "
                 f"cannot read ({_describe(err)}); check that the cluster serves resource.k8s.io/v1"

@@ -31,3 +31,19 @@ def test_a_claim_of_hostile_configs_is_refused_shortly_and_the_request_is_answer
     assert answers[innocent.uid].error is None
     assert [d.device_name for d in answers[innocent.uid].devices] == ["gpu-2"]
     assert hostile.uid not in node.checkpoint()["claims"]
+
+
+def test_a_claim_nested_deeper_than_the_driver_reads_is_told_so(node: SimulatedNode) -> None:
+    # The API server keeps opaque parameters of any depth within 10 KiB, another driver's included: the error
+    # must point the claim's author at the nesting, not the operator at the cluster's API versions.
+    node.start()
+    deep: dict[str, Any] = {}
+    level = deep
+    for _ in range(400):
+        level["a"] = {}
+        level = level["a"]
+    config = {"source": "FromClaim", "requests": [], "opaque": {"driver": "other.example.com", "parameters": deep}}
+    claim = node.claim("deep", [("gpu", "gpu-2")], configs=[config])
+    error = node.prepare(claim)[claim.uid].error or ""
+    assert "nests its JSON deeper than this driver reads" in error and "resource.k8s.io/v1" not in error
+    assert claim.uid not in node.checkpoint()["claims"]
