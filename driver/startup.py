@@ -22,6 +22,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,10 @@ log = logging.getLogger(__name__)
 INITIALISATION_STOP_WAIT_S = 10.0
 
 
+# How soon the main loop sees a signal the handler recorded (the handler itself may take no lock).
+SIGNAL_POLL_S = 0.1
+
+
 class StartupError(Exception):
     """Configuration or environment problem that must stop the driver with a clear message."""
 
@@ -54,9 +59,16 @@ class Startup:
         self._failure: str | None = None
         self._served: ServedPlugin | None = None
         self._app: DriverApp | None = None
+        self._signal: int | None = None  # set by the signal handler, acted on by the main loop
 
     def stop(self) -> None:
         self._stop.set()
+
+    def on_signal(self, signum: int, _frame: FrameType | None = None) -> None:
+        """The SIGTERM/SIGINT handler: records the signal and nothing else. It runs on the main thread between two
+        of its bytecodes, possibly while that thread holds the stop Event's lock (inside ``Event.wait``): setting
+        the Event (or logging) here could then wait for the thread it interrupted, forever."""
+        self._signal = signum
 
     def run(self) -> int:
         settings = self.settings
@@ -78,9 +90,15 @@ class Startup:
                                           daemon=True)
         initialisation.start()
         try:
-            while not self._stop.wait(timeout=1.0):
+            next_tick = time.monotonic() + 1.0
+            while not self._stop.wait(timeout=SIGNAL_POLL_S):
+                if self._signal is not None:
+                    log.info("signal received; shutting down", extra={"signal": signal.Signals(self._signal).name})
+                    self._stop.set()
+                    break
                 app = self._app
-                if app is not None:
+                if app is not None and time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + 1.0
                     app.tick()
         finally:
             self._shut_down(served, initialisation)
@@ -112,8 +130,12 @@ class Startup:
                 app.start_serving(Helper(served))
             except Exception as exc:
                 log.exception("starting to serve claims failed")
+                reason = f"starting to serve claims failed: {type(exc).__name__}: {exc}"
+                # Answer the calls waiting in the gate first: shutdown stops the sockets, which waits out
+                # its grace for them and then cuts them off without the reason.
+                served.plugin.refuse_claims(reason)
                 app.shutdown()
-                self._fail(served, f"starting to serve claims failed: {type(exc).__name__}: {exc}")
+                self._fail(served, reason)
                 return
             self._app = app
 
@@ -155,11 +177,6 @@ class Startup:
 
 def run(settings: Settings) -> int:
     startup = Startup(settings)
-
-    def _on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("signal received; shutting down", extra={"signal": signal.Signals(signum).name})
-        startup.stop()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, startup.on_signal)
+    signal.signal(signal.SIGINT, startup.on_signal)
     return startup.run()

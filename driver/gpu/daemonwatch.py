@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from driver.gpu.checkpoint import ClaimPhase, ClaimRecord
+from driver.gpu.migclaims import dynamic_devices
 from driver.gpu.mps.limits import LimitDrift
 from driver.gpu.runtime.gpulocks import RESCAN_GPU_WAIT
 from driver.gpu.runtime.interfaces import ServedClaim
@@ -94,9 +95,15 @@ def check_daemons(state: DeviceState, limits: bool = False) -> list[str]:
 
 def _uses_daemon(record: ClaimRecord, daemon_id: str) -> bool:
     """Whether prepared claim ``record`` is served by ``daemon_id``. A PrepareStarted record is a failed
-    prepare whose rollback is to be retried: reviving its daemon or spec would undo that rollback."""
-    return record.phase == ClaimPhase.PREPARE_COMPLETED and daemon_id in (*record.owned_mps_daemons,
-                                                                          *record.shared_mps_daemons)
+    prepare whose rollback is to be retried: reviving its daemon or spec would undo that rollback. Nor is a
+    claim whose dynamic MIG device that the daemon serves lost its instance for good (ids forgotten: another
+    tool took the placement after a reboot): the daemon would serve a MIG UUID that no longer exists, and the
+    spec recovery removed (it named the GI/CI ids of an instance that may now be someone else's) would be back."""
+    if record.phase != ClaimPhase.PREPARE_COMPLETED or daemon_id not in (*record.owned_mps_daemons,
+                                                                         *record.shared_mps_daemons):
+        return False
+    return not any(d.mps_daemon_id == daemon_id and d.mig_gi_id is None and not d.admin_access
+                   for _, d, _ in dynamic_devices(record))
 
 
 class MpsReports:

@@ -20,7 +20,7 @@ import pytest
 from driver.kubeletplugin.types import ClaimRef
 from driver.simulation.kubelet import PrepareAnswer
 from tests.support.heldapi import HeldApi
-from tests.support.node import DRIVER, SimulatedNode, wait_until
+from tests.support.node import DRIVER, PLAN_LABEL, SimulatedNode, wait_until
 
 # GPU 0 of the demo node is shared by the plan; the claim takes GPU 2, published whole.
 PLANS = {"plans": {"p": {"gpus": [{"match": {"minor": 0}, "mps": {"shares": 2}}]}}}
@@ -109,6 +109,37 @@ def test_a_failed_initialisation_answers_the_waiting_prepare_and_exits_with_its_
     assert answer.error is not None and "failed to start" in answer.error and "sharing plan" in answer.error
     assert node.proc is not None and node.proc.wait(timeout=30) == 1
     assert any("the driver could not start" in str(line.get("msg")) for line in node.log())
+
+
+def test_a_failure_to_start_serving_answers_the_waiting_prepare_with_its_reason(
+        held: tuple[SimulatedNode, HeldApi]) -> None:
+    # A node name the ResourceSlices cannot carry as their pool name passes discovery and recovery and fails
+    # only when the claims are handed over: the prepare waiting then must get that reason, not be cut off
+    # when the sockets stop.
+    node, api = held
+    node.api.add_node("Node_A", labels={PLAN_LABEL: "p"})
+    node.start("--node-name", "Node_A", register=False)
+    node.kubelet.wait_for_plugin(DRIVER, timeout=30)
+    assert api.wait_held(30)
+    ref = ClaimRef(namespace="default", name="early", uid="0c7d3a4e-5b1f-4c2a-9e8d-7f6a5b4c3d2e")
+    answers: list[PrepareAnswer | Exception] = []
+
+    def send() -> None:
+        try:
+            answers.append(node.kubelet.prepare([ref])[ref.uid])
+        except Exception as exc:  # the RPC itself failed: recorded for the assertion below
+            answers.append(exc)
+
+    sent = threading.Thread(target=send)
+    sent.start()
+    port = http_port(node)
+    wait_until(lambda: "1 calls in flight" in get(port, "/healthz")[1], 30, "the prepare to wait in the driver")
+    api.release()
+    sent.join(timeout=60)
+    [answer] = answers
+    assert isinstance(answer, PrepareAnswer), answer
+    assert answer.error is not None and "failed to start" in answer.error and "pool name" in answer.error
+    assert node.proc is not None and node.proc.wait(timeout=30) == 1
 
 
 def test_a_stop_while_initialising_waits_for_it_and_exits_cleanly(held: tuple[SimulatedNode, HeldApi]) -> None:

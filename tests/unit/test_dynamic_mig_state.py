@@ -408,3 +408,19 @@ def test_a_claim_whose_instances_cannot_be_listed_at_a_restart_keeps_its_cdi_spe
     monkeypatch.setattr(SimulatedMigPartitioner, "instances", unanswered)
     node.state()
     assert node.spec_path("u1").exists()
+
+
+def test_a_claim_whose_unprepare_stopped_its_daemon_then_failed_is_refused_cleanly_until_the_retry(
+        node: DynamicMigNode, state: DeviceState) -> None:
+    # Unprepare stops the claim's MPS daemon (and forgets it), destroys the compute instance, then NVML refuses
+    # the GPU instance: the claim stays recorded without its daemon. A prepare or a restart in between must not
+    # fail on the missing daemon record with a KeyError; the kubelet's retried unprepare removes everything.
+    state.prepare(claim("u1", THREE_G, configs=[mig_config()]))
+    node.engine.inject_failure("destroy-gi", placement=4)
+    with pytest.raises(MigError):
+        state.unprepare(ref("u1"))
+    with pytest.raises(PrepareError, match="unprepare had begun"):
+        state.prepare(claim("u1", THREE_G, configs=[mig_config()]))
+    restarted = node.state()  # recovery logs the claim it could not restore, and goes on
+    restarted.unprepare(ref("u1"))
+    assert node.instances() == [] and restarted.prepared_claims() == [] and node.cdi_files() == []

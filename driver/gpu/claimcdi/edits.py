@@ -117,7 +117,14 @@ def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[st
     if shares is not None:
         annotations[names.annotation("shares")] = shares.model_dump_json()
     if dev.mps_daemon_id is not None:
-        edits = client_edits(daemons[dev.mps_daemon_id], MPS_CONTAINER_PIPE_DIR, src.mps_shm_dir)
+        daemon = daemons.get(dev.mps_daemon_id)
+        if daemon is None:
+            # Its unprepare stops the daemon and forgets it first, and a failure later in that unprepare (NVML
+            # refusing to destroy a MIG instance) leaves the claim recorded without it: its retried unprepare ends it.
+            raise PrepareError(
+                f"device {dev.device.device_name!r}: its MPS daemon {dev.mps_daemon_id} is no longer recorded (the "
+                "claim's unprepare had begun); the kubelet's retried unprepare finishes it")
+        edits = client_edits(daemon, MPS_CONTAINER_PIPE_DIR, src.mps_shm_dir)
         env.extend(edits.env)
         mounts.extend({"hostPath": str(h), "containerPath": c, "options": list(o)} for h, c, o in edits.mounts)
         annotations[names.annotation("mps-daemon")] = dev.mps_daemon_id

@@ -50,6 +50,7 @@ from driver.gpu.mps.proc import (
     end_processes,
     is_same_process,
     read_proc_stat,
+    recorded_daemon,
 )
 from driver.gpu.mps.restarts import STOPPED_EXIT_WAIT_S, STOPPED_RETRY_S, RestartBackoff, stopped_by_quit
 from driver.gpu.mps.shmmount import release_daemon_shm
@@ -114,9 +115,17 @@ class MpsManager:
         return self._start_again_if_stopped(spec, False, timeout)
 
     def process_running(self, record: MpsDaemonRecord) -> bool:
-        """True if ``record.pid`` is still this record's daemon (PID and process start time). Only /proc
-        is read, never the control socket: a tenant cannot make this hang."""
-        return daemon_start_time(record.pid, record.pipe_dir) == record.process_start_time
+        """True if ``record.pid`` is still this record's daemon (PID and process start time) serving its spec's
+        devices: a dynamic MIG instance made again moves the record onto its new MIG UUID (``migruntime.py``),
+        and a daemon left on the old one serves nothing. Only /proc is read: a tenant cannot make this hang."""
+        found = recorded_daemon(record.pid, record.pipe_dir)
+        return (found is not None and found.start_time == record.process_start_time
+                and found.visible_devices in (None, tuple(record.spec.gpu_uuids)))
+
+    def _alive(self, record: MpsDaemonRecord) -> tuple[int, int] | None:
+        """``(pid, start time)`` if ``record.pid`` is still the process the record started, whatever it serves."""
+        alive = daemon_start_time(record.pid, record.pipe_dir) == record.process_start_time
+        return (record.pid, record.process_start_time) if alive else None
 
     def answers_control(self, record: MpsDaemonRecord) -> bool:
         """True if the recorded daemon runs and answers a control command within ``command_timeout``."""
@@ -146,9 +155,10 @@ class MpsManager:
             ensure_real_dir(daemon_dir, 0o755)
         except OSError as exc:
             raise MpsError(f"cannot prepare {daemon_dir} to restart MPS daemon {daemon_id}: {exc}") from exc
-        log.warning("MPS control daemon is gone; restarting it in the same pipe directory",
-                    extra={"daemon_id": daemon_id, "pid": record.pid, "failed_starts": state.count})
-        self._stop_process(record.pipe_dir, record.log_dir, None, deadline.remaining())
+        log.warning("MPS control daemon is gone (or serves devices its record no longer names); restarting it in "
+                    "the same pipe directory", extra={"daemon_id": daemon_id, "pid": record.pid,
+                                                      "failed_starts": state.count, "gpu_uuids": record.spec.gpu_uuids})
+        self._stop_process(record.pipe_dir, record.log_dir, self._alive(record), deadline.remaining())
         try:
             left = None if timeout is None else deadline.remaining()
             restarted = (self._start_again_if_stopped(record.spec, True, left) if retry_stopped
@@ -197,8 +207,8 @@ class MpsManager:
         A daemon that is already gone is fine. Signals only go to a process /proc shows to be this
         daemon, so a process that reused the PID is never touched.
         """
-        known = (record.pid, record.process_start_time) if self.process_running(record) else None
-        self._stop_process(record.pipe_dir, record.log_dir, known, timeout)
+        # The recorded process, also one serving devices its record no longer names: it is still ours to stop.
+        self._stop_process(record.pipe_dir, record.log_dir, self._alive(record), timeout)
         self._remove(record.pipe_dir.parent)
         log.info("MPS control daemon stopped", extra={"daemon_id": record.spec.daemon_id, "pid": record.pid})
 

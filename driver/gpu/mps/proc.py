@@ -76,6 +76,7 @@ class DaemonLike:
     uid: int  # real
     euid: int
     pipe_dirs: tuple[Path, ...]  # every CUDA_MPS_PIPE_DIRECTORY in its environment
+    visible_devices: tuple[str, ...] | None = None  # its CUDA_VISIBLE_DEVICES, if set: the devices it serves
 
     def runs_as_driver(self) -> bool:
         """Real and effective UID are this process's effective UID: no other user's process is a daemon
@@ -117,21 +118,30 @@ def daemon_like(pid: int) -> DaemonLike | None:
         return None
     prefix = b"CUDA_MPS_PIPE_DIRECTORY="
     pipe_dirs = tuple(Path(os.fsdecode(e[len(prefix):])) for e in environ if e.startswith(prefix))
+    devices = b"CUDA_VISIBLE_DEVICES="
+    visible = next((tuple(os.fsdecode(e[len(devices):]).split(",")) for e in environ if e.startswith(devices)), None)
     uids = read_uids(pid)
     # The files above were read after the stat: a PID recycled in between would show a new start time.
     again = read_proc_stat(pid)
     if not pipe_dirs or uids is None or again is None or again.start_time != stat.start_time:
         return None
-    return DaemonLike(pid=pid, start_time=stat.start_time, uid=uids[0], euid=uids[1], pipe_dirs=pipe_dirs)
+    return DaemonLike(pid=pid, start_time=stat.start_time, uid=uids[0], euid=uids[1], pipe_dirs=pipe_dirs,
+                      visible_devices=visible)
 
 
-def daemon_start_time(pid: int, pipe_dir: Path) -> int | None:
-    """The start time of ``pid`` if it is a live control daemon serving ``pipe_dir`` as the driver's UID,
-    else None. For a PID the driver's launcher returned (a recorded daemon)."""
+def recorded_daemon(pid: int, pipe_dir: Path) -> DaemonLike | None:
+    """``pid`` if it is a live control daemon serving ``pipe_dir`` as the driver's UID, else None. For a PID
+    the driver's launcher returned (a recorded daemon)."""
     found = daemon_like(pid)
     if found is None or pipe_dir not in found.pipe_dirs or not found.runs_as_driver():
         return None
-    return found.start_time
+    return found
+
+
+def daemon_start_time(pid: int, pipe_dir: Path) -> int | None:
+    """The start time of :func:`recorded_daemon` ``pid``, else None."""
+    found = recorded_daemon(pid, pipe_dir)
+    return found.start_time if found is not None else None
 
 
 def find_daemon_like(pipe_dir: Path | None = None) -> list[DaemonLike]:

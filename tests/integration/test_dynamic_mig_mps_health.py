@@ -1,0 +1,74 @@
+"""MPS on a dynamic MIG device whose instance is made again, through the real driver process and the MPS
+stand-in: the claim's daemon must follow the instance to its new MIG UUID, not go on serving the old one.
+
+The node is the simulated ``dynamic-mig`` layout (``test_dynamic_mig_prepare.py``); the test destroys the claim's
+instance as ``nvidia-smi mig -dci``/``-dgi`` would, through the simulated NVML the driver uses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import mignode
+from tests.support.node import DRIVER, SimulatedNode, pid_alive, wait_until
+
+PLANS = {"defaultPlan": "p", "plans": {"p": {"gpus": [{"match": {"minor": 0}, "dynamicMig": {}}]}}}
+THREE_G = "gpu-0-dynmig-3g40gb-4"
+
+
+@pytest.fixture
+def node() -> Iterator[SimulatedNode]:
+    n = SimulatedNode("dynamic-mig", plans=PLANS)
+    mignode.set_boot_id(n, "boot-1")
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def mig_mps_config(**mps: Any) -> dict[str, Any]:
+    return {"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "MigDeviceConfig",
+        "sharing": {"strategy": "MPS", "mpsConfig": mps}}}}
+
+
+def visible_devices(pid: int) -> str | None:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    found = [e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"CUDA_VISIBLE_DEVICES=")]
+    return found[0] if found else None
+
+
+def test_a_daemon_follows_its_instance_made_again_without_a_reboot(node: SimulatedNode) -> None:
+    node.start()
+    wait_until(lambda: THREE_G in node.device_names(), 30, "the dynamic MIG placements published")
+    ref = node.claim("c", [("mig", THREE_G)], configs=[mig_mps_config(defaultActiveThreadPercentage=40,
+                                                                       defaultPinnedDeviceMemoryLimit="8Gi")])
+    answer = node.prepare_ok(ref)
+    before = node.checkpoint()
+    old_uuid = before["claims"][ref.uid]["devices"][0]["mig_uuid"]
+    [old] = before["mps_daemons"].values()
+    assert visible_devices(old["pid"]) == old_uuid
+    # Someone destroys the claim's instance behind the driver's back (no client was connected to the daemon,
+    # so NVML lets it go); the kubelet's next prepare of the claim makes it again, with a new MIG UUID.
+    engine = mignode.engine(node)
+    [made] = engine.instances(node.inventory.gpus[0].uuid)
+    engine.destroy(node.inventory.gpus[0].uuid, made.gi_id, made.ci_id)
+    assert node.prepare_ok(ref).devices == answer.devices
+    after = node.checkpoint()
+    new_uuid = after["claims"][ref.uid]["devices"][0]["mig_uuid"]
+    assert new_uuid != old_uuid
+    [daemon] = after["mps_daemons"].values()
+    assert daemon["spec"]["gpu_uuids"] == [new_uuid]
+    assert pid_alive(daemon["pid"]) and visible_devices(daemon["pid"]) == new_uuid, \
+        "the daemon recorded for the claim serves the re-created instance, not the destroyed one"
+    assert daemon["pid"] != old["pid"] and not pid_alive(old["pid"]), "the daemon on the old UUID was stopped"
+    commands = [json.loads(line) for line in (Path(daemon["log_dir"]) / "commands.jsonl").read_text().splitlines()]
+    sent = [" ".join([c["cmd"], *c.get("args", [])]) for c in commands]
+    assert sent.count("set_default_device_pinned_mem_limit 0 8192M") == 2, "limits set again on the new daemon"
+    assert node.unprepare(ref) == {ref.uid: None}
+    assert mignode.placements(node) == [] and not pid_alive(daemon["pid"])
