@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.support import mignode
-from tests.support.node import DRIVER, SimulatedNode, pid_alive, wait_until
+from tests.support.mignode import mig_mps_config
+from tests.support.node import SimulatedNode, pid_alive, wait_until
 
 PLANS = {"defaultPlan": "p", "plans": {"p": {"gpus": [{"match": {"minor": 0}, "dynamicMig": {}}]}}}
 THREE_G = "gpu-0-dynmig-3g40gb-4"
@@ -23,18 +23,8 @@ THREE_G = "gpu-0-dynmig-3g40gb-4"
 
 @pytest.fixture
 def node() -> Iterator[SimulatedNode]:
-    n = SimulatedNode("dynamic-mig", plans=PLANS)
-    mignode.set_boot_id(n, "boot-1")
-    try:
+    with mignode.dynamic_mig_node(PLANS) as n:
         yield n
-    finally:
-        n.close()
-
-
-def mig_mps_config(**mps: Any) -> dict[str, Any]:
-    return {"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": {
-        "apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "MigDeviceConfig",
-        "sharing": {"strategy": "MPS", "mpsConfig": mps}}}}
 
 
 def visible_devices(pid: int) -> str | None:

@@ -22,6 +22,7 @@ import pytest
 
 from driver.simulation.migstate import FaultCall, FaultEffect
 from tests.support import mignode
+from tests.support.mignode import mig_mps_config
 from tests.support.node import DRIVER, SimulatedNode, kill_9_while_daemon_starts, pid_alive, wait_until
 
 PLANS = {"defaultPlan": "p", "plans": {"p": {"gpus": [{"match": {"minor": 0}, "dynamicMig": {}}]}}}
@@ -30,20 +31,10 @@ TWO_G = "gpu-0-dynmig-2g20gb-2"
 ONE_G = "gpu-0-dynmig-1g10gb-6"
 
 
-def mig_mps_config(**mps: Any) -> dict[str, Any]:
-    return {"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": {
-        "apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "MigDeviceConfig",
-        "sharing": {"strategy": "MPS", **({"mpsConfig": mps} if mps else {})}}}}
-
-
 @pytest.fixture
 def node() -> Iterator[SimulatedNode]:
-    n = SimulatedNode("dynamic-mig", plans=PLANS)
-    mignode.set_boot_id(n, "boot-1")
-    try:
+    with mignode.dynamic_mig_node(PLANS) as n:
         yield n
-    finally:
-        n.close()
 
 
 def start(node: SimulatedNode, env: dict[str, str] | None = None) -> None:

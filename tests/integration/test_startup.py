@@ -90,22 +90,37 @@ def test_a_prepare_sent_while_the_driver_initialises_waits_for_it_then_succeeds(
                            "gpu-1-mig-1g10gb-6", "gpu-2"])
 
 
-def test_a_failed_initialisation_answers_the_waiting_prepare_and_exits_with_its_reason(
-        held: tuple[SimulatedNode, HeldApi]) -> None:
-    node, api = held
-    node.api.stop()  # the Node read, once let through, finds no API server
-    node.start(register=False)
+def prepared_while_held(node: SimulatedNode, api: HeldApi, *extra: str) -> PrepareAnswer | Exception:
+    """Start the driver (with ``extra`` flags) while its first API read is held, send a prepare, let the read
+    through once the prepare waits in the driver: the prepare's answer, or the RPC's own failure."""
+    node.start(*extra, register=False)
     node.kubelet.wait_for_plugin(DRIVER, timeout=30)
     assert api.wait_held(30)
-    answers: list[PrepareAnswer] = []
     ref = ClaimRef(namespace="default", name="early", uid="0c7d3a4e-5b1f-4c2a-9e8d-7f6a5b4c3d2e")
-    sent = threading.Thread(target=lambda: answers.append(node.kubelet.prepare([ref])[ref.uid]))
+    answers: list[PrepareAnswer | Exception] = []
+
+    def send() -> None:
+        try:
+            answers.append(node.kubelet.prepare([ref])[ref.uid])
+        except Exception as exc:  # the RPC itself failed: the caller's assertion shows it
+            answers.append(exc)
+
+    sent = threading.Thread(target=send)
     sent.start()
     port = http_port(node)
     wait_until(lambda: "1 calls in flight" in get(port, "/healthz")[1], 30, "the prepare to wait in the driver")
     api.release()
     sent.join(timeout=60)
     [answer] = answers
+    return answer
+
+
+def test_a_failed_initialisation_answers_the_waiting_prepare_and_exits_with_its_reason(
+        held: tuple[SimulatedNode, HeldApi]) -> None:
+    node, api = held
+    node.api.stop()  # the Node read, once let through, finds no API server
+    answer = prepared_while_held(node, api)
+    assert isinstance(answer, PrepareAnswer), answer
     assert answer.error is not None and "failed to start" in answer.error and "sharing plan" in answer.error
     assert node.proc is not None and node.proc.wait(timeout=30) == 1
     assert any("the driver could not start" in str(line.get("msg")) for line in node.log())
@@ -118,25 +133,7 @@ def test_a_failure_to_start_serving_answers_the_waiting_prepare_with_its_reason(
     # when the sockets stop.
     node, api = held
     node.api.add_node("Node_A", labels={PLAN_LABEL: "p"})
-    node.start("--node-name", "Node_A", register=False)
-    node.kubelet.wait_for_plugin(DRIVER, timeout=30)
-    assert api.wait_held(30)
-    ref = ClaimRef(namespace="default", name="early", uid="0c7d3a4e-5b1f-4c2a-9e8d-7f6a5b4c3d2e")
-    answers: list[PrepareAnswer | Exception] = []
-
-    def send() -> None:
-        try:
-            answers.append(node.kubelet.prepare([ref])[ref.uid])
-        except Exception as exc:  # the RPC itself failed: recorded for the assertion below
-            answers.append(exc)
-
-    sent = threading.Thread(target=send)
-    sent.start()
-    port = http_port(node)
-    wait_until(lambda: "1 calls in flight" in get(port, "/healthz")[1], 30, "the prepare to wait in the driver")
-    api.release()
-    sent.join(timeout=60)
-    [answer] = answers
+    answer = prepared_while_held(node, api, "--node-name", "Node_A")
     assert isinstance(answer, PrepareAnswer), answer
     assert answer.error is not None and "failed to start" in answer.error and "pool name" in answer.error
     assert node.proc is not None and node.proc.wait(timeout=30) == 1

@@ -4,13 +4,15 @@ test on a real node would use ``nvidia-smi mig``, and the node's boot ID, which 
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from driver.simulation.migengine import SimulatedMigHost, SimulatedMigPartitioner
 from driver.simulation.migstate import DEFAULT_STATE
-from tests.support.node import NODE, SimulatedNode
+from tests.support.node import DRIVER, NODE, SimulatedNode
 
 BOOT_ID_FILE = "proc/sys/kernel/random/boot_id"  # under the host root, where the driver reads it first
 
@@ -52,3 +54,21 @@ def proc_caps(node: SimulatedNode, minor: int = 0) -> list[str]:
     """The MIG capability access files under the host tree's /proc for GPU ``minor``."""
     base = node.host / "proc/driver/nvidia/capabilities" / f"gpu{minor}" / "mig"
     return sorted(str(p.relative_to(base)) for p in base.rglob("access")) if base.exists() else []
+
+
+@contextlib.contextmanager
+def dynamic_mig_node(plans: dict[str, Any]) -> Iterator[SimulatedNode]:
+    """The simulated ``dynamic-mig`` node with ``plans`` and a boot ID (not started), closed afterwards."""
+    node = SimulatedNode("dynamic-mig", plans=plans)
+    set_boot_id(node, "boot-1")
+    try:
+        yield node
+    finally:
+        node.close()
+
+
+def mig_mps_config(**mps: Any) -> dict[str, Any]:
+    """A claim's MigDeviceConfig asking for MPS, with ``mps`` as its mpsConfig if any."""
+    return {"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "MigDeviceConfig",
+        "sharing": {"strategy": "MPS", **({"mpsConfig": mps} if mps else {})}}}}
