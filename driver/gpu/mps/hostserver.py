@@ -331,7 +331,9 @@ class MpsHost:
                 # EMFILE, ENFILE, ENOBUFS...: transient. Leaving the loop would end the host and with
                 # it every daemon and its clients' CUDA contexts.
                 log.warning("MPS host could not accept a connection; retrying", extra={"reason": str(exc)})
-                self._stop.wait(_ACCEPT_RETRY_S)
+                # Not _stop.wait: the signal handler sets _stop on this thread, and Event.wait holds the Event's
+                # (non-reentrant) lock for a moment; a signal then would wait for the thread it interrupted.
+                time.sleep(_ACCEPT_RETRY_S)
                 continue
             if not self._slots.acquire(blocking=False):
                 self._refuse_busy(conn)
