@@ -63,7 +63,8 @@ class SwappedFile:
         self._lock = threading.Lock()
         # A swap done but not yet made durable (its directory fsync deferred, or failed): until one is, the
         # directory on disk may still call the companion the target, so the companion must not be overwritten.
-        self._swap_pending = False
+        # True at first: a process killed -9 between its swap and that fsync left the same state behind.
+        self._swap_pending = True
 
     def write(self, data: bytes, *, durable: bool = True, defer_directory_sync: bool = False) -> None:
         """Replace the file with ``data``; ``durable=False`` skips the directory fsync (and the swap).
@@ -85,6 +86,12 @@ class SwappedFile:
         with self._lock:
             fsync_directory(self.path.parent)
             self._swap_pending = False
+
+    def written_elsewhere(self) -> None:
+        """Another process replaced the file (it may have swapped and not yet synced the directory, as a
+        group commit does after releasing its lock): sync the directory before the companion is next overwritten."""
+        with self._lock:
+            self._swap_pending = True
 
     def _swap(self, data: bytes) -> bool:
         """Write through the companion and swap it in (the directory not yet synced: the caller's part);

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 from cdi.atomicfile import write_atomic
@@ -88,11 +89,18 @@ def remove_spec(directory: Path, filename: str) -> bool:
 def spec_file_intact(path: Path) -> bool:
     """Whether ``path`` holds a whole JSON object: what a write that a power failure tore never does.
 
-    A cheap check (no model validation) for specs this process wrote from checked text."""
+    A cheap check (no model validation) for specs this process wrote from checked text. Only a regular file
+    at ``path`` itself counts: a symlink put there is not what this process wrote (its target must not be
+    trusted), and reading a FIFO would block the caller for good; either is then written over."""
     try:
-        return isinstance(json.loads(path.read_bytes()), dict)
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
         return False
+    with open(fd, "rb") as file:
+        try:
+            return stat.S_ISREG(os.fstat(fd).st_mode) and isinstance(json.loads(file.read()), dict)
+        except (OSError, ValueError):
+            return False
 
 
 def read_spec(path: Path) -> Spec:

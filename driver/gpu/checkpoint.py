@@ -176,6 +176,8 @@ class CheckpointStore:
             return Checkpoint()
         if self._cached is not None and self._cached[0] == stamp:
             return self._cached[1] if shared else _working_copy(self._cached[1])
+        # Not the file this process last wrote: the other plugin pod's, whose swap may not be durable yet.
+        self._file.written_elsewhere()
         try:
             checkpoint = self._parse(self.path.read_bytes())
         except (ValueError, ValidationError, OSError) as exc:

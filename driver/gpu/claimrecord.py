@@ -47,3 +47,9 @@ def started_record(plan: ClaimPlan, names: CdiNames, pool_name: str, driver_vers
     if plan.timeslice is not None:
         record.timeslice = TimeSliceRecord(gpu_uuids=list(plan.timeslice.gpu_uuids), interval=plan.timeslice.interval)
     return record
+
+
+def allocation_of(record: ClaimRecord) -> list[tuple[str, str, str | None, int | None, int | None]]:
+    """What a record says the scheduler allocated: per device its pool, name, share ID and consumed amounts."""
+    return sorted((d.device.pool_name, d.device.device_name, d.device.share_id, d.consumed_memory_bytes,
+                   d.consumed_multiprocessors) for d in record.devices)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from driver.gpu.claimconfig.quantity import parse_quantity
+from driver.gpu.claimconfig.quantity import parse_whole_quantity
 from driver.gpu.discovery.inventory import GpuInfo
 from driver.gpu.errors import PrepareError
 from driver.gpu.sharelayout import ConsumablePolicy, Enforcement
@@ -138,6 +138,11 @@ def consumed_share(device: str, consumed: Mapping[str, str] | None, policy: Cons
         domain, _, name = key.rpartition("/")
         if domain and domain != driver_name:
             continue
+        if name in amounts:
+            # "memory" and "<driver>/memory" are one capacity: which of two amounts the scheduler counted is
+            # unknowable, so taking either (the last, by map order) could set limits it never counted.
+            raise PrepareError(f"device {device!r}: consumedCapacity names {name!r} twice (with and without "
+                               f"{driver_name}/); delete the pod so its claim is allocated again")
         amounts[name] = value
     memory = _amount(device, amounts, CONSUMABLE_MEMORY, "bytes")
     sms = _amount(device, amounts, CONSUMABLE_MULTIPROCESSORS, "SMs")
@@ -162,9 +167,12 @@ def _amount(device: str, amounts: Mapping[str, str], name: str, unit: str) -> in
                            f"{', '.join(sorted(amounts)) or 'nothing'}); a consumable share needs both memory and "
                            "multiprocessors")
     try:
-        return parse_quantity(amounts[name], f"consumedCapacity.{name}")
+        # Whole numbers only: the policies' grids are integers, so a fraction is off-policy, and rounding
+        # it would make the limits and the prepared total differ from what the scheduler counted.
+        return parse_whole_quantity(amounts[name], f"consumedCapacity.{name}")
     except ValueError as exc:
-        raise PrepareError(f"device {device!r}: {exc}") from None
+        raise PrepareError(f"device {device!r}: {exc} ({unit}); delete the pod so its claim is allocated "
+                           "again") from None
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,11 @@ import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import cdi
+from cdi.atomicswap import swap_name
 from driver.gpu.checkpoint import Checkpoint, CheckpointCorrupt, ClaimPhase, current_boot_id
 from driver.gpu.devices import make_view
 from driver.gpu.rebuild import rebuild_checkpoint
@@ -45,11 +47,15 @@ def recover(state: DeviceState) -> RecoveryReport:
     ledger = state.ledger
     with state.node_lock.held():
         try:
-            cp = ledger.store.load()
+            loaded: Checkpoint | None = ledger.store.load()
         except CheckpointCorrupt:
+            loaded = None
+        if loaded is None or _rebuild_interrupted(ledger.store.path):
             cp = rebuild_checkpoint(state.paths.cdi_root, state.names, state.pool_name, _now())
             ledger.store.save(cp)
             report.rebuilt_from_cdi = True
+        else:
+            cp = loaded
         # Publish what the previous process published until apply_layout decides otherwise.
         inventory = state.view.inventory
         present = {g.uuid for g in inventory.gpus}
@@ -107,6 +113,13 @@ def _recover_holding(state: DeviceState, report: RecoveryReport) -> None:
     ledger.commit(stamp)
 
 
+def _rebuild_interrupted(path: Path) -> bool:
+    """Whether a corrupt checkpoint was set aside and no rebuilt one saved after it: the process died while
+    rebuilding. Loading the missing file as an empty checkpoint would make every running claim's spec and daemon
+    an orphan; its specs are still there to rebuild from."""
+    return not path.exists() and any(path.parent.glob(f"{path.name}.corrupt-*"))
+
+
 def _forget_claim(cp: Checkpoint, uid: str) -> None:
     cp.claims.pop(uid, None)
 
@@ -125,7 +138,10 @@ def _remove_orphan_files(state: DeviceState) -> list[str]:
     # Checkpoint writes hold only the node lock: without it, this could delete the temporary file of
     # the other plugin pod's write in progress during a rolling update.
     with state.node_lock.held():
+        companion = swap_name(state.ledger.store.path)  # the checkpoint's own, kept between writes
         for tmp in state.paths.state_dir.glob(".checkpoint.json.*.tmp"):
+            if tmp == companion:
+                continue
             tmp.unlink(missing_ok=True)
             removed.append(f"temporary file {tmp.name}")
     return removed

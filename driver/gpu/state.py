@@ -39,7 +39,7 @@ from driver.gpu.claimcdi.hostfs import HostFsError
 from driver.gpu.claimcdi.toolkit import ToolkitEdits
 from driver.gpu.claimconfig.api import ConfigError
 from driver.gpu.claimplan import ClaimPlan, plan_claim
-from driver.gpu.claimrecord import started_record
+from driver.gpu.claimrecord import allocation_of, started_record
 from driver.gpu.daemonwatch import check_daemons
 from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
@@ -272,6 +272,11 @@ class DeviceState:
         if replan:
             return None
         if existing is not None and existing.phase == ClaimPhase.PREPARE_COMPLETED:
+            assert plan is not None  # reserve() planned before it found the record
+            if allocation_of(existing) != allocation_of(started_record(plan, self.names, self.pool_name, None, "")):
+                # Served as recorded, the pod would get the old devices and limits, not what the scheduler counted.
+                raise PrepareError(f"claim {claim.metadata.namespace}/{claim.metadata.name} ({uid}) is already "
+                                   "prepared with another allocation; delete the pod so it is unprepared first")
             try:
                 self.ensure_claim_runtime(existing)
             except Exception as exc:

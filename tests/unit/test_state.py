@@ -77,6 +77,17 @@ def test_prepare_again_returns_the_same_devices_without_new_side_effects(node: N
     assert len(state.prepared_claims()) == 1
 
 
+def test_a_prepared_claim_prepared_again_with_another_allocation_is_refused(node: Node) -> None:
+    # The same UID allocated anew (reallocated after a missed unprepare): served as recorded, the pod would get
+    # the devices and limits of the old allocation, not what the scheduler counted now.
+    state = node.state()
+    first = state.prepare(claim("u1", "gpu-0"))
+    with pytest.raises(PrepareError, match="already prepared with another allocation"):
+        state.prepare(claim("u1", "gpu-2"))
+    assert state.prepare(claim("u1", "gpu-0")) == first, "the same allocation is still answered as before"
+    assert node.spec_json("u1")["devices"][0]["containerEdits"]["deviceNodes"][0] == {"path": "/dev/nvidia0"}
+
+
 def test_claim_without_results_for_this_driver_is_a_no_op(node: Node) -> None:
     other = ResourceClaim.model_validate({
         "metadata": {"name": "c", "namespace": "default", "uid": "u1"},

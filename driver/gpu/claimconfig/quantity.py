@@ -35,6 +35,19 @@ _EXAMPLE = 'a quantity such as "10Gi", "512Mi", "1.5G" or 1073741824'
 
 def parse_quantity(value: str | int, field: str) -> int:
     """Return ``value`` in whole bytes (fractions round down); ``field`` names the setting in errors."""
+    return int(_exact(value, field))  # int() truncates, which is rounding down for non-negative values
+
+
+def parse_whole_quantity(value: str | int, field: str) -> int:
+    """Like :func:`parse_quantity`, but ValueError unless ``value`` is a whole number: for amounts another
+    component counted exactly (a consumedCapacity), where rounding would make ours differ from its count."""
+    amount = _exact(value, field)
+    if amount.denominator != 1:
+        raise ValueError(f"{field}: {_show(value)} is not a whole number")
+    return int(amount)
+
+
+def _exact(value: str | int, field: str) -> Fraction:
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise ValueError(f"{field}: expected {_EXAMPLE}, got {_show(value)}")
     amount = Fraction(value) if isinstance(value, int) else _parse_text(value, field)
@@ -42,7 +55,7 @@ def parse_quantity(value: str | int, field: str) -> int:
         raise ValueError(f"{field}: {_show(value)} is negative; expected {_EXAMPLE}")
     if amount > _MAX_BYTES:
         raise ValueError(f"{field}: {_show(value)} is too large; expected {_EXAMPLE}")
-    return int(amount)  # int() truncates, which is rounding down for non-negative values
+    return amount
 
 
 def _parse_text(text: str, field: str) -> Fraction:

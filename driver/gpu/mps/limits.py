@@ -48,6 +48,9 @@ class _Limit:
     expected: str
     taken: Callable[[str], bool]
     mismatch: Callable[[str], str]  # the error message for a read-back answer that is not ``expected``
+    # The daemon's answer cannot show every change: a pinned limit of 1 GiB or more reads back in whole G,
+    # so 10240M raised to 11263M still reads "10G".
+    hides_changes: bool = False
 
 
 def _thread_percentage_taken(wanted: int) -> Callable[[str], bool]:
@@ -82,7 +85,8 @@ def _pinned_limit(ordinal: int, uuid: str, mib: int) -> _Limit:
         get_command=f"get_default_device_pinned_mem_limit {ordinal}", expected=f"{mib}M",
         taken=lambda answer: pinned_limit_taken(answer, mib),
         mismatch=lambda answer: (f"pinned memory limit for device {ordinal} ({uuid}) reads back as {answer!r}, "
-                                 f"expected {mib}M (which the daemon shows as {shown!r})"))
+                                 f"expected {mib}M (which the daemon shows as {shown!r})"),
+        hides_changes=mib >= 1024)
 
 
 def apply_limits(control: MpsControl, spec: MpsDaemonSpec, pipe_dir: Path, log_dir: Path, deadline: Deadline) -> None:
@@ -145,6 +149,13 @@ def verify_limits(control: MpsControl, record: MpsDaemonRecord, deadline: Deadli
         drift = find_drift(control, record.spec, record.pipe_dir, record.log_dir, deadline)
         if drift:
             restore_limits(control, record.spec, drift, record.pipe_dir, record.log_dir, deadline)
+        # A client may have raised a limit within what its read-back shows (up to 1023 MiB of pinned
+        # memory): undetectable, so those limits are set again every time, unreported.
+        restored = {d.limit for d in drift}
+        hidden = [limit.set_command for limit in _limits(record.spec)
+                  if limit.hides_changes and limit.name not in restored]
+        if hidden:
+            control.set_all(record.pipe_dir, record.log_dir, hidden, deadline)
     except MpsError as exc:
         if wait_for_exit(record.pid, record.process_start_time, STOPPED_EXIT_WAIT_S):
             raise MpsDaemonStopped(f"MPS control daemon {record.spec.daemon_id} (pid {record.pid}) stopped while "
