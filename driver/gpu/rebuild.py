@@ -5,13 +5,15 @@ the checkpoint held about it: kind, GPU, MIG instance (and, for dynamic MIG, its
 request names, share ID, admin access, the share layout of its GPU and its MPS daemon; the claim's time
 slice is a spec-level annotation. So running
 workloads keep their specs, their daemons and their GPUs' published form; only daemon PIDs are
-lost: the next prepare that needs such a daemon adopts it (its limits read back), and unprepare
+lost: recovery adopts each live daemon again from the settings its claims' specs carry
+(:func:`daemon_specs`; its limits read back), the next prepare that needs one adopts it too, and unprepare
 still stops those daemons through their directories. The compute modes
 the GPUs had before their daemons are lost too; recovery then takes them as DEFAULT.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from driver.gpu.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedD
 from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.claimplan import is_plan_daemon
 from driver.gpu.migrecord import DynamicMigRecord
+from driver.gpu.mps.model import MpsDaemonSpec
 from driver.gpu.runtime.computemode import ComputeMode
 from driver.gpu.sharelayout import GpuShares
 from driver.kubeletplugin.types import PreparedDevice
@@ -46,6 +49,24 @@ def rebuild_checkpoint(cdi_root: Path, names: CdiNames, pool_name: str, updated_
             cp.compute_modes.setdefault(uuid, ComputeMode.DEFAULT)
     log.warning("checkpoint rebuilt from CDI specs", extra={"claims": sorted(cp.claims)})
     return cp
+
+
+def daemon_specs(cdi_root: Path, names: CdiNames) -> dict[str, MpsDaemonSpec]:
+    """The MPS daemons the claims' specs name, with the settings they were started with (specs written before
+    the settings were annotated name none)."""
+    found: dict[str, MpsDaemonSpec] = {}
+    for path in cdi.list_specs(cdi_root, names.spec_prefix):
+        try:
+            devices = cdi.read_spec(path).devices
+        except Exception:  # rebuild_checkpoint reported (and removed) what cannot be read
+            continue
+        for device in devices:
+            text = (device.annotations or {}).get(names.annotation("mps-daemon-spec"))
+            if text:
+                with contextlib.suppress(ValueError):
+                    spec = MpsDaemonSpec.model_validate_json(text)
+                    found[spec.daemon_id] = spec
+    return found
 
 
 def _claim_from_spec(path: Path, names: CdiNames, pool_name: str,

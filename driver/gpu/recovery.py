@@ -21,7 +21,8 @@ import cdi
 from cdi.atomicswap import swap_name
 from driver.gpu.checkpoint import Checkpoint, CheckpointCorrupt, ClaimPhase, current_boot_id
 from driver.gpu.devices import make_view
-from driver.gpu.rebuild import rebuild_checkpoint
+from driver.gpu.mps.model import MpsDaemonRecord
+from driver.gpu.rebuild import daemon_specs, rebuild_checkpoint
 from driver.gpu.targets import drop_unfit
 
 if TYPE_CHECKING:
@@ -91,6 +92,8 @@ def _recover_holding(state: DeviceState, report: RecoveryReport) -> None:
             continue
         ledger.commit(partial(_forget_claim, uid=record.uid))
         report.rolled_back.append(record.uid)
+    if report.rebuilt_from_cdi:
+        _adopt_daemons(state)
     for record in ledger.read().claims.values():
         if record.phase != ClaimPhase.PREPARE_COMPLETED:
             continue
@@ -118,6 +121,25 @@ def _rebuild_interrupted(path: Path) -> bool:
     rebuilding. Loading the missing file as an empty checkpoint would make every running claim's spec and daemon
     an orphan; its specs are still there to rebuild from."""
     return not path.exists() and any(path.parent.glob(f"{path.name}.corrupt-*"))
+
+
+def _adopt_daemons(state: DeviceState) -> None:
+    """After a rebuild from the CDI specs: each live daemon they name gets its record back (its limits read back
+    first), so the watcher checks its limits and restarts it again. GPU locks held."""
+    for spec in daemon_specs(state.paths.cdi_root, state.names).values():
+        if spec.daemon_id in state.ledger.read().mps_daemons:
+            continue
+        try:
+            record = state.sharing.mps.adopt(spec)
+        except Exception:
+            log.exception("adopting an MPS daemon after the rebuild failed", extra={"daemon_id": spec.daemon_id})
+            continue
+        if record is not None:
+            state.ledger.commit(partial(_record_daemon, record=record))
+
+
+def _record_daemon(cp: Checkpoint, record: MpsDaemonRecord) -> None:
+    cp.mps_daemons[record.spec.daemon_id] = record
 
 
 def _forget_claim(cp: Checkpoint, uid: str) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 from tests.support.node import SimulatedNode, gpu_config, kill_9_while_daemon_starts, pid_alive, wait_until
 
@@ -91,3 +93,22 @@ def test_inspect_shows_claims_devices_and_cdi_files(node: SimulatedNode) -> None
     [claim] = report["claims"]
     assert claim["devices"][0]["mig"].startswith("MIG-")
     assert claim["cdi_spec_present"] is True
+
+
+def test_a_claims_own_daemon_is_adopted_after_a_rebuild_and_restarted_when_it_dies(node: SimulatedNode) -> None:
+    # After a checkpoint rebuilt from the CDI specs, a claim's own MPS daemon (no later prepare needs it) used to
+    # have no record: never checked again, never restarted. Its spec now carries its settings.
+    node.start()
+    limits = {"defaultActiveThreadPercentage": 40}
+    ref = node.claim("c", [("gpu", "gpu-0")], configs=[gpu_config(strategy="MPS", mpsConfig=limits)])
+    node.prepare_ok(ref)
+    [(daemon_id, daemon)] = node.checkpoint()["mps_daemons"].items()
+    node.stop()
+    (node.state_dir / "checkpoint.json").write_text('{"version": 1, "checksum": "sha256:00", "data": {"cla')
+    node.start()
+    assert node.checkpoint()["mps_daemons"][daemon_id]["pid"] == daemon["pid"], "the live daemon adopted"
+    os.kill(daemon["pid"], signal.SIGKILL)
+    wait_until(lambda: node.checkpoint()["mps_daemons"][daemon_id]["pid"] != daemon["pid"], 30,
+               "the watcher to restart the adopted daemon")
+    assert node.unprepare(ref) == {ref.uid: None}
+    assert node.checkpoint()["mps_daemons"] == {} and node.cdi_files() == []

@@ -130,3 +130,15 @@ def test_the_checkpoints_own_companion_is_not_reported_or_removed_as_an_orphan(n
     report = node.state().recover()
     assert not any("swap" in o for o in report.orphans_removed), report.orphans_removed
     assert companion.exists()
+
+
+def test_a_claims_own_daemon_is_adopted_and_watched_again_after_a_rebuild(node: Node) -> None:
+    # A rebuild from the CDI specs used to know a per-claim daemon by id only: no record, so the watcher never
+    # checked its limits or restarted it again. The spec carries the daemon's settings; the live daemon is adopted.
+    node.state().prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
+    [daemon_id] = node.mps.started()
+    (node.paths.state_dir / "checkpoint.json").write_text("{garbage")
+    restarted = node.state()
+    assert restarted.recover().rebuilt_from_cdi
+    assert daemon_id in restarted.ledger.read().mps_daemons, "the live daemon has a record again"
+    assert node.mps.started() == [daemon_id], "adopted, not started again under its clients"
