@@ -77,11 +77,7 @@ def counter_errors(spec: Obj, minor_version: int) -> list[Problem]:
             seen.add(name)
             used = entry.get("counters") or {}
             device_total += len(used)
-            if not used:
-                errors.append((where + ".counters", "Required value"))
-            if minor_version >= 35 and len(used) > _MAX_COUNTERS_PER_CONSUMPTION:
-                errors.append((where + ".counters",
-                               f"Too many: {len(used)}: must have at most {_MAX_COUNTERS_PER_CONSUMPTION} items"))
+            errors += _counters_errors(where + ".counters", used, _MAX_COUNTERS_PER_CONSUMPTION, minor_version)
             if minor_version == 34:
                 errors += _reference_errors(where, name, used, slice_sets)
         consumed_in_slice += device_total
@@ -110,17 +106,21 @@ def _set_errors(sets: list[Obj], minor_version: int) -> list[Problem]:
         names.add(name)
         counters = counter_set.get("counters") or {}
         total += len(counters)
-        if not counters:
-            errors.append((field + ".counters", "Required value"))
-        if minor_version >= 35 and len(counters) > _MAX_COUNTERS_PER_SET:
-            errors.append((field + ".counters", f"Too many: {len(counters)}: must have at most "
-                                                f"{_MAX_COUNTERS_PER_SET} items"))
+        errors += _counters_errors(field + ".counters", counters, _MAX_COUNTERS_PER_SET, minor_version)
         for key in counters:
             if (problem := _label_problem(key)) is not None:
                 errors.append((f"{field}.counters[{key}]", problem))
     if minor_version == 34 and total > _MAX_COUNTERS_PER_SLICE_1_34:
         errors.append(("spec.sharedCounters", f"Too many: {total}: the total number of counters must not exceed "
                                               f"{_MAX_COUNTERS_PER_SLICE_1_34}"))
+    return errors
+
+
+def _counters_errors(where: str, counters: Obj, limit: int, minor_version: int) -> list[Problem]:
+    """A counters map's own errors (a set's or a consumption's): required, and from 1.35 at most ``limit``."""
+    errors: list[Problem] = [] if counters else [(where, "Required value")]
+    if minor_version >= 35 and len(counters) > limit:
+        errors.append((where, f"Too many: {len(counters)}: must have at most {limit} items"))
     return errors
 
 

@@ -11,16 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from driver.gpu.checkpoint import Checkpoint, CheckpointStore
-from driver.gpu.claimcdi.toolkit import load_toolkit_edits
 from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
 from driver.gpu.dynamicmigplan import DynamicMigEntry, dynamic_mig_form
 from driver.gpu.sharelayout import SharingLayout
-from driver.gpu.state import DeviceState, StatePaths
+from driver.gpu.state import DeviceState
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import build_host_root
 from driver.simulation.migengine import SimulatedMigHost, SimulatedMigPartitioner
-from tests.support.statenode import POOL, FakeComputeModes, FakeMps, FakeTimeSlicer
+from tests.support.statenode import POOL, state_parts
 
 LAYOUT = "dynamic-mig"
 BOOT_ID_FILE = "proc/sys/kernel/random/boot_id"
@@ -36,12 +35,7 @@ class DynamicMigNode:
         inventory = SimulatedDiscovery(LAYOUT, POOL).discover()
         build_host_root(self.host, inventory)
         self.set_boot_id("boot-1")
-        self.paths = StatePaths(state_dir=root / "state", cdi_root=root / "cdi", host_root=self.host,
-                                mps_shm_dir=root / "state" / "mps" / "shm")
-        self.toolkit = load_toolkit_edits(self.host / "etc" / "cdi" / "nvidia.yaml")
-        self.mps = FakeMps(root / "state" / "mps")
-        self.timeslicer = FakeTimeSlicer()
-        self.modes = FakeComputeModes()
+        self.paths, self.toolkit, self.mps, self.timeslicer, self.modes = state_parts(root, self.host)
         # The test's own handle on the simulated NVML (the driver's opens the same file): inject, reboot, look.
         self.engine = self.partitioner()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from driver.gpu.checkpoint import CheckpointStore
-from driver.gpu.claimcdi.toolkit import load_toolkit_edits
+from driver.gpu.claimcdi.toolkit import ToolkitEdits, load_toolkit_edits
 from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.mps.limits import LimitDrift
@@ -145,6 +145,15 @@ class FakeComputeModes:
 # ----------------------------------------------------------------------------- node
 
 
+def state_parts(root: Path,
+                host: Path) -> tuple[StatePaths, ToolkitEdits, FakeMps, FakeTimeSlicer, FakeComputeModes]:
+    """A DeviceState's directories under ``root``, the host tree's toolkit spec, and recording fakes."""
+    paths = StatePaths(state_dir=root / "state", cdi_root=root / "cdi", host_root=host,
+                       mps_shm_dir=root / "state" / "mps" / "shm")
+    return (paths, load_toolkit_edits(host / "etc" / "cdi" / "nvidia.yaml"), FakeMps(root / "state" / "mps"),
+            FakeTimeSlicer(), FakeComputeModes())
+
+
 class Node:
     """One simulated node's directories, fakes and inventory; ``state()`` is a driver process on it."""
 
@@ -153,12 +162,7 @@ class Node:
         self.inventory: NodeInventory = SimulatedDiscovery("demo", POOL).discover()
         self.host = root / "host"
         build_host_root(self.host, self.inventory)
-        self.paths = StatePaths(state_dir=root / "state", cdi_root=root / "cdi", host_root=self.host,
-                                mps_shm_dir=root / "state" / "mps" / "shm")
-        self.toolkit = load_toolkit_edits(self.host / "etc" / "cdi" / "nvidia.yaml")
-        self.mps = FakeMps(root / "state" / "mps")
-        self.timeslicer = FakeTimeSlicer()
-        self.modes = FakeComputeModes()
+        self.paths, self.toolkit, self.mps, self.timeslicer, self.modes = state_parts(root, self.host)
 
     def uuid(self, minor: int) -> str:
         gpu = self.inventory.gpu_by_minor(minor)

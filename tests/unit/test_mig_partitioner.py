@@ -20,6 +20,7 @@ from driver.gpu.discovery.inventory import MigProfileInfo
 from driver.gpu.runtime.mig import CreatedMig, MigCreateError, MigError, MigGpuInstance, MigPartitioner
 from driver.gpu.runtime.nvmlmig import NvmlMigPartitioner
 from driver.kubeletplugin.types import Deadline
+from tests.support.ctypesfake import Struct
 
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
 OTHER_GPU = "GPU-99999999-2222-3333-4444-555555555555"
@@ -40,15 +41,6 @@ class FakeNotSupported(FakeNvmlError):
         super().__init__(3)
 
 
-@dataclass
-class Struct:
-    values: dict[str, Any]
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.values[name]
-        except KeyError:
-            raise AttributeError(name) from None
 
 
 # An H100 80GB's GI profiles: enum -> (id, slices, memory slices, instance count, starts) (reference table).

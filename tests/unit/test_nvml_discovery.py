@@ -34,6 +34,7 @@ from driver.gpu.runtime.binaries import LIB_DIRS
 from driver.nodelayout import open_discovery
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.units import MIB
+from tests.support.ctypesfake import Struct
 
 # --- the fake pynvml ---------------------------------------------------------------------------
 
@@ -139,17 +140,6 @@ class FakeGpu:
     failures: dict[str, NVMLError] = field(default_factory=dict)  # function name -> error to raise
 
 
-@dataclass
-class Struct:
-    """A ctypes-struct stand-in with arbitrary fields."""
-
-    values: dict[str, Any]
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.values[name]
-        except KeyError:
-            raise AttributeError(name) from None
 
 
 class FakeNvml:
