@@ -37,6 +37,7 @@ from driver.gpu.health.usagewatch import ClaimUsageWatch
 from driver.gpu.health.xids import parse_ignored_xids
 from driver.gpu.migclaims import own_instances
 from driver.gpu.migplacement import OwnInstances, partitionable_supported
+from driver.gpu.modewatch import ComputeModeReports, check_compute_modes
 from driver.gpu.mps.hostcheck import default_tools
 from driver.gpu.mps.hostclient import MpsHostLauncher
 from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
@@ -210,7 +211,9 @@ class DriverApp:
                                     instance=settings.node_name)
         self.mps_reports = MpsReports(self.events)
         self.state.sharing.reports = self.mps_reports
-        self.daemon_watch = DaemonWatcher(self.state, settings.mps_limit_check_interval)
+        self.mode_reports = ComputeModeReports(self.events)
+        self.daemon_watch = DaemonWatcher(self.state, settings.mps_limit_check_interval,
+                                          also=[partial(check_compute_modes, self.state, self.mode_reports)])
         self.state.recover()
         own = own_instances(self.state.ledger.read())
         if own or self.state.mig.changes:
@@ -333,6 +336,7 @@ class DriverApp:
                                             lambda: float(self.state.prepared_count()))
         self._start_health()
         self.mps_reports.register_metrics(self.helper.telemetry)
+        self.mode_reports.register_metrics(self.helper.telemetry)
         self.events.start()
         self.daemon_watch.start()
         log.info("driver started", extra={"driver": settings.driver_name, "node": settings.node_name,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from driver.gpu.checkpoint import ClaimPhase, ClaimRecord
@@ -39,9 +39,11 @@ _CLAIM_API = "resource.k8s.io/v1"
 class DaemonWatcher:
     """A thread that runs ``state.check_daemons(limits=True)`` every ``interval`` seconds."""
 
-    def __init__(self, state: DeviceState, interval: float) -> None:
+    def __init__(self, state: DeviceState, interval: float, also: Sequence[Callable[[], object]] = ()) -> None:
+        """``also``: further checks run each round before the daemons' (compute modes: ``modewatch.py``)."""
         self.state = state
         self.interval = interval
+        self.also = tuple(also)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -59,6 +61,11 @@ class DaemonWatcher:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            for check in self.also:
+                try:
+                    check()
+                except Exception:
+                    log.exception("a watch check failed; will retry")
             try:
                 self.state.check_daemons(limits=True)
             except Exception:

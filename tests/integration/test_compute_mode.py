@@ -6,12 +6,15 @@ The driver reads and sets it through NVML in its own process; on the simulated n
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from tests.support.node import DRIVER, SimulatedNode
+from tests.integration.test_health import metrics
+from tests.support.node import DRIVER, SimulatedNode, wait_until
 
 DEVICES = ["gpu-0", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mig-1g10gb-6", "gpu-2-mps-0", "gpu-2-mps-1"]
 PLANS: dict[str, Any] = {"plans": {"mps": {"gpus": [{"match": {"product": "NVIDIA L4"},
@@ -96,3 +99,36 @@ def test_a_compute_mode_nvml_refuses_fails_the_claim_with_nvmls_error_and_leaves
     assert cp["claims"] == {} and cp["compute_modes"] == {} and cp["mps_daemons"] == {}
     assert mps_node.cdi_files() == [] and compute_mode(mps_node, l4) == "DEFAULT"
     assert nvidia_smi_compute_mode_calls(mps_node) == []
+
+
+def test_a_gpu_put_back_to_default_under_an_mps_share_is_set_exclusive_again_with_an_event_and_the_metric(
+        mps_node: SimulatedNode) -> None:
+    l4 = next(g.uuid for g in mps_node.inventory.gpus if g.minor == 2)
+    mps_node.start("--mps-limit-check-interval", "1")
+    mps_node.wait_for_devices(DEVICES)
+    share = mps_node.claim("share", [("s", "gpu-2-mps-0")], namespace="tenant-a")
+    mps_node.prepare_ok(share)
+    assert compute_mode(mps_node, l4) == "EXCLUSIVE_PROCESS"
+    # Behind the driver's back, as a GPU reset ("always resets to Default", nvml.h) or another root process does.
+    smi = mps_node.sim_host.driver_root / "usr" / "bin" / "nvidia-smi"
+    subprocess.run([str(smi), "-i", l4, "-c", "DEFAULT"], check=True, capture_output=True, timeout=30,
+                   env=dict(os.environ, TESSERA_SIM_NVIDIA_SMI_STATE=str(mps_node.work / "nvidia-smi-state.json")))
+    assert compute_mode(mps_node, l4) == "DEFAULT"
+
+    def restored() -> list[dict[str, Any]]:
+        return [e for e in mps_node.log()
+                if e.get("msg") == "a GPU serving MPS claims was out of EXCLUSIVE_PROCESS; set it back"]
+
+    wait_until(lambda: bool(restored()), timeout=30, what="the watcher to set the compute mode back")
+    assert compute_mode(mps_node, l4) == "EXCLUSIVE_PROCESS"
+    assert (restored()[0]["gpu_uuid"], restored()[0]["found"], restored()[0]["claims"]) == (l4, "DEFAULT", [share.uid])
+    wait_until(lambda: any(e["reason"] == "ComputeModeRestored" for e in mps_node.api.events()), timeout=15,
+               what="a ComputeModeRestored Event on the claim")
+    [event] = [e for e in mps_node.api.events() if e["reason"] == "ComputeModeRestored"]
+    assert event["type"] == "Warning" and event["metadata"]["namespace"] == "tenant-a"
+    assert (event["regarding"]["kind"], event["regarding"]["uid"]) == ("ResourceClaim", share.uid)
+    assert f"GPU {l4}" in event["note"] and "found in compute mode DEFAULT" in event["note"]
+    assert metrics(mps_node)[("tessera_compute_mode_restored_total", (("gpu", l4),))] == 1
+    # Released as before: the mode the GPU had before the share, DEFAULT.
+    assert mps_node.unprepare(share) == {share.uid: None}
+    assert compute_mode(mps_node, l4) == "DEFAULT"
