@@ -72,8 +72,8 @@ def open_mig_partitioner(settings: Settings, driver_root: Path | None = None) ->
         from driver.simulation.migengine import SimulatedMigHost, SimulatedMigPartitioner
         from driver.simulation.migstate import state_path
 
-        # It keeps the simulated host tree's MIG capability files and nodes, as the NVIDIA driver keeps /proc.
-        host = SimulatedMigHost(settings.host_root, device_root(settings).seen_at)
+        # It keeps the simulated host tree's MIG capability files, as the NVIDIA driver keeps /proc.
+        host = SimulatedMigHost(settings.host_root)
         return SimulatedMigPartitioner.for_layout(settings.simulate, settings.node_name or SIMULATED_NODE_NAME,
                                                   state_path(root, os.environ), host=host)
     import pynvml

@@ -2,11 +2,18 @@
 
 Nothing here talks to hardware. The per-model facts (names, memory as NVML reports it, SM
 counts) are those of the real parts; the MIG tables come from the packaged copy of the
-reference ``mig-profiles.json``. Engine counts of MIG profiles are not in that table, so a
-simulated profile reports ``copy engines = compute slices`` and no decoder/encoder/JPEG/OFA
-counts (those capacities are simply absent on simulated MIG devices), unless ``nvml-captures.json``
-holds what NVML reported for that table on a real GPU: then its memory sizes, SM and engine counts
-are the captured ones (the H200's, read on driver 580).
+reference ``mig-profiles.json``. Engine counts of MIG profiles are not in that table: they come
+from NVIDIA's published profile tables (``mig-engines.json``, the MIG User Guide's "Hardware
+Units" and "Copy Engines" columns), so a GPU's counter set holds its decoders, JPEG and OFA
+engines and the simulated allocator and create refuse what NVIDIA refuses (a second ``+me``
+instance: the GPU has one OFA). Where ``nvml-captures.json`` holds what NVML reported for a table
+on a real GPU, its memory sizes, SM and engine counts are the captured ones (the H200's, read on
+driver 580). A table with neither reports ``copy engines = compute slices`` and no other engines.
+
+Memory: without a capture it is ``mig-profiles.json``'s, nvidia-smi's GiB x 1024 (NVIDIA's tables
+give no MiB). The H200 capture shows NVML reporting 256 MiB more than that for every profile of
+two or more memory slices; whether the H100 does the same on a given driver is not published
+(``scripts/gpu-machine-check.sh`` records it), so the H100 keeps the published figures.
 
 Only models whose whole-GPU facts are known are simulated: the table also holds A30 and B200, but
 not B200's product name, memory total, SM count or compute capability, so B200 is there only as a
@@ -26,6 +33,7 @@ from driver.units import MIB
 
 _PROFILE_TABLE = "mig-profiles.json"
 _CAPTURES = "nvml-captures.json"
+_ENGINES = "mig-engines.json"
 
 
 class SimulationError(ValueError):
@@ -152,7 +160,28 @@ def _load_captures() -> dict[str, _CapturedTable]:
     return _CaptureFile.model_validate_json(text).tables
 
 
-def _profile(row: _ProfileRow, captured: _CapturedProfile | None) -> MigProfileSpec:
+class _EngineFile(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    # table key -> profile name -> [copy engines, decoders, encoders, JPEG engines, OFA engines]
+    tables: dict[str, dict[str, tuple[int, int, int, int, int]]]
+
+
+def _load_published_engines() -> dict[str, dict[str, MigEngines]]:
+    text = resources.files("driver.simulation").joinpath(_ENGINES).read_text()
+    return {key: {name: MigEngines(copy_engines=c, decoders=d, encoders=e, jpeg_engines=j, ofa_engines=o)
+                  for name, (c, d, e, j, o) in rows.items()}
+            for key, rows in _EngineFile.model_validate_json(text).tables.items()}
+
+
+def _engines(row: _ProfileRow, captured: _CapturedProfile | None, published: MigEngines | None) -> MigEngines:
+    if captured is not None:
+        return captured.engines()
+    return published if published is not None else MigEngines(copy_engines=row.compute_slices)
+
+
+def _profile(row: _ProfileRow, captured: _CapturedProfile | None,
+             published: MigEngines | None = None) -> MigProfileSpec:
     assert row.nvml_profile_id is not None and row.memory_mib is not None and row.sm_count is not None
     if captured is not None and captured.placements != row.placement_starts:
         raise SimulationError(f"{_CAPTURES} and {_PROFILE_TABLE} disagree on the placements of {row.name}: "
@@ -168,14 +197,16 @@ def _profile(row: _ProfileRow, captured: _CapturedProfile | None) -> MigProfileS
         multiprocessors=captured.multiprocessors if captured else row.sm_count,
         max_instances=row.max_instances,
         placement_starts=tuple(row.placement_starts),
-        engines=captured.engines() if captured else MigEngines(copy_engines=row.compute_slices),
+        engines=_engines(row, captured, published),
     )
 
 
-def _profiles(table: _ProfileTable, captured: _CapturedTable | None = None) -> tuple[MigProfileSpec, ...]:
+def _profiles(table: _ProfileTable, captured: _CapturedTable | None = None,
+              published: dict[str, MigEngines] | None = None) -> tuple[MigProfileSpec, ...]:
     found = captured.profiles if captured else {}
+    engines = published or {}
     return tuple(
-        _profile(row, found.get(row.nvml_profile_id))
+        _profile(row, found.get(row.nvml_profile_id), engines.get(row.name))
         for row in table.profiles
         # A profile with uncaptured facts cannot be simulated faithfully; leave it out.
         if row.nvml_profile_id is not None and row.memory_mib is not None and row.sm_count is not None
@@ -198,8 +229,10 @@ class MigTable(BaseModel):
 def mig_tables() -> dict[str, MigTable]:
     """Every MIG table of mig-profiles.json by its key (``H100-80GB``, ``B200-180GB``, ...)."""
     captures = _load_captures()
+    engines = _load_published_engines()
     return {key: MigTable(total_compute_slices=table.total_compute_slices,
-                          total_memory_slices=table.total_memory_slices, profiles=_profiles(table, captures.get(key)))
+                          total_memory_slices=table.total_memory_slices,
+                          profiles=_profiles(table, captures.get(key), engines.get(key)))
             for key, table in _load_profile_tables().items()}
 
 
@@ -212,6 +245,7 @@ def gpu_models() -> dict[str, GpuModel]:
     """Every simulated GPU model by name (``A100-40GB``, ``A100-80GB``, ``H100-80GB``, ``H200``, ``L4``)."""
     tables = _load_profile_tables()
     captures = _load_captures()
+    engines = _load_published_engines()
     models: dict[str, GpuModel] = {}
     for name, spec in _MODELS.items():
         table: _ProfileTable | None = None
@@ -229,7 +263,8 @@ def gpu_models() -> dict[str, GpuModel]:
             multiprocessors=spec.multiprocessors,
             total_compute_slices=table.total_compute_slices if table else 0,
             total_memory_slices=table.total_memory_slices if table else 0,
-            mig_profiles=_profiles(table, captures.get(spec.mig_table or "")) if table else (),
+            mig_profiles=_profiles(table, captures.get(spec.mig_table or ""),
+                                   engines.get(spec.mig_table or "")) if table else (),
         )
     return models
 

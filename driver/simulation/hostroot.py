@@ -114,26 +114,54 @@ def write_mig_capability_proc(root: Path, gpu_minor: int, gi_id: int, ci_id: int
     _write(gi_dir / f"ci{ci_id}" / "access", _access_text(ci_minor))
 
 
-def sync_mig_devices(root: Path, device_root: Path, gpus: Mapping[int, Sequence[tuple[int, int | None]]]) -> None:
-    """The /proc access files and /dev/nvidia-caps nodes of the GPUs in ``gpus`` (minor -> each GPU instance
-    as (GI id, CI id, None for a GI without one)), replacing what each of those GPUs had: as the NVIDIA driver
-    keeps them, created with an instance and gone with it (the simulated partitioner calls this after a change).
-    ``device_root``: the root whose dev/ holds the device nodes (the driver root on a GPU Operator node)."""
-    caps = device_root / "dev" / "nvidia-caps"
+def _mig_dir(root: Path, gpu_minor: int) -> Path:
+    return root / CAPABILITIES_DIR / f"gpu{gpu_minor}" / "mig"
+
+
+def listed_mig_devices(root: Path, gpu_minor: int) -> set[tuple[int, int | None]]:
+    """What the /proc tree shows of one GPU's instances: (GI id, CI id) per compute instance, (GI id, None) for
+    a GPU instance without one."""
+    found: set[tuple[int, int | None]] = set()
+    for gi_dir in _mig_dir(root, gpu_minor).glob("gi*"):
+        if not gi_dir.name[2:].isdigit():
+            continue
+        cis = [int(ci.name[2:]) for ci in gi_dir.glob("ci*") if ci.name[2:].isdigit()]
+        found.update((int(gi_dir.name[2:]), ci) for ci in cis)
+        if not cis:
+            found.add((int(gi_dir.name[2:]), None))
+    return found
+
+
+def sync_mig_devices(root: Path, gpus: Mapping[int, Sequence[tuple[int, int | None]]]) -> None:
+    """Make the /proc access files of the GPUs in ``gpus`` (minor -> each GPU instance as (GI id, CI id, None
+    for a GI without one)) match them, as the NVIDIA driver does: the files of an instance appear when it is
+    created and go when it is destroyed; no other instance's file is touched, so a process reading another
+    instance's files (a prepare on another GPU) never finds them missing. Nothing is made under /dev: the
+    kernel module creates no capability node (nvidia-modprobe does, on demand; reference/nvidia-gpu.md)."""
     for minor, instances in gpus.items():
-        shutil.rmtree(root / CAPABILITIES_DIR / f"gpu{minor}" / "mig", ignore_errors=True)
-        first, last = capability_minors(minor, 0, 0)[0], capability_minors(minor + 1, 0, 0)[0]
-        for stale in caps.glob("nvidia-cap*"):
-            if stale.name[len("nvidia-cap"):].isdigit() and first <= int(stale.name[len("nvidia-cap"):]) < last:
-                stale.unlink()
-        for gi_id, ci_id in instances:
-            gi_minor, ci_minor = capability_minors(minor, gi_id, ci_id or 0)
-            gi_dir = root / CAPABILITIES_DIR / f"gpu{minor}" / "mig" / f"gi{gi_id}"
-            _write(gi_dir / "access", _access_text(gi_minor))
-            _write(caps / f"nvidia-cap{gi_minor}", "simulated device node\n")
+        wanted = set(instances)
+        have = listed_mig_devices(root, minor)
+        for gi_id, ci_id in sorted(have - wanted, key=str):
+            gi_dir = _mig_dir(root, minor) / f"gi{gi_id}"
             if ci_id is not None:
-                _write(gi_dir / f"ci{ci_id}" / "access", _access_text(ci_minor))
-                _write(caps / f"nvidia-cap{ci_minor}", "simulated device node\n")
+                shutil.rmtree(gi_dir / f"ci{ci_id}", ignore_errors=True)
+            if not any(g == gi_id for g, _ in wanted):
+                shutil.rmtree(gi_dir, ignore_errors=True)
+        for gi_id, ci_id in sorted(wanted - have, key=str):
+            gi_minor, ci_minor = capability_minors(minor, gi_id, ci_id or 0)
+            gi_dir = _mig_dir(root, minor) / f"gi{gi_id}"
+            if not (gi_dir / "access").exists():
+                _write_new(gi_dir / "access", _access_text(gi_minor))
+            if ci_id is not None:
+                _write_new(gi_dir / f"ci{ci_id}" / "access", _access_text(ci_minor))
+
+
+def _write_new(path: Path, text: str) -> None:
+    """A file that appears whole (renamed into place), as the kernel's proc entries do."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def _proc_devices() -> str:

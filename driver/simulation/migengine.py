@@ -25,8 +25,9 @@ instead (``effect="hang"`` before its step, ``"hang-after"`` once the step is sa
 ``SIMULATION: MIG create hangs``, so a test can kill -9 the driver between two steps; a hang that ends
 (its seconds or the caller's deadline) destroys what the create made and fails, as a late NVML create does.
 
-With ``host`` (the simulated host tree), each change also rewrites the MIG capability files under ``/proc`` and the
-``/dev/nvidia-caps`` nodes of the engine's GPUs, as the NVIDIA driver keeps them (``hostroot.sync_mig_devices``).
+With ``host`` (the simulated host tree), each change also creates or removes the MIG capability files under
+``/proc`` of the instance it made or destroyed, and only those, as the NVIDIA driver does
+(``hostroot.sync_mig_devices``); like the kernel module it makes no ``/dev/nvidia-caps`` node.
 """
 
 from __future__ import annotations
@@ -103,10 +104,9 @@ class SimulatedMigGpu(BaseModel):
 
 @dataclass(frozen=True)
 class SimulatedMigHost:
-    """The simulated host tree whose MIG capability files and nodes the engine keeps (``hostroot.py``)."""
+    """The simulated host tree whose MIG capability files under /proc the engine keeps (``hostroot.py``)."""
 
     root: Path  # --host-root: /proc is under it
-    device_root: Path  # the root whose dev/ holds the device nodes
 
 
 class _Hang(Exception):
@@ -212,7 +212,7 @@ class SimulatedMigPartitioner:
                 yield state
             finally:
                 if self._host is not None:
-                    sync_mig_devices(self._host.root, self._host.device_root, {
+                    sync_mig_devices(self._host.root, {
                         gpu.minor: [(g.gi_id, g.ci_id) for g in self._gis(state, gpu)]
                         for gpu in self._gpus.values() if gpu.minor is not None and gpu.mig_enabled})
 
@@ -355,6 +355,7 @@ def _remaining_capacity(table: MigTable, spec: MigProfileSpec, gis: list[Simulat
         used_compute += held.compute_slices if held is not None else 0
     by_compute = (table.total_compute_slices - used_compute) // spec.compute_slices
     by_count = spec.max_instances - sum(1 for g in gis if g.gi_profile_id == spec.gi_profile_id)
+    by_engines = _engines_left(table, spec, gis)
     taken = [_gi(g) for g in gis]
     free_placements = 0
     for start in spec.placement_starts:  # greedy, in order: a profile's placements are aligned to its size
@@ -362,4 +363,18 @@ def _remaining_capacity(table: MigTable, spec: MigProfileSpec, gis: list[Simulat
             free_placements += 1
             taken.append(MigGpuInstance(gi_id=-1, gi_profile_id=spec.gi_profile_id, placement_start=start,
                                         placement_size=spec.memory_slices))
-    return max(0, min(by_compute, by_count, free_placements))
+    return max(0, min(by_compute, by_count, by_engines, free_placements))
+
+
+def _engines_left(table: MigTable, spec: MigProfileSpec, gis: list[SimulatedGi]) -> int:
+    """How many more ``spec`` instances the GPU's decoders, JPEG and OFA engines allow: an instance takes its
+    profile's engines from the GPU's, which are the whole-GPU profile's (the GPU has one OFA: one ``+me``)."""
+    whole = max(table.profiles, key=lambda p: (p.memory_slices, p.compute_slices))
+    held = [p for g in gis if (p := table.by_id(g.gi_profile_id)) is not None]
+    fits = table.total_compute_slices
+    for name in ("decoders", "jpeg_engines", "ofa_engines"):
+        total, need = getattr(whole.engines, name), getattr(spec.engines, name)
+        if total is None or not need:
+            continue
+        fits = min(fits, (total - sum(getattr(p.engines, name) or 0 for p in held)) // need)
+    return fits

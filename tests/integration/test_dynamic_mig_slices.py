@@ -95,7 +95,8 @@ def test_published_in_the_layout_of_the_release(layout: Path, minor: int) -> Non
         three = devices["gpu-0-dynmig-3g40gb-4"]
         assert three["attributes"]["placement"] == {"int": 4} and "uuid" not in three["attributes"]
         assert sorted(three["consumesCounters"][0]["counters"]) == sorted(
-            ["multiprocessors", "copy-engines", "memory", *(f"memory-slice-{i}" for i in range(4, 8))])
+            ["multiprocessors", "copy-engines", "decoders", "encoders", "jpeg-engines", "ofa-engines", "memory",
+             *(f"memory-slice-{i}" for i in range(4, 8))])
         assert "consumesCounters" not in devices["gpu-1-mig-1g10gb-0"] and "uuid" in devices["gpu-1-mig-1g10gb-0"][
             "attributes"]
         wait_until(lambda: all(any(w.startswith(r) for w in warnings(node)) for r in REASONS), what="reasons logged")

@@ -40,8 +40,7 @@ class DynamicMigNode:
         self.engine = self.partitioner()
 
     def partitioner(self) -> SimulatedMigPartitioner:
-        return SimulatedMigPartitioner.for_layout(LAYOUT, POOL, self.mig_state, host=SimulatedMigHost(self.host,
-                                                                                                       self.host))
+        return SimulatedMigPartitioner.for_layout(LAYOUT, POOL, self.mig_state, host=SimulatedMigHost(self.host))
 
     def inventory(self) -> NodeInventory:
         """What discovery sees now (the partitioner's instances included)."""

@@ -25,7 +25,7 @@ def state_file(node: SimulatedNode) -> Path:
 def engine(node: SimulatedNode) -> SimulatedMigPartitioner:
     """The simulated NVML over the driver's state file, keeping the host tree as the driver's does."""
     return SimulatedMigPartitioner.for_layout(node.layout, NODE, state_file(node),
-                                              host=SimulatedMigHost(node.host, node.sim_host.driver_root))
+                                              host=SimulatedMigHost(node.host))
 
 
 def instances(node: SimulatedNode, minor: int = 0) -> list[dict[str, Any]]:

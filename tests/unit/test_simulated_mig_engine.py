@@ -312,7 +312,8 @@ def test_discovery_reports_created_instances_as_nvml_would(engine: SimulatedMigP
     info = gpu(state)
     assert info.mig_instances == (MigInstance(
         uuid=made.uuid, profile="3g.40gb", gi_profile_id=9, placement_start=4, placement_size=4,
-        gi_id=made.gi_id, ci_id=made.ci_id, memory_bytes=40448 * MIB, multiprocessors=60, copy_engines=3),)
+        gi_id=made.gi_id, ci_id=made.ci_id, memory_bytes=40448 * MIB, multiprocessors=60, copy_engines=3,
+        decoders=3, encoders=0, jpeg_engines=3, ofa_engines=0),)
     assert CreatedMig(uuid=made.uuid, gi_id=made.gi_id, ci_id=made.ci_id, gi_profile_id=9, placement_start=4,
                       placement_size=4) == made
     # The discovery the driver runs reads the file at every discover(), so it sees instances made later.
@@ -337,9 +338,20 @@ def test_simulated_profile_tables(state: Path) -> None:
         ("1g.10gb+me", 20, 0, 1, 1, (0, 1, 2, 3, 4, 5, 6)),
     ]
     one_g = next(p for p in mig_gpu.mig_profiles if p.name == "1g.10gb")
-    assert (one_g.memory_bytes, one_g.multiprocessors, one_g.copy_engines, one_g.decoders) == (9984 * MIB, 16, 1,
-                                                                                               None)
+    # Engines as NVIDIA's MIG User Guide lists them for the H100 (driver/simulation/mig-engines.json).
+    assert (one_g.memory_bytes, one_g.multiprocessors, one_g.copy_engines, one_g.decoders, one_g.jpeg_engines,
+            one_g.ofa_engines) == (9984 * MIB, 16, 1, 1, 1, 0)
     assert (whole.mig_capable, whole.mig_enabled, whole.mig_profiles, whole.mig_memory_slices) == (True, False, (), 0)
     assert (l4.mig_capable, l4.mig_profiles) == (False, ())
     # A static MIG GPU reports them too: the publishing side decides what to do with them.
     assert len(SimulatedDiscovery("h200-mig", NODE).discover().gpus[0].mig_profiles) == 7
+
+
+def test_a_second_me_instance_is_refused_as_the_gpus_only_ofa_engine_is_taken(
+        engine: SimulatedMigPartitioner, state: Path) -> None:
+    me = profiles_of(state)["1g.10gb+me"]
+    engine.create(MIG_GPU, me, 0)
+    with pytest.raises(MigCreateError) as refused:
+        engine.create(MIG_GPU, me, 1)
+    assert refused.value.reason == "insufficient-resources"
+    assert "NVML error 23: Insufficient Resources" in str(refused.value)

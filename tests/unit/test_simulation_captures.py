@@ -32,6 +32,9 @@ def test_simulated_h200_profiles_are_the_captured_ones() -> None:
         assert info.compute_slices == real["sliceCount"]
 
 
-def test_models_without_a_capture_keep_the_table_and_the_copy_engine_rule() -> None:
+def test_models_without_a_capture_keep_the_table_and_nvidias_published_engines() -> None:
     one = next(p for p in gpu_model("H100-80GB").mig_profiles if p.name == "1g.10gb")
-    assert (one.memory_mib, one.engines.copy_engines, one.engines.decoders) == (9984, 1, None)
+    assert (one.memory_mib, one.engines.copy_engines, one.engines.decoders, one.engines.ofa_engines) == (9984, 1, 1, 0)
+    # The A100's 1g.5gb has no decoder at all, its +me one of each; its 7g.40gb five decoders, one JPEG and OFA.
+    a100 = {p.name: p.engines for p in gpu_model("A100-40GB").mig_profiles}
+    assert (a100["1g.5gb"].decoders, a100["1g.5gb+me"].ofa_engines, a100["7g.40gb"].decoders) == (0, 1, 5)
