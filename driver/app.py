@@ -37,6 +37,7 @@ from driver.gpu.health.usagewatch import ClaimUsageWatch
 from driver.gpu.health.xids import parse_ignored_xids
 from driver.gpu.migclaims import own_instances
 from driver.gpu.migplacement import OwnInstances, partitionable_supported
+from driver.gpu.migwatch import check_mig_instances
 from driver.gpu.modewatch import ComputeModeReports, check_compute_modes
 from driver.gpu.mps.hostcheck import default_tools
 from driver.gpu.mps.hostclient import MpsHostLauncher
@@ -213,7 +214,8 @@ class DriverApp:
         self.state.sharing.reports = self.mps_reports
         self.mode_reports = ComputeModeReports(self.events)
         self.daemon_watch = DaemonWatcher(self.state, settings.mps_limit_check_interval,
-                                          also=[partial(check_compute_modes, self.state, self.mode_reports)])
+                                          also=[partial(check_compute_modes, self.state, self.mode_reports),
+                                                partial(check_mig_instances, self.state, self.events)])
         self.state.recover()
         own = own_instances(self.state.ledger.read())
         if own or self.state.mig.changes:

@@ -17,7 +17,10 @@ Destroy: CI, then GI; an unknown GI or CI is done already (NOT_FOUND), MIG off i
 lookup); a GI that still holds a compute instance not named answers ``NVML_ERROR_IN_USE``.
 
 GPU instance ids are the lowest free from 1 (NVML hands ids out itself; their order is not documented), the compute
-instance spanning a GI is CI 0, and MIG UUIDs derive from (GPU UUID, GI id, CI id), so tests can predict them.
+instance spanning a GI is CI 0, and MIG UUIDs derive from (GPU UUID, GI id, CI id), so tests can predict them: by
+default with the creation's serial too (every create a new UUID), or, after :meth:`SimulatedMigPartitioner
+.use_name_derived_uuids`, from those ids alone (an instance re-created at the same place gets the same UUID), the
+two things NVML may do: published MIG UUIDs are name-based (version 5) and nvml.h does not say from what.
 Failure injection: :meth:`SimulatedMigPartitioner.inject_failure` (kept in the state file, so it reaches the
 driver process): the call answers ``NVML_ERROR_UNKNOWN``; a failed CI create destroys its GI again, as the
 production partitioner does, unless a ``destroy-gi`` failure is injected too. A create can be made to hang
@@ -83,11 +86,12 @@ _NVML_STRINGS = {NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument", NVML_ERROR_NOT
                  NVML_ERROR_INSUFFICIENT_RESOURCES: "Insufficient Resources", NVML_ERROR_UNKNOWN: "Unknown Error"}
 
 
-def simulated_mig_device_uuid(gpu_uuid: str, gi_id: int, ci_id: int, serial: int) -> str:
-    """A created MIG device's UUID. NVML gives every new compute instance a new UUID, also at the GI/CI ids and
-    placement of one destroyed before, so the creation serial is part of it: nothing keyed by a MIG UUID
-    (health, usage, a CDI spec) can mistake a re-created instance for the old one."""
-    return f"MIG-{uuid.uuid5(_UUID_NAMESPACE, f'{gpu_uuid}/gi/{gi_id}/ci/{ci_id}/{serial}')}"
+def simulated_mig_device_uuid(gpu_uuid: str, gi_id: int, ci_id: int, serial: int | None) -> str:
+    """A created MIG device's UUID: with the creation ``serial``, a new one for every create (also at the GI/CI ids
+    of an instance destroyed before); without (None), the same for every instance at these ids, as NVML would give
+    if it derives the name-based UUID from the GPU and the ids alone (docs/sharing.md, "Whose MIG instance")."""
+    name = f"{gpu_uuid}/gi/{gi_id}/ci/{ci_id}" + ("" if serial is None else f"/{serial}")
+    return f"MIG-{uuid.uuid5(_UUID_NAMESPACE, name)}"
 
 
 class SimulatedMigGpu(BaseModel):
@@ -192,6 +196,12 @@ class SimulatedMigPartitioner:
             state.faults.append(Fault(call=call, gpu=gpu, profile=profile, placement=placement, times=times,
                                       effect=effect, seconds=seconds))
 
+    def use_name_derived_uuids(self) -> None:
+        """From now on (for every process using the state file) a MIG device's UUID derives from its GPU and
+        GI/CI ids alone: an instance re-created at the same ids gets the UUID of the one destroyed there."""
+        with self.state_file.changing() as state:
+            state.uuid_mode = "name-derived"
+
     def clear_failures(self) -> None:
         with self.state_file.changing() as state:
             state.faults.clear()
@@ -292,8 +302,9 @@ class SimulatedMigPartitioner:
             raise MigCreateError("failed", f"{what}: the GPU instance was made, then {_nvml(NVML_ERROR_UNKNOWN)} "
                                            f"(SIMULATION: injected); {left_behind}")
         state.instances_created += 1
+        serial = state.instances_created if state.uuid_mode == "per-create" else None
         made = gi.model_copy(update={"ci_id": 0, "ci_profile_enum": spec.ci_profile_enum,
-                                     "uuid": simulated_mig_device_uuid(gpu.uuid, gi.gi_id, 0, state.instances_created)})
+                                     "uuid": simulated_mig_device_uuid(gpu.uuid, gi.gi_id, 0, serial)})
         self._save(state, gpu, [*gis, made])
         if ci_fault is not None:  # hang-after: the MIG device exists and nobody was told yet
             raise _Hang(ci_fault.seconds, gi.gi_id)

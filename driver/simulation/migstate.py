@@ -104,6 +104,10 @@ class MigState(BaseModel):
     gpus: dict[str, SimulatedMigGpuState] = {}
     faults: list[Fault] = []
     instances_created: int = 0  # node-wide count of MIG devices made: each gets a UUID of its own, as on hardware
+    # How MIG UUIDs are made (``migengine.simulated_mig_device_uuid``): "per-create", a new one for every compute
+    # instance; "name-derived", the same for every instance at the same GPU, GI and CI ids (version-5 UUIDs as
+    # published MIG UUIDs are, possibly derived from those ids alone). A test's choice, kept like its faults.
+    uuid_mode: Literal["per-create", "name-derived"] = "per-create"
 
     def take_fault(self, call: FaultCall, gpu: str, profile: str | None, placement: int | None) -> Fault | None:
         """The first fault matching the call, used up once (a ``times`` fault goes when it reaches 0)."""
@@ -163,7 +167,7 @@ class MigStateFile:
             raise ValueError(f"SIMULATION: the MIG state file {self.path} is unreadable: {err}") from err
         if boot is not None and state.boot_id is not None and state.boot_id != boot:
             # A reboot since it was written: no instance survives it; injected faults are the tests', they stay.
-            return MigState(boot_id=boot, faults=state.faults)
+            return MigState(boot_id=boot, faults=state.faults, uuid_mode=state.uuid_mode)
         if state.boot_id is None:
             state.boot_id = boot
         return state

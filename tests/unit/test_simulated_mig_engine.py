@@ -124,10 +124,25 @@ def test_destroy_then_create_again_at_the_same_placement(engine: SimulatedMigPar
     engine.destroy(MIG_GPU, first.gi_id, first.ci_id)  # gone already: done
     again = engine.create(MIG_GPU, three_g, 4)
     assert (again.placement_start, again.placement_size) == (4, 4)
-    # A new instance is a new MIG device: NVML gives it a UUID of its own, even at the same ids and placement.
+    # By default a new instance gets a UUID of its own, even at the same ids and placement.
     assert (again.gi_id, again.ci_id) == (first.gi_id, first.ci_id)
     assert again.uuid != first.uuid
     assert again.uuid == simulated_mig_device_uuid(MIG_GPU, again.gi_id, again.ci_id, 2)
+
+
+def test_with_name_derived_uuids_an_instance_made_again_at_the_same_ids_has_the_old_uuid(
+        engine: SimulatedMigPartitioner, state: Path) -> None:
+    engine.use_name_derived_uuids()
+    three_g = profiles_of(state)["3g.40gb"]
+    first = engine.create(MIG_GPU, three_g, 4)
+    engine.destroy(MIG_GPU, first.gi_id, first.ci_id)
+    again = engine.create(MIG_GPU, three_g, 4)
+    assert (again.gi_id, again.ci_id, again.uuid) == (first.gi_id, first.ci_id, first.uuid)
+    assert again.uuid == simulated_mig_device_uuid(MIG_GPU, first.gi_id, first.ci_id, None)
+    # Another process on the same state file (the driver's) makes them the same way, also after a reboot.
+    engine.reboot()
+    other = SimulatedMigPartitioner.for_layout("dynamic-mig", NODE, state)
+    assert other.create(MIG_GPU, three_g, 4).uuid == first.uuid
 
 
 def test_a_gi_whose_ci_is_left_is_in_use(engine: SimulatedMigPartitioner, state: Path) -> None:

@@ -192,6 +192,28 @@ class MigRuntime:
             remade = True
         return remade
 
+    def forget_lost(self, record: ClaimRecord, gpu_uuid: str) -> list[str]:
+        """Forget the ids of the claim's MIG devices on ``gpu_uuid`` whose instance is no longer listed as it was
+        made (destroyed outside Tessera; a bare GPU instance left of it is destroyed first): a MIG UUID proves
+        nothing if NVML derives it from the GPU and the ids, so an instance made again at the same place must
+        never pass for the claim's. The devices forgotten. Callers hold the GPU's lock (the listing is fresh)."""
+        if record.phase != ClaimPhase.PREPARE_COMPLETED:
+            return []
+        lost: list[str] = []
+        for index, dev, intent in dynamic_devices(record):
+            if dev.gpu_uuid != gpu_uuid or dev.admin_access or dev.mig_gi_id is None:
+                continue
+            found = self._listed(gpu_uuid, None)
+            if any(_is_recorded(g, dev, intent) for g in found):
+                continue
+            for gi in self._made_for(dev, intent, found):
+                if not isinstance(gi, CreatedMig):  # its compute instance went first: the rest is the claim's
+                    self.partitioner.destroy(gpu_uuid, gi.gi_id, None)
+                    self.changes += 1
+            self._forget(record.uid, index)
+            lost.append(dev.device.device_name)
+        return lost
+
     def after_reboot(self) -> None:
         """No MIG instance survives a reboot: forget every recorded id (ids NVML hands out again are someone
         else's until a claim's instance is created again) and every create in progress."""
