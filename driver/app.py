@@ -46,6 +46,7 @@ from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.multiuser import MultiUserProbe, probe_gpu, single_user_gpus
 from driver.gpu.mps.shmmount import ShmTmpfs
 from driver.gpu.planuse import PLAN_USE_FILE, PlanUse, chosen_how, gpu_lines, plan_use, write_plan_use
+from driver.gpu.runtime.capnodes import MIG_CONFIG, capabilities_of, ensure_nodes_best_effort
 from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.sharelayout import SharingLayout
 from driver.gpu.sharingplan import PlanError, SharingPlan, load_plans, resolve_plan, select_plan
@@ -160,7 +161,8 @@ def choose_launcher(settings: Settings) -> DaemonLauncher:
     if settings.mps_host_socket is not None:
         return MpsHostLauncher(settings.mps_host_socket, shm_size=settings.mps_shm_size)
     shm = ShmTmpfs(settings.mps_shm_size, "--mps-shm-tmpfs", default_tools()) if settings.mps_shm_tmpfs else None
-    return LocalLauncher(settings.driver_root, shm=shm)
+    return LocalLauncher(settings.driver_root, shm=shm,
+                         capability_roots=(settings.host_root, nodelayout.own_dev_root(settings)))
 
 
 class DriverApp:
@@ -212,6 +214,11 @@ class DriverApp:
                                     instance=settings.node_name)
         self.mps_reports = MpsReports(self.events)
         self.state.sharing.reports = self.mps_reports
+        # Before a daemon or an NVML create opens a MIG instance, its capability nodes are made in this process's
+        # /dev (and the MPS host's, told by the request), from the claims the checkpoint records.
+        self.mps.capabilities = lambda uuids: capabilities_of(self.state.ledger.read(), uuids)
+        self.state.mig.before_create = partial(ensure_nodes_best_effort, settings.host_root,
+                                               nodelayout.own_dev_root(settings), [MIG_CONFIG])
         self.mode_reports = ComputeModeReports(self.events)
         self.daemon_watch = DaemonWatcher(self.state, settings.mps_limit_check_interval,
                                           also=[partial(check_compute_modes, self.state, self.mode_reports),

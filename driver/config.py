@@ -45,6 +45,9 @@ class Settings(BaseModel):
     cdi_root: Path = Path("/var/run/cdi")
     driver_root: Path = Path("/")
     host_root: Path = Path("/")
+    # The root whose dev/ this process (and the MPS daemons it starts) opens devices through; None: its own /
+    # (the simulated node's host tree when simulating). MIG capability nodes are made there (runtime/capnodes.py).
+    own_dev_root: Path | None = None
     driver_root_on_host: Path | None = None  # None: derived (driver.gpu.claimcdi.hostfs.driver_root_host_path)
     driver_libraries_required: bool = True
     nvidia_cdi_spec: Path | None = None
@@ -105,7 +108,8 @@ class Settings(BaseModel):
                              f"prepare after {limit} s); default {DEFAULT_PREPARE_DEADLINE:g}")
         return value
 
-    @field_validator("registrar_dir", "plugins_dir", "cdi_root", "driver_root", "host_root", "nvidia_cdi_spec",
+    @field_validator("registrar_dir", "plugins_dir", "cdi_root", "driver_root", "host_root", "own_dev_root",
+                     "nvidia_cdi_spec",
                      "sharing_plans", "mps_host_socket", "kubeconfig")
     @classmethod
     def _absolute_here(cls, value: Path | str | None) -> Path | str | None:
@@ -192,6 +196,9 @@ _FLAGS: list[tuple[str, str, str, str]] = [
     ("--cdi-root", "cdi_root", "CDI_ROOT", "where per-claim CDI specs are written"),
     ("--driver-root", "driver_root", "NVIDIA_DRIVER_ROOT", "where NVIDIA binaries (nvidia-smi, MPS) are found"),
     ("--host-root", "host_root", "HOST_ROOT", "where the host's /dev and /proc/driver/nvidia are visible"),
+    ("--own-dev-root", "own_dev_root", "OWN_DEV_ROOT",
+     "the root whose dev/ this container opens devices through (default /); MIG capability nodes are made there "
+     "before an MPS daemon of this process or a MIG create opens an instance"),
     ("--driver-root-on-host", "driver_root_on_host", "NVIDIA_DRIVER_ROOT_ON_HOST",
      "the driver root's path on the node, for CDI hostPath of device nodes under it (derived when unset)"),
     ("--driver-libraries-required", "driver_libraries_required", "DRIVER_LIBRARIES_REQUIRED",

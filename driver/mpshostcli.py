@@ -32,6 +32,11 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shm-size", default="1Gi",
                         help="with --shm-tmpfs: the tmpfs size for a request that names none (an older "
                              "plugin's); a quantity from 64Mi to 1Ti (default 1Gi)")
+    parser.add_argument("--host-root", default=Path("/"), type=Path,
+                        help="where the host's /proc is (default /): the MIG capability numbers are read there")
+    parser.add_argument("--dev-root", default=Path("/"), type=Path,
+                        help="the root whose dev/ this container's daemons open devices through (default /, its "
+                             "own); MIG capability nodes a daemon needs are made there before it starts")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="json", choices=["json", "text"])
 
@@ -49,7 +54,8 @@ def main_host(args: argparse.Namespace) -> int:
         print(f"tessera mps-host: --shm-size {args.shm_size!r}: {exc}", file=sys.stderr)
         return 2
     mode = HostMode(driver_root=args.driver_root, chroot=args.chroot, private_shm=args.private_shm or args.shm_tmpfs,
-                    shm_tmpfs=args.shm_tmpfs, shm_size=shm_size)
+                    shm_tmpfs=args.shm_tmpfs, shm_size=shm_size, host_root=args.host_root.absolute(),
+                    dev_root=args.dev_root.absolute())
     config = HostConfig(socket_path=args.socket.absolute(), mps_dir=args.mps_dir, mode=mode, tools=default_tools())
     try:
         return run_host(config)

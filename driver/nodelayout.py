@@ -98,6 +98,14 @@ def driver_root_on_host(settings: Settings) -> PurePosixPath:
     return driver_root_host_path(settings.host_root, settings.driver_root, explicit)
 
 
+def own_dev_root(settings: Settings) -> Path:
+    """The root whose dev/ this process opens devices through: its own / unless told; on a simulated node the
+    simulated host tree (never the machine's real /dev, where MIG capability nodes would be made)."""
+    if settings.own_dev_root is not None:
+        return settings.own_dev_root
+    return settings.host_root if settings.simulate else Path("/")
+
+
 def device_root(settings: Settings) -> DeviceRoot:
     return find_device_root(settings.host_root, settings.driver_root, driver_root_on_host(settings))
 

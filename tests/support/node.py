@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,20 @@ def kill_9_while_daemon_starts(node: SimulatedNode, ref: ClaimRef) -> int:
     thread.join(timeout=30)
     assert pid_alive(daemon_pid), "the half-started daemon outlived the driver"
     return int(daemon_pid)
+
+
+def copy_dev(source: Path, target: Path) -> None:
+    """A /dev as a container runtime copies it: directories and files again, device nodes made again (never read)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.rglob("*")):
+        made = target / path.relative_to(source)
+        info = path.lstat()
+        if path.is_dir():
+            made.mkdir(parents=True, exist_ok=True)
+        elif stat.S_ISCHR(info.st_mode):
+            os.mknod(made, info.st_mode, info.st_rdev)
+        elif stat.S_ISREG(info.st_mode):
+            shutil.copyfile(path, made)
 
 
 def pid_alive(pid: int) -> bool:
@@ -205,16 +220,28 @@ class SimulatedNode:
     def mps_host_socket(self) -> Path:
         return self.work / "mps-host" / "host.sock"
 
-    def start_mps_host(self, *extra: str) -> int:
+    @property
+    def mps_host_dev_root(self) -> Path:
+        """SIMULATION: the root whose dev/ is the MPS host container's own (``start_mps_host(own_dev=True)``)."""
+        return self.work / "mps-host-root"
+
+    def start_mps_host(self, *extra: str, own_dev: bool = False) -> int:
         """Run ``python -m driver mps-host`` for this node, as its DaemonSet would; returns its PID.
 
-        Start the driver with ``"--mps-host-socket", str(node.mps_host_socket)`` to use it.
+        Start the driver with ``"--mps-host-socket", str(node.mps_host_socket)`` to use it. With ``own_dev`` the
+        host has a /dev of its own, as a privileged container does: a copy of the node's taken now
+        (``mps_host_dev_root``), which its daemons use (the stand-in checks MIG capability nodes there).
         """
         assert self.mps_host is None or self.mps_host.poll() is not None, "MPS host already running"
         args = [self.python, "-m", "driver", "mps-host", "--socket", str(self.mps_host_socket),
                 "--mps-dir", str(self.state_dir / "mps"), "--driver-root", str(self.host), *extra]
+        env = None
+        if own_dev:
+            copy_dev(self.host / "dev", self.mps_host_dev_root / "dev")
+            args += ["--host-root", str(self.host), "--dev-root", str(self.mps_host_dev_root)]
+            env = {"TESSERA_SIM_DEV_ROOT": str(self.mps_host_dev_root)}
         log = open(self.work / "mps-host.log", "ab")  # noqa: SIM115 - handed to the child process
-        host = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self._environment(None))
+        host = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self._environment(env))
         log.close()
         self.mps_host = host
         wait_until(lambda: self.mps_host_socket.is_socket() or host.poll() is not None, what="the MPS host's socket")

@@ -180,6 +180,18 @@ def _access_fields(file: Path, gpu_minor: int, gi_id: int, ci_id: int | None) ->
     return parsed["DeviceFileMinor"], parsed["DeviceFileMode"]
 
 
+def capability_node(host_root: Path, access_path: str) -> tuple[int, int]:
+    """(minor, file mode) of the capability whose ``access`` file is ``access_path`` (under ``host_root``, e.g.
+    ``proc/driver/nvidia/capabilities/mig/config/access``)."""
+    file = host_path(host_root, "/" + access_path)
+    text = _read(file, f"the capability {access_path}", "is the NVIDIA driver loaded with MIG support?")
+    values = dict((k.strip(), v.strip()) for k, sep, v in (line.partition(":") for line in text.splitlines()) if sep)
+    for key in ("DeviceFileMinor", "DeviceFileMode"):
+        if not values.get(key, "").isdigit():
+            raise HostFsError(f"{file}: expected a '{key}: <n>' line with a non-negative decimal integer")
+    return int(values["DeviceFileMinor"]), int(values["DeviceFileMode"])
+
+
 def mig_capability_nodes(host_root: Path, gpu_minor: int, gi_id: int, ci_id: int) -> list[CapabilityNode]:
     """The GI and CI access capability nodes a container needs to use one MIG device, in that order."""
     gi_dir = host_path(host_root, f"/{CAPABILITIES_DIR}/gpu{gpu_minor}/mig/gi{gi_id}")

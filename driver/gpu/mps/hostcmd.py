@@ -62,6 +62,13 @@ class HostMode:
     # Each daemon's shm directory is a tmpfs of its own that the host mounts (shmmount.py); needs private_shm.
     shm_tmpfs: bool = False
     shm_size: int = DEFAULT_SHM_SIZE  # bytes, for a request that names no size (an older plugin's)
+    host_root: Path = Path("/")  # where /proc is: the kernel's MIG capability numbers
+    dev_root: Path = Path("/")  # the root whose dev/ this host (and its unchrooted daemons) open devices through
+
+
+def daemon_dev_root(mode: HostMode) -> Path:
+    """The root whose dev/ a daemon opens its MIG devices through: the driver root's when chrooted into it."""
+    return mode.driver_root if mode.chroot else mode.dev_root
 
 
 def binary_inside_root(binary: Path, driver_root: Path) -> str:

@@ -53,8 +53,8 @@ from driver.gpu.mps.hostclient import (
     peer_credentials,
     read_line,
 )
-from driver.gpu.mps.hostcmd import daemon_argv, daemon_env, replied_shm_dir
-from driver.gpu.mps.launch import CONTROL_LOG_NAME, DaemonLaunch, LaunchedDaemon, MpsLaunchError
+from driver.gpu.mps.hostcmd import daemon_argv, daemon_dev_root, daemon_env, replied_shm_dir
+from driver.gpu.mps.launch import CONTROL_LOG_NAME, DaemonLaunch, LaunchedDaemon, MpsLaunchError, make_capability_nodes
 from driver.gpu.mps.proc import CONTROL_BINARY
 from driver.gpu.mps.shmmount import ShmTmpfs, answer_release
 from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary
@@ -112,6 +112,7 @@ class DaemonSupervisor:
             # In the host's own namespace, whose MPS directory volume propagates it to the node, where
             # the clients' CDI bind mounts resolve; the daemon's namespace, made after, inherits it.
             ShmTmpfs(mode.shm_size, "--shm-tmpfs").mount(request)
+        make_capability_nodes(request, mode.host_root, daemon_dev_root(mode))  # this /dev: a copy from its start
         argv = daemon_argv(request, binary, self.config.mps_dir, mode, self.config.tools)
         env = daemon_env(request, mode, host_env)
         output_path = request.log_dir / CONTROL_LOG_NAME

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from driver.gpu.mps.model import check_shm_size
 from driver.gpu.mps.proc import CONTROL_BINARY, tied_to
 from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary
+from driver.gpu.runtime.capnodes import CAPABILITY, CapabilityNodeError, ensure_nodes
 
 if TYPE_CHECKING:  # shmmount imports this module
     from driver.gpu.mps.shmmount import ShmTmpfs
@@ -58,6 +59,19 @@ class DaemonLaunch(BaseModel):
     shm_dir: Path | None = None  # a per-daemon /dev/shm the launcher may give the daemon
     # Bytes of that /dev/shm where the launcher mounts a tmpfs there; None: the launcher's default.
     shm_size: int | None = None
+    # The MIG capabilities (paths under /proc/driver/nvidia/capabilities) of the MIG devices served: their nodes
+    # are made in the daemon's /dev before it starts (runtime/capnodes.py). Never numbers: the launcher reads those.
+    # None (not []) when there are none: an MPS host older than this field refuses any field it does not know.
+    capabilities: list[str] | None = Field(default=None, min_length=1, max_length=64)
+
+    @field_validator("capabilities")
+    @classmethod
+    def _capability_paths(cls, value: list[str] | None) -> list[str] | None:
+        for name in value or []:
+            if not CAPABILITY.fullmatch(name):
+                raise ValueError(f"capabilities entry {name!r} is not gpu<N>/mig/gi<G>[/ci<C>]/access, "
+                                 f"mig/config/access or mig/monitor/access")
+        return value
 
     @field_validator("shm_size")
     @classmethod
@@ -112,14 +126,27 @@ def control_env(request: DaemonLaunch) -> dict[str, str]:
     }
 
 
+def make_capability_nodes(request: DaemonLaunch, proc_root: Path, dev_root: Path) -> None:
+    """The capability nodes of the MIG devices ``request`` serves, in the daemon's /dev (``runtime/capnodes.py``)."""
+    if not request.capabilities:
+        return
+    try:
+        ensure_nodes(proc_root, dev_root, request.capabilities)
+    except CapabilityNodeError as exc:
+        raise MpsLaunchError(f"MIG capability nodes for the daemon: {exc}") from exc
+
+
 class LocalLauncher:
     """Runs the daemon as a child of this process, in its own session, and reaps it when it exits."""
 
-    def __init__(self, driver_root: Path, shm: ShmTmpfs | None = None) -> None:
+    def __init__(self, driver_root: Path, shm: ShmTmpfs | None = None,
+                 capability_roots: tuple[Path, Path] | None = None) -> None:
         """``shm``: give each daemon its own tmpfs as /dev/shm (``--mps-shm-tmpfs``); None: the
-        daemons share this process's /dev/shm."""
+        daemons share this process's /dev/shm. ``capability_roots``: (where /proc is, the root whose dev/
+        this process opens devices through), to make a MIG device's capability nodes; None: never made."""
         self.driver_root = driver_root
         self.shm = shm
+        self.capability_roots = capability_roots
 
     def describe(self) -> str:
         shm = f", each with its own /dev/shm tmpfs ({self.shm.flag})" if self.shm is not None else ""
@@ -143,6 +170,8 @@ class LocalLauncher:
         except (BinaryNotFound, BinaryFailed) as exc:
             raise MpsLaunchError(str(exc)) from exc
         env.update(control_env(request))
+        if self.capability_roots is not None:  # the daemon's servers open the MIG devices through our /dev
+            make_capability_nodes(request, *self.capability_roots)
         argv = [str(binary), *control_args(request)]
         shm_dir = None
         if self.shm is not None and request.shm_dir is not None:

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -95,6 +96,9 @@ class MpsManager:
         self.launcher = launcher
         self.identity = DaemonIdentity(launcher)
         self.shm_dir = shm_dir
+        # Device UUIDs -> the MIG capabilities their daemon's /dev needs (runtime/capnodes.py); the app's reads
+        # the checkpoint. None: asked for none.
+        self.capabilities: Callable[[list[str]], list[str]] | None = None
         self.ready_timeout = ready_timeout
         self.command_timeout = command_timeout
         self.control = MpsControl(driver_root, command_timeout)
@@ -287,7 +291,9 @@ class MpsManager:
             self._prepare_dirs(daemon_dir, pipe_dir, log_dir)
             request = DaemonLaunch(daemon_id=spec.daemon_id, pipe_dir=pipe_dir, log_dir=log_dir,
                                    visible_devices=spec.gpu_uuids, multi_user=spec.multi_user,
-                                   shm_dir=daemon_dir / "shm", shm_size=spec.shm_size)
+                                   shm_dir=daemon_dir / "shm", shm_size=spec.shm_size,
+                                   capabilities=(self.capabilities(spec.gpu_uuids) if self.capabilities else [])
+                                   or None)
             launched = self.launcher.launch(request)
             launched_pid = launched.pid
             if launched.shm_dir not in (None, request.shm_dir):

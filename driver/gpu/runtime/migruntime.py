@@ -62,6 +62,8 @@ class MigRuntime:
         # Instances this process created or destroyed: after recovery, a non-zero count means discovery's
         # inventory is stale (the app discovers again before publishing).
         self.changes = 0
+        # Run before each NVML create: the capability nodes this process's create opens (runtime/capnodes.py).
+        self.before_create: Callable[[], object] = lambda: None
 
     @property
     def partitioner(self) -> MigPartitioner:
@@ -102,6 +104,7 @@ class MigRuntime:
                 deadline: Deadline | None) -> CreatedMig:
         """Commit ``create_started`` (durably), create, commit what was created; the claim's daemons follow it."""
         self._ledger.commit(lambda cp: _change_device(cp, uid, index, _started))
+        self.before_create()
         try:
             made = self.partitioner.create(dev.gpu_uuid, intent.profile_info(), intent.placement_start, deadline)
         except MigCreateError as exc:
