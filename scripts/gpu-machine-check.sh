@@ -6,7 +6,14 @@
 # check-node's throwaway MPS daemon, which check-node stops, and this script then makes sure no MPS
 # process is left. Writes each step's output to DIR (default ./gpu-check), prints a summary.
 #
+# Only with TESSERA_ALLOW_MIG_CHANGES=1 (the operator allows MIG changes on this machine) it also runs
+# scripts/mig-hardware-probe.py: on the first GPU already in MIG mode with no MIG instance it creates,
+# destroys and re-creates one small instance at one placement (MIG UUIDs compared), checks the capability
+# nodes a container's /dev copy lacks, field 230, the event mask and remapped rows with an instance, and
+# destroys what it made. MIG mode is never changed, and a GPU with instances is never touched.
+#
 #   bash scripts/gpu-machine-check.sh [DIR]
+#   TESSERA_ALLOW_MIG_CHANGES=1 bash scripts/gpu-machine-check.sh [DIR]
 set -u
 out=${1:-gpu-check}
 mkdir -p "$out"
@@ -54,6 +61,12 @@ printf 'defaultPlan: dynamic\nplans:\n  dynamic:\n    gpus:\n    - match: {all: 
 step check-plan-dynamic 60 $py -m driver check-plan "$out/dynamic-plan.yaml"
 step real-node-e2e-dynamic 240 $py scripts/real-node-e2e.py --driver-libraries-required "$libs" "${spec[@]}" \
     --sharing-plans "$out/dynamic-plan.yaml"
+
+if [ "${TESSERA_ALLOW_MIG_CHANGES:-0}" = 1 ]; then
+    # The one step that changes something: MIG instances, on a GPU in MIG mode that has none, destroyed again.
+    step mig-hardware 600 $py scripts/mig-hardware-probe.py
+    echo "MIG changes allowed: instances created and destroyed (see $out/mig-hardware.txt)" | tee -a "$out/summary.txt"
+fi
 
 after=$(nvidia-smi --query-gpu=uuid,compute_mode,mig.mode.current --format=csv,noheader)
 left=$(pgrep -a -f 'nvidia-cuda-mps-(control|server)' || true)
