@@ -203,10 +203,11 @@ class MigRuntime:
         if record.phase != ClaimPhase.PREPARE_COMPLETED:
             return []
         lost: list[str] = []
+        found: list[MigGpuInstance] | None = None
         for index, dev, intent in dynamic_devices(record):
             if dev.gpu_uuid != gpu_uuid or dev.admin_access or dev.mig_gi_id is None:
                 continue
-            found = self._listed(gpu_uuid, None)
+            found = self._listed(gpu_uuid, None) if found is None else found
             if any(_is_recorded(g, dev, intent) for g in found):
                 continue
             for gi in self._made_for(dev, intent, found):
