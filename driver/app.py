@@ -266,13 +266,18 @@ class DriverApp:
         if toolkit_spec_changed(self.state.toolkit, self.settings.nvidia_cdi_spec, candidates):
             log.info("the NVIDIA Container Toolkit CDI spec changed; claims prepared from now on use it")
             self.state.set_toolkit(nodelayout.load_toolkit(self.settings))
+        # An instance destroyed after discovery listed it, its claim's record dropped before the view is applied,
+        # would pass for someone else's and take its placement off the view (a claim allocated it then fails):
+        # such an inventory is not applied; the next tick discovers again, as a MIG change was made.
+        changes = self.state.mig.changes
         inventory = self.discovery.discover()
         try:
             desired = self.plans.desired_layout(inventory, own_instances(self.state.ledger.read(), inventory))
         except PlanError as exc:
             log.error("the sharing plan became invalid; keeping the one in force", extra={"reason": str(exc)})
             desired = self.state.view.layout
-        view, _deferred = self.state.apply_layout(make_view(inventory, {}), desired)
+        view, _deferred = self.state.apply_layout(make_view(inventory, {}), desired,
+                                                  current=lambda: self.state.mig.changes == changes)
         self.plans.save(self.settings.state_dir)
         self.publish(view)
         # A daemon that died (with the MPS host, or with this container when daemons are our own

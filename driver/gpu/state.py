@@ -145,14 +145,18 @@ class DeviceState:
     def prepared_claims(self) -> list[ClaimRecord]:
         return list(self.ledger.read().claims.values())
 
-    def apply_layout(self, view: NodeView, desired: SharingLayout) -> tuple[NodeView, set[str]]:
-        """Switch to a new inventory/plan, keeping GPUs with prepared claims in their current form.
+    def apply_layout(self, view: NodeView, desired: SharingLayout,
+                     current: Callable[[], bool] = lambda: True) -> tuple[NodeView, set[str]]:
+        """Switch to a new inventory/plan, keeping GPUs with prepared claims in their current form; not if
+        ``current()`` says, under the node lock, that the inventory is stale (the view in force stays).
 
         Returns the view now in force and the GPUs whose change was deferred. Plan time slices
         are applied or reset here, when the plan changes, not at prepare: each under its GPU's
         lock after the node lock is released; a GPU that stays busy is left to the next rescan.
         """
         with self.node_lock.held():
+            if not current():
+                return self.view, set()
             cp = self.ledger.load_locked()
             busy = {uuid for rec in cp.claims.values() for uuid in rec.held_gpu_uuids}
             effective, deferred = merge_layout(self.view.layout, desired, busy)

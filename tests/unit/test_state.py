@@ -644,3 +644,12 @@ def test_a_shared_daemon_whose_record_was_lost_with_the_checkpoint_is_adopted_no
     restarted.prepare(claim("u2", "gpu-0-mps-1"))  # the second share of the GPU the first one's daemon serves
     assert node.mps.started() == [daemon_id], "u1's clients keep their daemon"
     assert node.mps.running[daemon_id].pid == pid and not node.mps.stopped_after_start(daemon_id)
+
+
+def test_a_stale_inventory_is_not_applied_and_the_view_in_force_stays(node: Node) -> None:
+    state = node.state()
+    before, _ = state.apply_layout(make_view(node.inventory, {}), {node.uuid(2): mps_shares(2)})
+    # The caller's inventory went stale while it was read (a MIG instance destroyed since): nothing changes.
+    view, deferred = state.apply_layout(make_view(node.inventory, {}), {}, current=lambda: False)
+    assert view is before is state.view and deferred == set()
+    assert "gpu-2-mps-0" in state.view.targets and "gpu-2" not in state.view.targets
