@@ -14,19 +14,15 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
-from urllib.parse import quote
 
 from driver import nodelayout
 from driver.config import Settings
-from driver.gpu import kernelmemory
 from driver.gpu.claimcdi.toolkit import toolkit_spec_changed
-from driver.gpu.consumable import KernelMemoryLimits, consumable_supported
+from driver.gpu.claimstatus import ClaimStatusSource
 from driver.gpu.daemonwatch import DaemonWatcher, MpsReports
 from driver.gpu.devices import make_view
-from driver.gpu.discovery.inventory import Discovery, NodeInventory
+from driver.gpu.discovery.inventory import Discovery
 from driver.gpu.driver import GpuDriver
 from driver.gpu.health.monitor import HealthMonitor
 from driver.gpu.health.node import NodeHealth
@@ -36,113 +32,29 @@ from driver.gpu.health.usagereport import USAGE_FILE
 from driver.gpu.health.usagewatch import ClaimUsageWatch
 from driver.gpu.health.xids import parse_ignored_xids
 from driver.gpu.migclaims import own_instances
-from driver.gpu.migplacement import OwnInstances, partitionable_supported
 from driver.gpu.mps.hostcheck import default_tools
 from driver.gpu.mps.hostclient import MpsHostLauncher
 from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.multiuser import MultiUserProbe, probe_gpu, single_user_gpus
 from driver.gpu.mps.shmmount import ShmTmpfs
-from driver.gpu.planuse import PLAN_USE_FILE, PlanUse, chosen_how, gpu_lines, plan_use, write_plan_use
 from driver.gpu.runtime.timeslice import TimeSlicer
-from driver.gpu.sharelayout import SharingLayout
-from driver.gpu.sharingplan import PlanError, SharingPlan, load_plans, resolve_plan, select_plan
+from driver.gpu.sharingplan import PlanError
 from driver.gpu.state import DeviceState, StatePaths
 from driver.gpu.targets import NodeView
 from driver.healthsource import open_health_source, open_process_source
 from driver.kubeletplugin.events import EventRecorder
 from driver.kubeletplugin.healthservice import HealthBoard
 from driver.kubeletplugin.helper import Helper, TelemetryNames
-from driver.kubeletplugin.kubeclient import (
-    KubeApiError,
-    KubeClient,
-    KubeConfigError,
-    load_api_client,
-    request_json,
-    server_minor_version,
-)
+from driver.kubeletplugin.kubeclient import KubeApiError, KubeConfigError, load_api_client
+from driver.kubeletplugin.nodewatch import NodeMeta, NodeWatch
+from driver.kubeletplugin.types import ClaimRef
+from driver.plansource import CONSUMABLE_GATE as CONSUMABLE_GATE
+from driver.plansource import PARTITIONABLE_GATE as PARTITIONABLE_GATE
+from driver.plansource import PlanSource as PlanSource
 from driver.startup import StartupError
 
 log = logging.getLogger(__name__)
-
-# The API server's feature gates whose fields the sharing plan's devices need (1.34/1.35 alpha, on from 1.36).
-PARTITIONABLE_GATE = "DRAPartitionableDevices"
-CONSUMABLE_GATE = "DRAConsumableCapacity"
-
-
-@dataclass
-class PlanSource:
-    """Where the node's sharing plan comes from: the plans file and this node's label."""
-
-    settings: Settings
-    api: KubeClient
-    minor_version: int | None = None  # the API server's, read once when a plan first needs it
-    kernel: KernelMemoryLimits | None = None  # kernel memory limits, detected at start and every rescan
-    use: PlanUse | None = None  # the plan in use and each GPU's entry, as last logged
-    # Feature gates the API server showed to be off (it dropped our fields that need them), whatever its release
-    # or the plans file says: what needs them is not published again.
-    gates_off: frozenset[str] = frozenset()
-
-    def desired_layout(self, inventory: NodeInventory, own: OwnInstances = ()) -> SharingLayout:
-        """``own``: MIG instances Tessera created for claims, which keep their GPU dynamic MIG."""
-        path = self.settings.sharing_plans
-        if path is None:
-            self._record(plan_use(SharingPlan(), None, None, "no --sharing-plans", inventory, {}))
-            return {}
-        plans = load_plans(path)
-        # A raw GET: the generated CoreV1Api costs a few hundred ms of imports at its first use.
-        node = request_json(self.api, "GET", f"/api/v1/nodes/{quote(self.settings.node_name, safe='')}",
-                            timeout=20)
-        labels = {str(k): str(v) for k, v in ((node.get("metadata") or {}).get("labels") or {}).items()}
-        key = self.settings.sharing_plan_label
-        name, plan = select_plan(plans, labels, key)
-        if self.minor_version is None and any(e.consumable is not None or e.dynamicMig is not None for e in plan.gpus):
-            self.minor_version = server_minor_version(self.api)
-        supported = (consumable_supported(self.minor_version or 0, plans.consumableCapacityGate)
-                     and CONSUMABLE_GATE not in self.gates_off)
-        partitionable = (partitionable_supported(self.minor_version or 0, plans.partitionableDevicesGate)
-                         and PARTITIONABLE_GATE not in self.gates_off)
-        resolved = resolve_plan(plan, inventory, name, consumable_supported=supported,
-                                kernel=self.detect_kernel_memory(inventory), partitionable_supported=partitionable,
-                                own_instances=own)
-        self._record(plan_use(plan, name, path, chosen_how(key, labels.get(key), name), inventory, resolved.layout,
-                              resolved.notes))
-        return resolved.layout
-
-    def _record(self, use: PlanUse) -> None:
-        """Log the plan in use when it (or what it makes of a GPU) changes: at start, and after an edit."""
-        if use == self.use:
-            return
-        self.use = use
-        log.info("sharing plan in use: %s", use.summary(), extra={"gpus": gpu_lines(use)})
-        for line in use.note_lines():  # e.g. a dynamicMig entry on a GPU without MIG: published as before
-            log.warning(line)
-        if use.plan is not None and all(g.entry is None for g in use.gpus):
-            # Plans are shared by nodes, so one entry matching nothing is normal; a whole plan is a mistake.
-            log.warning("sharing plan %r matches no GPU of this node: every GPU is published whole (or as its MIG "
-                        "devices); check its match selectors with `python -m driver check-plan`", use.plan,
-                        extra={"entries": use.unmatched_entries})
-
-    def save(self, state_dir: Path) -> None:
-        """Leave the plan in use where ``inspect`` reads it."""
-        if self.use is None:
-            return
-        try:
-            write_plan_use(state_dir / PLAN_USE_FILE, self.use)
-        except OSError as exc:  # only inspect's view is missing; serving claims does not depend on it
-            log.warning("cannot write %s for inspect: %s", state_dir / PLAN_USE_FILE, exc)
-
-    def detect_kernel_memory(self, inventory: NodeInventory) -> KernelMemoryLimits:
-        """Re-read at every call (a driver upgrade or a new toolkit can add it); logged when it changes."""
-        s = self.settings
-        candidates = (s.nvidia_cdi_spec,) if s.nvidia_cdi_spec else nodelayout.toolkit_candidates(s)
-        spec = next((p for p in candidates if p.is_file()), None)
-        kernel = kernelmemory.detect(s.host_root, inventory.driver_version, spec)
-        if kernel != self.kernel:
-            log.info("kernel-enforced GPU memory limits for consumable shares: %s",
-                     "available" if kernel.available else "not available", extra={"reason": kernel.reason})
-        self.kernel = kernel
-        return kernel
 
 
 def state_paths(settings: Settings) -> StatePaths:
@@ -178,7 +90,13 @@ class DriverApp:
             inventory = self.discovery.discover()
         except (RuntimeError, ValueError, ImportError, OSError) as exc:  # no NVML/driver, or a bad simulated layout
             raise StartupError(f"GPU discovery failed: {exc}") from exc
-        self.plans = PlanSource(settings, self.api)
+        # The Node's labels (the sharing plan) and UID (the slices' owner): listed once, then watched.
+        self.node = NodeWatch(self.api, settings.node_name)
+        try:
+            self.node.sync()
+        except KubeApiError as exc:
+            log.warning("cannot read Node %s yet, will retry: %s", settings.node_name, exc)
+        self.plans = PlanSource(settings, self.api, node_labels=lambda: self.node.meta().labels)
         try:
             desired = self.plans.desired_layout(inventory)
         except PlanError as exc:
@@ -210,6 +128,9 @@ class DriverApp:
                                     instance=settings.node_name)
         self.mps_reports = MpsReports(self.events)
         self.state.sharing.reports = self.mps_reports
+        self.claim_status = ClaimStatusSource(self.state.ledger.read, lambda: self.state.view,
+                                              lambda view: self.health.unhealthy(view))
+        self.mps_reports.restored = self._limits_restored
         self.daemon_watch = DaemonWatcher(self.state, settings.mps_limit_check_interval)
         self.state.recover()
         own = own_instances(self.state.ledger.read())
@@ -311,6 +232,27 @@ class DriverApp:
             self.publish(self.state.view)
         except Exception:
             log.exception("publishing a device health change failed; the next rescan retries")
+        self._claim_statuses_changed()
+
+    def _claim_statuses_changed(self) -> None:
+        """Every prepared claim's status is written again where it changed (claims whose didn't cost nothing)."""
+        try:
+            for ref in self.claim_status.prepared_claims():
+                self.helper.claim_status_changed(ref)
+        except Exception:
+            log.exception("queueing claim status writes failed")
+
+    def _limits_restored(self, claims: list[ClaimRef]) -> None:
+        for ref in claims:
+            self.claim_status.limits_restored(ref.uid)
+            if self._helper is not None:
+                self._helper.claim_status_changed(ref)
+
+    def _node_changed(self, meta: NodeMeta) -> None:
+        """A label (the sharing plan) changes what is published within a tick; a new UID re-owns the slices."""
+        self._next_scan = 0.0
+        if self._helper is not None:
+            self._helper.resync_slices()
 
     def _start_health(self) -> None:
         taints, why = taints_decision(self.settings.device_taints, self.helper.kubernetes_minor_version)
@@ -328,7 +270,10 @@ class DriverApp:
         settings = self.settings
         self._helper = helper
         helper.complete(GpuDriver(self.state), api=self.api,
-                        names=TelemetryNames(service="tessera-kubelet-plugin", metric_prefix="tessera"))
+                        names=TelemetryNames(service="tessera-kubelet-plugin", metric_prefix="tessera"),
+                        claim_status=self.claim_status, node_uid=self.node.uid)
+        self.node.add_listener(self._node_changed)
+        self.node.start()
         self.helper.telemetry.observe_gauge("prepared_claims", "Claims prepared on this node",
                                             lambda: float(self.state.prepared_count()))
         self._start_health()
@@ -341,6 +286,7 @@ class DriverApp:
                                           "simulated": settings.simulate is not None,
                                           "mps_daemons": self.mps_launcher.describe()})
         self._follow_multi_user_safely()
+        self._claim_statuses_changed()  # after a restart: claims prepared before it show their status (no duplicates)
         self._next_scan = time.monotonic() + settings.rescan_interval
         self._mig_changes_seen = self.state.mig.changes
 
@@ -371,6 +317,7 @@ class DriverApp:
         # after a real removal the kubelet wipes them 30 s after the sockets are gone.
         self.health.monitor.stop()
         self.usage.stop()
+        self.node.stop()
         # A check in progress is bounded by the MPS timeouts; then the queued Events get a moment to go out.
         self.daemon_watch.stop(self.mps.ready_timeout + self.mps.command_timeout)
         self.events.stop(timeout=2.0)

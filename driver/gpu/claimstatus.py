@@ -1,0 +1,160 @@
+"""What a prepared claim got, as its ``status.devices`` entries say it (and ``inspect`` shows it).
+
+Per allocated device: condition ``Ready`` (the device is configured: CDI spec written, its MPS daemon or
+time slice in place) and ``Healthy`` (the GPU's health as the driver sees it), and ``data`` naming the
+GPU (its UUID, the MIG UUID of a MIG device, created for the claim or existing), its product and memory,
+and for a share each limit with how it is enforced, in the words of the published attributes
+(``activeThreadPercentage``, ``computeLimitEnforcement``, ``memoryLimitEnforcement``,
+``timeSliceInterval``). Built at the moment of writing from the checkpoint, the current view and the
+health monitor. Pure functions; :class:`ClaimStatusSource` gathers their inputs.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from driver.gpu.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord
+from driver.gpu.devices import quantity_from_bytes
+from driver.gpu.health.published import DeviceCondition
+from driver.gpu.mps.model import MpsDaemonRecord
+from driver.gpu.sharelayout import Enforcement
+from driver.gpu.targets import NodeView
+from driver.kubeletplugin.claimstatus import Condition, DeviceStatus
+from driver.kubeletplugin.types import ClaimRef
+
+_NOT_REASON = re.compile(r"[^A-Za-z0-9_]")
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Limits of a claim's MPS daemon that a client changed and the driver set back."""
+
+    count: int
+    last: str  # ISO 8601, UTC
+
+
+def claim_statuses(record: ClaimRecord | None, daemons: Mapping[str, MpsDaemonRecord], view: NodeView,
+                   unhealthy: Mapping[str, DeviceCondition], restored: Restored | None) -> list[DeviceStatus]:
+    """The entries of a claim; none unless it is completely prepared on this node."""
+    if record is None or record.phase != ClaimPhase.PREPARE_COMPLETED:
+        return []
+    return [DeviceStatus(pool=d.device.pool_name, device=d.device.device_name, share_id=d.device.share_id,
+                         conditions=(_ready(), _healthy(unhealthy.get(d.device.device_name))),
+                         data=device_data(record, d, daemons, view, restored))
+            for d in record.devices]
+
+
+def _ready() -> Condition:
+    return Condition("Ready", True, "Prepared", "configured on this node; its containers get the device through CDI")
+
+
+def _healthy(problem: DeviceCondition | None) -> Condition:
+    if problem is None:
+        return Condition("Healthy", True, "Healthy", "no health event reported for this device's GPU")
+    reason = _NOT_REASON.sub("", problem.reason) or "Unhealthy"
+    return Condition("Healthy", False, reason if reason[0].isalpha() else "Unhealthy" + reason, problem.message)
+
+
+def device_data(record: ClaimRecord, device: PreparedDeviceRecord, daemons: Mapping[str, MpsDaemonRecord],
+                view: NodeView, restored: Restored | None) -> dict[str, Any]:
+    """The ``data`` of one device: what the claim got on it."""
+    target = view.targets.get(device.device.device_name)
+    gpu = next((g for g in view.inventory.gpus if g.uuid == device.gpu_uuid), None)
+    data: dict[str, Any] = {"type": device.kind, "gpuUUID": device.gpu_uuid}
+    if device.mig_uuid:
+        data["migUUID"] = device.mig_uuid
+    if device.dynamic_mig is not None:
+        data["migCreatedForClaim"] = True
+    if gpu is not None:
+        data["productName"] = gpu.product_name
+    memory = target.memory_bytes if target is not None else (gpu.memory_bytes if gpu is not None else None)
+    if memory:
+        data["memory"] = quantity_from_bytes(memory)
+    if device.admin_access:
+        data["adminAccess"] = True
+    sharing = _sharing(record, device, daemons, view, restored)
+    if sharing:
+        data["sharing"] = sharing
+    return data
+
+
+def _sharing(record: ClaimRecord, device: PreparedDeviceRecord, daemons: Mapping[str, MpsDaemonRecord],
+             view: NodeView, restored: Restored | None) -> dict[str, Any]:
+    target = view.targets.get(device.device.device_name)
+    shares = target.shares if target is not None else None
+    driver_version = view.inventory.driver_version
+    daemon = daemons.get(device.mps_daemon_id) if device.mps_daemon_id else None
+    sharing: dict[str, Any] = {}
+    if daemon is not None:
+        enforcement = record.mps_enforcement or (
+            shares.memory_enforcement(driver_version) if shares is not None else Enforcement.MPS_PER_PROCESS)
+        sharing["strategy"] = "MPS"
+        sharing["mpsDaemon"] = daemon.spec.daemon_id
+        if daemon.spec.active_thread_percentage is not None:
+            sharing["activeThreadPercentage"] = daemon.spec.active_thread_percentage
+            sharing["computeLimitEnforcement"] = enforcement.value
+        pinned = daemon.spec.pinned_memory_limits.get(device.mig_uuid or device.gpu_uuid)
+        if pinned is not None:
+            sharing["pinnedMemoryLimit"] = quantity_from_bytes(pinned)
+            sharing["memoryLimitEnforcement"] = enforcement.value
+        if restored is not None:
+            sharing["limitsRestored"] = restored.count
+            sharing["lastLimitsRestore"] = restored.last
+    elif device.consumed_memory_bytes is not None or device.consumed_multiprocessors is not None:
+        sharing["strategy"] = "Consumable"
+        if device.consumed_memory_bytes is not None:
+            sharing["memory"] = quantity_from_bytes(device.consumed_memory_bytes)
+        if device.consumed_multiprocessors is not None:
+            sharing["multiprocessors"] = device.consumed_multiprocessors
+        if shares is not None:
+            sharing["memoryLimitEnforcement"] = shares.memory_enforcement(driver_version).value
+            sharing["computeLimitEnforcement"] = shares.compute_enforcement(driver_version).value
+    if record.timeslice is not None and device.gpu_uuid in record.timeslice.gpu_uuids:
+        sharing.setdefault("strategy", "TimeSlicing")
+        sharing["timeSliceInterval"] = record.timeslice.interval
+        if shares is not None and shares.strategy == "TimeSlicing":
+            sharing["memoryLimitEnforcement"] = shares.memory_enforcement(driver_version).value
+            sharing["computeLimitEnforcement"] = shares.compute_enforcement(driver_version).value
+    elif shares is not None and shares.strategy == "TimeSlicing":
+        sharing["strategy"] = "TimeSlicing"
+        sharing["timeSliceInterval"] = shares.interval or "Default"
+    return sharing
+
+
+class ClaimStatusSource:
+    """The driver's :data:`driver.kubeletplugin.claimstatus.StatusSource`: reads the checkpoint, the view and
+    health when a claim's status is written, and keeps count of its MPS limits restored."""
+
+    def __init__(self, checkpoint: Callable[[], Checkpoint], view: Callable[[], NodeView],
+                 unhealthy: Callable[[NodeView], Mapping[str, DeviceCondition]]):
+        self._checkpoint = checkpoint
+        self._view = view
+        self._unhealthy = unhealthy
+        self._lock = threading.Lock()
+        self._restored: dict[str, Restored] = {}
+
+    def limits_restored(self, claim_uid: str) -> None:
+        with self._lock:
+            before = self._restored.get(claim_uid)
+            self._restored[claim_uid] = Restored((before.count if before else 0) + 1,
+                                                 datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+
+    def prepared_claims(self) -> list[ClaimRef]:
+        return [ClaimRef(namespace=r.namespace, name=r.name, uid=r.uid) for r in self._checkpoint().claims.values()
+                if r.phase == ClaimPhase.PREPARE_COMPLETED]
+
+    def __call__(self, ref: ClaimRef) -> list[DeviceStatus]:
+        checkpoint = self._checkpoint()
+        record = checkpoint.claims.get(ref.uid)
+        if record is None:
+            with self._lock:
+                self._restored.pop(ref.uid, None)
+        view = self._view()
+        with self._lock:
+            restored = self._restored.get(ref.uid)
+        return claim_statuses(record, checkpoint.mps_daemons, view, self._unhealthy(view), restored)
