@@ -43,21 +43,31 @@ def claim_statuses(record: ClaimRecord | None, daemons: Mapping[str, MpsDaemonRe
     """The entries of a claim; none unless it is completely prepared on this node."""
     if record is None or record.phase != ClaimPhase.PREPARE_COMPLETED:
         return []
+    prepared = _rfc3339(record.updated_at)
     return [DeviceStatus(pool=d.device.pool_name, device=d.device.device_name, share_id=d.device.share_id,
-                         conditions=(_ready(), _healthy(unhealthy.get(d.device.device_name))),
+                         conditions=(_ready(prepared), _healthy(unhealthy.get(d.device.device_name), prepared)),
                          data=device_data(record, d, daemons, view, restored))
             for d in record.devices]
 
 
-def _ready() -> Condition:
-    return Condition("Ready", True, "Prepared", "configured on this node; its containers get the device through CDI")
+def _rfc3339(text: str) -> str | None:
+    try:
+        return datetime.fromisoformat(text).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except ValueError:
+        return None
 
 
-def _healthy(problem: DeviceCondition | None) -> Condition:
-    if problem is None:
-        return Condition("Healthy", True, "Healthy", "no health event reported for this device's GPU")
+def _ready(prepared: str | None) -> Condition:
+    return Condition("Ready", True, "Prepared", "configured on this node; its containers get the device through CDI",
+                     since=prepared)
+
+
+def _healthy(problem: DeviceCondition | None, prepared: str | None) -> Condition:
+    if problem is None:  # healthy since the prepare, as far as a restarted driver can tell
+        return Condition("Healthy", True, "Healthy", "no health event reported for this device's GPU", since=prepared)
     reason = _NOT_REASON.sub("", problem.reason) or "Unhealthy"
-    return Condition("Healthy", False, reason if reason[0].isalpha() else "Unhealthy" + reason, problem.message)
+    return Condition("Healthy", False, reason if reason[0].isalpha() else "Unhealthy" + reason, problem.message,
+                     since=datetime.fromtimestamp(problem.since, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
 
 def device_data(record: ClaimRecord, device: PreparedDeviceRecord, daemons: Mapping[str, MpsDaemonRecord],
@@ -117,12 +127,12 @@ def _sharing(record: ClaimRecord, device: PreparedDeviceRecord, daemons: Mapping
     if record.timeslice is not None and device.gpu_uuid in record.timeslice.gpu_uuids:
         sharing.setdefault("strategy", "TimeSlicing")
         sharing["timeSliceInterval"] = record.timeslice.interval
-        if shares is not None and shares.strategy == "TimeSlicing":
-            sharing["memoryLimitEnforcement"] = shares.memory_enforcement(driver_version).value
-            sharing["computeLimitEnforcement"] = shares.compute_enforcement(driver_version).value
     elif shares is not None and shares.strategy == "TimeSlicing":
         sharing["strategy"] = "TimeSlicing"
         sharing["timeSliceInterval"] = shares.interval or "Default"
+    if shares is not None and shares.strategy == "TimeSlicing":
+        sharing["memoryLimitEnforcement"] = shares.memory_enforcement(driver_version).value
+        sharing["computeLimitEnforcement"] = shares.compute_enforcement(driver_version).value
     return sharing
 
 

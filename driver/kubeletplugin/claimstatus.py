@@ -51,6 +51,9 @@ class Condition:
     status: bool | None  # None: Unknown
     reason: str  # CamelCase, as Kubernetes requires
     message: str = ""
+    # Since when it holds, as far as the driver knows (RFC 3339): the lastTransitionTime when the writer has
+    # no earlier state of it (its first write, or the first after a restart); None: the time of writing.
+    since: str | None = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,10 @@ def device_entries(driver: str, statuses: Sequence[DeviceStatus], previous: Sequ
         for condition in status.conditions[:MAX_CONDITIONS]:
             word = _status_word(condition.status)
             old = before.get((_key(entry), condition.type))
-            since = old["lastTransitionTime"] if old is not None and old["status"] == word else now
+            if old is None:
+                since = condition.since or now
+            else:
+                since = old["lastTransitionTime"] if old["status"] == word else now
             conditions.append({"type": condition.type, "status": word, "reason": condition.reason,
                                "message": condition.message, "lastTransitionTime": since})
         entry["conditions"] = conditions
