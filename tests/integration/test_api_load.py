@@ -75,7 +75,8 @@ def test_idle_costs_only_long_watches_and_a_cycle_costs_the_claim_its_pod_and_tw
         node_reads = [q for verb, path, q in everything if path == NODES]
         assert all(q["fieldSelector"] == f"metadata.name={NODE}" for q in node_reads)
 
-        ref = node.claim("cycle", [("gpu", "gpu-2-mps-0")], pods=[pod("p", pod_security=NON_ROOT, containers=[("main", NO_ESCALATION)])])
+        user = pod("p", pod_security=NON_ROOT, containers=[("main", NO_ESCALATION)])
+        ref = node.claim("cycle", [("gpu", "gpu-2-mps-0")], pods=[user])
         before = len(node.api.requests)
         node.prepare_ok(ref)
         wait_until(lambda: (next(c for c in node.api.claims() if c["metadata"]["uid"] == ref.uid)
