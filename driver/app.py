@@ -19,7 +19,7 @@ from functools import partial
 from driver import nodelayout
 from driver.config import Settings
 from driver.gpu.claimcdi.toolkit import toolkit_spec_changed
-from driver.gpu.claimstatus import ClaimStatusSource
+from driver.gpu.claimstatus import STATUS_FILE, ClaimStatusSource
 from driver.gpu.daemonwatch import DaemonWatcher, MpsReports
 from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import Discovery
@@ -129,7 +129,8 @@ class DriverApp:
         self.mps_reports = MpsReports(self.events)
         self.state.sharing.reports = self.mps_reports
         self.claim_status = ClaimStatusSource(self.state.ledger.read, lambda: self.state.view,
-                                              lambda view: self.health.unhealthy(view))
+                                              lambda view: self.health.unhealthy(view),
+                                              report_path=settings.state_dir / STATUS_FILE)
         self.mps_reports.restored = self._limits_restored
         self.daemon_watch = DaemonWatcher(self.state, settings.mps_limit_check_interval)
         self.state.recover()

@@ -6,18 +6,23 @@ GPU (its UUID, the MIG UUID of a MIG device, created for the claim or existing),
 and for a share each limit with how it is enforced, in the words of the published attributes
 (``activeThreadPercentage``, ``computeLimitEnforcement``, ``memoryLimitEnforcement``,
 ``timeSliceInterval``). Built at the moment of writing from the checkpoint, the current view and the
-health monitor. Pure functions; :class:`ClaimStatusSource` gathers their inputs.
+health monitor. Pure functions; :class:`ClaimStatusSource` gathers their inputs, and leaves what it reported
+in ``claim-status.json`` in the state directory, where ``inspect`` shows it.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
+from cdi.atomicfile import write_atomic
 from driver.gpu.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord
 from driver.gpu.devices import quantity_from_bytes
 from driver.gpu.health.published import DeviceCondition
@@ -27,7 +32,10 @@ from driver.gpu.targets import NodeView
 from driver.kubeletplugin.claimstatus import Condition, DeviceStatus
 from driver.kubeletplugin.types import ClaimRef
 
+log = logging.getLogger(__name__)
+
 _NOT_REASON = re.compile(r"[^A-Za-z0-9_]")
+STATUS_FILE = "claim-status.json"
 
 
 @dataclass(frozen=True)
@@ -141,12 +149,14 @@ class ClaimStatusSource:
     health when a claim's status is written, and keeps count of its MPS limits restored."""
 
     def __init__(self, checkpoint: Callable[[], Checkpoint], view: Callable[[], NodeView],
-                 unhealthy: Callable[[NodeView], Mapping[str, DeviceCondition]]):
+                 unhealthy: Callable[[NodeView], Mapping[str, DeviceCondition]], report_path: Path | None = None):
         self._checkpoint = checkpoint
         self._view = view
         self._unhealthy = unhealthy
+        self._report_path = report_path
         self._lock = threading.Lock()
         self._restored: dict[str, Restored] = {}
+        self._reported: dict[str, list[dict[str, Any]]] = {}
 
     def limits_restored(self, claim_uid: str) -> None:
         with self._lock:
@@ -167,4 +177,50 @@ class ClaimStatusSource:
         view = self._view()
         with self._lock:
             restored = self._restored.get(ref.uid)
-        return claim_statuses(record, checkpoint.mps_daemons, view, self._unhealthy(view), restored)
+        statuses = claim_statuses(record, checkpoint.mps_daemons, view, self._unhealthy(view), restored)
+        self._report(ref.uid, statuses)
+        return statuses
+
+    def _report(self, uid: str, statuses: Sequence[DeviceStatus]) -> None:
+        with self._lock:
+            if statuses:
+                self._reported[uid] = [shown(s) for s in statuses]
+            else:
+                self._reported.pop(uid, None)
+            text = json.dumps(self._reported, indent=1, sort_keys=True).encode()
+            if self._report_path is None:
+                return
+            try:
+                write_atomic(self._report_path, text, mode=0o644, durable=False)
+            except OSError as exc:  # only inspect's view is missing; the claims' status is still written
+                log.warning("cannot write %s for inspect: %s", self._report_path, exc)
+
+
+def shown(status: DeviceStatus) -> dict[str, Any]:
+    """One device's status as ``inspect`` shows it: what its ``status.devices`` entry says."""
+    return {"device": status.device, "shareID": status.share_id, "data": dict(status.data),
+            "conditions": [{"type": c.type, "status": {True: "True", False: "False"}.get(c.status, "Unknown"),
+                            "reason": c.reason, "message": c.message} for c in status.conditions]}
+
+
+def add_to_inspect(report: dict[str, Any], path: Path) -> None:
+    """Put each prepared claim's ``status.devices`` (as last reported) into an ``inspect`` report."""
+    try:
+        reported = json.loads(path.read_text())
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError) as exc:
+        report["problems"].append(f"{path} cannot be read ({exc}); the driver rewrites it at its next status write")
+        return
+    for claim in report.get("claims", []):
+        claim["status_devices"] = reported.get(claim["uid"], [])
+
+
+def render_lines(claim: dict[str, Any]) -> list[str]:
+    """``inspect``'s lines for one claim's ``status.devices``."""
+    lines = []
+    for entry in claim.get("status_devices") or []:
+        conditions = " ".join(f"{c['type']}={c['status']}" for c in entry["conditions"])
+        lines.append(f"    status.devices {entry['device']}: {conditions} "
+                     f"{json.dumps(entry['data'], sort_keys=True, separators=(',', ':'))}")
+    return lines

@@ -5,6 +5,7 @@ and left alone by a server without the field. Checked on the API server double a
 from __future__ import annotations
 
 import json
+import subprocess
 from typing import Any
 
 from driver.kubeletplugin.kubeclient import APPLY_PATCH, request_json
@@ -74,6 +75,12 @@ def test_shares_and_mig_slices_show_what_they_got_flip_on_health_and_go_at_unpre
         expected_mig = next(m for m in gpu1.mig_instances if m.placement_start == 4)
         assert instance["data"]["gpuUUID"] == gpu1.uuid and instance["data"]["migUUID"] == expected_mig.uuid
         assert instance["data"]["memory"] and conditions(instance) == {"Ready": "True", "Healthy": "True"}
+
+        shown = json.loads(subprocess.run(node.inspect_args("--json"), capture_output=True, text=True, check=True,
+                                          env=node.env, timeout=60).stdout)
+        by_uid = {c["uid"]: c["status_devices"] for c in shown["claims"]}
+        assert [e["data"] for e in by_uid[mps.uid]] == [share["data"]], "inspect shows what the claim shows"
+        assert [e["data"] for e in by_uid[mig.uid]] == [instance["data"]]
 
         with node.events_file.open("a") as handle:
             handle.write(json.dumps({"uuid": gpu1.uuid, "xid": 79}) + "\n")  # fallen off the bus
