@@ -199,7 +199,7 @@ class ClaimStatusSource:
 def shown(status: DeviceStatus) -> dict[str, Any]:
     """One device's status as ``inspect`` shows it: what its ``status.devices`` entry says."""
     return {"device": status.device, "shareID": status.share_id, "data": dict(status.data),
-            "conditions": [{"type": c.type, "status": {True: "True", False: "False"}.get(c.status, "Unknown"),
+            "conditions": [{"type": c.type, "status": "Unknown" if c.status is None else str(c.status),
                             "reason": c.reason, "message": c.message} for c in status.conditions]}
 
 
