@@ -10,6 +10,7 @@ from typing import Any
 
 from driver.kubeletplugin.kubeclient import APPLY_PATCH, request_json
 from driver.kubeletplugin.types import ClaimRef
+from tests.integration.test_mps_limit_watch import tenant
 from tests.support.node import DRIVER, NODE, SimulatedNode, wait_until
 
 PLANS: dict[str, Any] = {"plans": {"mixed": {"gpus": [
@@ -148,5 +149,26 @@ def test_a_server_without_the_field_is_logged_once_and_prepares_go_on() -> None:
         assert all(entries(node, r) == [] for r in refs)
         assert len([e for e in node.log() if "DRAResourceClaimDeviceStatus" in str(e.get("msg"))]) == 1
         assert len([r for r in node.api.requests if r[0] == "PATCH"]) == 1, "left alone after the first write"
+    finally:
+        node.close()
+
+
+def test_a_limit_the_driver_restored_shows_in_the_claims_status() -> None:
+    node = SimulatedNode("demo", plans=PLANS, plan="mixed")
+    try:
+        node.start()
+        node.wait_for_devices(["gpu-0-ts-0", "gpu-0-ts-1", "gpu-1-mig-3g40gb-0", MIG, "gpu-1-mig-1g10gb-6",
+                               "gpu-2-mps-0", "gpu-2-mps-1"])
+        ref = node.claim("victim", [("gpu", "gpu-2-mps-0")])
+        node.prepare_ok(ref)
+        [before] = wait_ready(node, ref)
+        assert "limitsRestored" not in before["data"]["sharing"]
+        [daemon] = node.checkpoint()["mps_daemons"].values()
+        assert tenant(node, daemon["pipe_dir"], "set_default_active_thread_percentage 100").returncode == 0
+        wait_until(lambda: entries(node, ref)[0]["data"]["sharing"].get("limitsRestored") == 1, timeout=30,
+                   what="the restored limit in the claim's status")
+        after = entries(node, ref)[0]["data"]["sharing"]
+        assert after["activeThreadPercentage"] == 25 and after["lastLimitsRestore"]
+        assert conditions(entries(node, ref)[0]) == {"Ready": "True", "Healthy": "True"}
     finally:
         node.close()
