@@ -191,7 +191,7 @@ class ClaimStatusSource:
             if self._report_path is None:
                 return
             try:
-                write_atomic(self._report_path, text, mode=0o644, durable=False)
+                write_atomic(self._report_path, text, mode=0o644, durable=False, sync_data=False)
             except OSError as exc:  # only inspect's view is missing; the claims' status is still written
                 log.warning("cannot write %s for inspect: %s", self._report_path, exc)
 
