@@ -11,10 +11,12 @@ Counted by the API server double (SIMULATION) around the real driver process:
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from driver.kubeletplugin.types import ClaimRef
@@ -78,8 +80,20 @@ def api_load(python: str, idle_seconds: float, rescan: tuple[str, ...]) -> ApiLo
     return ApiLoad(idle_seconds, idle, watches, cycles)
 
 
-def prepare_latency(python: str, claims: int, rescan: tuple[str, ...], *, status_writes: bool) -> list[float]:
-    """Sequential prepare times of whole-GPU claims (their unprepare between them, not timed)."""
+@dataclass
+class Latency:
+    prepare_s: list[float]
+    driver_cpu_per_cycle_s: float
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def prepare_latency(python: str, claims: int, rescan: tuple[str, ...], *, status_writes: bool) -> Latency:
+    """Sequential prepare times of whole-GPU claims (their unprepare between them, not timed), and the driver's
+    CPU per prepare+unprepare cycle (status writes included, once they are done)."""
     node = SimulatedNode("dgx-h100", python=python)
     if not status_writes:
         node.api.refuse_claim_status(403)
@@ -88,18 +102,25 @@ def prepare_latency(python: str, claims: int, rescan: tuple[str, ...], *, status
         node.wait_for_devices([f"gpu-{i}" for i in range(8)])
         refs = [node.claim(f"c{i}", [("gpu", "gpu-0")]) for i in range(claims + 10)]
         times = []
+        assert node.proc is not None
+        cpu = 0.0
         for i, ref in enumerate(refs):
+            if i == 10:  # after the warm-up: connections, the driver's first calls
+                cpu = _cpu_seconds(node.proc.pid)
             start = time.perf_counter()
             node.prepare_ok(ref)
-            if i >= 10:  # warm-up: connections, the driver's first calls
+            if i >= 10:
                 times.append(time.perf_counter() - start)
             assert node.unprepare(ref) == {ref.uid: None}
+        if status_writes:
+            wait_until(lambda: not _entries(node, refs[-1]), what="the last status write")
+        cpu = _cpu_seconds(node.proc.pid) - cpu
     finally:
         node.close()
-    return times
+    return Latency(times, cpu / claims)
 
 
-def rows(load: ApiLoad, with_writes: list[float], without: list[float]) -> list[tuple[str, str, str, str, str]]:
+def rows(load: ApiLoad, on: Latency | None, off: Latency | None) -> list[tuple[str, str, str, str, str]]:
     """benchmark.py's table rows."""
     ms = 1000.0
 
@@ -119,12 +140,17 @@ def rows(load: ApiLoad, with_writes: list[float], without: list[float]) -> list[
     for name, counted in load.per_cycle.items():
         detail = ", ".join(f"{k} x{n}" for k, n in sorted(counted.items()))
         out.append((f"API requests per prepare+unprepare, {name}", str(sum(counted.values())), "", "", detail))
-    if with_writes and without:
+    if on is not None and off is not None:
+        with_writes, without = on.prepare_s, off.prepare_s
         out += [
             ("sequential prepare p50, status writes on", f"{p(with_writes, 50) * ms:.2f} ms",
              f"{p(without, 50) * ms:.2f} ms", f"{p(with_writes, 50) / p(without, 50):.2f}x",
              "floor column: no status writes (server refuses them)"),
             ("sequential prepare p99, status writes on", f"{p(with_writes, 99) * ms:.2f} ms",
              f"{p(without, 99) * ms:.2f} ms", f"{p(with_writes, 99) / p(without, 99):.2f}x", ""),
+            ("driver CPU per cycle, status writes on", f"{on.driver_cpu_per_cycle_s * ms:.2f} ms",
+             f"{off.driver_cpu_per_cycle_s * ms:.2f} ms",
+             f"{on.driver_cpu_per_cycle_s / max(off.driver_cpu_per_cycle_s, 1e-9):.2f}x",
+             "the two writes (status, removal) of each cycle, on the writer's thread"),
         ]
     return out

@@ -90,9 +90,13 @@ def device_data(record: ClaimRecord, device: PreparedDeviceRecord, daemons: Mapp
         data["migCreatedForClaim"] = True
     if gpu is not None:
         data["productName"] = gpu.product_name
+    if target is not None and target.mig is not None:
+        data["migProfile"] = target.mig.profile
     memory = target.memory_bytes if target is not None else (gpu.memory_bytes if gpu is not None else None)
     if memory:
-        data["memory"] = quantity_from_bytes(memory)
+        # A share's own limits are under "sharing"; its memory here is the whole GPU's.
+        data["gpuMemory" if device.kind in ("mps", "timeslice", "consumable") else "memory"] = \
+            quantity_from_bytes(memory)
     if device.admin_access:
         data["adminAccess"] = True
     sharing = _sharing(record, device, daemons, view, restored)
