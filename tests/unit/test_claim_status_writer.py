@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from driver.kubeletplugin.claimstatus import ClaimStatusWriter, Condition, DeviceStatus
+from driver.kubeletplugin.claimstatus import ClaimStatusWriter, Condition, DeviceStatus, device_entries
 from driver.kubeletplugin.kubeclient import APPLY_PATCH, KubeApiError, request_json
 from driver.kubeletplugin.types import ClaimRef
 from driver.simulation.apiserver import FakeApiServer
@@ -258,3 +258,22 @@ def test_the_queue_is_bounded(server: FakeApiServer, source: Source, writers: li
     source.gate.set()
     assert writer.wait_idle(10)
     assert source.calls <= 3, "one in flight and two queued; the rest were dropped"
+
+
+def test_data_over_the_apis_10_kib_is_replaced_by_a_note_and_conditions_stop_at_8() -> None:
+    big = DeviceStatus(pool=NODE, device="gpu-0", data={"blob": "x" * 11000},
+                       conditions=tuple(Condition(f"C{i}", True, "Why") for i in range(10)))
+    [entry] = device_entries(DRIVER, [big], [], "2026-01-01T00:00:00Z")
+    assert "blob" not in entry["data"] and "10240 bytes" in entry["data"]["note"]
+    assert len(entry["conditions"]) == 8
+
+
+def test_a_conditions_since_is_used_only_when_nothing_earlier_is_known() -> None:
+    ready = DeviceStatus(pool=NODE, device="gpu-0",
+                         conditions=(Condition("Ready", True, "Prepared", since="2026-01-01T00:00:00Z"),))
+    [first] = device_entries(DRIVER, [ready], [], "2026-02-02T00:00:00Z")
+    assert first["conditions"][0]["lastTransitionTime"] == "2026-01-01T00:00:00Z"  # e.g. after a restart
+    flipped = DeviceStatus(pool=NODE, device="gpu-0",
+                           conditions=(Condition("Ready", False, "Gone", since="2026-01-01T00:00:00Z"),))
+    [second] = device_entries(DRIVER, [flipped], [first], "2026-02-02T00:00:00Z")
+    assert second["conditions"][0]["lastTransitionTime"] == "2026-02-02T00:00:00Z"
