@@ -460,10 +460,8 @@ def main() -> None:
     shares_first, shares_following = (consumable_share_latency(args.mps_runs, python) if args.mps_runs
                                       else ([], []))
     load = apiload.api_load(python, args.idle_seconds, PRODUCTION_RESCAN) if args.idle_seconds else None
-    writes_on = (apiload.prepare_latency(python, args.status_claims, PRODUCTION_RESCAN, status_writes=True)
-                 if args.status_claims else None)
-    writes_off = (apiload.prepare_latency(python, args.status_claims, PRODUCTION_RESCAN, status_writes=False)
-                  if args.status_claims else None)
+    writes_on, writes_off = (apiload.alternating(python, args.status_claims, PRODUCTION_RESCAN)
+                             if args.status_claims else (None, None))
 
     floor_seq, floor_par, seq, par = results.floor_seq, results.floor_par, results.seq, results.par
     cpu_per_cycle = results.driver_cpu_s / (seq.cycles + par.cycles)

@@ -280,6 +280,11 @@ class ClaimStatusWriter:
         if err.status == 403:
             self._disable(f"the API server refused to let this driver write claim status ({err}); grant "
                           "resourceclaims/status patch and the resourceclaims/driver associated-node verbs", ref)
+        elif err.status in (404, 409) and err.status not in self._refusals_logged:
+            # Usual at unprepare: a claim made from a template is deleted with its pod.
+            self._refusals_logged.add(err.status)
+            log.info("a claim was gone or replaced before its status was written (logged once): %s", err,
+                     extra=extra)
         elif err.status in (404, 409):
             log.debug("claim gone or replaced, its status is not written", extra=extra)
         elif err.status not in self._refusals_logged:
