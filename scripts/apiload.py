@@ -110,7 +110,8 @@ def prepare_latency(python: str, claims: int, rescan: tuple[str, ...], *, status
             if i == 10:  # after the warm-up: connections, the driver's first calls
                 cpu = _cpu_seconds(node.proc.pid)
             start = time.perf_counter()
-            node.prepare_ok(ref)
+            answer = node.kubelet.prepare([ref])[ref.uid]  # straight to the stand-in, as benchmark.py times
+            assert answer.error is None, answer.error
             if i >= 10:
                 times.append(time.perf_counter() - start)
             assert node.unprepare(ref) == {ref.uid: None}
