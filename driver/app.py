@@ -105,6 +105,7 @@ class DriverApp:
             raise StartupError(f"cannot read Node {settings.node_name!r} to choose its sharing plan "
                                f"(label {settings.sharing_plan_label}): {exc}") from exc
         self._helper: Helper | None = None
+        self._node_uid: str | None = None
         self._next_scan = 0.0
         self._mig_changes_seen = 0
         paths = state_paths(settings)
@@ -250,10 +251,12 @@ class DriverApp:
                 self._helper.claim_status_changed(ref)
 
     def _node_changed(self, meta: NodeMeta) -> None:
-        """A label (the sharing plan) changes what is published within a tick; a new UID re-owns the slices."""
+        """A label (the sharing plan) changes what is published within a tick; a new UID (the Node re-created)
+        re-owns the slices."""
         self._next_scan = 0.0
-        if self._helper is not None:
+        if meta.uid != self._node_uid and meta.uid is not None and self._helper is not None:
             self._helper.resync_slices()
+        self._node_uid = meta.uid
 
     def _start_health(self) -> None:
         taints, why = taints_decision(self.settings.device_taints, self.helper.kubernetes_minor_version)
@@ -273,6 +276,7 @@ class DriverApp:
         helper.complete(GpuDriver(self.state), api=self.api,
                         names=TelemetryNames(service="tessera-kubelet-plugin", metric_prefix="tessera"),
                         claim_status=self.claim_status, node_uid=self.node.uid)
+        self._node_uid = self.node.uid()
         self.node.add_listener(self._node_changed)
         self.node.start()
         self.helper.telemetry.observe_gauge("prepared_claims", "Claims prepared on this node",

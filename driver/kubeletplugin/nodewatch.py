@@ -126,7 +126,7 @@ class NodeWatch:
             self._meta = meta
             if resource_version:
                 self._rv = resource_version
-        if before is not None and before != meta:
+        if before != meta:  # the first read too, when it came late (the Node could not be read at first)
             log.info("Node %s changed", self._node, extra={"node": self._node, "uid": meta.uid})
             for listener in list(self._listeners):
                 try:
