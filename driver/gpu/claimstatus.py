@@ -88,10 +88,11 @@ def device_data(record: ClaimRecord, device: PreparedDeviceRecord, daemons: Mapp
         data["migUUID"] = device.mig_uuid
     if device.dynamic_mig is not None:
         data["migCreatedForClaim"] = True
+        data["migProfile"] = device.dynamic_mig.profile
+    elif target is not None and target.mig is not None:
+        data["migProfile"] = target.mig.profile
     if gpu is not None:
         data["productName"] = gpu.product_name
-    if target is not None and target.mig is not None:
-        data["migProfile"] = target.mig.profile
     memory = target.memory_bytes if target is not None else (gpu.memory_bytes if gpu is not None else None)
     if memory:
         # A share's own limits are under "sharing"; its memory here is the whole GPU's.

@@ -11,6 +11,7 @@ from typing import Any
 from driver.kubeletplugin.kubeclient import APPLY_PATCH, request_json
 from driver.kubeletplugin.types import ClaimRef
 from tests.integration.test_mps_limit_watch import tenant
+from tests.support import mignode
 from tests.support.node import DRIVER, NODE, SimulatedNode, wait_until
 
 PLANS: dict[str, Any] = {"plans": {"mixed": {"gpus": [
@@ -172,3 +173,18 @@ def test_a_limit_the_driver_restored_shows_in_the_claims_status() -> None:
         assert conditions(entries(node, ref)[0]) == {"Ready": "True", "Healthy": "True"}
     finally:
         node.close()
+
+
+def test_a_mig_instance_created_for_the_claim_shows_its_uuid() -> None:
+    plans = {"defaultPlan": "p", "plans": {"p": {"gpus": [{"match": {"minor": 0}, "dynamicMig": {}}]}}}
+    with mignode.dynamic_mig_node(plans) as node:
+        node.start()
+        wait_until(lambda: "gpu-0-dynmig-3g40gb-4" in node.device_names(), 30, "the dynamic MIG placements")
+        ref = node.claim("c", [("mig", "gpu-0-dynmig-3g40gb-4")])
+        node.prepare_ok(ref)
+        [gi] = mignode.instances(node)
+        [entry] = wait_ready(node, ref)
+        assert entry["data"]["migUUID"] == gi["uuid"] and entry["data"]["migCreatedForClaim"] is True
+        assert entry["data"]["gpuUUID"] == gpu_uuid(node, 0) and entry["data"]["migProfile"] == "3g.40gb"
+        assert node.unprepare(ref) == {ref.uid: None}
+        wait_until(lambda: entries(node, ref) == [], what="the entry removed with the instance")
