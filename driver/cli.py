@@ -79,6 +79,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     """The command line parsed. In a function of its own so that the parsers (all subcommands, their
     help) are garbage once it returns, rather than held for the life of ``run``."""
     parser, subcommands = _parser(argv[0] if argv[:1] and argv[0] in _COMMANDS else None)
+    if argv[:1] and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        # argparse would only say that a command is missing, never naming the flag it did not know.
+        parser.error(f"unrecognized argument {argv[0]!r} before the command: give a command first "
+                     f"({', '.join(_COMMANDS)}), then its flags")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         # argparse would blame the top-level parser, whose --help does not list the subcommand's flags.
@@ -114,6 +118,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as exc:
         for line in settings_problems(exc, args):
             print(f"{prog}: {line}", file=sys.stderr)
+        return USAGE_ERROR
+    layout_problem = _simulated_layout_problem(settings.simulate)
+    if layout_problem:
+        # Checked here, not when discovery runs: the real host must never be examined in place of a layout.
+        where = (f"--simulate {settings.simulate!r}" if args.simulate is not None
+                 else f"TESSERA_SIMULATE={settings.simulate!r} (environment variable for --simulate)")
+        print(f"{prog}: {where}: {layout_problem}", file=sys.stderr)
         return USAGE_ERROR
     if args.command == "run" and not settings.node_name:
         # A usage error like any other missing setting: status 2 and the command's prefix (docs/configuration.md).
@@ -151,6 +162,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     from driver.startup import run
 
     return run(settings)
+
+
+def _simulated_layout_problem(layout: str | None) -> str | None:
+    """Why ``--simulate`` (or TESSERA_SIMULATE) names no usable layout; None when unset or usable."""
+    if not layout:
+        return None
+    from driver.simulation.discovery import load_layout
+    from driver.simulation.gpus import SimulationError
+
+    try:
+        load_layout(layout)
+    except SimulationError as exc:
+        return str(exc)
+    return None
 
 
 def _standins_installed() -> bool:

@@ -244,7 +244,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, only: frozenset[str]
             continue
         default = Settings.model_fields[field].default
         shown = "unset" if default is None or default == "" else str(default).lower() if isinstance(default, bool) \
-            else str(default)
+            else f"{default:g}" if isinstance(default, float) else str(default)  # 30, as the docs write it, not 30.0
         suffix = "" if "default" in help_text else f"; default {shown}"  # some say it better themselves
         parser.add_argument(flag, dest=field, default=None, help=f"{help_text} [env {env}{suffix}]")
 
