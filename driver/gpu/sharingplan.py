@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -239,7 +239,7 @@ def resolve_plan(plan: SharingPlan, inventory: NodeInventory, plan_name: str | N
     """
     layout: SharingLayout = {}
     notes: dict[str, str] = {}
-    problems: list[str] = []
+    problems: dict[tuple[int, str], list[GpuInfo]] = {}  # (entry, problem) -> the GPUs it has it on
     kernel = kernel or UNDETECTED
     for gpu in inventory.gpus:
         index, entry = first_match(plan, gpu)
@@ -254,7 +254,7 @@ def resolve_plan(plan: SharingPlan, inventory: NodeInventory, plan_name: str | N
             else:
                 shares = _shares_for(entry, gpu, consumable_supported, kernel)
         except ValueError as exc:
-            problems.append(f"{entry_path(plan_name, index)} ({_describe_gpu(gpu)}): {exc}")
+            problems.setdefault((index, str(exc)), []).append(gpu)
             continue
         if entry.consumable is not None and not consumable_supported:
             log.warning("the API server does not support consumable capacity (Kubernetes 1.36+, or 1.34/1.35 with "
@@ -264,7 +264,9 @@ def resolve_plan(plan: SharingPlan, inventory: NodeInventory, plan_name: str | N
         if shares is not None:
             layout[gpu.uuid] = shares
     if problems:
-        raise PlanError("\n".join(problems))
+        # One line per entry and problem: eight identical GPUs are one mistake, not eight.
+        raise PlanError("\n".join(f"{entry_path(plan_name, index)} ({_describe_gpus(gpus)}): {problem}"
+                                  for (index, problem), gpus in problems.items()))
     return ResolvedPlan(layout, notes)
 
 
@@ -370,8 +372,11 @@ def entry_path(plan_name: str | None, index: int) -> str:
     return f"plans.{plan_name}.gpus[{index}]" if plan_name is not None else f"gpus[{index}]"
 
 
-def _describe_gpu(gpu: GpuInfo) -> str:
-    return f"GPU minor {gpu.minor}, {gpu.uuid}, {gpu.product_name}"
+def _describe_gpus(gpus: Sequence[GpuInfo]) -> str:
+    if len(gpus) == 1:
+        return f"GPU minor {gpus[0].minor}, {gpus[0].uuid}, {gpus[0].product_name}"
+    products = ", ".join(dict.fromkeys(gpu.product_name for gpu in gpus))
+    return f"{len(gpus)} GPUs, minors {', '.join(str(gpu.minor) for gpu in gpus)}, {products}"
 
 
 def _names(plans: Mapping[str, object]) -> str:

@@ -262,3 +262,11 @@ def test_help_writes_whole_second_defaults_as_the_docs_do(capsys: pytest.Capture
     assert status == 0
     assert "[env RESCAN_INTERVAL; default 30]" in text and "[env PREPARE_DEADLINE; default 30]" in text
     assert ".0]" not in text
+
+
+def test_the_configuration_docs_name_every_simulated_layout() -> None:
+    from driver.simulation.discovery import available_layouts
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| `--simulate` |"))
+    assert [name for name in available_layouts() if f"`{name}`" not in row] == []

@@ -416,3 +416,15 @@ def test_layout_changes() -> None:
     assert layout_changes(old, new) == {"GPU-b", "GPU-c", "GPU-d"}
     assert layout_changes(old, dict(old)) == set()
     assert layout_changes({}, {}) == set()
+
+
+def test_one_problem_on_many_gpus_of_an_entry_is_one_line_naming_them_all() -> None:
+    second = A100.model_copy(update={"minor": 4, "index": 4, "uuid": "GPU-a100-4"})
+    with pytest.raises(PlanError) as info:
+        resolve_layout(plan({"match": {"all": True}, "mps": {"shares": 4, "pinnedMemoryLimit": "11Gi"}}),
+                       node(A100, second, T4), "p")
+    lines = str(info.value).splitlines()
+    assert lines[0] == ("plans.p.gpus[0] (2 GPUs, minors 0, 4, NVIDIA A100-SXM4-40GB): 4 shares x "
+                        "mps.pinnedMemoryLimit 11264 MiB is more than the GPU's 40960 MiB; lower "
+                        "mps.pinnedMemoryLimit or the number of shares")
+    assert len(lines) == 2 and lines[1].startswith("plans.p.gpus[0] (GPU minor 2, GPU-t4-2, Tesla T4): ")
