@@ -432,7 +432,8 @@ def test_sharing_plans_example_loads_in_the_driver() -> None:
 
     plans = load_plans(SHARING_PLANS_EXAMPLE)
     assert plans.defaultPlan == "whole"
-    assert set(plans.plans) == {"whole", "a100-mps4", "t4-ts", "h100-consumable"}
+    assert {"whole", "a100-mps4", "t4-ts", "h100-consumable", "h100-dynamic"} <= set(plans.plans)
+    assert plans.plans["h100-dynamic"].gpus[0].dynamicMig is not None
     # First match wins: the explicit whole GPU must come before the catch-all.
     first, catch_all = plans.plans["t4-ts"].gpus
     assert first.whole is True
