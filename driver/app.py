@@ -43,6 +43,7 @@ from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.multiuser import MultiUserProbe, probe_gpu, single_user_gpus
 from driver.gpu.mps.shmmount import ShmTmpfs
+from driver.gpu.ownership import OwnershipWatch, owned_view
 from driver.gpu.planuse import PLAN_USE_FILE, PlanUse, chosen_how, gpu_lines, plan_use, write_plan_use
 from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.sharelayout import SharingLayout
@@ -178,6 +179,10 @@ class DriverApp:
             inventory = self.discovery.discover()
         except (RuntimeError, ValueError, ImportError, OSError) as exc:  # no NVML/driver, or a bad simulated layout
             raise StartupError(f"GPU discovery failed: {exc}") from exc
+        # Another GPU allocator on the node keeps the GPUs it may hand out unpublished (driver/gpu/ownership.py).
+        self.ownership = OwnershipWatch(settings.device_plugins_dir, settings.registrar_dir, settings.driver_name,
+                                        settings.owned_gpus)
+        self.ownership.refresh(inventory)
         self.plans = PlanSource(settings, self.api)
         try:
             desired = self.plans.desired_layout(inventory)
@@ -255,6 +260,7 @@ class DriverApp:
             log.info("the NVIDIA Container Toolkit CDI spec changed; claims prepared from now on use it")
             self.state.set_toolkit(nodelayout.load_toolkit(self.settings))
         inventory = self.discovery.discover()
+        self.ownership.refresh(inventory)
         try:
             desired = self.plans.desired_layout(inventory, own_instances(self.state.ledger.read(), inventory))
         except PlanError as exc:
@@ -301,7 +307,9 @@ class DriverApp:
             log.exception("applying the MPS multi-user probe failed; will retry")
 
     def publish(self, view: NodeView) -> None:
-        """Publish ``view``'s devices (tainted where unhealthy) and tell the kubelet their health."""
+        """Publish ``view``'s devices of GPUs this driver owns (tainted where unhealthy) and tell the kubelet their
+        health."""
+        view = owned_view(view, self.ownership.ownership)
         with self._publish_lock:
             self.helper.publish(self.health.devices(view), view.counter_sets)
             self.health.update_board(view)
