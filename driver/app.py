@@ -62,6 +62,7 @@ from driver.kubeletplugin.kubeclient import (
     request_json,
     server_minor_version,
 )
+from driver.nodeevents import post_node_event
 from driver.startup import StartupError
 
 log = logging.getLogger(__name__)
@@ -179,10 +180,6 @@ class DriverApp:
             inventory = self.discovery.discover()
         except (RuntimeError, ValueError, ImportError, OSError) as exc:  # no NVML/driver, or a bad simulated layout
             raise StartupError(f"GPU discovery failed: {exc}") from exc
-        # Another GPU allocator on the node keeps the GPUs it may hand out unpublished (driver/gpu/ownership.py).
-        self.ownership = OwnershipWatch(settings.device_plugins_dir, settings.registrar_dir, settings.driver_name,
-                                        settings.owned_gpus)
-        self.ownership.refresh(inventory)
         self.plans = PlanSource(settings, self.api)
         try:
             desired = self.plans.desired_layout(inventory)
@@ -213,6 +210,12 @@ class DriverApp:
         # as an Event (posted from the recorder's thread, never inside a prepare).
         self.events = EventRecorder(self.api, controller=f"{settings.driver_name}/kubelet-plugin",
                                     instance=settings.node_name)
+        # Another GPU allocator on the node keeps the GPUs it may hand out unpublished (driver/gpu/ownership.py).
+        self.ownership = OwnershipWatch(settings.device_plugins_dir, settings.registrar_dir, settings.driver_name,
+                                        settings.owned_gpus, partial(post_node_event, self.events, self.api,
+                                                                     settings.node_name, "OtherGpuAllocator",
+                                                                     "WithholdGpus"))
+        self.ownership.refresh(inventory)
         self.mps_reports = MpsReports(self.events)
         self.state.sharing.reports = self.mps_reports
         self.daemon_watch = DaemonWatcher(self.state, settings.mps_limit_check_interval)

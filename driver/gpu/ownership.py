@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -141,9 +142,12 @@ class OwnershipWatch:
     """The node's :class:`GpuOwnership`, looked at again at every rescan (an allocator may come or go) and
     logged when it changes: an error line while it keeps every GPU back."""
 
-    def __init__(self, device_plugins_dir: Path, registrar_dir: Path, own_driver: str, owned_gpus: str) -> None:
+    def __init__(self, device_plugins_dir: Path, registrar_dir: Path, own_driver: str, owned_gpus: str,
+                 on_refusal: Callable[[str], None] | None = None) -> None:
+        """``on_refusal``: told the refusal line each time it changes (e.g. to post it as a Node event)."""
         self._where = (device_plugins_dir, registrar_dir, own_driver)
         self._owned = parse_owned_gpus(owned_gpus)
+        self._on_refusal = on_refusal
         self.ownership = GpuOwnership(self._owned)
         self._logged: str | None = None
 
@@ -152,5 +156,8 @@ class OwnershipWatch:
         line = self.ownership.summary(inventory)
         if line != self._logged:
             self._logged = line
-            (log.error if self.ownership.refusal() else log.info)(line)
+            refusal = self.ownership.refusal()
+            (log.error if refusal else log.info)(line)
+            if refusal is not None and self._on_refusal is not None:
+                self._on_refusal(refusal)
         return self.ownership

@@ -45,6 +45,13 @@ def test_a_device_plugin_socket_keeps_every_gpu_unpublished_until_it_is_gone(
                                           f"(nvidia.com/gpu) at {device_plugin}. Publishing no GPUs")
     assert "nvidia.com/gpu.deploy.device-plugin=false" in str(refusal["msg"])
     assert "--owned-gpus" in str(refusal["msg"])
+    # The same line as a Warning Event on the Node, where `kubectl describe node` shows it.
+    wait_until(lambda: any(e["reason"] == "OtherGpuAllocator" for e in node.api.events("default")),
+               what="the Node event")
+    [event] = [e for e in node.api.events("default") if e["reason"] == "OtherGpuAllocator"]
+    assert event["type"] == "Warning" and event["note"] == refusal["msg"]
+    assert event["regarding"] == {"apiVersion": "v1", "kind": "Node", "namespace": "", "name": NODE,
+                                  "uid": node.api.get_object("nodes", "", NODE)["metadata"]["uid"]}
     # The device plugin leaves the node (its pod and socket gone): the next rescan publishes every GPU.
     device_plugin.unlink()
     node.wait_for_devices(DEMO_DEVICES)
