@@ -18,9 +18,8 @@ DEMO_DEVICES = ["gpu-0", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mig-
 @pytest.fixture
 def device_plugin(node: SimulatedNode) -> Iterator[Path]:
     """NVIDIA's device plugin serving nvidia.com/gpu on the node: its socket, bound, in the device plugin dir."""
-    directory = node.work / "device-plugins"
-    directory.mkdir()
-    path = directory / "nvidia-gpu.sock"
+    node.device_plugins_dir.mkdir()
+    path = node.device_plugins_dir / "nvidia-gpu.sock"
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))
     server.listen()
@@ -36,7 +35,7 @@ def published_slices(node: SimulatedNode) -> list[dict[str, object]]:
 
 def test_a_device_plugin_socket_keeps_every_gpu_unpublished_until_it_is_gone(
         node: SimulatedNode, device_plugin: Path) -> None:
-    node.start("--device-plugins-dir", str(device_plugin.parent), "--rescan-interval", "0.5")
+    node.start()
     # The pool is published, empty: what the kubelet had from an earlier run of the driver is withdrawn too.
     wait_until(lambda: len(published_slices(node)) == 1, what="the driver's (empty) pool")
     assert node.device_names() == []
@@ -61,7 +60,7 @@ def test_a_device_plugin_socket_keeps_every_gpu_unpublished_until_it_is_gone(
 def test_with_owned_gpus_listed_only_those_are_published_beside_the_device_plugin(
         node: SimulatedNode, device_plugin: Path) -> None:
     uuid_of_minor_2 = node.inventory.gpus[2].uuid
-    node.start("--device-plugins-dir", str(device_plugin.parent), "--owned-gpus", f"0,{uuid_of_minor_2}")
+    node.start("--owned-gpus", f"0,{uuid_of_minor_2}")
     node.wait_for_devices(["gpu-0", "gpu-2"])
     assert not any(e.get("level") == "error" for e in node.log())
     assert any(str(e.get("msg")).startswith("ownedGpus lists the GPUs Tessera owns beside NVIDIA device plugin "
