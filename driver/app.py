@@ -51,6 +51,7 @@ from driver.gpu.sharingplan import PlanError, SharingPlan, load_plans, resolve_p
 from driver.gpu.state import DeviceState, StatePaths
 from driver.gpu.targets import NodeView
 from driver.healthsource import open_health_source, open_process_source
+from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.events import EventRecorder
 from driver.kubeletplugin.healthservice import HealthBoard
 from driver.kubeletplugin.helper import Helper, TelemetryNames
@@ -338,7 +339,11 @@ class DriverApp:
         """Serve claims (prepares that waited included), publish the devices, start the watchers."""
         settings = self.settings
         self._helper = helper
-        helper.complete(GpuDriver(self.state), api=self.api,
+        def admit(claim: ResourceClaim) -> str | None:
+            prepared = claim.metadata.uid in self.state.ledger.read().claims
+            return self.ownership.admit(claim, settings.driver_name, self.state.view, prepared)
+
+        helper.complete(GpuDriver(self.state, admit), api=self.api,
                         names=TelemetryNames(service="tessera-kubelet-plugin", metric_prefix="tessera"))
         self.helper.telemetry.observe_gauge("prepared_claims", "Claims prepared on this node",
                                             lambda: float(self.state.prepared_count()))

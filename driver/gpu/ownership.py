@@ -29,6 +29,7 @@ from pathlib import Path
 
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
 from driver.gpu.targets import NodeView
+from driver.kubeletplugin.claimmodel import ResourceClaim
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,19 @@ class OwnershipWatch:
         self._on_refusal = on_refusal
         self.ownership = GpuOwnership(self._owned)
         self._logged: str | None = None
+
+    def admit(self, claim: ResourceClaim, driver_name: str, view: NodeView, prepared: bool) -> str | None:
+        """Why ``claim`` must not be prepared: it names devices of GPUs no longer published (allocated from a
+        slice published before another allocator appeared). A claim already ``prepared`` keeps what it has."""
+        if prepared:
+            return None
+        withheld = [r.device for r in claim.results_for(driver_name)
+                    if r.device in view.targets and not self.ownership.publishes(view.targets[r.device].gpu)]
+        if not withheld:
+            return None
+        why = self.ownership.refusal() or "they are not among the GPUs ownedGpus lists"
+        return f"devices {', '.join(withheld)} are no longer published on this node, so they may be another " \
+               f"allocator's: {why}"
 
     def refresh(self, inventory: NodeInventory) -> GpuOwnership:
         self.ownership = GpuOwnership(self._owned, find_other_allocators(*self._where))

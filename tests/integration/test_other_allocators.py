@@ -74,3 +74,22 @@ def test_a_bad_owned_gpu_entry_stops_the_driver_before_it_registers(node: Simula
     assert ("--owned-gpus '0,MIG-1234': 'MIG-1234' is neither a GPU minor (the N of /dev/nvidiaN) nor a GPU UUID "
             "(GPU-...)") in output
     assert not list((node.work / "reg").glob("*.sock"))
+
+
+def test_a_claim_allocated_before_the_device_plugin_came_is_refused_and_a_prepared_one_keeps_its_gpu(
+        node: SimulatedNode) -> None:
+    node.start()
+    node.wait_for_devices(DEMO_DEVICES)
+    kept = node.claim("kept", [("gpu", "gpu-0")])
+    node.prepare_ok(kept)
+    late = node.claim("late", [("gpu", "gpu-2")])  # allocated from the slice, not yet prepared
+    node.device_plugins_dir.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(node.device_plugins_dir / "nvidia-gpu.sock"))
+        node.wait_for_devices([])
+        error = node.prepare(late)[late.uid].error
+        assert error is not None and error.startswith("devices gpu-2 are no longer published on this node, so they "
+                                                      "may be another allocator's: another GPU allocator is on this "
+                                                      "node: NVIDIA device plugin (nvidia.com/gpu)")
+        assert node.prepare_ok(kept).devices, "the kubelet sends a prepared claim again: it keeps its GPU"
+        assert node.unprepare(kept) == {kept.uid: None}
