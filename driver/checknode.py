@@ -38,6 +38,7 @@ from driver.gpu.claimcdi.hostfs import (
 from driver.gpu.claimcdi.toolkit import load_toolkit_edits, toolkit_spec_candidates
 from driver.gpu.discovery.cudarun import LIBCUDA, find_libcuda
 from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.ownership import GpuOwnership, find_other_allocators, parse_owned_gpus
 from driver.gpu.runtime.binaries import (
     BinaryFailed,
     BinaryNotFound,
@@ -254,6 +255,14 @@ def compute_mode_checks(settings: Settings, roots: NodeRoots,
     return modes, lines
 
 
+def allocators_check(settings: Settings, inventory: NodeInventory | None) -> list[CheckResult]:
+    """Another GPU allocator on the node (driver/gpu/ownership.py): a failure while it keeps every GPU back."""
+    ownership = GpuOwnership(parse_owned_gpus(settings.owned_gpus), find_other_allocators(
+        settings.device_plugins_dir, settings.registrar_dir, settings.driver_name))
+    line = ownership.summary(inventory or NodeInventory())
+    return [fail("other GPU allocators", line) if ownership.refusal() else ok("other GPU allocators", line)]
+
+
 class UnknownMpsDevice(ValueError):
     """``--mps-device`` names no GPU or MIG device of this node: a usage error, not a failed check."""
 
@@ -277,6 +286,7 @@ def check_node(settings: Settings, mps_device: str | None = None,
         results += lines
         if settings.sharing_plans is not None:
             results += _guarded("sharing plans", lambda: plans_check(settings.sharing_plans, inventory))
+        results += _guarded("other GPU allocators", lambda: allocators_check(settings, inventory))
         if inventory is None:
             results.append(skipped("MPS", "no GPU inventory (see the NVML line)"))
         else:

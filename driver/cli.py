@@ -1,4 +1,4 @@
-"""Entry point: ``python -m driver {run,demo,inspect,check-node,check-plan,mps-host}``."""
+"""Entry point: ``python -m driver {run,demo,inspect,check-node,check-plan,convert-plan,mps-host}``."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ CHECK_NODE_DESCRIPTION = ("Check that this node can serve GPU claims: one line p
                           "throwaway daemon). Exit status 1 on any failure. Changes nothing on the GPUs. "
                           "docs/operations.md, 'Checking a new node'.")
 
-_COMMANDS = ("run", "inspect", "demo", "check-node", "check-plan", "mps-host")
+_COMMANDS = ("run", "inspect", "demo", "check-node", "check-plan", "convert-plan", "mps-host")
 
 CHECK_PLAN_DESCRIPTION = ("Check a sharing plans file without a cluster: the same validation and one-line errors as "
                           "the driver at start. With --simulate LAYOUT, resolve the plan a node would use against "
@@ -70,9 +70,18 @@ def _parser(command: str | None) -> tuple[argparse.ArgumentParser, dict[str, arg
         from driver.checkplan import add_arguments as add_plan_arguments
 
         add_plan_arguments(plan)
+    convert = sub.add_parser("convert-plan", help="print an NVIDIA device plugin sharing config (or the GPU Operator's "
+                                                  "ConfigMap of them) as a sharing plans file (docs/migration.md)")
+    if command in ("convert-plan", None):
+        from driver.convertplan import DESCRIPTION as CONVERT_DESCRIPTION
+        from driver.convertplan import add_arguments as add_convert_arguments
+
+        convert.description = CONVERT_DESCRIPTION
+        add_convert_arguments(convert)
     host = sub.add_parser("mps-host", help="run the MPS host: owns the node's MPS daemons so they outlive the plugin")
     add_host_arguments(host)
-    return parser, {"run": run, "inspect": inspect, "check-node": check, "check-plan": plan, "mps-host": host}
+    return parser, {"run": run, "inspect": inspect, "check-node": check, "check-plan": plan,
+                    "convert-plan": convert, "mps-host": host}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -112,6 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from driver.checkplan import main as main_plan
 
         return main_plan(args)
+    if args.command == "convert-plan":
+        from driver.convertplan import main as main_convert
+
+        return main_convert(args)
     prog = f"python -m driver {args.command}"
     try:
         settings = settings_from_args(args)

@@ -112,7 +112,7 @@ def _driver_process(work: Path, kubeconfig: Path, node_args: list[str],
                     extra_env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
     args = [sys.executable, "-m", "driver", "run", *node_args,
             "--kubeconfig", str(kubeconfig), "--registrar-dir", str(work / "plugins_registry"),
-            "--http-port", "0", "--log-format", "text"]
+            "--device-plugins-dir", str(work / "device-plugins"), "--http-port", "0", "--log-format", "text"]
     (work / "tmp").mkdir(exist_ok=True)
     # The reaper's token is in os.environ, so the driver and every daemon it starts inherit it.
     env = dict(os.environ, TMPDIR=str(work / "tmp"), TESSERA_SIM_NVIDIA_SMI_LOG=str(work / "nvidia-smi-calls.jsonl"),

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -177,3 +180,24 @@ def test_a_failing_check_makes_the_table_say_not_ready_and_exit_one(tmp_path: Pa
     assert "this node is NOT ready" in done.stdout
     assert "Not run here (SIMULATION: there is no real GPU on a simulated node):" in done.stdout
     assert "  - MPS pinned memory limit: SIMULATION: no real GPU" in done.stdout
+
+
+def test_another_gpu_allocators_socket_fails_the_node_unless_the_owned_gpus_are_listed() -> None:
+    # Short path: a Unix socket path must stay under 108 bytes.
+    directory = Path(tempfile.mkdtemp(prefix="tdp-", dir="/tmp"))
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(str(directory / "nvidia-mig-1g.10gb.sock"))
+        done = _check_node("demo", "--json", "--device-plugins-dir", str(directory))
+        report = json.loads(done.stdout)
+        [line] = [c for c in report["checks"] if c["check"] == "other GPU allocators"]
+        assert line["status"] == "FAIL" and done.returncode == 1
+        assert line["detail"].startswith("another GPU allocator is on this node: NVIDIA device plugin "
+                                         f"(nvidia.com/mig-1g.10gb) at {directory}/nvidia-mig-1g.10gb.sock")
+        owned = json.loads(_check_node("demo", "--json", "--device-plugins-dir", str(directory),
+                                       "--owned-gpus", "2").stdout)
+        [line] = [c for c in owned["checks"] if c["check"] == "other GPU allocators"]
+        assert line["status"] == "OK" and "publishing GPU minor(s) 2" in line["detail"]
+    finally:
+        server.close()
+        shutil.rmtree(directory, ignore_errors=True)
