@@ -20,7 +20,15 @@ from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.migplacement import counter_values, placements
 from driver.gpu.migshareplan import named_instances
 from driver.gpu.sharelayout import GpuShares, SharingLayout
-from driver.gpu.sharingplan import PlanError, SharingPlan, entries_matching_no_gpu, entry_path, first_match, load_plans
+from driver.gpu.sharingplan import (
+    PlanError,
+    SharingPlan,
+    entries_matching_no_gpu,
+    entry_path,
+    first_instance_match,
+    first_match,
+    load_plans,
+)
 
 PLAN_USE_FILE = "sharing-plan.json"
 
@@ -31,7 +39,8 @@ class GpuPlanUse(BaseModel):
     minor: int
     uuid: str
     product: str
-    entry: str | None  # the plan entry that matched (e.g. plans.demo.gpus[0]); None: none did
+    # The plan entry that matched (e.g. plans.demo.gpus[0]), then those that split its MIG instances; None: none did.
+    entry: str | None
     published: str  # one line: what the GPU is published as
     note: str | None = None  # why the entry's form is not used (and what it is published as), or what was ignored
 
@@ -70,7 +79,7 @@ def describe_shares(shares: GpuShares | None, gpu: GpuInfo, layout: SharingLayou
         if gpu.mig_enabled:
             instances = named_instances(gpu)
             described = [_describe_instance(m, (layout or {}).get(m.uuid)) for m in instances]
-            return f"its {len(instances)} MIG device(s) ({', '.join(described) or 'none'})"
+            return f"its {len(instances)} MIG device(s) ({'; '.join(described) or 'none'})"
         memory = quantity_from_bytes(gpu.memory_bytes) if gpu.memory_bytes else "memory unknown"
         return f"whole (memory {memory})"
     if shares.dynamic_mig is not None:
@@ -99,7 +108,7 @@ def _describe_instance(instance: MigInstance, shares: GpuShares | None) -> str:
     if shares is None:
         return where
     # A MIG instance's MPS limits hold only for clients that stay with its daemon: its GPU is in DEFAULT.
-    advisory = ", advisory" if shares.strategy == "MPS" else ""
+    advisory = ", limits advisory" if shares.strategy == "MPS" else ""
     return f"{where} as {_describe_split(shares)}{advisory}"
 
 
@@ -119,8 +128,12 @@ def plan_use(plan: SharingPlan, plan_name: str | None, file: Path | None, how: s
     gpus = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
         index, entry = first_match(plan, gpu)
+        # Then the migProfile entries that split its instances (in the plan's order).
+        used = sorted({i for m in gpu.mig_instances if m.uuid in layout
+                       for i, e in [first_instance_match(plan, gpu, m)] if e is not None})
+        paths = [entry_path(plan_name, i) for i in ([index] if entry is not None else []) + used]
         gpus.append(GpuPlanUse(minor=gpu.minor, uuid=gpu.uuid, product=gpu.product_name,
-                               entry=entry_path(plan_name, index) if entry is not None else None,
+                               entry=", ".join(paths) or None,
                                published=describe_shares(layout.get(gpu.uuid), gpu, layout),
                                note=(notes or {}).get(gpu.uuid)))
     return PlanUse(file=str(file) if file is not None else None, plan=plan_name, how=how, gpus=gpus,

@@ -3,6 +3,7 @@ claim plan of a share (pure)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from driver.units import MIB
 from tests.support.statenode import DRIVER, POOL, claim
 
 INVENTORY = SimulatedDiscovery("demo", POOL).discover()
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharing-plans.yaml"
 H100, MIG_GPU, L4 = INVENTORY.gpus
 THREE_G, TWO_G, ONE_G = sorted(MIG_GPU.mig_instances, key=lambda m: m.placement_start)
 MIXED = {"gpus": [{"match": {"migProfile": "1g.10gb"}, "timeSlicing": {"shares": 2}},
@@ -191,10 +193,23 @@ def test_plan_use_describes_each_instance() -> None:
     resolved = resolve_plan(plan(MIXED), INVENTORY, "p")
     use = plan_use(plan(MIXED), "p", None, "test", INVENTORY, resolved.layout)
     [mig] = [g for g in use.gpus if g.minor == 1]
+    assert mig.entry == "plans.p.gpus[0], plans.p.gpus[1]"
     assert mig.published == (
         "its 3 MIG device(s) (3g.40gb at 0 as 4 MPS shares, each memory 10112Mi (pinned limit), 25% of the SMs, "
-        "clients nonRoot, advisory, 2g.20gb at 4, 1g.10gb at 6 as 2 time-sliced shares, each memory 4992Mi (not "
-        "enforced))")
+        "clients nonRoot, limits advisory; 2g.20gb at 4; 1g.10gb at 6 as 2 time-sliced shares, each memory 4992Mi "
+        "(not enforced))")
+    assert [g.entry for g in use.gpus if g.minor != 1] == [None, None]
+
+
+def test_check_plan_accepts_and_describes_mig_profile_entries(capsys: pytest.CaptureFixture[str]) -> None:
+    from driver.cli import main
+
+    assert main(["check-plan", str(EXAMPLE), "--plan", "mig-shared", "--simulate", "demo"]) == 0
+    out = capsys.readouterr().out
+    assert "plans.mig-shared.gpus[1]: match product: NVIDIA H100*, migProfile: 3g.40gb -> mps" in out
+    assert ("NVIDIA H100 80GB HBM3: plans.mig-shared.gpus[0], plans.mig-shared.gpus[1] -> its 3 MIG device(s) "
+            "(3g.40gb at 0 as 4 MPS shares") in out
+    assert "WARNING" not in out
 
 
 # --- claims --------------------------------------------------------------------------------------
