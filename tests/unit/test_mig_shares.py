@@ -272,3 +272,13 @@ def test_instance_shares_are_dropped_once_mig_mode_is_off() -> None:
     plain = MIG_GPU.model_copy(update={"mig_enabled": False})
     off = INVENTORY.model_copy(update={"gpus": (H100, plain, L4)})
     assert drop_unfit(layout, {}, off) == ({}, {ONE_G.uuid, THREE_G.uuid})
+
+
+def test_an_instances_mps_shares_are_probed_and_reported_for_multi_user_mode_by_its_mig_uuid() -> None:
+    from driver.gpu.mps.multiuser import plan_mps_gpus, probe_gpu, single_user_gpus
+
+    layout = resolve_plan(plan(MIXED), INVENTORY, "p").layout
+    assert plan_mps_gpus(INVENTORY, layout) == [THREE_G.uuid], "the time-sliced instance has no daemon"
+    assert probe_gpu(INVENTORY, layout) == THREE_G.uuid  # an H100: compute capability 9.0
+    assert single_user_gpus(INVENTORY, layout, False) == [THREE_G.uuid]
+    assert single_user_gpus(INVENTORY, layout, True) == []
