@@ -1,6 +1,8 @@
 """How one physical GPU is published: whole, as N MPS or time-sliced share devices, as one
 consumable device that many claims share by capacity (``driver/gpu/consumable.py``), or as the
-placements of its MIG profiles, created at prepare (dynamic MIG, ``driver/gpu/migplacement.py``).
+placements of its MIG profiles, created at prepare (dynamic MIG, ``driver/gpu/migplacement.py``);
+and how one MIG instance is: as its MIG device, or as N MPS or time-sliced shares of it
+(``driver/gpu/migshareplan.py``).
 
 This is the resolved, per-GPU form of the node sharing plan (``sharingplan.py`` parses the
 YAML and resolves it against the inventory); ``devices.py`` turns it into share devices and

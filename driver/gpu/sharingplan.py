@@ -1,5 +1,6 @@
 """The node sharing plan: which GPUs of a node are published as MPS, time-sliced or consumable shares,
-or as dynamic MIG placements (the entry itself: ``dynamicmigplan.py``).
+or as dynamic MIG placements (the entry itself: ``dynamicmigplan.py``), and which MIG instances as MPS or
+time-sliced shares (``match.migProfile``: ``migshareplan.py``).
 
 Operators write named plans in one YAML file (Helm renders it into a ConfigMap mounted at
 ``/etc/tessera/sharing-plans.yaml``); a node label (default ``gpu.tessera.dev/sharing-plan``)
