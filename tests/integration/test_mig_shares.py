@@ -66,6 +66,12 @@ def test_the_plan_publishes_each_matched_instance_as_its_shares_and_leaves_the_r
     assert share["memoryLimitEnforcement"] == {"string": "mps-advisory"}
     assert by_name["gpu-1-mig-1g10gb-6-ts-0"]["attributes"]["type"] == {"string": "timeslice"}
     assert by_name["gpu-1-mig-2g20gb-4"]["attributes"]["type"] == {"string": "mig"}
+    # An allocation naming the shared instance itself (stale, or forged into the claim's status) would hand the
+    # whole instance out next to its shares: it is refused and leaves nothing behind.
+    grab = mig_node.claim("grab", [("mig", "gpu-1-mig-1g10gb-6")])
+    error = mig_node.prepare(grab)[grab.uid].error or ""
+    assert "'gpu-1-mig-1g10gb-6' is not published by this node" in error
+    assert mig_node.cdi_files() == [] and mig_node.checkpoint()["claims"] == {}
 
 
 def test_shares_of_mig_instances_are_prepared_with_the_instance_and_unprepared(mig_node: SimulatedNode) -> None:
