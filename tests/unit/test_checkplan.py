@@ -65,7 +65,7 @@ def test_a_valid_file_is_summarised_and_the_simulated_node_shows_each_gpu(
     assert (f"GPU {l4.minor} {l4.uuid} NVIDIA L4: plans.l4-mps.gpus[0] -> 4 MPS shares, each memory 5758Mi "
             "(pinned limit), 25% of the SMs, clients nonRoot") in out
     assert "NVIDIA H100 80GB HBM3: no entry matches -> whole (memory 81559Mi)" in out
-    assert "no entry matches -> its 3 MIG device(s) (3g.40gb, 2g.20gb, 1g.10gb)" in out
+    assert "no entry matches -> its 3 MIG device(s) (3g.40gb at 0; 2g.20gb at 4; 1g.10gb at 6)" in out
     assert "defaultPlan: the node has no label gpu.tessera.dev/sharing-plan" in out
 
 

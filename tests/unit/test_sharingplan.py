@@ -179,11 +179,12 @@ def test_entry_errors_name_field_and_value(tmp_path: Path, body: str, expected: 
 @pytest.mark.parametrize(
     ("match", "expected"),
     [
-        ("{}", "set exactly one of minor, uuid, product, all: true (got none)"),
-        ("{minor: 1, uuid: GPU-x}", "set exactly one of minor, uuid, product, all: true (got minor, uuid)"),
+        ("{}", "set exactly one of minor, uuid, product, all: true, or migProfile (got none)"),
+        ("{minor: 1, uuid: GPU-x}",
+         "set exactly one of minor, uuid, product, all: true, or migProfile (got minor, uuid)"),
         ("{all: false}", "all: false matches nothing"),
         ('{minor: "1"}', 'expected an integer, got "1"'),
-        ("{name: x}", 'unknown field "name" (known fields: minor, uuid, product, all)'),
+        ("{name: x}", 'unknown field "name" (known fields: minor, uuid, product, all, migProfile)'),
     ],
 )
 def test_match_errors(tmp_path: Path, match: str, expected: str) -> None:

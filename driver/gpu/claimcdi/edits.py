@@ -141,14 +141,14 @@ def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[st
     return assemble.DeviceEdits(dev.device.device_name, nodes, env, mounts, annotations, hooks)
 
 
-# Devices whose GPU's published form (the layout entry) goes into the spec, so a rebuilt checkpoint
-# publishes the GPU the same way while the claim runs.
+# Devices whose GPU's (a MIG instance's share: the instance's) published form, the layout entry, goes into the
+# spec, so a rebuilt checkpoint publishes it the same way while the claim runs.
 _SHARE_KINDS = ("mps", "timeslice", "consumable")
 
 
 def _shares_form(dev: PreparedDeviceRecord) -> bool:
     # An admin-access device gets device nodes only (no MPS settings, no memory hook) and does not pin
-    # its GPU's form (ClaimRecord.held_gpu_uuids). A dynamic MIG device's GPU keeps its DynamicMig form.
+    # its GPU's form (ClaimRecord.held_layout_keys). A dynamic MIG device's GPU keeps its DynamicMig form.
     return (dev.kind in _SHARE_KINDS or dev.dynamic_mig is not None) and not dev.admin_access
 
 
@@ -176,7 +176,7 @@ def claim_spec_file(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, 
     return assemble.build_claim_spec_file(
         kind=names.kind,
         claim=assemble.ClaimIdentity(record.uid, record.namespace, record.name),
-        devices=[device_edits(src, d, daemons, layout.get(d.gpu_uuid) if _shares_form(d) else None, root)
+        devices=[device_edits(src, d, daemons, layout.get(d.layout_key) if _shares_form(d) else None, root)
                  for d in record.devices],
         common_edits=src.toolkit.edits,
         control_nodes=[root.node(path) for path in control],
