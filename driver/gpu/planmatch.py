@@ -48,6 +48,11 @@ class Match(BaseModel):
         """Whether the entry applies to MIG instances rather than to GPUs."""
         return self.migProfile is not None
 
+    @property
+    def names_one_gpu(self) -> bool:
+        """Whether the selector picks a GPU by minor or UUID rather than a family of them (product, all)."""
+        return self.minor is not None or self.uuid is not None
+
     def matches(self, gpu: GpuInfo) -> bool:
         """Whether the GPU selector takes ``gpu`` (no GPU selector, as a ``migProfile`` entry may have: every GPU)."""
         if self.minor is not None:

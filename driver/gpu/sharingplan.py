@@ -212,7 +212,12 @@ def resolve_plan(plan: SharingPlan, inventory: NodeInventory, plan_name: str | N
     for gpu in inventory.gpus:
         index, entry = first_match(plan, gpu)
         shares: GpuShares | None = None
-        if entry is not None and not entry.whole:
+        if entry is not None and _spares_mig_gpu(entry, gpu):
+            # As NVIDIA's device plugin under migStrategy mixed: a shared `nvidia.com/gpu` is the non-MIG GPUs.
+            notes[gpu.uuid] = (f"{entry_path(plan_name, index)} (match {entry.match.describe()}) does not split a "
+                               "MIG-enabled GPU: its MIG instances are published (an entry with match.migProfile "
+                               "shares them)")
+        elif entry is not None and not entry.whole:
             try:
                 if entry.dynamicMig is not None:
                     shares, note = dynamic_mig_form(entry.dynamicMig, gpu, supported=partitionable_supported,
@@ -320,6 +325,13 @@ def _shares_for(entry: PlanEntry, gpu: GpuInfo, consumable_supported: bool,
     assert entry.timeSlicing is not None  # PlanEntry validation: exactly one form
     _refuse_mig(gpu, "time slicing")
     return time_slicing_shares(entry.timeSlicing, unit, entry.allowMultipleSharesPerClaim)
+
+
+def _spares_mig_gpu(entry: PlanEntry, gpu: GpuInfo) -> bool:
+    """An entry for a family of GPUs (product, all) passes over the MIG-enabled ones: plans are shared by nodes, and
+    one GPU in MIG mode must not make the whole plan invalid. One named by minor or UUID is an error instead."""
+    splits = entry.mps is not None or entry.timeSlicing is not None or entry.consumable is not None
+    return gpu.mig_enabled and splits and not entry.match.names_one_gpu
 
 
 def _refuse_mig(gpu: GpuInfo, strategy: str) -> None:

@@ -97,7 +97,7 @@ def test_a_bad_entry_is_one_line_naming_it(tmp_path: Path, capsys: pytest.Captur
 def test_a_plan_that_cannot_apply_to_the_simulated_node_names_the_entry_and_gpu(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     mig = tmp_path / "mig.yaml"
-    mig.write_text("plans:\n  p:\n    gpus:\n    - match: {all: true}\n      mps: {shares: 4}\n")
+    mig.write_text("plans:\n  p:\n    gpus:\n    - match: {minor: 1}\n      mps: {shares: 4}\n")
     status, out, err = run_cli(["check-plan", str(mig), "--simulate", "demo", "--plan", "p"], capsys)
     assert status == 1 and out == ""
     assert err.startswith(f"python -m driver check-plan: {mig}: plans.p.gpus[0] (GPU minor 1, ")

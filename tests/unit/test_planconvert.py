@@ -106,6 +106,12 @@ def test_the_issues_mixed_time_slicing_config_becomes_gpu_and_mig_profile_entrie
     assert err == [f"{PROG}: time-slicing: sharing.timeSlicing.failRequestsGreaterThanOne: allowMultipleSharesPerClaim:"
                    " false refuses a claim holding two shares of one GPU; a claim for shares of different GPUs is "
                    "admitted, where the device plugin failed every request for more than one replica"]
+    # The converted plan is valid on a node with whole and MIG GPUs, and shares each as the device plugin did.
+    converted = write(tmp_path, out, "plans.yaml")
+    status, checked, _ = run_cli(["check-plan", str(converted), "--simulate", "demo"], capsys)
+    assert status == 0
+    assert "1g.10gb at 6 as 2 time-sliced shares" in checked
+    assert "NVIDIA L4: plans.time-slicing.gpus[0] -> 4 time-sliced shares" in checked
 
 
 def test_the_gpu_operators_configmap_becomes_one_plan_per_key_and_passes_check_plan(
