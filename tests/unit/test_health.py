@@ -44,10 +44,19 @@ def test_application_xids_leave_the_device_healthy(xid: int) -> None:
     assert XID_TABLE[xid].impact is XidImpact.APPLICATION
 
 
-@pytest.mark.parametrize("xid", [48, 63, 64, 74, 79, 92, 94, 95])
+@pytest.mark.parametrize("xid", [48, 64, 74, 79, 92, 94, 95])
 def test_device_xids_make_it_unhealthy(xid: int) -> None:
     verdict = classify_xid(xid)
     assert verdict.makes_unhealthy and f"XID {xid}" in verdict.why
+
+
+@pytest.mark.parametrize(("xid", "state"), [(154, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"),
+                                            (63, "nvmlDeviceGetRemappedRows")])
+def test_an_xid_announcing_a_state_change_leaves_the_decision_to_that_state(xid: int, state: str) -> None:
+    # XID 154 is logged when the recovery action changes, back to none after a reset too; XID 63 when a row remap
+    # is recorded, which is pending until the next reset and no fault (NVIDIA's memory-error guide).
+    verdict = classify_xid(xid)
+    assert not verdict.makes_unhealthy and XID_TABLE[xid].impact is XidImpact.STATE and state in verdict.why
 
 
 def test_unknown_xids_count_as_device_errors_and_the_operator_can_ignore_any() -> None:
@@ -157,6 +166,10 @@ class FakeNvml:
 
     def __init__(self, uuids: list[str]):
         self.uuids = uuids
+        self.supported_events = 0x8 | 0x2  # no GPU-unavailable or recovery-action events on this "driver"
+        self.field_return = 0  # nvmlReturn of field 230: 3 = NOT_SUPPORTED
+        self.remap_error: int | None = None  # nvmlDeviceGetRemappedRows raises this NVML error
+        self.mig_devices: dict[str, list[tuple[int, int, str]]] = {}  # GPU UUID -> (GI, CI, MIG UUID) NVML lists now
         self.events: list[Any] = []
         self.lost: set[str] = set()
         self.recovery_action: dict[str, int] = {}
@@ -183,11 +196,26 @@ class FakeNvml:
             raise FakeNvmlError(self.NVML_ERROR_NOT_FOUND)
         return f"h:{uuid}"
 
-    def nvmlDeviceGetUUID(self, handle: str) -> str:
-        return handle.removeprefix("h:")
+    def nvmlDeviceGetUUID(self, handle: str | tuple[int, int, str]) -> str:
+        return handle[2] if isinstance(handle, tuple) else handle.removeprefix("h:")
 
     def nvmlDeviceGetSupportedEventTypes(self, handle: str) -> int:
-        return 0x8 | 0x2  # no GPU-unavailable or recovery-action events on this "driver"
+        return self.supported_events
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: str) -> int:
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: str, index: int) -> tuple[int, int, str]:
+        listed = self.mig_devices.get(handle.removeprefix("h:"), [])
+        if index >= len(listed):
+            raise FakeNvmlError(self.NVML_ERROR_NOT_FOUND)
+        return listed[index]
+
+    def nvmlDeviceGetGpuInstanceId(self, mig: tuple[int, int, str]) -> int:
+        return mig[0]
+
+    def nvmlDeviceGetComputeInstanceId(self, mig: tuple[int, int, str]) -> int:
+        return mig[1]
 
     def nvmlDeviceRegisterEvents(self, handle: str, types: int, event_set: str) -> None:
         self.registered[handle.removeprefix("h:")] = types
@@ -198,7 +226,8 @@ class FakeNvml:
             self.stop.set()
         if not self.events:
             raise FakeNvmlError(self.NVML_ERROR_TIMEOUT)
-        return self.events.pop(0)
+        item = self.events.pop(0)
+        return item() if callable(item) else item  # a callable changes the GPU's state as its event arrives
 
     def nvmlDeviceGetTemperature(self, handle: str, sensor: int) -> int:
         if handle.removeprefix("h:") in self.lost:
@@ -212,12 +241,15 @@ class FakeNvml:
         return SimpleNamespace(used=5 << 30)
 
     def nvmlDeviceGetRemappedRows(self, handle: str) -> tuple[int, int, int, int]:
+        if self.remap_error is not None:
+            raise FakeNvmlError(self.remap_error)
         pending, failed = self.remap.get(handle.removeprefix("h:"), (0, 0))
         return 0, 1, pending, failed
 
     def nvmlDeviceGetFieldValues(self, handle: str, fields: list[int]) -> list[Any]:
         action = self.recovery_action.get(handle.removeprefix("h:"), 0)
-        return [SimpleNamespace(nvmlReturn=0, value=SimpleNamespace(uiVal=action))]
+        assert fields == [230], "the recovery action is field 230 (nvml.h)"
+        return [SimpleNamespace(nvmlReturn=self.field_return, value=SimpleNamespace(uiVal=action))]
 
 
 def event(uuid: str, kind: int, data: int = 0, gi: int = NO_INSTANCE, ci: int = NO_INSTANCE) -> Any:
@@ -308,6 +340,110 @@ def test_a_recovery_action_event_reads_the_action_and_leaves_an_xid_79_gpu_unhea
     assert health[uuid].reason == "xid-79"
     sample = source.sample()[uuid]
     assert (sample.temperature_celsius, sample.power_watts, sample.memory_used_bytes) == (41.0, 123.456, 5 << 30)
+
+
+def test_xid_154_reads_the_recovery_action_at_once_and_the_gpu_is_healthy_after_the_reset(inventory: Any) -> None:
+    # What a GPU asking for a reset reports: XID 154 with field 230 at "GPU reset", then after the reset XID 154
+    # again with field 230 back at none. The XID decides nothing; the field does, read when the XID arrives.
+    uuid = gpu(inventory, 0).uuid
+    nvml = FakeNvml([g.uuid for g in inventory.gpus])
+
+    def action_changes(action: int) -> Any:
+        def arrive() -> Any:
+            nvml.recovery_action[uuid] = action
+            return event(uuid, 0x8, 154)
+        return arrive
+
+    nvml.events = [action_changes(1)]
+    source = NvmlHealthSource(nvml, lambda: inventory, poll_interval=3600)  # one poll, at the start
+    seen = run_source(source, nvml, 2)
+    assert [(e.kind, e.xid, e.detail) for e in seen] == [(EventKind.XID, 154, ""),
+                                                         (EventKind.RECOVERY_ACTION, None, "GPU reset")]
+    health: dict[str, Any] = {}
+    for e in seen:
+        health = apply_event(health, e, (), now=1.0)
+    assert health[uuid].reason == "recovery-action"
+    nvml.events = [action_changes(0)]
+    for e in run_source(source, nvml, 2):
+        health = apply_event(health, e, (), now=2.0)
+    assert health == {}, "the reset GPU carries no taint: neither the action's nor XID 154's"
+
+
+class OldNvml(FakeNvml):
+    """nvidia-ml-py 12.560: no name for field 230 or the recovery-action and GPU-unavailable event bits."""
+
+    NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = None  # type: ignore[assignment]
+    nvmlEventTypeGpuUnavailableError = None  # type: ignore[assignment]
+    nvmlEventTypeGpuRecoveryAction = None  # type: ignore[assignment]
+
+
+def test_an_old_pynvml_uses_nvml_h_values_and_what_the_driver_lacks_is_logged_once(
+        inventory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    whole = gpu(inventory, 0)
+    nvml = OldNvml([whole.uuid])
+    one = inventory.model_copy(update={"gpus": (whole,)})
+    nvml.supported_events = 0x8 | 0x2 | 0x4000 | 0x8000
+    nvml.recovery_action[whole.uuid] = 4
+    nvml.events = [event(whole.uuid, 0x8000), event(whole.uuid, 0x4000)]
+    source = NvmlHealthSource(nvml, lambda: one, poll_interval=3600)
+    with caplog.at_level(logging.INFO, logger="driver.gpu.health.nvmlsource"):
+        seen = run_source(source, nvml, 3)
+    assert nvml.registered[whole.uuid] == 0x8 | 0x2 | 0x4000 | 0x8000, "nvml.h's bits registered"
+    assert [(e.kind, e.detail) for e in seen] == [(EventKind.RECOVERY_ACTION, "drain and reset"),
+                                                  (EventKind.LOST, "NVML reported the GPU unavailable")]
+    assert any(r.message.startswith("this pynvml lacks some NVML names") for r in caplog.records)
+
+    # A driver older than the recovery action: the missing event types and field are said once, not per poll.
+    caplog.clear()
+    nvml.supported_events, nvml.field_return = 0x8 | 0x2, 3
+    source = NvmlHealthSource(nvml, lambda: one, poll_interval=0)
+    with caplog.at_level(logging.INFO, logger="driver.gpu.health.nvmlsource"):
+        assert run_source(source, nvml, 5) == []
+        nvml.field_return = 0
+        run_source(source, nvml, 2)
+    said = [(r.message, getattr(r, "events_not_reported", None)) for r in caplog.records
+            if "this pynvml" not in r.message]
+    assert [m for m, _ in said if "cannot be read" in m] == [
+        "the recovery action of a GPU cannot be read: the driver answers NVML field 230 with error 3 (older than "
+        "r570, or not on this GPU); a GPU asking for a reset is seen only through its XIDs"]
+    assert [lacking for m, lacking in said if "event types" in m] == [["GPU unavailable", "recovery action"]]
+    assert [m for m, _ in said if "can be read again" in m] == ["the recovery action of a GPU can be read again"]
+
+
+def test_remapped_rows_not_supported_on_a_mig_gpu_with_instances_is_said_once_and_shown(
+        inventory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # nvml.h: "On MIG-enabled GPUs with active instances, querying the number of remapped rows is not supported".
+    migged = gpu(inventory, 1)
+    assert migged.mig_enabled and migged.mig_instances
+    nvml = FakeNvml([migged.uuid])
+    nvml.remap_error = 3
+    one = inventory.model_copy(update={"gpus": (migged,)})
+    source = NvmlHealthSource(nvml, lambda: one, poll_interval=0)
+    with caplog.at_level(logging.WARNING, logger="driver.gpu.health.nvmlsource"):
+        assert run_source(source, nvml, 4) == []
+    said = [r.message for r in caplog.records if "remapping" in r.message]
+    assert said == ["memory row remapping of a GPU cannot be read: NVML does not report remapped rows on a GPU in MIG "
+                    "mode with instances (nvml.h); a failed remap is not detected while instances exist (XID 64 still "
+                    "is)"]
+    assert source.not_watched() == {migged.uuid: ["memory row remapping"]}
+    nvml.remap_error = None
+    run_source(source, nvml, 1)
+    assert source.not_watched() == {}
+
+
+def test_an_event_in_a_gpu_instance_made_since_the_inventory_was_read_reaches_only_that_instance(
+        inventory: Any) -> None:
+    migged = gpu(inventory, 1)
+    known = {m.gi_id for m in migged.mig_instances}
+    new_gi = next(i for i in range(1, 15) if i not in known)
+    nvml = FakeNvml([g.uuid for g in inventory.gpus])
+    nvml.mig_devices[migged.uuid] = [(m.gi_id, m.ci_id, m.uuid) for m in migged.mig_instances] + [
+        (new_gi, 0, "MIG-made-since")]
+    nvml.events = [event(migged.uuid, 0x8, 94, gi=new_gi, ci=0), event(migged.uuid, 0x8, 94, gi=new_gi + 1, ci=0)]
+    source = NvmlHealthSource(nvml, lambda: inventory, poll_interval=3600)
+    seen = run_source(source, nvml, 3)
+    assert [(e.uuid, e.parent_uuid) for e in seen] == [("MIG-made-since", migged.uuid), (migged.uuid, None)], \
+        "the new instance alone; an instance gone by now still reaches its GPU"
 
 
 # --- simulated events ---------------------------------------------------------------------------
