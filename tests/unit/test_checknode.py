@@ -177,3 +177,25 @@ def test_a_failing_check_makes_the_table_say_not_ready_and_exit_one(tmp_path: Pa
     assert "this node is NOT ready" in done.stdout
     assert "Not run here (SIMULATION: there is no real GPU on a simulated node):" in done.stdout
     assert "  - MPS pinned memory limit: SIMULATION: no real GPU" in done.stdout
+
+
+def test_mig_capability_nodes_missing_on_the_host_are_no_failure_the_proc_files_are(tmp_path: Path) -> None:
+    # The kernel module does not create /dev/nvidia-caps/nvidia-cap<N> (nvidia-modprobe does, on demand); the CDI
+    # spec carries type, major and minor read from /proc, so the runtime makes them in the container.
+    import shutil
+
+    from driver.simulation.discovery import SimulatedDiscovery
+    from driver.simulation.hostroot import build_host_root
+
+    host = build_host_root(tmp_path / "host", SimulatedDiscovery("demo", "check").discover())
+    shutil.rmtree(host.root / "dev" / "nvidia-caps")
+    done = _check_node("demo", "--json", *host.driver_args())
+    nodes = next(c for c in json.loads(done.stdout)["checks"] if c["check"] == "device nodes")
+    assert nodes["status"] == "OK", nodes
+    assert "6 MIG capability node(s) read from /proc (0 of them also on the host" in nodes["detail"]
+    # Without the /proc access file the CDI path cannot write the node either: that fails, naming the file.
+    [access] = list((host.root / "proc/driver/nvidia/capabilities/gpu1/mig").glob("gi*/access"))[:1]
+    access.unlink()
+    nodes = next(c for c in json.loads(_check_node("demo", "--json", *host.driver_args()).stdout)["checks"]
+                 if c["check"] == "device nodes")
+    assert nodes["status"] == "FAIL" and str(access) in nodes["detail"], nodes
