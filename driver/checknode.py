@@ -159,10 +159,10 @@ def device_checks(settings: Settings, roots: NodeRoots, inventory: NodeInventory
     if problems:
         lines.append(fail("device nodes", "; ".join(problems)))
     else:
-        on_host = len(caps) - len(missing_paths(device_root.seen_at, caps))
+        caps_on_host = len(caps) - len(missing_paths(device_root.seen_at, caps))
         lines.append(ok("device nodes", f"all present: {', '.join(control)}, {len(gpu_nodes)} GPU node(s) "
                                         f"({', '.join(gpu_nodes) or 'none'}), {len(caps)} MIG capability node(s) "
-                                        f"read from /proc ({on_host} of them also on the host; the CDI spec gives "
+                                        f"read from /proc ({caps_on_host} of them also on the host; the CDI spec gives "
                                         "type, major and minor, so none need be)"))
     return lines
 
