@@ -38,6 +38,7 @@ from driver.gpu.claimcdi.hostfs import (
 from driver.gpu.claimcdi.toolkit import load_toolkit_edits, toolkit_spec_candidates
 from driver.gpu.discovery.cudarun import LIBCUDA, find_libcuda
 from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.dynamicmigplan import pending_mig_mode
 from driver.gpu.runtime.binaries import (
     BinaryFailed,
     BinaryNotFound,
@@ -127,7 +128,9 @@ def discover(settings: Settings) -> tuple[NodeInventory | None, list[CheckResult
             sms = f"{gpu.multiprocessors} SMs"
         else:
             sms = f"SM count not published: {gpu.multiprocessors_missing or 'unknown'}"
-        lines.append(ok(f"GPU {gpu.minor}", f"{gpu.uuid} {gpu.product_name}, {memory}, {sms}"))
+        pending = pending_mig_mode(gpu)
+        lines.append(ok(f"GPU {gpu.minor}", f"{gpu.uuid} {gpu.product_name}, {memory}, {sms}"
+                        + (f"; {pending}" if pending else "")))
         for mig in gpu.mig_instances:
             lines.append(ok(f"MIG {gpu.minor}/gi{mig.gi_id}",
                             f"{mig.uuid} {mig.profile}, {mig.multiprocessors or '?'} SMs"))

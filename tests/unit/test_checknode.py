@@ -199,3 +199,22 @@ def test_mig_capability_nodes_missing_on_the_host_are_no_failure_the_proc_files_
     nodes = next(c for c in json.loads(_check_node("demo", "--json", *host.driver_args()).stdout)["checks"]
                  if c["check"] == "device nodes")
     assert nodes["status"] == "FAIL" and str(access) in nodes["detail"], nodes
+
+
+def test_a_pending_mig_mode_says_what_applies_it_in_both_directions(tmp_path: Path) -> None:
+    # nvmlDeviceGetMigMode answers (current, pending): after nvidia-smi -mig 1 an A100 needs a GPU reset, a Hopper
+    # GPU no process holding it; telling the operator to run nvidia-smi -mig 1 again would be wrong.
+    import yaml
+
+    layout = tmp_path / "pending.yaml"
+    layout.write_text(yaml.safe_dump({"gpus": [{"model": "A100-40GB", "migModePending": True},
+                                               {"model": "H100-80GB", "migModePending": True},
+                                               {"model": "A100-80GB", "mig": [], "migModePending": True}]}))
+    checks = {c["check"]: c["detail"] for c in json.loads(_check_node(str(layout), "--json").stdout)["checks"]}
+    a100, h100, disabling = checks["dynamic MIG GPU 0"], checks["dynamic MIG GPU 1"], checks["GPU 2"]
+    assert "MIG mode enable is pending on Ampere: it needs a GPU reset (nvidia-smi -i GPU-" in a100
+    assert "running nvidia-smi -mig 1 again does not apply it" in a100 and "-mig 1'" not in a100
+    assert "MIG mode enable is pending on Hopper: it needs no process holding the GPU" in h100
+    assert "MIG mode disable is pending on Ampere: it needs a GPU reset" in disabling
+    assert "MIG mode disable is pending" in checks["dynamic MIG GPU 2"]
+    assert "MIG mode enable is pending on Ampere" in checks["GPU 0"]
