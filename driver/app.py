@@ -228,6 +228,7 @@ class DriverApp:
                                  report_path=settings.state_dir / HEALTH_FILE)
         self.health_source = open_health_source(settings, lambda: self.state.view.inventory, os.environ,
                                                 self.discovery.discover)
+        self.health.not_watched = self.health_source.not_watched
         self.state.device_problems = lambda: self.health.problems(self.state.view)
         self.state.device_taints = lambda: self.health.taints(self.state.view)
         self.usage = ClaimUsageWatch(open_process_source(settings, lambda: self.state.view.inventory, os.environ),

@@ -34,7 +34,13 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from driver.gpu.discovery.inventory import NodeInventory
-from driver.gpu.health.conditions import ConditionTracker
+from driver.gpu.health.conditions import (
+    REMAP_ON_MIG,
+    ROW_REMAPPING,
+    ConditionTracker,
+    WatchGaps,
+    remap_unreadable_on,
+)
 from driver.gpu.health.model import EventKind, HealthEvent
 from driver.gpu.health.monitor import Emit
 from driver.gpu.health.nvmlsource import NO_INSTANCE, mig_uuid_for
@@ -106,6 +112,7 @@ class SimulatedHealthEvents:
         self._inventory = inventory
         self._current = current
         self._conditions = ConditionTracker()
+        self.gaps = WatchGaps()
 
     def describe(self) -> str:
         return f"SIMULATION: events from {self._path}"
@@ -113,6 +120,7 @@ class SimulatedHealthEvents:
     def run(self, emit: Emit, stop: threading.Event) -> None:
         offset, line_number, pending = 0, 0, b""
         while not stop.is_set():
+            self._poll_gaps()
             try:
                 with self._path.open("rb") as handle:
                     if os.fstat(handle.fileno()).st_size < offset:  # truncated: start over
@@ -140,6 +148,10 @@ class SimulatedHealthEvents:
             self._emit_change(self._conditions.recovery_action(event.uuid, event.recovery_action), emit)
             return
         if event.row_remap is not None:
+            if any(remap_unreadable_on(g) for g in self._inventory().gpus if g.uuid == event.uuid):
+                log.warning("SIMULATION: a row_remap reading for a GPU in MIG mode with instances is ignored: NVML "
+                            "answers NOT_SUPPORTED there", extra={"uuid": event.uuid, "where": where})
+                return
             remap = event.row_remap
             self._emit_change(self._conditions.row_remap(event.uuid, remap.pending, remap.failed), emit)
             return
@@ -161,6 +173,14 @@ class SimulatedHealthEvents:
         log.warning("an NVML event names a GPU instance that no longer exists; reported for its whole GPU",
                     extra={"uuid": gpu_uuid, "gpu_instance": gi, "compute_instance": ci})
         return None
+
+    def _poll_gaps(self) -> None:
+        """What the NVML source's poll finds unreadable: remapped rows of MIG GPUs with instances (nvml.h)."""
+        for gpu in self._inventory().gpus:
+            if remap_unreadable_on(gpu):
+                self.gaps.unreadable(gpu.uuid, ROW_REMAPPING, REMAP_ON_MIG)
+            else:
+                self.gaps.readable(gpu.uuid, ROW_REMAPPING)
 
     @staticmethod
     def _emit_change(event: HealthEvent | None, emit: Emit) -> None:
@@ -190,6 +210,9 @@ class SimulatedHealth:
             self._events.run(emit, stop)
         else:
             stop.wait()
+
+    def not_watched(self) -> dict[str, dict[str, str]]:
+        return self._events.gaps.current() if self._events is not None else {}
 
     def sample(self) -> dict[str, DeviceSample]:
         # SIMULATION: an idle GPU's readings (about what nvidia-smi shows for an idle H100).

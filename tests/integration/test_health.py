@@ -213,3 +213,22 @@ def test_a_gpu_asking_for_a_reset_is_healthy_after_the_reset_and_a_recorded_row_
         assert metrics(node)[("tessera_gpu_xid_errors_total", (("xid", "154"),))] == 2.0
     finally:
         node.close()
+
+
+def test_remapped_rows_nvml_cannot_report_on_a_mig_gpu_with_instances_are_said_once_and_shown_by_inspect() -> None:
+    # nvml.h: "On MIG-enabled GPUs with active instances, querying the number of remapped rows is not supported".
+    node = new_node()
+    try:
+        start(node)
+        migged = gpu_uuid(node, 1)
+        inject(node, uuid=migged, row_remap={"pending": False, "failed": True})  # NVML cannot report this reading
+        inject(node, uuid=gpu_uuid(node, 0), lost=True)  # a change after it: the health file is written again
+        wait_until(lambda: tainted(node) == {"gpu-0": "gpu-lost"}, 5, f"gpu-0 lost alone (have {tainted(node)})")
+        said = [e for e in node.log() if str(e.get("msg")).startswith("memory row remapping of a GPU cannot be read")]
+        assert [e["uuid"] for e in said] == [migged], "said once, for the MIG GPU with instances only"
+        done = subprocess.run([sys.executable, "-m", "driver", "inspect", "--plugins-dir", str(node.work / "plugins"),
+                               "--cdi-root", str(node.cdi_dir)], capture_output=True, text=True, timeout=30)
+        assert (f"- not watched on {migged}: memory row remapping: NVML does not report remapped rows on a GPU in MIG "
+                "mode with instances (nvml.h)") in done.stdout, done.stdout
+    finally:
+        node.close()

@@ -397,7 +397,7 @@ def test_an_old_pynvml_uses_nvml_h_values_and_what_the_driver_lacks_is_logged_on
     caplog.clear()
     nvml.supported_events, nvml.field_return = 0x8 | 0x2, 3
     source = NvmlHealthSource(nvml, lambda: one, poll_interval=0)
-    with caplog.at_level(logging.INFO, logger="driver.gpu.health.nvmlsource"):
+    with caplog.at_level(logging.INFO, logger="driver.gpu.health"):
         assert run_source(source, nvml, 5) == []
         nvml.field_return = 0
         run_source(source, nvml, 2)
@@ -419,13 +419,14 @@ def test_remapped_rows_not_supported_on_a_mig_gpu_with_instances_is_said_once_an
     nvml.remap_error = 3
     one = inventory.model_copy(update={"gpus": (migged,)})
     source = NvmlHealthSource(nvml, lambda: one, poll_interval=0)
-    with caplog.at_level(logging.WARNING, logger="driver.gpu.health.nvmlsource"):
+    with caplog.at_level(logging.WARNING, logger="driver.gpu.health"):
         assert run_source(source, nvml, 4) == []
     said = [r.message for r in caplog.records if "remapping" in r.message]
     assert said == ["memory row remapping of a GPU cannot be read: NVML does not report remapped rows on a GPU in MIG "
                     "mode with instances (nvml.h); a failed remap is not detected while instances exist (XID 64 still "
                     "is)"]
-    assert source.not_watched() == {migged.uuid: ["memory row remapping"]}
+    assert list(source.not_watched()) == [migged.uuid] and "MIG mode" in source.not_watched()[migged.uuid][
+        "memory row remapping"]
     nvml.remap_error = None
     run_source(source, nvml, 1)
     assert source.not_watched() == {}

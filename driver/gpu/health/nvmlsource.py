@@ -35,7 +35,13 @@ from typing import Any
 
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
 from driver.gpu.discovery.nvmlvalues import as_text
-from driver.gpu.health.conditions import ConditionTracker
+from driver.gpu.health.conditions import (
+    RECOVERY_ACTION,
+    REMAP_ON_MIG,
+    ROW_REMAPPING,
+    ConditionTracker,
+    WatchGaps,
+)
 from driver.gpu.health.model import EventKind, HealthEvent
 from driver.gpu.health.monitor import Emit
 from driver.gpu.health.nvmlnames import (
@@ -111,7 +117,7 @@ class NvmlHealthSource:
         self._wait_ms = wait_ms
         self._lost: set[str] = set()
         self._conditions = ConditionTracker()
-        self._unwatched: set[tuple[str, str]] = set()  # (GPU UUID, what): logged as not watched
+        self._gaps = WatchGaps()
         self._events_said: set[str] = set()  # GPUs whose missing event types were logged
 
     def describe(self) -> str:
@@ -193,23 +199,9 @@ class NvmlHealthSource:
                             + f"the recovery action and a lost GPU are polled every {self._poll_interval:g} s",
                             extra={"uuid": gpu.uuid, "events_not_reported": lacking})
 
-    def _not_watched(self, uuid: str, what: str, why: str) -> None:
-        """Log once (per GPU, per condition) that ``what`` cannot be read on the GPU, and why."""
-        if (uuid, what) not in self._unwatched:
-            self._unwatched.add((uuid, what))
-            log.warning(f"{what} of a GPU cannot be read: {why}", extra={"uuid": uuid, "not_watched": what})
-
-    def _watched(self, uuid: str, what: str) -> None:
-        if (uuid, what) in self._unwatched:
-            self._unwatched.discard((uuid, what))
-            log.info(f"{what} of a GPU can be read again", extra={"uuid": uuid, "watched": what})
-
-    def not_watched(self) -> dict[str, list[str]]:
-        """GPU UUID -> what cannot be read on it now (for ``inspect``)."""
-        result: dict[str, list[str]] = {}
-        for uuid, what in sorted(self._unwatched):
-            result.setdefault(uuid, []).append(what)
-        return result
+    def not_watched(self) -> dict[str, dict[str, str]]:
+        """GPU UUID -> what cannot be read on it now -> why (for ``inspect``)."""
+        return self._gaps.current()
 
     def _wait_once(self, event_set: Any, emit: Emit, stop: threading.Event) -> None:
         nvml = self._nvml
@@ -267,37 +259,37 @@ class NvmlHealthSource:
 
     def _poll_row_remapping(self, gpu: GpuInfo, handle: Any, emit: Emit) -> None:
         nvml = self._nvml
-        what = "memory row remapping"
+        what = ROW_REMAPPING
         try:
             _corrected, _uncorrected, pending, failed = nvml.nvmlDeviceGetRemappedRows(handle)
         except AttributeError:
-            self._not_watched(gpu.uuid, what, "this pynvml has no nvmlDeviceGetRemappedRows; a failed remap is "
-                                              "not detected (XID 64 still is)")
+            self._gaps.unreadable(gpu.uuid, what, "this pynvml has no nvmlDeviceGetRemappedRows; a failed remap is "
+                                                  "not detected (XID 64 still is)")
             return
         except nvml.NVMLError as err:
-            self._not_watched(gpu.uuid, what, _remap_unreadable(nvml, gpu, err))
+            self._gaps.unreadable(gpu.uuid, what, _remap_unreadable(nvml, gpu, err))
             return
-        self._watched(gpu.uuid, what)
+        self._gaps.readable(gpu.uuid, what)
         if (event := self._conditions.row_remap(gpu.uuid, bool(pending), bool(failed))) is not None:
             emit(event)
 
     def _check_recovery_action(self, uuid: str, handle: Any, emit: Emit) -> None:
         """Read ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` (on its event or XID 154, and at each poll)."""
         nvml = self._nvml
-        what = "the recovery action"
+        what = RECOVERY_ACTION
         try:
             value = nvml.nvmlDeviceGetFieldValues(handle, [nvml_value(nvml, RECOVERY_ACTION_FIELD)])[0]
         except (nvml.NVMLError, IndexError) as err:
-            self._not_watched(uuid, what, f"NVML field 230 could not be read ({err}); a GPU asking for a reset is "
-                                          "seen only through its XIDs")
+            self._gaps.unreadable(uuid, what, f"NVML field 230 could not be read ({err}); a GPU asking for a reset "
+                                              "is seen only through its XIDs")
             return
         returned = int(getattr(value, "nvmlReturn", 0))
         if returned != 0:
-            self._not_watched(uuid, what, f"the driver answers NVML field 230 with error {returned} (older than "
-                                          "r570, or not on this GPU); a GPU asking for a reset is seen only "
-                                          "through its XIDs")
+            self._gaps.unreadable(uuid, what, f"the driver answers NVML field 230 with error {returned} (older "
+                                              "than r570, or not on this GPU); a GPU asking for a reset is seen only "
+                                              "through its XIDs")
             return
-        self._watched(uuid, what)
+        self._gaps.readable(uuid, what)
         if (event := self._conditions.recovery_action(uuid, int(value.value.uiVal))) is not None:
             emit(event)
 
@@ -305,8 +297,6 @@ class NvmlHealthSource:
 def _remap_unreadable(nvml: Any, gpu: GpuInfo, err: Exception) -> str:
     if getattr(err, "value", None) != nvml_value(nvml, NOT_SUPPORTED_ERROR):
         return f"nvmlDeviceGetRemappedRows failed ({err}); a failed remap is not detected (XID 64 still is)"
-    if gpu.mig_enabled:
-        # nvml.h: "On MIG-enabled GPUs with active instances, querying the number of remapped rows is not supported".
-        return ("NVML does not report remapped rows on a GPU in MIG mode with instances (nvml.h); a failed remap is "
-                "not detected while instances exist (XID 64 still is)")
+    if gpu.mig_enabled:  # instances made since the inventory was read count too
+        return REMAP_ON_MIG
     return "this GPU does not support row remapping (before Ampere); a failed remap is not detected (XID 64 still is)"
