@@ -21,6 +21,7 @@ instances, so a failed remap goes unseen there while instances exist.
 from __future__ import annotations
 
 import logging
+import threading
 
 from driver.gpu.discovery.inventory import GpuInfo
 from driver.gpu.health.model import EventKind, HealthEvent
@@ -82,23 +83,31 @@ def remap_unreadable_on(gpu: GpuInfo) -> bool:
 
 
 class WatchGaps:
-    """What cannot be read on each GPU now, and why; each change is logged once."""
+    """What cannot be read on each GPU now, and why; each change is logged once. Changed on the health source's
+    thread, read on the publishing one."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._gaps: dict[tuple[str, str], str] = {}
 
     def unreadable(self, uuid: str, what: str, why: str) -> None:
-        if (uuid, what) not in self._gaps:
+        with self._lock:
+            new = self._gaps.get((uuid, what)) is None
+            self._gaps[(uuid, what)] = why
+        if new:
             log.warning(f"{what} of a GPU cannot be read: {why}", extra={"uuid": uuid, "not_watched": what})
-        self._gaps[(uuid, what)] = why
 
     def readable(self, uuid: str, what: str) -> None:
-        if self._gaps.pop((uuid, what), None) is not None:
+        with self._lock:
+            gone = self._gaps.pop((uuid, what), None) is not None
+        if gone:
             log.info(f"{what} of a GPU can be read again", extra={"uuid": uuid, "watched": what})
 
     def current(self) -> dict[str, dict[str, str]]:
         """GPU UUID -> what cannot be read on it -> why (for ``inspect``)."""
+        with self._lock:
+            gaps = sorted(self._gaps.items())
         result: dict[str, dict[str, str]] = {}
-        for (uuid, what), why in sorted(self._gaps.items()):
+        for (uuid, what), why in gaps:
             result.setdefault(uuid, {})[what] = why
         return result
