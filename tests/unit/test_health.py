@@ -157,6 +157,7 @@ class FakeNvml:
     NVML_ERROR_TIMEOUT = 10
     NVML_ERROR_NOT_FOUND = 6
     NVML_ERROR_GPU_IS_LOST = 15
+    NVML_ERROR_NOT_SUPPORTED = 3
     NVML_TEMPERATURE_GPU = 0
     NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230
     nvmlEventTypeDoubleBitEccError = 0x2
@@ -552,3 +553,33 @@ def test_a_failed_source_makes_every_device_unknown_not_healthy(inventory: Any) 
     entries = node.board.current()
     assert {e.health for e in entries} == {Health.UNKNOWN}
     assert "broken source failed: NVML went away" in entries[0].message
+
+
+def test_the_health_probe_reports_what_a_node_tells_and_what_the_source_cannot_read(
+        inventory: Any, tmp_path: Any) -> None:
+    # scripts/health-probe.py runs on real GPUs (scripts/gpu-machine-check.sh); here over the NVML fake.
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("health_probe", Path(__file__).parents[2] / "scripts/health-probe.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    whole = gpu(inventory, 0)
+    nvml = OldNvml([whole.uuid])
+    nvml.field_return = 3
+    nvml.nvmlDeviceGetCount = lambda: 1  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetHandleByIndex = lambda index: f"h:{whole.uuid}"  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetMigMode = lambda handle: (0, 1)  # type: ignore[attr-defined]
+    (tmp_path / "proc/driver/nvidia/capabilities/mig").mkdir(parents=True)
+    (tmp_path / "proc/driver/nvidia/capabilities/mig/monitor").write_text("DeviceFileMinor: 2\n")
+    report = module.probe(nvml, tmp_path)
+    assert report["pynvml_lacks"] == ["NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", "nvmlEventTypeGpuUnavailableError",
+                                      "nvmlEventTypeGpuRecoveryAction"]
+    [entry] = report["gpus"]
+    assert entry["mig_mode"] == {"current": 0, "pending": 1}
+    assert entry["event_types"] == {"mask": "0xa", "gpu_unavailable": False, "recovery_action": False}
+    assert entry["field_230"] == {"nvmlReturn": 3, "value": 0} and entry["remapped_rows"] == [0, 1, 0, 0]
+    assert list(report["not_watched"][whole.uuid]) == ["the recovery action"]
+    assert report["capabilities"] == {"mig/config": None, "mig/monitor": "DeviceFileMinor: 2\n",
+                                      "dev_nvidia_caps": None}

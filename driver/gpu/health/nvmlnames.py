@@ -16,14 +16,11 @@ RECOVERY_ACTION_FIELD = "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"
 # nvml.h: #define nvmlEventTypeGpuUnavailableError 0x0000000000004000LL, nvmlEventTypeGpuRecoveryAction 0x...8000LL.
 GPU_UNAVAILABLE_EVENT = "nvmlEventTypeGpuUnavailableError"
 RECOVERY_ACTION_EVENT = "nvmlEventTypeGpuRecoveryAction"
-# nvml.h: NVML_ERROR_NOT_SUPPORTED = 3, in every pynvml; here for fakes of pynvml that leave it out.
-NOT_SUPPORTED_ERROR = "NVML_ERROR_NOT_SUPPORTED"
 
 NVML_H_VALUES: dict[str, int] = {
     RECOVERY_ACTION_FIELD: 230,
     GPU_UNAVAILABLE_EVENT: 0x4000,
     RECOVERY_ACTION_EVENT: 0x8000,
-    NOT_SUPPORTED_ERROR: 3,
 }
 
 

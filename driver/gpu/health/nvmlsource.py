@@ -46,7 +46,6 @@ from driver.gpu.health.model import EventKind, HealthEvent
 from driver.gpu.health.monitor import Emit
 from driver.gpu.health.nvmlnames import (
     GPU_UNAVAILABLE_EVENT,
-    NOT_SUPPORTED_ERROR,
     RECOVERY_ACTION_EVENT,
     RECOVERY_ACTION_FIELD,
     missing_names,
@@ -238,6 +237,10 @@ class NvmlHealthSource:
         elif event.kind is EventKind.XID and event.xid in ROW_REMAP_XIDS and gpu is not None:
             self._poll_row_remapping(gpu, data.device, emit)
 
+    def poll_once(self, emit: Emit) -> None:
+        """One poll of every GPU, NVML already initialised (``scripts/health-probe.py`` on a real node)."""
+        self._poll(emit)
+
     def _poll(self, emit: Emit) -> None:
         nvml = self._nvml
         for gpu in self._inventory().gpus:
@@ -295,7 +298,7 @@ class NvmlHealthSource:
 
 
 def _remap_unreadable(nvml: Any, gpu: GpuInfo, err: Exception) -> str:
-    if getattr(err, "value", None) != nvml_value(nvml, NOT_SUPPORTED_ERROR):
+    if getattr(err, "value", None) != nvml.NVML_ERROR_NOT_SUPPORTED:
         return f"nvmlDeviceGetRemappedRows failed ({err}); a failed remap is not detected (XID 64 still is)"
     if gpu.mig_enabled:  # instances made since the inventory was read count too
         return REMAP_ON_MIG
