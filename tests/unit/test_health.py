@@ -456,6 +456,11 @@ def test_simulated_event_lines_are_checked() -> None:
     assert parse_line('{"uuid": "GPU-1", "recovered": true}', "f line 1").kind() is EventKind.RECOVERED
     with pytest.raises(ValueError, match="f line 3: not a health event"):
         parse_line('{"uuid": "GPU-1", "xid": 79, "lost": true}', "f line 3")
+    assert parse_line('{"uuid": "GPU-1", "xid": 94, "gpu_instance": 3}', "f line 4").gpu_instance == 3
+    with pytest.raises(ValueError, match="compute_instance needs gpu_instance"):
+        parse_line('{"uuid": "GPU-1", "xid": 94, "compute_instance": 0}', "f line 5")
+    with pytest.raises(ValueError, match="gpu_instance goes with an xid or double_bit_ecc event"):
+        parse_line('{"uuid": "GPU-1", "lost": true, "gpu_instance": 3}', "f line 6")
     with pytest.raises(ValueError, match="f line 4"):
         parse_line("{not json", "f line 4")
 
