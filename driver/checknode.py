@@ -2,7 +2,8 @@
 
 Run it first on a new node, in the plugin pod (``docs/operations.md``, "Checking a new node").
 It takes the same settings as ``run`` and checks, in order: NVML and every GPU and MIG device;
-the device root and the device nodes; which MIG GPUs dynamic MIG can serve (``driver/checkmig.py``); the
+the device root and the device nodes; which MIG GPUs dynamic MIG can serve (``driver/checkmig.py``); what
+the health source cannot read on each GPU (``driver/checkhealth.py``); the
 NVIDIA Container Toolkit's CDI spec and ``libcuda`` in it; ``libcuda`` under the driver root;
 ``nvidia-smi``; each GPU's compute mode (read through NVML, as the driver does; the check changes
 nothing on any GPU); and MPS end to end (``driver/checkmps.py``). The exit status
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from driver import nodelayout
+from driver.checkhealth import health_watch_checks
 from driver.checkmig import dynamic_mig_checks
 from driver.checkmps import mps_checks
 from driver.checkresult import CheckResult, NodeReport, exit_status, fail, ok, render_json, render_table, skipped
@@ -279,6 +281,7 @@ def check_node(settings: Settings, mps_device: str | None = None,
     with node_roots(settings, inventory, remove_on_exit) as roots:
         results += _guarded("device nodes", lambda: device_checks(settings, roots, inventory))
         results += _guarded("dynamic MIG", lambda: dynamic_mig_checks(settings, inventory))
+        results += _guarded("health watch", lambda: health_watch_checks(settings, inventory))
         results += _guarded("toolkit CDI spec", lambda: toolkit_checks(settings, roots))
         results += _guarded("libcuda", lambda: libcuda_check(roots))
         results += _guarded("nvidia-smi", lambda: nvidia_smi_check(roots))

@@ -218,3 +218,13 @@ def test_a_pending_mig_mode_says_what_applies_it_in_both_directions(tmp_path: Pa
     assert "MIG mode disable is pending on Ampere: it needs a GPU reset" in disabling
     assert "MIG mode disable is pending" in checks["dynamic MIG GPU 2"]
     assert "MIG mode enable is pending on Ampere" in checks["GPU 0"]
+
+
+def test_check_node_says_what_the_health_source_cannot_watch_on_each_gpu() -> None:
+    # nvml.h: remapped rows are NOT_SUPPORTED on a GPU in MIG mode with instances (the demo's gpu 1).
+    checks = {c["check"]: c for c in json.loads(_check_node("demo", "--json").stdout)["checks"]}
+    assert checks["health watch GPU 0"]["detail"] == ("XIDs, ECC errors, a lost GPU, the recovery action and row "
+                                                      "remapping are watched")
+    migged = checks["health watch GPU 1"]
+    assert migged["status"] == "OK" and migged["detail"].startswith(
+        "memory row remapping is not watched: NVML does not report remapped rows on a GPU in MIG mode with instances")
