@@ -101,18 +101,27 @@ def parse_line(text: str, where: str) -> SimulatedEvent:
                          '{"uuid": "GPU-...", "xid": 79}') from err
 
 
+def poll_gaps(gaps: WatchGaps, inventory: NodeInventory) -> None:
+    """What the NVML source's poll finds unreadable: remapped rows of MIG GPUs with instances (nvml.h)."""
+    for gpu in inventory.gpus:
+        if remap_unreadable_on(gpu):
+            gaps.unreadable(gpu.uuid, ROW_REMAPPING, REMAP_ON_MIG)
+        else:
+            gaps.readable(gpu.uuid, ROW_REMAPPING)
+
+
 class SimulatedHealthEvents:
     """A :class:`driver.gpu.health.monitor.HealthSource` reading ``path`` as it grows."""
 
     def __init__(self, path: Path, inventory: Callable[[], NodeInventory],
-                 current: Callable[[], NodeInventory] | None = None):
+                 current: Callable[[], NodeInventory] | None = None, gaps: WatchGaps | None = None):
         """``current``: what the simulated NVML lists now (a fresh discovery), for events in instances made since
-        ``inventory`` was read."""
+        ``inventory`` was read; ``gaps``: where what NVML cannot report is kept."""
         self._path = path
         self._inventory = inventory
         self._current = current
         self._conditions = ConditionTracker()
-        self.gaps = WatchGaps()
+        self.gaps = gaps if gaps is not None else WatchGaps()
 
     def describe(self) -> str:
         return f"SIMULATION: events from {self._path}"
@@ -120,7 +129,7 @@ class SimulatedHealthEvents:
     def run(self, emit: Emit, stop: threading.Event) -> None:
         offset, line_number, pending = 0, 0, b""
         while not stop.is_set():
-            self._poll_gaps()
+            poll_gaps(self.gaps, self._inventory())
             try:
                 with self._path.open("rb") as handle:
                     if os.fstat(handle.fileno()).st_size < offset:  # truncated: start over
@@ -174,14 +183,6 @@ class SimulatedHealthEvents:
                     extra={"uuid": gpu_uuid, "gpu_instance": gi, "compute_instance": ci})
         return None
 
-    def _poll_gaps(self) -> None:
-        """What the NVML source's poll finds unreadable: remapped rows of MIG GPUs with instances (nvml.h)."""
-        for gpu in self._inventory().gpus:
-            if remap_unreadable_on(gpu):
-                self.gaps.unreadable(gpu.uuid, ROW_REMAPPING, REMAP_ON_MIG)
-            else:
-                self.gaps.readable(gpu.uuid, ROW_REMAPPING)
-
     @staticmethod
     def _emit_change(event: HealthEvent | None, emit: Emit) -> None:
         if event is not None:
@@ -200,7 +201,8 @@ class SimulatedHealth:
     def __init__(self, path: Path | None, inventory: Callable[[], NodeInventory],
                  current: Callable[[], NodeInventory] | None = None):
         self._inventory = inventory
-        self._events = SimulatedHealthEvents(path, inventory, current) if path is not None else None
+        self._gaps = WatchGaps()
+        self._events = SimulatedHealthEvents(path, inventory, current, self._gaps) if path is not None else None
 
     def describe(self) -> str:
         return self._events.describe() if self._events else f"SIMULATION: no events ({EVENTS_ENV} unset)"
@@ -208,11 +210,13 @@ class SimulatedHealth:
     def run(self, emit: Emit, stop: threading.Event) -> None:
         if self._events is not None:
             self._events.run(emit, stop)
-        else:
-            stop.wait()
+            return
+        while not stop.is_set():
+            poll_gaps(self._gaps, self._inventory())
+            stop.wait(POLL_INTERVAL_S)
 
     def not_watched(self) -> dict[str, dict[str, str]]:
-        return self._events.gaps.current() if self._events is not None else {}
+        return self._gaps.current()
 
     def sample(self) -> dict[str, DeviceSample]:
         # SIMULATION: an idle GPU's readings (about what nvidia-smi shows for an idle H100).
