@@ -406,9 +406,24 @@ def test_an_old_pynvml_uses_nvml_h_values_and_what_the_driver_lacks_is_logged_on
             if "this pynvml" not in r.message]
     assert [m for m, _ in said if "cannot be read" in m] == [
         "the recovery action of a GPU cannot be read: the driver answers NVML field 230 with error 3 (older than "
-        "r570, or not on this GPU); a GPU asking for a reset is seen only through its XIDs"]
+        "r570, or not on this GPU); a GPU asking for a reset is seen only through its XIDs (XID 154 is then taken "
+        "as asking for one)"]
     assert [lacking for m, lacking in said if "event types" in m] == [["GPU unavailable", "recovery action"]]
     assert [m for m, _ in said if "can be read again" in m] == ["the recovery action of a GPU can be read again"]
+
+
+def test_xid_154_where_field_230_cannot_be_read_is_taken_as_asking_for_a_reset(inventory: Any) -> None:
+    uuid = gpu(inventory, 0).uuid
+    nvml = FakeNvml([g.uuid for g in inventory.gpus])
+    nvml.field_return = 3  # NOT_SUPPORTED: a driver before the field
+    nvml.events = [event(uuid, 0x8, 154)]
+    source = NvmlHealthSource(nvml, lambda: inventory, poll_interval=3600)
+    seen = run_source(source, nvml, 2)
+    assert [(e.kind, e.detail) for e in seen] == [
+        (EventKind.XID, ""),
+        (EventKind.RECOVERY_ACTION, "XID 154 reported and NVML field 230 unreadable: a reset is assumed")]
+    nvml.field_return = 0  # the field readable again (a driver update) and none asked for: the assumption goes
+    assert [(e.kind, e.clears) for e in run_source(source, nvml, 1)] == [(EventKind.RECOVERED, "recovery-action")]
 
 
 def test_remapped_rows_not_supported_on_a_mig_gpu_with_instances_is_said_once_and_shown(

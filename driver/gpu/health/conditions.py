@@ -28,8 +28,11 @@ from driver.gpu.health.model import EventKind, HealthEvent
 
 log = logging.getLogger(__name__)
 
+# XID 154 on a driver whose field 230 cannot be read: some action is asked for, which one is unknown.
+UNKNOWN_ACTION = -1
 RECOVERY_ACTION_NAMES = {1: "GPU reset", 2: "node reboot", 3: "drain peer-to-peer traffic",
-                         4: "drain and reset", 5: "recover the IMEX domain", 6: "bus reset", 7: "system reboot"}
+                         4: "drain and reset", 5: "recover the IMEX domain", 6: "bus reset", 7: "system reboot",
+                         UNKNOWN_ACTION: "XID 154 reported and NVML field 230 unreadable: a reset is assumed"}
 
 
 class ConditionTracker:

@@ -39,6 +39,7 @@ from driver.gpu.health.conditions import (
     RECOVERY_ACTION,
     REMAP_ON_MIG,
     ROW_REMAPPING,
+    UNKNOWN_ACTION,
     ConditionTracker,
     WatchGaps,
 )
@@ -233,7 +234,7 @@ class NvmlHealthSource:
             return
         emit(event)
         if event.kind is EventKind.XID and event.xid == RECOVERY_ACTION_XID:
-            self._check_recovery_action(uuid, data.device, emit)
+            self._check_recovery_action(uuid, data.device, emit, announced=True)
         elif event.kind is EventKind.XID and event.xid in ROW_REMAP_XIDS and gpu is not None:
             self._poll_row_remapping(gpu, data.device, emit)
 
@@ -276,24 +277,27 @@ class NvmlHealthSource:
         if (event := self._conditions.row_remap(gpu.uuid, bool(pending), bool(failed))) is not None:
             emit(event)
 
-    def _check_recovery_action(self, uuid: str, handle: Any, emit: Emit) -> None:
-        """Read ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` (on its event or XID 154, and at each poll)."""
+    def _check_recovery_action(self, uuid: str, handle: Any, emit: Emit, announced: bool = False) -> None:
+        """Read ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` (on its event or XID 154, and at each poll). ``announced``:
+        XID 154 said the action changed; where the field cannot be read, a reset is then assumed to be asked for
+        (cleared when the field reads none, else by a plugin restart) rather than the XID being ignored."""
         nvml = self._nvml
         what = RECOVERY_ACTION
         try:
             value = nvml.nvmlDeviceGetFieldValues(handle, [nvml_value(nvml, RECOVERY_ACTION_FIELD)])[0]
+            returned = int(getattr(value, "nvmlReturn", 0))
+            why = (f"the driver answers NVML field 230 with error {returned} (older than r570, or not on this GPU)"
+                   if returned != 0 else "")
         except (nvml.NVMLError, IndexError) as err:
-            self._gaps.unreadable(uuid, what, f"NVML field 230 could not be read ({err}); a GPU asking for a reset "
-                                              "is seen only through its XIDs")
-            return
-        returned = int(getattr(value, "nvmlReturn", 0))
-        if returned != 0:
-            self._gaps.unreadable(uuid, what, f"the driver answers NVML field 230 with error {returned} (older "
-                                              "than r570, or not on this GPU); a GPU asking for a reset is seen only "
-                                              "through its XIDs")
-            return
-        self._gaps.readable(uuid, what)
-        if (event := self._conditions.recovery_action(uuid, int(value.value.uiVal))) is not None:
+            why = f"NVML field 230 could not be read ({err})"
+        if why:
+            self._gaps.unreadable(uuid, what, f"{why}; a GPU asking for a reset is seen only through its XIDs "
+                                              "(XID 154 is then taken as asking for one)")
+            action = UNKNOWN_ACTION if announced else None
+        else:
+            self._gaps.readable(uuid, what)
+            action = int(value.value.uiVal)
+        if action is not None and (event := self._conditions.recovery_action(uuid, action)) is not None:
             emit(event)
 
 
