@@ -235,7 +235,9 @@ class DriverApp:
                                  driver_name=settings.driver_name, pool_name=settings.node_name,
                                  taint_effect=settings.health_taint_effect,
                                  report_path=settings.state_dir / HEALTH_FILE)
-        self.health_source = open_health_source(settings, lambda: self.state.view.inventory, os.environ)
+        self.health_source = open_health_source(settings, lambda: self.state.view.inventory, os.environ,
+                                                self.discovery.discover)
+        self.health.not_watched = self.health_source.not_watched
         self.state.device_problems = lambda: self.health.problems(self.state.view)
         self.state.device_taints = lambda: self.health.taints(self.state.view)
         self.usage = ClaimUsageWatch(open_process_source(settings, lambda: self.state.view.inventory, os.environ),
