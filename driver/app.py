@@ -38,17 +38,20 @@ from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.multiuser import MultiUserProbe, probe_gpu, single_user_gpus
 from driver.gpu.mps.shmmount import ShmTmpfs
+from driver.gpu.ownership import OwnershipWatch, owned_view
 from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.sharingplan import PlanError
 from driver.gpu.state import DeviceState, StatePaths
 from driver.gpu.targets import NodeView
 from driver.healthsource import open_health_source, open_process_source
+from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.events import EventRecorder
 from driver.kubeletplugin.healthservice import HealthBoard
 from driver.kubeletplugin.helper import Helper, TelemetryNames
 from driver.kubeletplugin.kubeclient import KubeApiError, KubeConfigError, load_api_client
 from driver.kubeletplugin.nodewatch import NodeMeta, NodeWatch
 from driver.kubeletplugin.types import ClaimRef
+from driver.nodeevents import post_node_event
 from driver.plansource import CONSUMABLE_GATE as CONSUMABLE_GATE
 from driver.plansource import PARTITIONABLE_GATE as PARTITIONABLE_GATE
 from driver.plansource import PlanSource as PlanSource
@@ -127,6 +130,12 @@ class DriverApp:
         # as an Event (posted from the recorder's thread, never inside a prepare).
         self.events = EventRecorder(self.api, controller=f"{settings.driver_name}/kubelet-plugin",
                                     instance=settings.node_name)
+        # Another GPU allocator on the node keeps the GPUs it may hand out unpublished (driver/gpu/ownership.py).
+        self.ownership = OwnershipWatch(settings.device_plugins_dir, settings.registrar_dir, settings.driver_name,
+                                        settings.owned_gpus, partial(post_node_event, self.events, self.api,
+                                                                     settings.node_name, "OtherGpuAllocator",
+                                                                     "WithholdGpus"))
+        self.ownership.refresh(inventory)
         self.mps_reports = MpsReports(self.events)
         self.state.sharing.reports = self.mps_reports
         self.claim_status = ClaimStatusSource(self.state.ledger.read, lambda: self.state.view,
@@ -149,7 +158,9 @@ class DriverApp:
                                  driver_name=settings.driver_name, pool_name=settings.node_name,
                                  taint_effect=settings.health_taint_effect,
                                  report_path=settings.state_dir / HEALTH_FILE)
-        self.health_source = open_health_source(settings, lambda: self.state.view.inventory, os.environ)
+        self.health_source = open_health_source(settings, lambda: self.state.view.inventory, os.environ,
+                                                self.discovery.discover)
+        self.health.not_watched = self.health_source.not_watched
         self.state.device_problems = lambda: self.health.problems(self.state.view)
         self.state.device_taints = lambda: self.health.taints(self.state.view)
         self.usage = ClaimUsageWatch(open_process_source(settings, lambda: self.state.view.inventory, os.environ),
@@ -178,6 +189,7 @@ class DriverApp:
             log.info("the NVIDIA Container Toolkit CDI spec changed; claims prepared from now on use it")
             self.state.set_toolkit(nodelayout.load_toolkit(self.settings))
         inventory = self.discovery.discover()
+        self.ownership.refresh(inventory)
         try:
             desired = self.plans.desired_layout(inventory, own_instances(self.state.ledger.read(), inventory))
         except PlanError as exc:
@@ -224,7 +236,9 @@ class DriverApp:
             log.exception("applying the MPS multi-user probe failed; will retry")
 
     def publish(self, view: NodeView) -> None:
-        """Publish ``view``'s devices (tainted where unhealthy) and tell the kubelet their health."""
+        """Publish ``view``'s devices of GPUs this driver owns (tainted where unhealthy) and tell the kubelet their
+        health."""
+        view = owned_view(view, self.ownership.ownership)
         with self._publish_lock:
             self.helper.publish(self.health.devices(view), view.counter_sets)
             self.health.update_board(view)
@@ -273,7 +287,11 @@ class DriverApp:
         """Serve claims (prepares that waited included), publish the devices, start the watchers."""
         settings = self.settings
         self._helper = helper
-        helper.complete(GpuDriver(self.state), api=self.api,
+        def admit(claim: ResourceClaim) -> str | None:
+            prepared = claim.metadata.uid in self.state.ledger.read().claims
+            return self.ownership.admit(claim, settings.driver_name, self.state.view, prepared)
+
+        helper.complete(GpuDriver(self.state, admit), api=self.api,
                         names=TelemetryNames(service="tessera-kubelet-plugin", metric_prefix="tessera"),
                         claim_status=self.claim_status, node_uid=self.node.uid)
         self._node_uid = self.node.uid()

@@ -58,7 +58,7 @@ from driver.gpu.runtime.migruntime import MigRuntime
 from driver.gpu.runtime.sharing import SharingRuntime
 from driver.gpu.runtime.timeslice import TimeSliceError
 from driver.gpu.sharecheck import check_no_overlap, check_shares_fit
-from driver.gpu.sharelayout import SharingLayout
+from driver.gpu.sharelayout import SharingLayout, plan_timeslices
 from driver.gpu.targets import NodeView, drop_unfit, merge_layout
 from driver.gpu.tenancy import check_clients, client_rules
 from driver.kubeletplugin.claimmodel import ResourceClaim
@@ -154,7 +154,7 @@ class DeviceState:
         """
         with self.node_lock.held():
             cp = self.ledger.load_locked()
-            busy = {uuid for rec in cp.claims.values() for uuid in rec.held_gpu_uuids}
+            busy = {key for rec in cp.claims.values() for key in rec.held_layout_keys}
             effective, deferred = merge_layout(self.view.layout, desired, busy)
             effective, unfit = drop_unfit(effective, desired, view.inventory)
             new_view = make_view(view.inventory, effective, self.mps_multi_user, own_instances(cp, view.inventory))
@@ -174,7 +174,7 @@ class DeviceState:
         return new_view, deferred
 
     def _apply_plan_timeslices(self, layout: SharingLayout) -> None:
-        desired = {uuid: s.interval or "Default" for uuid, s in layout.items() if s.strategy == "TimeSlicing"}
+        desired = plan_timeslices(layout)
         recorded = self.ledger.read().plan_timeslices
         for uuid in sorted(set(recorded) | set(desired)):
             if recorded.get(uuid) == desired.get(uuid):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 from driver.gpu.claimplan import ClaimPlan, PlannedDaemon
-from driver.gpu.devicenames import gpu_device_name
+from driver.gpu.devicenames import gpu_device_name, mig_device_name
 from driver.gpu.errors import PrepareError
 from driver.gpu.sharelayout import Enforcement, MpsClients, mps_enforcement
 from driver.kubeletplugin.claimmodel import ResourceClaim
@@ -77,6 +77,8 @@ def _alternative(daemon: PlannedDaemon) -> str:
 
 def _where(plan: ClaimPlan, daemon: PlannedDaemon) -> str:
     served = [t for t in plan.targets if t.name in daemon.device_names]
-    if daemon.shared:
-        return ", ".join(sorted({gpu_device_name(t.gpu.minor) for t in served}))
+    if daemon.shared:  # the GPU, or the MIG instance, whose shares all go through the daemon
+        return ", ".join(sorted({gpu_device_name(t.gpu.minor) if t.mig is None
+                                 else mig_device_name(t.gpu.minor, t.mig.profile, t.mig.placement_start)
+                                 for t in served}))
     return ", ".join(t.name for t in served)

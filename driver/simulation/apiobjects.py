@@ -163,7 +163,9 @@ def event_errors(obj: Obj, namespace: str) -> list[tuple[str, str]]:
     if len(str(obj.get("note") or "")) > _EVENT_NOTE_MAX:
         errors.append(("note", f"Too long: may not be more than {_EVENT_NOTE_MAX} bytes"))
     regarding = obj.get("regarding") or {}
-    if regarding.get("namespace", namespace) != namespace:
+    # A cluster-scoped object's (a Node's) Event, eventTime set, lives in default or kube-system (ValidateEventCreate).
+    allowed = ("", namespace) if namespace in ("default", "kube-system") else (namespace,)
+    if regarding.get("namespace", namespace) not in allowed:
         errors.append(("regarding.namespace", "Invalid value: does not match event.namespace"))
     return errors
 

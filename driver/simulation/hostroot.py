@@ -331,6 +331,11 @@ def build_host_root(root: Path, inventory: NodeInventory, layout: DriverLayout =
     for gpu in inventory.gpus:
         for mig in gpu.mig_instances:
             write_mig_capability_proc(root, gpu.minor, mig.gi_id, mig.ci_id)
+    if any(gpu.mig_capable for gpu in inventory.gpus):
+        # The driver's own MIG capabilities (NVIDIA's MIG user guide: nvidia-cap1 cr--------, nvidia-cap2 cr--r--r--).
+        _write(root / CAPABILITIES_DIR / "mig" / "config",
+               "DeviceFileMinor: 1\nDeviceFileMode: 256\nDeviceFileModify: 1\n")
+        _write(root / CAPABILITIES_DIR / "mig" / "monitor", _access_text(2))
     _write(root / "proc" / "devices", _proc_devices())
     # A cgroup v2 host; the dmem controller only where the node models kernel memory limits.
     dmem = ("dmem",) if kernel_memory_node(inventory) else ()

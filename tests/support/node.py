@@ -118,6 +118,11 @@ class SimulatedNode:
         return self.work / "plugins" / DRIVER
 
     @property
+    def device_plugins_dir(self) -> Path:
+        """The simulated kubelet's device plugin directory (another GPU allocator's socket goes there)."""
+        return self.work / "device-plugins"
+
+    @property
     def cdi_dir(self) -> Path:
         # On a GPU Operator node the driver writes next to the operator's toolkit spec and finds it there.
         return self.sim_host.toolkit_spec.parent if self.sim_host.layout == "gpu-operator" else self.work / "cdi"
@@ -179,6 +184,7 @@ class SimulatedNode:
     def args(self, *extra: str) -> list[str]:
         args = [self.python, "-m", "driver", "run", "--simulate", self.layout, "--node-name", NODE,
                 "--kubeconfig", str(self.kubeconfig), "--registrar-dir", str(self.work / "reg"),
+                "--device-plugins-dir", str(self.device_plugins_dir),
                 "--plugins-dir", str(self.work / "plugins"), "--cdi-root", str(self.cdi_dir),
                 *self.sim_host.driver_args(),
                 "--http-port", "0", "--log-format", "json", "--rescan-interval", "0.5"]

@@ -65,7 +65,7 @@ def test_a_valid_file_is_summarised_and_the_simulated_node_shows_each_gpu(
     assert (f"GPU {l4.minor} {l4.uuid} NVIDIA L4: plans.l4-mps.gpus[0] -> 4 MPS shares, each memory 5758Mi "
             "(pinned limit), 25% of the SMs, clients nonRoot") in out
     assert "NVIDIA H100 80GB HBM3: no entry matches -> whole (memory 81559Mi)" in out
-    assert "no entry matches -> its 3 MIG device(s) (3g.40gb, 2g.20gb, 1g.10gb)" in out
+    assert "no entry matches -> its 3 MIG device(s) (3g.40gb at 0; 2g.20gb at 4; 1g.10gb at 6)" in out
     assert "defaultPlan: the node has no label gpu.tessera.dev/sharing-plan" in out
 
 
@@ -97,7 +97,7 @@ def test_a_bad_entry_is_one_line_naming_it(tmp_path: Path, capsys: pytest.Captur
 def test_a_plan_that_cannot_apply_to_the_simulated_node_names_the_entry_and_gpu(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     mig = tmp_path / "mig.yaml"
-    mig.write_text("plans:\n  p:\n    gpus:\n    - match: {all: true}\n      mps: {shares: 4}\n")
+    mig.write_text("plans:\n  p:\n    gpus:\n    - match: {minor: 1}\n      mps: {shares: 4}\n")
     status, out, err = run_cli(["check-plan", str(mig), "--simulate", "demo", "--plan", "p"], capsys)
     assert status == 1 and out == ""
     assert err.startswith(f"python -m driver check-plan: {mig}: plans.p.gpus[0] (GPU minor 1, ")

@@ -721,6 +721,17 @@ def test_admission_policy_names_the_custom_driver() -> None:
             "/sharing/plans/p/gpus/0/mps/pinnedMemoryLimit",
         ),
         (
+            {"sharing": {"plans": {"p": {"gpus": [{"match": {"minor": 0, "all": True, "migProfile": "*"},
+                                                   "timeSlicing": {"shares": 2}}]}}}},
+            helm_python.HelmValuesError,
+            "/sharing/plans/p/gpus/0/match",
+        ),
+        (
+            {"sharing": {"plans": {"p": {"gpus": [{"match": {"minor": 0, "all": True}, "whole": True}]}}}},
+            helm_python.HelmValuesError,
+            "/sharing/plans/p/gpus/0/match",
+        ),
+        (
             {"sharing": {"defaultPlan": "mps4", "plans": {"whole": {}}}},
             helm_python.HelmRenderError,
             "known plans: whole",

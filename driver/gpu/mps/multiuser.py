@@ -25,23 +25,31 @@ log = logging.getLogger(__name__)
 
 
 def plan_mps_gpus(inventory: NodeInventory, layout: SharingLayout) -> list[str]:
-    """UUIDs of the GPUs the layout splits into MPS shares, in minor order."""
-    return [g.uuid for g in sorted(inventory.gpus, key=lambda g: g.minor)
-            if (shares := layout.get(g.uuid)) is not None and shares.strategy == "MPS"]
+    """UUIDs of the GPUs the layout splits into MPS shares, and MIG UUIDs of the instances it splits so (each
+    has a plan daemon of its own), in minor order."""
+    return [uuid for g in sorted(inventory.gpus, key=lambda g: g.minor)
+            for uuid in (g.uuid, *(m.uuid for m in g.mig_instances))
+            if (shares := layout.get(uuid)) is not None and shares.strategy == "MPS"]
+
+
+def _capable(inventory: NodeInventory) -> set[str]:
+    """GPUs (and their MIG instances) whose compute capability allows multi-user mode."""
+    return {uuid for g in inventory.gpus if multi_user_capable(g.cuda_compute_capability)
+            for uuid in (g.uuid, *(m.uuid for m in g.mig_instances))}
 
 
 def probe_gpu(inventory: NodeInventory, layout: SharingLayout) -> str | None:
-    """The GPU to probe multi-user mode with: the first with plan MPS shares that could use it.
+    """The GPU (or MIG instance) to probe multi-user mode with: the first with plan MPS shares that could use it.
 
     None when no GPU could (no plan MPS shares, or only GPUs below compute capability 7.0):
     then nothing needs probing."""
-    capable = {g.uuid for g in inventory.gpus if multi_user_capable(g.cuda_compute_capability)}
+    capable = _capable(inventory)
     return next((uuid for uuid in plan_mps_gpus(inventory, layout) if uuid in capable), None)
 
 
 def single_user_gpus(inventory: NodeInventory, layout: SharingLayout, multi_user: bool) -> list[str]:
-    """GPUs whose plan MPS shares are served one Linux UID at a time under ``multi_user``."""
-    capable = {g.uuid for g in inventory.gpus if multi_user_capable(g.cuda_compute_capability)}
+    """GPUs (and MIG instances) whose plan MPS shares are served one Linux UID at a time under ``multi_user``."""
+    capable = _capable(inventory)
     return [uuid for uuid in plan_mps_gpus(inventory, layout) if not (multi_user and uuid in capable)]
 
 
