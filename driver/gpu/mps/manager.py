@@ -278,7 +278,7 @@ class MpsManager:
         if running:
             raise MpsError(
                 f"an MPS control daemon (pid {running[0][0]}) already runs in {pipe_dir}; "
-                "adopt it with ensure_running() or stop it before starting another"
+                "it must stop before another can start there"
             )
         deadline = Deadline.after(self._within_ready(timeout), "start")
         started: tuple[int, int] | None = None
