@@ -490,7 +490,7 @@ class StopOnceListening(LocalLauncher):
         self.sim, self.how, self.times = sim, how, times
         self.stopped: list[int] = []
 
-    def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
+    def launch(self, request: DaemonLaunch, timeout: float | None = None) -> LaunchedDaemon:
         launched = super().launch(request)
         if len(self.stopped) < self.times:
             self.stopped.append(launched.pid)
@@ -846,7 +846,7 @@ def test_a_launcher_answering_with_another_shm_dir_is_refused_and_its_daemon_sto
     # Clients get the answered directory read-write at /dev/shm: a launcher (the MPS host, over a
     # socket) must not be able to point them anywhere but the directory the manager asked for.
     class Elsewhere(LocalLauncher):
-        def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
+        def launch(self, request: DaemonLaunch, timeout: float | None = None) -> LaunchedDaemon:
             launched = super().launch(request)
             return LaunchedDaemon(pid=launched.pid, shm_dir=sim.top / "elsewhere")
 

@@ -279,7 +279,7 @@ class MpsManager:
             request = DaemonLaunch(daemon_id=spec.daemon_id, pipe_dir=pipe_dir, log_dir=log_dir,
                                    visible_devices=spec.gpu_uuids, multi_user=spec.multi_user,
                                    shm_dir=daemon_dir / "shm", shm_size=spec.shm_size)
-            launched = self.launcher.launch(request)
+            launched = self.launcher.launch(request, deadline.remaining())
             launched_pid = launched.pid
             if launched.shm_dir not in (None, request.shm_dir):
                 # Clients get this directory read-write at /dev/shm: only the one asked for will do.
