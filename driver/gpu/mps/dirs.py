@@ -27,8 +27,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cdi.atomicfile import write_atomic
-
 # The names the driver gives its daemons (driver/gpu/claimplan.py: plan_daemon_id,
 # claim_daemon_id, share_daemon_id; the multi-user probe's in manager.py). Anything else under the
 # base directory is not the driver's to stop or remove.
@@ -235,9 +233,21 @@ def read_restart_state(daemon_dir: Path) -> RestartState:
 
 
 def write_restart_state(daemon_dir: Path, state: RestartState) -> None:
-    # Losing the last restart to a power failure only shortens one backoff: no directory fsync.
+    # Losing the last restart to a power failure only shortens one backoff: no fsync. Written through the
+    # daemon directory's fd, so a link planted in its place cannot send the write elsewhere.
     data = json.dumps({"count": state.count, "last_at": state.last_at}).encode()
-    write_atomic(daemon_dir / RESTART_STATE_NAME, data, mode=0o600, durable=False)
+    directory = open_dir_below(daemon_base(daemon_dir), daemon_dir)
+    temp = f".{RESTART_STATE_NAME}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=directory)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(temp, RESTART_STATE_NAME, src_dir_fd=directory, dst_dir_fd=directory)
+    finally:
+        os.close(directory)
 
 
 def restart_delay(state: RestartState, base: float, cap: float, now: float | None = None) -> float:
