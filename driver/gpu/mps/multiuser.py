@@ -85,11 +85,14 @@ class MultiUserProbe:
             return self._result
 
     def start(self, gpu_uuid: str) -> None:
-        """Start the probe with ``gpu_uuid`` unless it was started already."""
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(target=self._run, args=(gpu_uuid,), name="mps-multi-user-probe", daemon=True)
-        self._thread.start()
+        """Start the probe with ``gpu_uuid`` unless it was started already (by the main thread's tick or a
+        prepare's wait, whichever comes first: one probe, one throwaway daemon)."""
+        with self._lock:
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(target=self._run, args=(gpu_uuid,), name="mps-multi-user-probe",
+                                            daemon=True)
+            self._thread.start()
 
     def wait(self, timeout: float) -> bool | None:
         """The answer, waiting up to ``timeout`` seconds for a running probe; None if it has not answered."""
