@@ -100,17 +100,25 @@ def test_inspect_shows_claims_devices_and_cdi_files(node: SimulatedNode) -> None
     assert claim["cdi_spec_present"] is True
 
 
-def test_a_claims_own_daemon_is_adopted_after_a_rebuild_and_restarted_when_it_dies(node: SimulatedNode) -> None:
+@pytest.mark.parametrize("lost", ["corrupt", "deleted-after-kill-9"])
+def test_a_claims_own_daemon_is_adopted_after_a_rebuild_and_restarted_when_it_dies(node: SimulatedNode,
+                                                                                   lost: str) -> None:
     # After a checkpoint rebuilt from the CDI specs, a claim's own MPS daemon (no later prepare needs it) used to
-    # have no record: never checked again, never restarted. Its spec now carries its settings.
+    # have no record: never checked again, never restarted. Its spec now carries its settings. A deleted
+    # checkpoint used to be read as empty: the claim's spec was removed and its daemon stopped under it.
     node.start()
     limits = {"defaultActiveThreadPercentage": 40}
     ref = node.claim("c", [("gpu", "gpu-0")], configs=[gpu_config(strategy="MPS", mpsConfig=limits)])
     node.prepare_ok(ref)
     [(daemon_id, daemon)] = node.checkpoint()["mps_daemons"].items()
-    node.stop()
-    (node.state_dir / "checkpoint.json").write_text('{"version": 1, "checksum": "sha256:00", "data": {"cla')
+    if lost == "corrupt":
+        node.stop()
+        (node.state_dir / "checkpoint.json").write_text('{"version": 1, "checksum": "sha256:00", "data": {"cla')
+    else:
+        node.kill9()
+        (node.state_dir / "checkpoint.json").unlink()
     node.start()
+    assert node.cdi_spec(ref.uid).exists(), "the running claim keeps its CDI spec"
     assert node.checkpoint()["mps_daemons"][daemon_id]["pid"] == daemon["pid"], "the live daemon adopted"
     os.kill(daemon["pid"], signal.SIGKILL)
     wait_until(lambda: node.checkpoint()["mps_daemons"][daemon_id]["pid"] != daemon["pid"], 30,
