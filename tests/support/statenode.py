@@ -78,10 +78,11 @@ class FakeMps:
         self.verified.append(record.spec.daemon_id)
         return self.drift.pop(record.spec.daemon_id, [])
 
-    def adopt(self, spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord | None:
+    def adopt(self, spec: MpsDaemonSpec, timeout: float | None = None,
+              restore: bool = False) -> MpsDaemonRecord | None:
         self.calls.append(("adopt", spec.daemon_id))
         running = self.running.get(spec.daemon_id)
-        return running if running is not None and running.spec == spec else None
+        return running if running is not None and (restore or running.spec == spec) else None
 
     def stop(self, record: MpsDaemonRecord, timeout: float | None = None) -> None:
         self.calls.append(("stop", record.spec.daemon_id))
