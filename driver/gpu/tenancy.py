@@ -50,7 +50,7 @@ def check_clients(claim: ResourceClaim, plan: ClaimPlan, deadline: Deadline) -> 
     findings = pods.findings()
     if findings:
         first = findings[0]
-        more = f" ({len(findings) - 1} more findings)" if len(findings) > 1 else ""
+        more = {1: "", 2: " (1 more finding)"}.get(len(findings), f" ({len(findings) - 1} more findings)")
         raise PrepareError(f"{first.describe()}{more}; {_what(daemon)} on {where} admits only pods that meet "
                            f"Pod Security \"baseline\" and cannot run as root or group root (clients: nonRoot); "
                            f"{first.fix}, or {_alternative(daemon)}")
