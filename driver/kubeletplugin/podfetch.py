@@ -17,6 +17,7 @@ from urllib.parse import quote
 from pydantic import ValidationError
 
 from driver.kubeletplugin.kubeclient import KubeApiError, KubeClient, send
+from driver.kubeletplugin.podsecurity import pod_name, shown
 from driver.kubeletplugin.podspec import Pod
 from driver.kubeletplugin.reservedpods import PodRef, PodsUnreadable
 
@@ -43,17 +44,18 @@ class PodFetcher:
         for (namespace, name, _), pod in zip(refs, found, strict=True):
             if pod is None:
                 log.info("a pod the claim is reserved for is gone: it cannot run with the claim",
-                         extra={"pod": f"{namespace}/{name}"})
+                         extra={"pod": pod_name(namespace, name)})
         return found
 
     def _read(self, namespace: str, name: str, timeout_s: float) -> Pod | None:
+        shown_pod = pod_name(namespace, name)
         path = f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
         bound = max(_MIN_TIMEOUT_S, timeout_s)
         timeouts = (min(self._connect_timeout_s, bound), min(self._read_timeout_s, bound))
         try:
             response = send(self._api, "GET", path, timeouts=timeouts)
         except KubeApiError as err:
-            raise PodsUnreadable(f"cannot read pod {namespace}/{name} from the API server ({err}); "
+            raise PodsUnreadable(f"cannot read pod {shown_pod} from the API server ({err}); "
                                  "the kubelet will retry") from err
         if response.status == 404:
             return None
@@ -61,15 +63,15 @@ class PodFetcher:
             reason, message = _status_details(response.reason or "Error", response.data)
             hint = ("grant the driver's service account 'get' on pods" if response.status == 403
                     else "the kubelet will retry")
-            raise PodsUnreadable(f"reading pod {namespace}/{name} failed: HTTP {response.status} {reason}: "
+            raise PodsUnreadable(f"reading pod {shown_pod} failed: HTTP {response.status} {reason}: "
                                  f"{message}; {hint}")
         try:
             return Pod.model_validate_json(response.data)
         except ValidationError as err:
             first = err.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "body"
-            raise PodsUnreadable(f"pod {namespace}/{name}: the API server returned an object this driver cannot "
-                                 f"read ({where}: {first['msg']})") from err
+            where = shown(".".join(str(p) for p in first["loc"]) or "body")
+            raise PodsUnreadable(f"pod {shown_pod}: the API server returned an object this driver cannot "
+                                 f"read (at {where}: {first['msg']})") from err
 
 
 def _status_details(http_reason: str, body: bytes) -> tuple[str, str]:
@@ -79,5 +81,7 @@ def _status_details(http_reason: str, body: bytes) -> tuple[str, str]:
     except ValueError:
         status = None
     if not isinstance(status, dict):
-        return http_reason, body.decode("utf-8", errors="replace").strip()[:200] or "no details"
-    return str(status.get("reason") or http_reason), str(status.get("message") or "no details")
+        return http_reason, " ".join(body.decode("utf-8", errors="replace").split())[:200] or "no details"
+    # The message is the server's (or a proxy's) text: one line, cut, as every echoed value.
+    message = " ".join(str(status.get("message") or "no details").split())
+    return " ".join(str(status.get("reason") or http_reason).split())[:100], message[:300]

@@ -7,6 +7,7 @@ give (docs/sharing.md "Tenants", the admission table).
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -297,3 +298,19 @@ def test_every_reserved_pod_is_judged() -> None:
     second = Pod.model_validate({"metadata": {"name": "b", "namespace": "ns", "uid": "b"}, "spec": root})
     found = describe([pod_entry("a", "a"), pod_entry("b", "b")], [clean_pod("a", "a"), second])
     assert [f.split(":")[0] for f in found] == ["pod ns/b"]
+
+
+# A call, a module file, a snake_case name, or one of this driver's class names.
+INTERNAL = re.compile(r"[A-Za-z_]\w*\(|\.py\b|\b[a-z]+_[a-z_]+\b|Violation|ReservedPods|Pod\.")
+
+
+def test_no_refusal_names_an_internal_function_module_or_class() -> None:
+    assert INTERNAL.search("adopt it with ensure_running()"), "the scan finds what it looks for"
+    found = [line for path, value, _, _ in RULES for line in lines(with_field(path, value))]
+    found += describe([], []) + describe([Consumer("apps", "deployments", "w", "w")], [])
+    found += describe([pod_entry("benign", "evil")], [clean_pod("benign", "benign")])
+    found += describe([pod_entry("gone", "g")], [None])
+    fixes = [v.fix for path, value, _, _ in RULES for v in violations(make_pod(with_field(path, value)))]
+    for text in found + fixes:
+        outside_quotes = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+        assert not INTERNAL.search(outside_quotes), text

@@ -72,6 +72,18 @@ def test_a_claim_reserved_for_no_pod_reads_nothing_and_one_without_a_reader_cann
         claim_for(("a", "uid-a")).reserved_pods(5.0)
 
 
+def test_what_the_server_sent_is_echoed_on_one_line(apiserver: FakeApiServer) -> None:
+    apiserver.put_pod({"metadata": {"name": "odd", "namespace": "ns", "uid": "uid-odd",
+                                    "annotations": {"x\nFAKE: y": 5}}, "spec": {}})
+    with pytest.raises(PodsUnreadable) as caught:
+        claim_for(("odd", "uid-odd")).with_pod_reader(PodFetcher(apiserver.api_client())).reserved_pods(5.0)
+    assert str(caught.value).startswith('pod ns/odd: the API server returned an object this driver cannot read (at '
+                                        '"metadata.annotations.x\\nFAKE: y": '), str(caught.value)
+    gone = claim_for(("a\nb", "uid-a")).with_pod_reader(PodFetcher(apiserver.api_client())).reserved_pods(5.0)
+    assert [f.describe() for f in gone.findings()] == [
+        'every pod the claim is reserved for is gone (pod "ns/a\\nb"), so none can use it']
+
+
 # --- the settings -----------------------------------------------------------------------------
 
 H100 = GpuInfo(minor=0, index=0, uuid="GPU-00000000-0000-0000-0000-000000000001", product_name="NVIDIA H100",
