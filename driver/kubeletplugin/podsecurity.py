@@ -55,7 +55,8 @@ SAFE_SYSCTLS = frozenset({
     "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
     "net.ipv4.tcp_keepalive_probes", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"})
 SELINUX_TYPES = frozenset({"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"})
-APPARMOR_TYPES = frozenset({"", "RuntimeDefault", "Localhost"})
+# seccompProfile.type and appArmorProfile.type: unset, RuntimeDefault or Localhost (not Unconfined).
+PROFILE_TYPES = frozenset({"", "RuntimeDefault", "Localhost"})
 APPARMOR_ANNOTATION = "container.apparmor.security.beta.kubernetes.io/"
 
 _KIND_WORDS = {"initContainer": "init container", "container": "container",
@@ -221,12 +222,13 @@ def _container(pod: Pod, kind: ContainerKind, index: int, container: Container) 
 
 def _shared_fields(path: str, sc: SecurityContext | PodSecurityContext) -> Iterator[tuple[str, str, str]]:
     """(statement, why, fix) for the baseline fields both levels have: seccomp, AppArmor, SELinux, hostProcess."""
-    if _profile_type(sc.seccomp_profile) == "Unconfined":
-        yield (f"{path}.seccompProfile.type: Unconfined is not allowed by {BASELINE}",
+    seccomp = _profile_type(sc.seccomp_profile)
+    if seccomp not in PROFILE_TYPES:
+        yield (f"{path}.seccompProfile.type: {shown(seccomp)} is not allowed by {BASELINE}",
                "without a seccomp filter every system call of the host's kernel is open",
                "set seccompProfile.type: RuntimeDefault or remove it")
     apparmor = _profile_type(sc.app_armor_profile)
-    if apparmor not in APPARMOR_TYPES:
+    if apparmor not in PROFILE_TYPES:
         yield (f"{path}.appArmorProfile.type: {shown(apparmor)} is not allowed by {BASELINE}",
                "only RuntimeDefault or Localhost keeps an AppArmor profile",
                "set appArmorProfile.type: RuntimeDefault or remove it")
