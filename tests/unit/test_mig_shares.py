@@ -300,6 +300,6 @@ def test_a_root_pod_on_an_instances_shared_daemon_is_refused_naming_the_instance
     data["status"]["reservedFor"] = [{"resource": "pods", "name": "train-0", "uid": "pod-uid"}]
     root = ResourceClaim.model_validate(data).with_pod_reader(RootPods())
     p = claim_plan("u1", "gpu-1-mig-3g40gb-0-mps-1")
-    with pytest.raises(PrepareError, match="MPS daemon shared with other claims on gpu-1-mig-3g40gb-0;"):
+    with pytest.raises(PrepareError, match="MPS daemon shared with other claims on gpu-1-mig-3g40gb-0 admits only"):
         check_clients(root, p, Deadline.after(5))
     assert claim_enforcement(p, INVENTORY.driver_version) == ("nonRoot", Enforcement.MPS_ADVISORY)
