@@ -36,7 +36,7 @@ from driver.gpu.mps.hostcheck import default_tools
 from driver.gpu.mps.hostclient import MpsHostLauncher
 from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
 from driver.gpu.mps.manager import MpsManager
-from driver.gpu.mps.multiuser import MultiUserProbe, probe_gpu, single_user_gpus
+from driver.gpu.mps.multiuser import MultiUserGate, MultiUserProbe, probe_gpu, single_user_gpus, supports_multi_user
 from driver.gpu.mps.shmmount import ShmTmpfs
 from driver.gpu.ownership import OwnershipWatch, owned_view
 from driver.gpu.runtime.timeslice import TimeSlicer
@@ -117,7 +117,8 @@ class DriverApp:
                               shm_dir=settings.mps_shm_dir)
         # Multi-user MPS is probed after registration (a daemon start); until then plan daemons and
         # the published mpsMultiUser attribute say single-user, the answer that hides nothing.
-        self.multi_user = MultiUserProbe(self.mps.supports_multi_user)
+        self.multi_user = MultiUserProbe(partial(supports_multi_user, self.mps))
+        self._multi_user_published = False
         self._single_user_gpus: tuple[str, ...] = ()
         compute_modes = nodelayout.open_compute_modes(settings)  # NVML (or its simulation double), once
         self.state = DeviceState(
@@ -126,6 +127,9 @@ class DriverApp:
             timeslicer=TimeSlicer(settings.driver_root, compute_modes), compute_modes=compute_modes,
             view=make_view(inventory, {}), mps_multi_user=False,
             mig=partial(nodelayout.open_mig_partitioner, settings))  # opened at the first dynamic MIG claim
+        # A plan daemon started before the probe answered would stay single-user while claims use it.
+        self.state.multi_user_gate = MultiUserGate(self.multi_user, lambda: self.state.view.inventory,
+                                                   self._use_multi_user).wait
         # Tenants that change or stop a shared MPS daemon: counted, logged and told to each claim's owner
         # as an Event (posted from the recorder's thread, never inside a prepare).
         self.events = EventRecorder(self.api, controller=f"{settings.driver_name}/kubelet-plugin",
@@ -214,8 +218,8 @@ class DriverApp:
                 self.multi_user.start(gpu)  # once; its answer is picked up at a later call
                 return
             available = False  # nothing to probe: no plan MPS shares on a GPU that could be multi-user
-        if available and not self.state.mps_multi_user:
-            self.state.mps_multi_user = True
+        if available and not self._multi_user_published:
+            self._multi_user_published = self.state.mps_multi_user = True
             view, _deferred = self.state.apply_layout(view, view.layout)
             self.publish(view)
             log.info("MPS multi-user mode is available: plan MPS daemons serve clients of any Linux UID at once")
@@ -228,6 +232,10 @@ class DriverApp:
                     "driver's nvidia-cuda-mps-control lacks it, or compute capability < 7.0); a client running as "
                     "another UID waits until the first UID's clients finish. Published as mpsMultiUser=false; "
                     "see docs/sharing.md", extra={"gpu_uuids": list(single)})
+
+    def _use_multi_user(self) -> None:
+        """Plan daemons started from now on are multi-user (the devices are republished at the next tick)."""
+        self.state.mps_multi_user = True
 
     def _follow_multi_user_safely(self) -> None:
         try:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,6 +40,7 @@ from driver.demoargs import (
     demo_plan,
     layout_hint,
     parse_options,
+    pods_using,
     share_mode,
 )
 from driver.demohealth import show_failure_and_recovery
@@ -173,16 +175,17 @@ def _show_mps_commands(work: Path, spec_json: dict[str, Any]) -> None:
 
 def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, work: Path, cdi_dir: Path,
                      taken: set[str], consumed: dict[str, dict[str, int]], failed: list[str]) -> list[ClaimRef]:
-    refs = [_prepare_document(doc, path.name, api, kubelet, work, cdi_dir, taken, consumed, failed)
-            for doc in claim_documents(path)]
+    refs = [_prepare_document(doc, path.name, api, kubelet, work, cdi_dir, taken, consumed, failed,
+                              pods_using(path, doc)) for doc in claim_documents(path)]
     return [ref for ref in refs if ref is not None]
 
 
 def _prepare_document(doc: dict[str, Any], source: str, api: FakeApiServer, kubelet: KubeletEmulator, work: Path,
                       cdi_dir: Path, taken: set[str], consumed: dict[str, dict[str, int]],
-                      failed: list[str]) -> ClaimRef | None:
-    """Allocate one ResourceClaim(Template) document, prepare it through the kubelet stand-in, show what the
-    container would get; its ref if it is prepared."""
+                      failed: list[str], pods: Sequence[dict[str, Any]] = ()) -> ClaimRef | None:
+    """Allocate one ResourceClaim(Template) document, reserve it for ``pods`` (the example's Pods that use it,
+    as the scheduler does), prepare it through the kubelet stand-in, show what the container would get; its
+    ref if it is prepared."""
     name = f"demo-{doc['metadata']['name']}"
     claim = claim_from_template(doc, name) if doc["kind"] == "ResourceClaimTemplate" else {
         **doc, "metadata": {**doc["metadata"], "name": name, "namespace": "default",
@@ -193,6 +196,11 @@ def _prepare_document(doc: dict[str, Any], source: str, api: FakeApiServer, kube
         _say(f"  NOT ALLOCATED: claim default/{name} (from {source}): {exc}; {layout_hint(source)}")
         failed.append(name)
         return None
+    for pod in pods:
+        stored = api.put_pod({**pod, "metadata": {"name": f"demo-{pod['metadata']['name']}", "namespace": "default",
+                                                  "uid": str(uuid.uuid4())}})
+        allocated.setdefault("status", {}).setdefault("reservedFor", []).append(
+            {"resource": "pods", "name": stored["metadata"]["name"], "uid": stored["metadata"]["uid"]})
     api.put_claim(allocated)
     ref = ClaimRef(namespace="default", name=name, uid=claim["metadata"]["uid"])
     results = allocated["status"]["allocation"]["devices"]["results"]

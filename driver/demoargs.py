@@ -136,6 +136,15 @@ def claim_documents(path: Path) -> list[dict[str, Any]]:
     return [d for d in docs if isinstance(d, dict) and d.get("kind") in ("ResourceClaimTemplate", "ResourceClaim")]
 
 
+def pods_using(path: Path, claim_doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Pod documents of ``path`` that name ``claim_doc`` (a ResourceClaim or ResourceClaimTemplate)."""
+    key = "resourceClaimTemplateName" if claim_doc.get("kind") == "ResourceClaimTemplate" else "resourceClaimName"
+    name = claim_doc.get("metadata", {}).get("name")
+    docs = load_yaml_documents(path.read_text())
+    return [d for d in docs if isinstance(d, dict) and d.get("kind") == "Pod"
+            and any(c.get(key) == name for c in (d.get("spec") or {}).get("resourceClaims") or [])]
+
+
 def requested_classes(documents: Iterable[dict[str, Any]]) -> set[str]:
     """DeviceClass names the claims request (``exactly`` and each ``firstAvailable`` alternative)."""
     classes: set[str] = set()

@@ -1,4 +1,4 @@
-"""Rebuild the checkpoint from the CDI specs on disk, after the checkpoint was found corrupt.
+"""Rebuild the checkpoint from the CDI specs on disk, after the checkpoint was found corrupt or missing.
 
 Every spec the driver writes carries annotations naming its claim and, per device, everything
 the checkpoint held about it: kind, GPU, MIG instance (and, for dynamic MIG, its profile and placement),

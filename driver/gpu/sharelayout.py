@@ -38,9 +38,9 @@ class Enforcement(StrEnum):
 
 
 # Who may be a client of an MPS daemon (plan entry ``mps.clients``, per-claim ``mpsConfig.clients``):
-# ``nonRoot``: only claims none of whose pods' containers may run as host UID 0 (checked at prepare,
-# ``driver/gpu/tenancy.py``); ``any``: every claim, whose root processes can then change or stop the
-# daemon, so its limits are advisory.
+# ``nonRoot``: only claims all of whose consumers are pods that meet Pod Security "baseline" and cannot run
+# as root or group root (checked at prepare, ``driver/gpu/tenancy.py``); ``any``: every claim, whose root
+# processes can then change or stop the daemon, so its limits are advisory.
 MpsClients = Literal["nonRoot", "any"]
 
 # The first driver branch whose MPS control daemon refuses settings from UIDs other than root and

@@ -48,6 +48,7 @@ from driver.gpu.kernelmemory import warn_if_shared_pod
 from driver.gpu.ledger import UNCHANGED, NodeLedger
 from driver.gpu.migclaims import check_placements_free, dynamic_devices, own_instances
 from driver.gpu.mps.model import MpsError
+from driver.gpu.mps.multiuser import MultiUserPending
 from driver.gpu.rebuild import rebuild_checkpoint
 from driver.gpu.recovery import RecoveryReport, recover
 from driver.gpu.runtime.computemode import ComputeModeError
@@ -99,6 +100,8 @@ class DeviceState:
         """``mps_multi_user``: the node's MPS supports multi-user mode (plan daemons then use it); ``mig``
         opens the MIG partitioner of dynamic MIG claims (at the first; None: none can be prepared)."""
         self.mps_multi_user = mps_multi_user
+        # True: multi-user mode turned out available while it waited (plan again); the app's (multiuser.py).
+        self.multi_user_gate: Callable[[ClaimPlan, float], bool] = lambda _plan, _seconds: False
         # Published device name -> why it is unhealthy; new claims on those are refused (set by the app).
         self.device_problems: Callable[[], Mapping[str, str]] = dict
         self.device_taints: Callable[[], DeviceTaints] = dict  # a claim may tolerate them
@@ -199,6 +202,8 @@ class DeviceState:
                 plan, view, gpus = self._plan(claim)
                 if plan is None:
                     return []
+                if self.multi_user_gate(plan, deadline.remaining()):
+                    continue
                 # Every call, a claim already prepared included: the kubelet sends it again after its own
                 # restart, with the pods then reserved. Before any lock or side effect: it reads pods.
                 check_clients(claim, plan, deadline)
@@ -206,7 +211,7 @@ class DeviceState:
                     devices = self._prepare_holding(claim, gpus, deadline, (view, plan))
                 if devices is not None:
                     return devices
-        except (GpuBusy, LockTimeout, DeadlineExceeded) as exc:
+        except (GpuBusy, LockTimeout, DeadlineExceeded, MultiUserPending) as exc:
             raise PrepareError(f"{exc}; nothing was left prepared, the kubelet will retry") from exc
         raise PrepareError("the claim's devices changed form while it was being prepared; the kubelet will retry")
 

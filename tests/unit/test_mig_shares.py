@@ -287,19 +287,19 @@ def test_an_instances_mps_shares_are_probed_and_reported_for_multi_user_mode_by_
 def test_a_root_pod_on_an_instances_shared_daemon_is_refused_naming_the_instance() -> None:
     from driver.gpu.tenancy import check_clients, claim_enforcement
     from driver.kubeletplugin.claimmodel import ResourceClaim
-    from driver.kubeletplugin.podsecurity import Pod, ReservedPods
+    from driver.kubeletplugin.podspec import Pod
     from driver.kubeletplugin.types import Deadline
 
     class RootPods:
-        def read_pods(self, refs: Any, timeout_s: float) -> ReservedPods:
-            return ReservedPods(tuple(Pod.model_validate({"metadata": {"namespace": ns, "name": name, "uid": uid},
-                                                          "spec": {"containers": [{"name": "main"}]}})
-                                      for ns, name, uid in refs))
+        def read_pods(self, refs: Any, timeout_s: float) -> list[Pod | None]:
+            return [Pod.model_validate({"metadata": {"namespace": ns, "name": name, "uid": uid},
+                                        "spec": {"containers": [{"name": "main"}]}})
+                    for ns, name, uid in refs]
 
     data = claim("u1", "gpu-1-mig-3g40gb-0-mps-1").model_dump(by_alias=True)
     data["status"]["reservedFor"] = [{"resource": "pods", "name": "train-0", "uid": "pod-uid"}]
     root = ResourceClaim.model_validate(data).with_pod_reader(RootPods())
     p = claim_plan("u1", "gpu-1-mig-3g40gb-0-mps-1")
-    with pytest.raises(PrepareError, match="MPS daemon shared with other claims on gpu-1-mig-3g40gb-0;"):
+    with pytest.raises(PrepareError, match="MPS daemon shared with other claims on gpu-1-mig-3g40gb-0 admits only"):
         check_clients(root, p, Deadline.after(5))
     assert claim_enforcement(p, INVENTORY.driver_version) == ("nonRoot", Enforcement.MPS_ADVISORY)

@@ -77,8 +77,9 @@ class LaunchedDaemon(BaseModel):
 
 
 class DaemonLauncher(Protocol):
-    def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
-        """Start ``nvidia-cuda-mps-control -f`` for ``request`` and return its PID; raise MpsLaunchError."""
+    def launch(self, request: DaemonLaunch, timeout: float | None = None) -> LaunchedDaemon:
+        """Start ``nvidia-cuda-mps-control -f`` for ``request`` and return its PID; raise MpsLaunchError.
+        ``timeout``: what is left of the caller's deadline, for a launcher that waits on another process."""
         ...
 
     def describe(self) -> str:
@@ -136,7 +137,7 @@ class LocalLauncher:
         # A daemon orphaned by a plugin crash is re-parented but stays in the plugin container's cgroup.
         return tied_to(pid, os.getpid())
 
-    def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
+    def launch(self, request: DaemonLaunch, timeout: float | None = None) -> LaunchedDaemon:
         try:
             binary = find_binary(self.driver_root, CONTROL_BINARY)
             env = driver_env(self.driver_root)
