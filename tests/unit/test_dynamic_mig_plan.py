@@ -143,7 +143,7 @@ def test_instances_tessera_created_keep_the_gpu_dynamic() -> None:
 def test_time_slicing_and_mps_on_a_mig_gpu_are_still_refused() -> None:
     for entry in ("mps: {shares: 2}", "timeSlicing: {shares: 2}"):
         with pytest.raises(PlanError, match="not possible on a MIG-enabled GPU"):
-            resolve_plan(plan_of(entry), node(h100(0)), "p")
+            resolve_plan(plan_of(entry, match="{minor: 0}"), node(h100(0)), "p")
 
 
 def test_a_product_match_makes_only_the_h100s_dynamic_and_the_l4_says_nothing() -> None:
