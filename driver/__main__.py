@@ -7,10 +7,23 @@ reader that goes away (``inspect | head``) would otherwise end in a traceback th
 import os
 import signal
 import sys
+from types import FrameType
 
+
+def _hold(signum: int, frame: FrameType | None) -> None:
+    held.append(signum)
+
+
+held: list[int] = []
 try:
+    # A Ctrl-C that lands inside pydantic-core's import makes it panic (a PanicException, not a KeyboardInterrupt)
+    # and print a Rust backtrace: Ctrl-C waits until the imports are done.
+    signal.signal(signal.SIGINT, _hold)
     from driver.cli import main
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
     status = main()
 except KeyboardInterrupt:
     # Nothing was started yet: every command that starts processes stops them itself (driver/reaper.py).

@@ -110,9 +110,9 @@ def test_sixteen_connections_sending_a_byte_now_and_then_do_not_keep_a_prepare_f
             probe.connect(str(node.mps_host_socket))
             return b"busy" in probe.recv(4096)
 
+    ref = node.claim("c", [("share", "gpu-2-mps-0")])  # before the wait: the prepare follows the probe at once
     try:
         wait_until(busy, what="every slot of the host to be held")
-        ref = node.claim("c", [("share", "gpu-2-mps-0")])
         answer = node.prepare(ref)[ref.uid]
         assert answer.error is None, answer.error
         wait_until(lambda: len(cut) == 16, timeout=30, what="the host to drop every connection that sent no request")
