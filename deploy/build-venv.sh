@@ -21,10 +21,16 @@ venv=${1:?usage: build-venv.sh VENV_DIR}
 python=${PYTHON:-python}
 async_only="aiohttp aiohttp-retry aiosignal aiohappyeyeballs frozenlist multidict yarl propcache attrs"
 
+# One line per step on stderr: pip's own output is kept to its errors, and a build must not look like a hang.
+say() { echo "build-venv.sh: $*" >&2; }
+
+say "creating the environment $venv"
 "$python" -m venv "$venv"
-"$venv/bin/pip" install --no-cache-dir --disable-pip-version-check .
-"$venv/bin/pip" uninstall --yes --disable-pip-version-check $async_only
-"$venv/bin/pip" uninstall --yes --disable-pip-version-check pip setuptools wheel
+say "installing Tessera and its dependencies (pip; a minute or more)"
+"$venv/bin/pip" install -q --no-cache-dir --disable-pip-version-check .
+say "removing the kubernetes client's asyncio packages, pip, setuptools and wheel"
+"$venv/bin/pip" uninstall -q --yes --disable-pip-version-check $async_only
+"$venv/bin/pip" uninstall -q --yes --disable-pip-version-check pip setuptools wheel
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 rm -rf "$site/kubernetes/aio" "$site/driver/simulation/bin"
 
@@ -34,7 +40,10 @@ for unwanted in kubernetes/aio driver/simulation/bin pip setuptools aiohttp yarl
         exit 1
     fi
 done
+say "checking that every entry point imports without them"
 # Every entry point still imports without what was removed.
 "$venv/bin/python" -c 'import driver.app, driver.checknode, driver.cli, driver.inspect_node, driver.gpu.mps.hostserver'
 # Bytecode now: the plugin runs with a read-only root filesystem and PYTHONDONTWRITEBYTECODE.
+say "compiling bytecode"
 "$venv/bin/python" -m compileall -q "$venv/lib"
+say "done: $(du -sm "$venv" | cut -f1) MiB in $venv"

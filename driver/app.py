@@ -14,19 +14,15 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
-from urllib.parse import quote
 
 from driver import nodelayout
 from driver.config import Settings
-from driver.gpu import kernelmemory
 from driver.gpu.claimcdi.toolkit import toolkit_spec_changed
-from driver.gpu.consumable import KernelMemoryLimits, consumable_supported
+from driver.gpu.claimstatus import STATUS_FILE, ClaimStatusSource
 from driver.gpu.daemonwatch import DaemonWatcher, MpsReports
 from driver.gpu.devices import make_view
-from driver.gpu.discovery.inventory import Discovery, NodeInventory
+from driver.gpu.discovery.inventory import Discovery
 from driver.gpu.driver import GpuDriver
 from driver.gpu.health.monitor import HealthMonitor
 from driver.gpu.health.node import NodeHealth
@@ -36,116 +32,35 @@ from driver.gpu.health.usagereport import USAGE_FILE
 from driver.gpu.health.usagewatch import ClaimUsageWatch
 from driver.gpu.health.xids import parse_ignored_xids
 from driver.gpu.migclaims import own_instances
-from driver.gpu.migplacement import OwnInstances, partitionable_supported
 from driver.gpu.migwatch import check_mig_instances
 from driver.gpu.modewatch import ComputeModeReports, check_compute_modes
 from driver.gpu.mps.hostcheck import default_tools
 from driver.gpu.mps.hostclient import MpsHostLauncher
 from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
 from driver.gpu.mps.manager import MpsManager
-from driver.gpu.mps.multiuser import MultiUserProbe, probe_gpu, single_user_gpus
+from driver.gpu.mps.multiuser import MultiUserGate, MultiUserProbe, probe_gpu, single_user_gpus, supports_multi_user
 from driver.gpu.mps.shmmount import ShmTmpfs
-from driver.gpu.planuse import PLAN_USE_FILE, PlanUse, chosen_how, gpu_lines, plan_use, write_plan_use
+from driver.gpu.ownership import OwnershipWatch, owned_view
 from driver.gpu.runtime.capnodes import MIG_CONFIG, capabilities_of, ensure_nodes_best_effort
 from driver.gpu.runtime.timeslice import TimeSlicer
-from driver.gpu.sharelayout import SharingLayout
-from driver.gpu.sharingplan import PlanError, SharingPlan, load_plans, resolve_plan, select_plan
+from driver.gpu.sharingplan import PlanError
 from driver.gpu.state import DeviceState, StatePaths
 from driver.gpu.targets import NodeView
 from driver.healthsource import open_health_source, open_process_source
+from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.events import EventRecorder
 from driver.kubeletplugin.healthservice import HealthBoard
 from driver.kubeletplugin.helper import Helper, TelemetryNames
-from driver.kubeletplugin.kubeclient import (
-    KubeApiError,
-    KubeClient,
-    KubeConfigError,
-    load_api_client,
-    request_json,
-    server_minor_version,
-)
+from driver.kubeletplugin.kubeclient import KubeApiError, KubeConfigError, load_api_client
+from driver.kubeletplugin.nodewatch import NodeMeta, NodeWatch
+from driver.kubeletplugin.types import ClaimRef
+from driver.nodeevents import post_node_event
+from driver.plansource import CONSUMABLE_GATE as CONSUMABLE_GATE
+from driver.plansource import PARTITIONABLE_GATE as PARTITIONABLE_GATE
+from driver.plansource import PlanSource as PlanSource
 from driver.startup import StartupError
 
 log = logging.getLogger(__name__)
-
-# The API server's feature gates whose fields the sharing plan's devices need (1.34/1.35 alpha, on from 1.36).
-PARTITIONABLE_GATE = "DRAPartitionableDevices"
-CONSUMABLE_GATE = "DRAConsumableCapacity"
-
-
-@dataclass
-class PlanSource:
-    """Where the node's sharing plan comes from: the plans file and this node's label."""
-
-    settings: Settings
-    api: KubeClient
-    minor_version: int | None = None  # the API server's, read once when a plan first needs it
-    kernel: KernelMemoryLimits | None = None  # kernel memory limits, detected at start and every rescan
-    use: PlanUse | None = None  # the plan in use and each GPU's entry, as last logged
-    # Feature gates the API server showed to be off (it dropped our fields that need them), whatever its release
-    # or the plans file says: what needs them is not published again.
-    gates_off: frozenset[str] = frozenset()
-
-    def desired_layout(self, inventory: NodeInventory, own: OwnInstances = ()) -> SharingLayout:
-        """``own``: MIG instances Tessera created for claims, which keep their GPU dynamic MIG."""
-        path = self.settings.sharing_plans
-        if path is None:
-            self._record(plan_use(SharingPlan(), None, None, "no --sharing-plans", inventory, {}))
-            return {}
-        plans = load_plans(path)
-        # A raw GET: the generated CoreV1Api costs a few hundred ms of imports at its first use.
-        node = request_json(self.api, "GET", f"/api/v1/nodes/{quote(self.settings.node_name, safe='')}",
-                            timeout=20)
-        labels = {str(k): str(v) for k, v in ((node.get("metadata") or {}).get("labels") or {}).items()}
-        key = self.settings.sharing_plan_label
-        name, plan = select_plan(plans, labels, key)
-        if self.minor_version is None and any(e.consumable is not None or e.dynamicMig is not None for e in plan.gpus):
-            self.minor_version = server_minor_version(self.api)
-        supported = (consumable_supported(self.minor_version or 0, plans.consumableCapacityGate)
-                     and CONSUMABLE_GATE not in self.gates_off)
-        partitionable = (partitionable_supported(self.minor_version or 0, plans.partitionableDevicesGate)
-                         and PARTITIONABLE_GATE not in self.gates_off)
-        resolved = resolve_plan(plan, inventory, name, consumable_supported=supported,
-                                kernel=self.detect_kernel_memory(inventory), partitionable_supported=partitionable,
-                                own_instances=own)
-        self._record(plan_use(plan, name, path, chosen_how(key, labels.get(key), name), inventory, resolved.layout,
-                              resolved.notes))
-        return resolved.layout
-
-    def _record(self, use: PlanUse) -> None:
-        """Log the plan in use when it (or what it makes of a GPU) changes: at start, and after an edit."""
-        if use == self.use:
-            return
-        self.use = use
-        log.info("sharing plan in use: %s", use.summary(), extra={"gpus": gpu_lines(use)})
-        for line in use.note_lines():  # e.g. a dynamicMig entry on a GPU without MIG: published as before
-            log.warning(line)
-        if use.plan is not None and all(g.entry is None for g in use.gpus):
-            # Plans are shared by nodes, so one entry matching nothing is normal; a whole plan is a mistake.
-            log.warning("sharing plan %r matches no GPU of this node: every GPU is published whole (or as its MIG "
-                        "devices); check its match selectors with `python -m driver check-plan`", use.plan,
-                        extra={"entries": use.unmatched_entries})
-
-    def save(self, state_dir: Path) -> None:
-        """Leave the plan in use where ``inspect`` reads it."""
-        if self.use is None:
-            return
-        try:
-            write_plan_use(state_dir / PLAN_USE_FILE, self.use)
-        except OSError as exc:  # only inspect's view is missing; serving claims does not depend on it
-            log.warning("cannot write %s for inspect: %s", state_dir / PLAN_USE_FILE, exc)
-
-    def detect_kernel_memory(self, inventory: NodeInventory) -> KernelMemoryLimits:
-        """Re-read at every call (a driver upgrade or a new toolkit can add it); logged when it changes."""
-        s = self.settings
-        candidates = (s.nvidia_cdi_spec,) if s.nvidia_cdi_spec else nodelayout.toolkit_candidates(s)
-        spec = next((p for p in candidates if p.is_file()), None)
-        kernel = kernelmemory.detect(s.host_root, inventory.driver_version, spec)
-        if kernel != self.kernel:
-            log.info("kernel-enforced GPU memory limits for consumable shares: %s",
-                     "available" if kernel.available else "not available", extra={"reason": kernel.reason})
-        self.kernel = kernel
-        return kernel
 
 
 def state_paths(settings: Settings) -> StatePaths:
@@ -182,7 +97,13 @@ class DriverApp:
             inventory = self.discovery.discover()
         except (RuntimeError, ValueError, ImportError, OSError) as exc:  # no NVML/driver, or a bad simulated layout
             raise StartupError(f"GPU discovery failed: {exc}") from exc
-        self.plans = PlanSource(settings, self.api)
+        # The Node's labels (the sharing plan) and UID (the slices' owner): listed once, then watched.
+        self.node = NodeWatch(self.api, settings.node_name)
+        try:
+            self.node.sync()
+        except KubeApiError as exc:
+            log.warning("cannot read Node %s yet, will retry: %s", settings.node_name, exc)
+        self.plans = PlanSource(settings, self.api, node_labels=lambda: self.node.meta().labels)
         try:
             desired = self.plans.desired_layout(inventory)
         except PlanError as exc:
@@ -191,6 +112,7 @@ class DriverApp:
             raise StartupError(f"cannot read Node {settings.node_name!r} to choose its sharing plan "
                                f"(label {settings.sharing_plan_label}): {exc}") from exc
         self._helper: Helper | None = None
+        self._node_uid: str | None = None
         self._next_scan = 0.0
         self._mig_changes_seen = 0
         paths = state_paths(settings)
@@ -199,7 +121,8 @@ class DriverApp:
                               shm_dir=settings.mps_shm_dir)
         # Multi-user MPS is probed after registration (a daemon start); until then plan daemons and
         # the published mpsMultiUser attribute say single-user, the answer that hides nothing.
-        self.multi_user = MultiUserProbe(self.mps.supports_multi_user)
+        self.multi_user = MultiUserProbe(partial(supports_multi_user, self.mps))
+        self._multi_user_published = False
         self._single_user_gpus: tuple[str, ...] = ()
         compute_modes = nodelayout.open_compute_modes(settings)  # NVML (or its simulation double), once
         self.state = DeviceState(
@@ -208,12 +131,25 @@ class DriverApp:
             timeslicer=TimeSlicer(settings.driver_root, compute_modes), compute_modes=compute_modes,
             view=make_view(inventory, {}), mps_multi_user=False,
             mig=partial(nodelayout.open_mig_partitioner, settings))  # opened at the first dynamic MIG claim
+        # A plan daemon started before the probe answered would stay single-user while claims use it.
+        self.state.multi_user_gate = MultiUserGate(self.multi_user, lambda: self.state.view.inventory,
+                                                   self._use_multi_user).wait
         # Tenants that change or stop a shared MPS daemon: counted, logged and told to each claim's owner
         # as an Event (posted from the recorder's thread, never inside a prepare).
         self.events = EventRecorder(self.api, controller=f"{settings.driver_name}/kubelet-plugin",
                                     instance=settings.node_name)
+        # Another GPU allocator on the node keeps the GPUs it may hand out unpublished (driver/gpu/ownership.py).
+        self.ownership = OwnershipWatch(settings.device_plugins_dir, settings.registrar_dir, settings.driver_name,
+                                        settings.owned_gpus, partial(post_node_event, self.events, self.api,
+                                                                     settings.node_name, "OtherGpuAllocator",
+                                                                     "WithholdGpus"))
+        self.ownership.refresh(inventory)
         self.mps_reports = MpsReports(self.events)
         self.state.sharing.reports = self.mps_reports
+        self.claim_status = ClaimStatusSource(self.state.ledger.read, lambda: self.state.view,
+                                              lambda view: self.health.unhealthy(view),
+                                              report_path=settings.state_dir / STATUS_FILE)
+        self.mps_reports.restored = self._limits_restored
         # Before a daemon or an NVML create opens a MIG instance, its capability nodes are made in this process's
         # /dev (and the MPS host's, told by the request), from the claims the checkpoint records.
         self.mps.capabilities = lambda uuids: capabilities_of(self.state.ledger.read(), uuids)
@@ -238,7 +174,9 @@ class DriverApp:
                                  driver_name=settings.driver_name, pool_name=settings.node_name,
                                  taint_effect=settings.health_taint_effect,
                                  report_path=settings.state_dir / HEALTH_FILE)
-        self.health_source = open_health_source(settings, lambda: self.state.view.inventory, os.environ)
+        self.health_source = open_health_source(settings, lambda: self.state.view.inventory, os.environ,
+                                                self.discovery.discover)
+        self.health.not_watched = self.health_source.not_watched
         self.state.device_problems = lambda: self.health.problems(self.state.view)
         self.state.device_taints = lambda: self.health.taints(self.state.view)
         self.usage = ClaimUsageWatch(open_process_source(settings, lambda: self.state.view.inventory, os.environ),
@@ -271,6 +209,7 @@ class DriverApp:
         # such an inventory is not applied; the next tick discovers again, as a MIG change was made.
         changes = self.state.mig.changes
         inventory = self.discovery.discover()
+        self.ownership.refresh(inventory)
         try:
             desired = self.plans.desired_layout(inventory, own_instances(self.state.ledger.read(), inventory))
         except PlanError as exc:
@@ -296,8 +235,8 @@ class DriverApp:
                 self.multi_user.start(gpu)  # once; its answer is picked up at a later call
                 return
             available = False  # nothing to probe: no plan MPS shares on a GPU that could be multi-user
-        if available and not self.state.mps_multi_user:
-            self.state.mps_multi_user = True
+        if available and not self._multi_user_published:
+            self._multi_user_published = self.state.mps_multi_user = True
             view, _deferred = self.state.apply_layout(view, view.layout)
             self.publish(view)
             log.info("MPS multi-user mode is available: plan MPS daemons serve clients of any Linux UID at once")
@@ -311,6 +250,10 @@ class DriverApp:
                     "another UID waits until the first UID's clients finish. Published as mpsMultiUser=false; "
                     "see docs/sharing.md", extra={"gpu_uuids": list(single)})
 
+    def _use_multi_user(self) -> None:
+        """Plan daemons started from now on are multi-user (the devices are republished at the next tick)."""
+        self.state.mps_multi_user = True
+
     def _follow_multi_user_safely(self) -> None:
         try:
             self.follow_multi_user()
@@ -318,7 +261,9 @@ class DriverApp:
             log.exception("applying the MPS multi-user probe failed; will retry")
 
     def publish(self, view: NodeView) -> None:
-        """Publish ``view``'s devices (tainted where unhealthy) and tell the kubelet their health."""
+        """Publish ``view``'s devices of GPUs this driver owns (tainted where unhealthy) and tell the kubelet their
+        health."""
+        view = owned_view(view, self.ownership.ownership)
         with self._publish_lock:
             self.helper.publish(self.health.devices(view), view.counter_sets)
             self.health.update_board(view)
@@ -328,6 +273,29 @@ class DriverApp:
             self.publish(self.state.view)
         except Exception:
             log.exception("publishing a device health change failed; the next rescan retries")
+        self._claim_statuses_changed()
+
+    def _claim_statuses_changed(self) -> None:
+        """Every prepared claim's status is written again where it changed (claims whose didn't cost nothing)."""
+        try:
+            for ref in self.claim_status.prepared_claims():
+                self.helper.claim_status_changed(ref)
+        except Exception:
+            log.exception("queueing claim status writes failed")
+
+    def _limits_restored(self, claims: list[ClaimRef]) -> None:
+        for ref in claims:
+            self.claim_status.limits_restored(ref.uid)
+            if self._helper is not None:
+                self._helper.claim_status_changed(ref)
+
+    def _node_changed(self, meta: NodeMeta) -> None:
+        """A label (the sharing plan) changes what is published within a tick; a new UID (the Node re-created)
+        re-owns the slices."""
+        self._next_scan = 0.0
+        if meta.uid != self._node_uid and meta.uid is not None and self._helper is not None:
+            self._helper.resync_slices()
+        self._node_uid = meta.uid
 
     def _start_health(self) -> None:
         taints, why = taints_decision(self.settings.device_taints, self.helper.kubernetes_minor_version)
@@ -344,8 +312,16 @@ class DriverApp:
         """Serve claims (prepares that waited included), publish the devices, start the watchers."""
         settings = self.settings
         self._helper = helper
-        helper.complete(GpuDriver(self.state), api=self.api,
-                        names=TelemetryNames(service="tessera-kubelet-plugin", metric_prefix="tessera"))
+        def admit(claim: ResourceClaim) -> str | None:
+            prepared = claim.metadata.uid in self.state.ledger.read().claims
+            return self.ownership.admit(claim, settings.driver_name, self.state.view, prepared)
+
+        helper.complete(GpuDriver(self.state, admit), api=self.api,
+                        names=TelemetryNames(service="tessera-kubelet-plugin", metric_prefix="tessera"),
+                        claim_status=self.claim_status, node_uid=self.node.uid)
+        self._node_uid = self.node.uid()
+        self.node.add_listener(self._node_changed)
+        self.node.start()
         self.helper.telemetry.observe_gauge("prepared_claims", "Claims prepared on this node",
                                             lambda: float(self.state.prepared_count()))
         self._start_health()
@@ -359,6 +335,7 @@ class DriverApp:
                                           "simulated": settings.simulate is not None,
                                           "mps_daemons": self.mps_launcher.describe()})
         self._follow_multi_user_safely()
+        self._claim_statuses_changed()  # after a restart: claims prepared before it show their status (no duplicates)
         self._next_scan = time.monotonic() + settings.rescan_interval
         self._mig_changes_seen = self.state.mig.changes
 
@@ -389,6 +366,7 @@ class DriverApp:
         # after a real removal the kubelet wipes them 30 s after the sockets are gone.
         self.health.monitor.stop()
         self.usage.stop()
+        self.node.stop()
         # A check in progress is bounded by the MPS timeouts; then the queued Events get a moment to go out.
         self.daemon_watch.stop(self.mps.ready_timeout + self.mps.command_timeout)
         self.events.stop(timeout=2.0)

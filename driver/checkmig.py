@@ -13,7 +13,7 @@ from driver.checkresult import CheckResult, ok
 from driver.config import Settings
 from driver.gpu.checkpoint import CheckpointStore
 from driver.gpu.discovery.inventory import NodeInventory
-from driver.gpu.dynamicmigplan import unavailable_reason
+from driver.gpu.dynamicmigplan import pending_mig_mode, unavailable_reason
 from driver.gpu.migclaims import own_instances
 
 
@@ -33,8 +33,9 @@ def dynamic_mig_checks(settings: Settings, inventory: NodeInventory | None) -> l
         reason = unavailable_reason(gpu, own, supported=True)
         if reason is None:
             held = f"; {mine} instance(s) created by Tessera for claims" if mine else ""
+            pending = f"; {text}" if (text := pending_mig_mode(gpu)) else ""
             lines.append(ok(check, f"MIG mode on, no instances Tessera did not create{held}: dynamic MIG can serve "
-                                   f"it ({len(gpu.mig_profiles)} profiles; a sharing-plan entry dynamicMig)"))
+                                   f"it ({len(gpu.mig_profiles)} profiles; a sharing-plan entry dynamicMig){pending}"))
         else:
             lines.append(ok(check, f"dynamic MIG cannot serve it: {reason}"))
     return lines

@@ -2,7 +2,8 @@
 
 Run it first on a new node, in the plugin pod (``docs/operations.md``, "Checking a new node").
 It takes the same settings as ``run`` and checks, in order: NVML and every GPU and MIG device;
-the device root and the device nodes; which MIG GPUs dynamic MIG can serve (``driver/checkmig.py``); the
+the device root and the device nodes; which MIG GPUs dynamic MIG can serve (``driver/checkmig.py``); what
+the health source cannot read on each GPU (``driver/checkhealth.py``); the
 NVIDIA Container Toolkit's CDI spec and ``libcuda`` in it; ``libcuda`` under the driver root;
 ``nvidia-smi``; each GPU's compute mode (read through NVML, as the driver does; the check changes
 nothing on any GPU); and MPS end to end (``driver/checkmps.py``). The exit status
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from driver import nodelayout
+from driver.checkhealth import health_watch_checks
 from driver.checkmig import dynamic_mig_checks
 from driver.checkmps import mps_checks
 from driver.checkresult import CheckResult, NodeReport, exit_status, fail, ok, render_json, render_table, skipped
@@ -38,6 +40,8 @@ from driver.gpu.claimcdi.hostfs import (
 from driver.gpu.claimcdi.toolkit import load_toolkit_edits, toolkit_spec_candidates
 from driver.gpu.discovery.cudarun import LIBCUDA, find_libcuda
 from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.dynamicmigplan import pending_mig_mode
+from driver.gpu.ownership import GpuOwnership, find_other_allocators, parse_owned_gpus
 from driver.gpu.runtime.binaries import (
     BinaryFailed,
     BinaryNotFound,
@@ -127,7 +131,9 @@ def discover(settings: Settings) -> tuple[NodeInventory | None, list[CheckResult
             sms = f"{gpu.multiprocessors} SMs"
         else:
             sms = f"SM count not published: {gpu.multiprocessors_missing or 'unknown'}"
-        lines.append(ok(f"GPU {gpu.minor}", f"{gpu.uuid} {gpu.product_name}, {memory}, {sms}"))
+        pending = pending_mig_mode(gpu)
+        lines.append(ok(f"GPU {gpu.minor}", f"{gpu.uuid} {gpu.product_name}, {memory}, {sms}"
+                        + (f"; {pending}" if pending else "")))
         for mig in gpu.mig_instances:
             lines.append(ok(f"MIG {gpu.minor}/gi{mig.gi_id}",
                             f"{mig.uuid} {mig.profile}, {mig.multiprocessors or '?'} SMs"))
@@ -150,14 +156,20 @@ def device_checks(settings: Settings, roots: NodeRoots, inventory: NodeInventory
                 caps += [n.path for n in mig_capability_nodes(roots.host_root, gpu.minor, mig.gi_id, mig.ci_id)]
             except HostFsError as exc:
                 problems.append(f"MIG {mig.uuid}: {exc}")
-    missing = missing_paths(device_root.seen_at, [*control, *gpu_nodes, *caps])
+    # MIG capability nodes are judged as the CDI path uses them: read from /proc and written into the spec with
+    # type, major and minor, so the runtime makes them in the container. The kernel module does not create them
+    # on the host (nvidia-modprobe does, on demand), so their absence there is no failure.
+    missing = missing_paths(device_root.seen_at, [*control, *gpu_nodes])
     if missing:
         problems.append(f"missing under {device_root.seen_at}: {', '.join(missing)}")
     if problems:
         lines.append(fail("device nodes", "; ".join(problems)))
     else:
+        caps_on_host = len(caps) - len(missing_paths(device_root.seen_at, caps))
         lines.append(ok("device nodes", f"all present: {', '.join(control)}, {len(gpu_nodes)} GPU node(s) "
-                                        f"({', '.join(gpu_nodes) or 'none'}), {len(caps)} MIG capability node(s)"))
+                                        f"({', '.join(gpu_nodes) or 'none'}), {len(caps)} MIG capability node(s) "
+                                        f"read from /proc ({caps_on_host} of them also on the host; the CDI spec gives "
+                                        "type, major and minor, so none need be)"))
     return lines
 
 
@@ -254,6 +266,14 @@ def compute_mode_checks(settings: Settings, roots: NodeRoots,
     return modes, lines
 
 
+def allocators_check(settings: Settings, inventory: NodeInventory | None) -> list[CheckResult]:
+    """Another GPU allocator on the node (driver/gpu/ownership.py): a failure while it keeps every GPU back."""
+    ownership = GpuOwnership(parse_owned_gpus(settings.owned_gpus), find_other_allocators(
+        settings.device_plugins_dir, settings.registrar_dir, settings.driver_name))
+    line = ownership.summary(inventory or NodeInventory())
+    return [fail("other GPU allocators", line) if ownership.refusal() else ok("other GPU allocators", line)]
+
+
 class UnknownMpsDevice(ValueError):
     """``--mps-device`` names no GPU or MIG device of this node: a usage error, not a failed check."""
 
@@ -270,6 +290,7 @@ def check_node(settings: Settings, mps_device: str | None = None,
     with node_roots(settings, inventory, remove_on_exit) as roots:
         results += _guarded("device nodes", lambda: device_checks(settings, roots, inventory))
         results += _guarded("dynamic MIG", lambda: dynamic_mig_checks(settings, inventory))
+        results += _guarded("health watch", lambda: health_watch_checks(settings, inventory))
         results += _guarded("toolkit CDI spec", lambda: toolkit_checks(settings, roots))
         results += _guarded("libcuda", lambda: libcuda_check(roots))
         results += _guarded("nvidia-smi", lambda: nvidia_smi_check(roots))
@@ -277,6 +298,7 @@ def check_node(settings: Settings, mps_device: str | None = None,
         results += lines
         if settings.sharing_plans is not None:
             results += _guarded("sharing plans", lambda: plans_check(settings.sharing_plans, inventory))
+        results += _guarded("other GPU allocators", lambda: allocators_check(settings, inventory))
         if inventory is None:
             results.append(skipped("MPS", "no GPU inventory (see the NVML line)"))
         else:

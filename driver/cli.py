@@ -1,4 +1,4 @@
-"""Entry point: ``python -m driver {run,demo,inspect,check-node,check-plan,mps-host}``."""
+"""Entry point: ``python -m driver {run,demo,inspect,check-node,check-plan,convert-plan,mps-host}``."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ CHECK_NODE_DESCRIPTION = ("Check that this node can serve GPU claims: one line p
                           "throwaway daemon). Exit status 1 on any failure. Changes nothing on the GPUs. "
                           "docs/operations.md, 'Checking a new node'.")
 
-_COMMANDS = ("run", "inspect", "demo", "check-node", "check-plan", "mps-host")
+_COMMANDS = ("run", "inspect", "demo", "check-node", "check-plan", "convert-plan", "mps-host")
 
 CHECK_PLAN_DESCRIPTION = ("Check a sharing plans file without a cluster: the same validation and one-line errors as "
                           "the driver at start. With --simulate LAYOUT, resolve the plan a node would use against "
@@ -70,15 +70,28 @@ def _parser(command: str | None) -> tuple[argparse.ArgumentParser, dict[str, arg
         from driver.checkplan import add_arguments as add_plan_arguments
 
         add_plan_arguments(plan)
+    convert = sub.add_parser("convert-plan", help="print an NVIDIA device plugin sharing config (or the GPU Operator's "
+                                                  "ConfigMap of them) as a sharing plans file (docs/migration.md)")
+    if command in ("convert-plan", None):
+        from driver.convertplan import DESCRIPTION as CONVERT_DESCRIPTION
+        from driver.convertplan import add_arguments as add_convert_arguments
+
+        convert.description = CONVERT_DESCRIPTION
+        add_convert_arguments(convert)
     host = sub.add_parser("mps-host", help="run the MPS host: owns the node's MPS daemons so they outlive the plugin")
     add_host_arguments(host)
-    return parser, {"run": run, "inspect": inspect, "check-node": check, "check-plan": plan, "mps-host": host}
+    return parser, {"run": run, "inspect": inspect, "check-node": check, "check-plan": plan,
+                    "convert-plan": convert, "mps-host": host}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     """The command line parsed. In a function of its own so that the parsers (all subcommands, their
     help) are garbage once it returns, rather than held for the life of ``run``."""
     parser, subcommands = _parser(argv[0] if argv[:1] and argv[0] in _COMMANDS else None)
+    if argv[:1] and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        # argparse would only say that a command is missing, never naming the flag it did not know.
+        parser.error(f"unrecognized argument {argv[0]!r} before the command: give a command first "
+                     f"({', '.join(_COMMANDS)}), then its flags")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         # argparse would blame the top-level parser, whose --help does not list the subcommand's flags.
@@ -108,12 +121,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         from driver.checkplan import main as main_plan
 
         return main_plan(args)
+    if args.command == "convert-plan":
+        from driver.convertplan import main as main_convert
+
+        return main_convert(args)
     prog = f"python -m driver {args.command}"
     try:
         settings = settings_from_args(args)
     except SettingsError as exc:
         for line in settings_problems(exc, args):
             print(f"{prog}: {line}", file=sys.stderr)
+        return USAGE_ERROR
+    layout_problem = _simulated_layout_problem(settings.simulate)
+    if layout_problem:
+        # Checked here, not when discovery runs: the real host must never be examined in place of a layout.
+        where = (f"--simulate {settings.simulate!r}" if args.simulate is not None
+                 else f"TESSERA_SIMULATE={settings.simulate!r} (environment variable for --simulate)")
+        print(f"{prog}: {where}: {layout_problem}", file=sys.stderr)
         return USAGE_ERROR
     if args.command == "run" and not settings.node_name:
         # A usage error like any other missing setting: status 2 and the command's prefix (docs/configuration.md).
@@ -151,6 +175,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     from driver.startup import run
 
     return run(settings)
+
+
+def _simulated_layout_problem(layout: str | None) -> str | None:
+    """Why ``--simulate`` (or TESSERA_SIMULATE) names no usable layout; None when unset or usable."""
+    if not layout:
+        return None
+    from driver.simulation.discovery import load_layout
+    from driver.simulation.gpus import SimulationError
+
+    try:
+        load_layout(layout)
+    except SimulationError as exc:
+        return str(exc)
+    return None
 
 
 def _standins_installed() -> bool:

@@ -41,6 +41,11 @@ class Settings(BaseModel):
     pod_uid: str | None = None
     kubeconfig: str | None = None
     registrar_dir: Path = Path("/var/lib/kubelet/plugins_registry")
+    # Where device plugins (NVIDIA's among them) put their sockets: another GPU allocator is looked for there.
+    device_plugins_dir: Path = Path("/var/lib/kubelet/device-plugins")
+    # The GPUs this driver owns (minors and GPU UUIDs, comma-separated) where another allocator shares the
+    # node; empty: every GPU, or none while another allocator is found (driver.gpu.ownership).
+    owned_gpus: str = ""
     plugins_dir: Path = Path("/var/lib/kubelet/plugins")
     cdi_root: Path = Path("/var/run/cdi")
     driver_root: Path = Path("/")
@@ -82,6 +87,14 @@ class Settings(BaseModel):
         parse_ignored_xids(value)  # raises ValueError naming the bad entry
         return value
 
+    @field_validator("owned_gpus")
+    @classmethod
+    def _owned_gpu_list(cls, value: str) -> str:
+        from driver.gpu.ownership import parse_owned_gpus  # as above: only when given
+
+        parse_owned_gpus(value)  # raises ValueError naming the bad entry
+        return value
+
     @field_validator("mps_shm_size", mode="before")
     @classmethod
     def _shm_size(cls, value: object) -> object:
@@ -108,9 +121,8 @@ class Settings(BaseModel):
                              f"prepare after {limit} s); default {DEFAULT_PREPARE_DEADLINE:g}")
         return value
 
-    @field_validator("registrar_dir", "plugins_dir", "cdi_root", "driver_root", "host_root", "own_dev_root",
-                     "nvidia_cdi_spec",
-                     "sharing_plans", "mps_host_socket", "kubeconfig")
+    @field_validator("registrar_dir", "device_plugins_dir", "plugins_dir", "cdi_root", "driver_root", "host_root",
+                     "own_dev_root", "nvidia_cdi_spec", "sharing_plans", "mps_host_socket", "kubeconfig")
     @classmethod
     def _absolute_here(cls, value: Path | str | None) -> Path | str | None:
         # Paths in this process's file system are made absolute against the working directory once, at
@@ -191,6 +203,11 @@ _FLAGS: list[tuple[str, str, str, str]] = [
     ("--pod-uid", "pod_uid", "POD_UID", "plugin pod UID: pod-specific socket names for seamless rolling updates"),
     ("--kubeconfig", "kubeconfig", "KUBECONFIG", "kubeconfig file; in-cluster config when unset"),
     ("--registrar-dir", "registrar_dir", "KUBELET_REGISTRAR_DIRECTORY_PATH", "kubelet plugin registration dir"),
+    ("--device-plugins-dir", "device_plugins_dir", "KUBELET_DEVICE_PLUGINS_DIRECTORY_PATH",
+     "kubelet device plugin dir, read only: a GPU device plugin's socket there means another GPU allocator"),
+    ("--owned-gpus", "owned_gpus", "OWNED_GPUS",
+     "GPUs this driver owns beside another GPU allocator: comma-separated minors and GPU UUIDs (unset: every GPU, "
+     "or none while another allocator is found; docs/migration.md)"),
     ("--plugins-dir", "plugins_dir", "KUBELET_PLUGINS_DIRECTORY_PATH",
      "kubelet plugins dir; state lives in <plugins-dir>/<driver-name>"),
     ("--cdi-root", "cdi_root", "CDI_ROOT", "where per-claim CDI specs are written"),
@@ -241,7 +258,8 @@ INSPECT_FIELDS = frozenset({"driver_name", "node_name", "plugins_dir", "cdi_root
                             "driver_root_on_host", "driver_libraries_required", "nvidia_cdi_spec", "sharing_plans",
                             "mps_host_socket", "simulate"})
 CHECK_NODE_FIELDS = frozenset({"node_name", "cdi_root", "driver_root", "host_root", "driver_root_on_host",
-                               "driver_libraries_required", "nvidia_cdi_spec", "sharing_plans", "simulate"})
+                               "driver_libraries_required", "nvidia_cdi_spec", "sharing_plans", "simulate",
+                               "registrar_dir", "device_plugins_dir", "owned_gpus"})
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser, only: frozenset[str] | None = None) -> None:
@@ -251,7 +269,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, only: frozenset[str]
             continue
         default = Settings.model_fields[field].default
         shown = "unset" if default is None or default == "" else str(default).lower() if isinstance(default, bool) \
-            else str(default)
+            else f"{default:g}" if isinstance(default, float) else str(default)  # 30, as the docs write it, not 30.0
         suffix = "" if "default" in help_text else f"; default {shown}"  # some say it better themselves
         parser.add_argument(flag, dest=field, default=None, help=f"{help_text} [env {env}{suffix}]")
 

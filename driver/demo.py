@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,10 +38,13 @@ from driver.demoargs import (
     claim_documents,
     clear_previous_run,
     demo_plan,
+    layout_hint,
     parse_options,
+    pods_using,
     share_mode,
 )
 from driver.demohealth import show_failure_and_recovery
+from driver.demolock import WorkdirBusy, workdir_lock
 from driver.demomig import FULL, dynamic_mig_plan, prepare_mix, show_full_gpu_fits
 from driver.demotable import print_slices
 from driver.gpu.claimcdi.edits import CdiNames
@@ -64,10 +68,20 @@ def main(argv: Sequence[str]) -> int:
     try:
         options = parse_options(argv, available_layouts())
         mode = share_mode(options.examples, DEFAULT_DRIVER_NAME)
-        cleared = clear_previous_run(options.workdir) if options.workdir is not None else []
     except DemoArgsError as exc:
         print(f"python -m driver demo: {exc}", file=sys.stderr)
         return 2
+    if options.workdir is None:
+        return _run(options, mode)
+    try:
+        with workdir_lock(options.workdir):
+            return _run(options, mode, clear_previous_run(options.workdir))
+    except (DemoArgsError, WorkdirBusy) as exc:
+        print(f"python -m driver demo: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(options: DemoOptions, mode: ShareMode, cleared: Sequence[str] = ()) -> int:
     if cleared:
         _say(f"Removed the previous demo run's files from {options.workdir} ({', '.join(cleared)}).")
     try:
@@ -100,7 +114,7 @@ def _driver_process(work: Path, kubeconfig: Path, node_args: list[str],
                     extra_env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
     args = [sys.executable, "-m", "driver", "run", *node_args,
             "--kubeconfig", str(kubeconfig), "--registrar-dir", str(work / "plugins_registry"),
-            "--http-port", "0", "--log-format", "text"]
+            "--device-plugins-dir", str(work / "device-plugins"), "--http-port", "0", "--log-format", "text"]
     (work / "tmp").mkdir(exist_ok=True)
     # The reaper's token is in os.environ, so the driver and every daemon it starts inherit it.
     env = dict(os.environ, TMPDIR=str(work / "tmp"), TESSERA_SIM_NVIDIA_SMI_LOG=str(work / "nvidia-smi-calls.jsonl"),
@@ -161,16 +175,17 @@ def _show_mps_commands(work: Path, spec_json: dict[str, Any]) -> None:
 
 def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, work: Path, cdi_dir: Path,
                      taken: set[str], consumed: dict[str, dict[str, int]], failed: list[str]) -> list[ClaimRef]:
-    refs = [_prepare_document(doc, path.name, api, kubelet, work, cdi_dir, taken, consumed, failed)
-            for doc in claim_documents(path)]
+    refs = [_prepare_document(doc, path.name, api, kubelet, work, cdi_dir, taken, consumed, failed,
+                              pods_using(path, doc)) for doc in claim_documents(path)]
     return [ref for ref in refs if ref is not None]
 
 
 def _prepare_document(doc: dict[str, Any], source: str, api: FakeApiServer, kubelet: KubeletEmulator, work: Path,
                       cdi_dir: Path, taken: set[str], consumed: dict[str, dict[str, int]],
-                      failed: list[str]) -> ClaimRef | None:
-    """Allocate one ResourceClaim(Template) document, prepare it through the kubelet stand-in, show what the
-    container would get; its ref if it is prepared."""
+                      failed: list[str], pods: Sequence[dict[str, Any]] = ()) -> ClaimRef | None:
+    """Allocate one ResourceClaim(Template) document, reserve it for ``pods`` (the example's Pods that use it,
+    as the scheduler does), prepare it through the kubelet stand-in, show what the container would get; its
+    ref if it is prepared."""
     name = f"demo-{doc['metadata']['name']}"
     claim = claim_from_template(doc, name) if doc["kind"] == "ResourceClaimTemplate" else {
         **doc, "metadata": {**doc["metadata"], "name": name, "namespace": "default",
@@ -178,8 +193,14 @@ def _prepare_document(doc: dict[str, Any], source: str, api: FakeApiServer, kube
     try:
         allocated = allocate(claim, api.slices(DEFAULT_DRIVER_NAME, NODE), DEFAULT_DRIVER_NAME, taken, consumed)
     except AllocationError as exc:
-        _say(f"  (skipped: {exc})")
+        _say(f"  NOT ALLOCATED: claim default/{name} (from {source}): {exc}; {layout_hint(source)}")
+        failed.append(name)
         return None
+    for pod in pods:
+        stored = api.put_pod({**pod, "metadata": {"name": f"demo-{pod['metadata']['name']}", "namespace": "default",
+                                                  "uid": str(uuid.uuid4())}})
+        allocated.setdefault("status", {}).setdefault("reservedFor", []).append(
+            {"resource": "pods", "name": stored["metadata"]["name"], "uid": stored["metadata"]["uid"]})
     api.put_claim(allocated)
     ref = ClaimRef(namespace="default", name=name, uid=claim["metadata"]["uid"])
     results = allocated["status"]["allocation"]["devices"]["results"]
@@ -310,7 +331,8 @@ def run_demo(options: DemoOptions, mode: ShareMode = "mps", remove_on_exit: Call
                                 for r in c["status"]["allocation"]["devices"]["results"]]
                     if not show_full_gpu_fits(prepare, kubelet.unprepare, released, taken, state_dir, _say):
                         failed.append(FULL_GPU_CLAIM)
-        _heading("Done" if not failed else f"Done, but {len(failed)} prepare(s) FAILED: {', '.join(failed)}")
+        failed = list(dict.fromkeys(failed))  # a claim the allocator refused is not counted again when its prepare is
+        _heading("Done" if not failed else f"Done, but {len(failed)} claim(s) FAILED: {', '.join(failed)}")
         _say(_closing(work, cdi_dir, node_args, keep, options.keep_prepared))
         return 1 if failed else 0
     except Exception as exc:

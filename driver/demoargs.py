@@ -24,14 +24,17 @@ EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "resourcecl
 DEFAULT_EXAMPLES = ("gpu-mps-per-claim.yaml", "mig-by-profile.yaml", "mps-share-from-plan.yaml")
 DYNAMIC_MIG_EXAMPLE = "mig-dynamic.yaml"  # --dynamic-mig: its template, at several sizes (driver/demomig.py)
 DYNAMIC_MIG_LAYOUT = "dynamic-mig"
+# Examples that only a particular simulated node can serve, and that node: the hint when one is not allocated.
+EXAMPLE_LAYOUTS = {"consumable-share-kernel-memory.yaml": "kernel-memory"}
 PLAN_NAME = "demo"
 SHARES = 4
 ShareMode = Literal["mps", "timeSlicing", "consumable"]
 
 
 # Everything a demo run writes in its working directory (driver/demo.py): what a rerun may remove.
-WORKDIR_ENTRIES = frozenset({"cdi", "driver.log", "health-events.jsonl", "host", "kubeconfig", "nvidia-smi-calls.jsonl",
-                             "nvml-calls.jsonl", "plugins", "plugins_registry", "sharing-plans.yaml", "tmp"})
+WORKDIR_ENTRIES = frozenset({".demo.lock", "cdi", "driver.log", "health-events.jsonl", "host", "kubeconfig",
+                             "nvidia-smi-calls.jsonl", "nvml-calls.jsonl", "plugins", "plugins_registry",
+                             "sharing-plans.yaml", "tmp"})
 
 
 class DemoArgsError(ValueError):
@@ -96,6 +99,13 @@ def parse_options(argv: Sequence[str], layouts: Sequence[str]) -> DemoOptions:
                        health=args.health, dynamic_mig=args.dynamic_mig)
 
 
+def layout_hint(example: str) -> str:
+    """What to try when a claim of ``example`` (a file name) found no device on the demo's node."""
+    if example in EXAMPLE_LAYOUTS:
+        return f"this example needs the simulated node --layout {EXAMPLE_LAYOUTS[example]}"
+    return "another simulated node may have such a device (python -m driver demo --help lists the layouts)"
+
+
 def default_examples() -> tuple[str, ...]:
     if not EXAMPLES_DIR.is_dir():
         raise DemoArgsError(f"the default examples are in examples/resourceclaims/ of a source checkout "
@@ -124,6 +134,15 @@ def claim_documents(path: Path) -> list[dict[str, Any]]:
     except (OSError, yaml.YAMLError) as exc:
         raise DemoArgsError(f"--example {str(path)!r}: cannot read it as YAML ({' '.join(str(exc).split())})") from exc
     return [d for d in docs if isinstance(d, dict) and d.get("kind") in ("ResourceClaimTemplate", "ResourceClaim")]
+
+
+def pods_using(path: Path, claim_doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Pod documents of ``path`` that name ``claim_doc`` (a ResourceClaim or ResourceClaimTemplate)."""
+    key = "resourceClaimTemplateName" if claim_doc.get("kind") == "ResourceClaimTemplate" else "resourceClaimName"
+    name = claim_doc.get("metadata", {}).get("name")
+    docs = load_yaml_documents(path.read_text())
+    return [d for d in docs if isinstance(d, dict) and d.get("kind") == "Pod"
+            and any(c.get(key) == name for c in (d.get("spec") or {}).get("resourceClaims") or [])]
 
 
 def requested_classes(documents: Iterable[dict[str, Any]]) -> set[str]:
@@ -184,6 +203,8 @@ def clear_previous_run(workdir: Path) -> list[str]:
     if foreign:
         raise DemoArgsError(f"--workdir {workdir}: holds files the demo did not write ({', '.join(foreign[:5])}"
                             f"{', ...' if len(foreign) > 5 else ''}); give an empty or new directory")
+    # The lock is held by this run (driver/demolock.py): removing it would let a second run in.
+    found = [name for name in found if name != ".demo.lock"]
     for name in found:
         path = workdir / name
         if path.is_dir() and not path.is_symlink():

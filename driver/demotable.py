@@ -65,6 +65,12 @@ def print_slices(slices: list[dict[str, Any]], say: Callable[[str], None]) -> No
         spec = s["spec"]
         say(f"ResourceSlice {s['metadata']['name']}  driver={spec['driver']}  pool={spec['pool']['name']} "
             f"generation={spec['pool']['generation']}  devices={len(spec.get('devices', []))}")
+        if not spec.get("devices") and spec.get("sharedCounters"):
+            # Kubernetes 1.35+ wants counter sets in a slice of their own, without devices.
+            for counter_set in spec["sharedCounters"]:
+                say(f"  counter set {counter_set['name']}: {len(counter_set.get('counters', {}))} counters that the "
+                    "dynamic MIG devices of the other slices consume")
+            continue
         say(f"  {'DEVICE':<24} {'TYPE':<10} {'PRODUCT / PROFILE':<28} {'MEMORY':<10} DETAILS")
         for d in spec.get("devices", []):
             kind = attr(d, "type")

@@ -12,13 +12,15 @@ from driver.gpu.health.sampling import SampledHealthSource
 
 
 def open_health_source(settings: Settings, inventory: Callable[[], NodeInventory],
-                       environ: Mapping[str, str]) -> SampledHealthSource:
-    """NVML's library is already loaded from the driver root by discovery, which starts first."""
+                       environ: Mapping[str, str], current: Callable[[], NodeInventory]) -> SampledHealthSource:
+    """NVML's library is already loaded from the driver root by discovery, which starts first. ``inventory``: the
+    one in force; ``current``: a fresh discovery, which the simulation asks for an instance made since (the NVML
+    source asks NVML itself)."""
     if settings.simulate:
         from driver.simulation.healthevents import EVENTS_ENV, SimulatedHealth
 
         path = environ.get(EVENTS_ENV)
-        return SimulatedHealth(Path(path) if path else None, inventory)
+        return SimulatedHealth(Path(path) if path else None, inventory, current)
     import pynvml
 
     from driver.gpu.health.nvmlsource import NvmlHealthSource

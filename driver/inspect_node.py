@@ -13,6 +13,8 @@ from driver import nodelayout
 from driver.config import Settings
 from driver.gpu.checkpoint import Checkpoint, CheckpointStore, PreparedDeviceRecord
 from driver.gpu.claimcdi.edits import CdiNames
+from driver.gpu.claimstatus import STATUS_FILE, render_lines
+from driver.gpu.claimstatus import add_to_inspect as add_status_to_inspect
 from driver.gpu.health.report import HEALTH_FILE, render_health
 from driver.gpu.health.report import add_to_inspect as add_health_to_inspect
 from driver.gpu.health.usagereport import USAGE_FILE, render_usage
@@ -189,6 +191,7 @@ def render_text(report: dict[str, Any]) -> str:
         if claim["timeslice"]:
             ts = claim["timeslice"]
             lines.append(f"    time slice {ts['interval']} on {', '.join(ts['gpu_uuids'])}")
+        lines.extend(render_lines(claim))
     lines.extend(_render_compute_mode(entry) for entry in report.get("compute_modes", []))
     if "mps_daemons_run_by" in report:
         lines.append(f"MPS daemons run as: {report['mps_daemons_run_by']}")
@@ -277,4 +280,5 @@ def build_report(settings: Settings) -> dict[str, Any]:
     add_health_to_inspect(report, settings.state_dir / HEALTH_FILE)
     add_usage_to_inspect(report, settings.state_dir / USAGE_FILE)
     add_plan_to_inspect(report, settings.state_dir / PLAN_USE_FILE, settings.sharing_plans)
+    add_status_to_inspect(report, settings.state_dir / STATUS_FILE)
     return report

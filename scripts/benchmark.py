@@ -25,6 +25,9 @@ daemon is the stand-in; every consumable claim starts a daemon of its own), and 
 prepare with NVIDIA's own nvidia-cuda-mps-control 550 (goal: under 30 ms p50) where
 scripts/fetch-nvidia-mps.sh put it into .cache/nvidia-mps; compute modes go through the simulated NVML in the
 driver's process, and the nvidia-smi runs that read or set one are counted (0).
+Also: the API requests per node at idle (over --idle-seconds, and the steady rate the watches' timeouts give,
+scaled to 5,000 nodes) and per prepare+unprepare cycle, and the sequential prepare latency with claim status
+writes and without them (scripts/apiload.py).
 This is not a test: it asserts nothing and is never run by CI.
 """
 
@@ -50,6 +53,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import apiload
 
 from driver.kubeletplugin.types import ClaimRef
 from tests.support.mpsdaemons import STANDIN, MpsDaemonKind, daemon_params
@@ -414,6 +420,10 @@ def main() -> None:
                         help="floor and Tessera runs alternate in this many rounds (default 6)")
     parser.add_argument("--registration-runs", type=int, default=5)
     parser.add_argument("--mps-runs", type=int, default=3, help="0 skips the MPS share rows")
+    parser.add_argument("--idle-seconds", type=float, default=60.0,
+                        help="window for counting API requests at idle; 0 skips the API rows (default 60)")
+    parser.add_argument("--status-claims", type=int, default=200,
+                        help="prepares timed with and without claim status writes; 0 skips them (default 200)")
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="py-spy's raw profile of the driver during the measured cycles (needs py-spy)")
     parser.add_argument("--driver-python", default=sys.executable, metavar="PYTHON",
@@ -449,6 +459,9 @@ def main() -> None:
                                            if args.mps_runs and nvidia else ([], [], 0))
     shares_first, shares_following = (consumable_share_latency(args.mps_runs, python) if args.mps_runs
                                       else ([], []))
+    load = apiload.api_load(python, args.idle_seconds, PRODUCTION_RESCAN) if args.idle_seconds else None
+    writes_on, writes_off = (apiload.alternating(python, args.status_claims, PRODUCTION_RESCAN)
+                             if args.status_claims else (None, None))
 
     floor_seq, floor_par, seq, par = results.floor_seq, results.floor_par, results.seq, results.par
     cpu_per_cycle = results.driver_cpu_s / (seq.cycles + par.cycles)
@@ -511,6 +524,8 @@ def main() -> None:
             ("consumable share prepare, following (median)", f"{statistics.median(shares_following) * ms:.1f} ms",
              "", "", "also starts one: a daemon per claim (a < 10 ms goal would need a shared daemon)"),
         ]
+    if load is not None:
+        rows += apiload.rows(load, writes_on, writes_off)
     print_table(rows)
 
 

@@ -54,6 +54,8 @@ libs=true; ls /etc/cdi/*.yaml /etc/cdi/*.json /var/run/cdi/*.yaml /var/run/cdi/*
 step check-node 180 $py -m driver check-node --verbose "${spec[@]}"
 step check-node-json 180 $py -m driver check-node --json "${spec[@]}"
 step mig-profiles 60 $py scripts/mig-profile-probe.py
+# Field 230, the supported event mask (0x4000/0x8000), remapped rows, pending MIG mode, mig/monitor: read only.
+step health-probe 60 $py scripts/health-probe.py
 step real-node-e2e 240 $py scripts/real-node-e2e.py --driver-libraries-required "$libs" "${spec[@]}"
 # A dynamic MIG plan for every GPU: a GPU in MIG mode without instances publishes its placements, any
 # other GPU is published as before with the reason logged (nothing is created: no claim asks for MIG).

@@ -66,6 +66,14 @@ class PreparedDeviceRecord(_Record):
     # the mig_* fields above are the created instance's. None for every other device.
     dynamic_mig: DynamicMigRecord | None = None
 
+    @property
+    def layout_key(self) -> str:
+        """The sharing layout's key for the form this device was published in: a share of a MIG instance is
+        keyed by the instance's MIG UUID, everything else (a dynamic MIG device too) by its GPU's UUID."""
+        if self.kind in ("mps", "timeslice") and self.mig_uuid is not None:
+            return self.mig_uuid
+        return self.gpu_uuid
+
 
 class TimeSliceRecord(_Record):
     gpu_uuids: list[str]
@@ -100,10 +108,12 @@ class ClaimRecord(_Record):
         return {d.gpu_uuid for d in self.devices}
 
     @property
-    def held_gpu_uuids(self) -> set[str]:
-        """GPUs whose published form the claim depends on: its admin-access devices depend on none
-        (their CDI edits are the device nodes only), so a monitoring claim never pins a GPU's form."""
-        return {d.gpu_uuid for d in self.devices if not d.admin_access}
+    def held_layout_keys(self) -> set[str]:
+        """GPUs and MIG instances whose published form the claim depends on (layout keys): its admin-access
+        devices depend on none (their CDI edits are the device nodes only), so a monitoring claim never pins a
+        GPU's form. A MIG instance held whole must not become shares under its claim, nor shares whole."""
+        held = [d for d in self.devices if not d.admin_access]
+        return {d.gpu_uuid for d in held} | {d.mig_uuid for d in held if d.mig_uuid is not None}
 
 
 class Checkpoint(_Record):

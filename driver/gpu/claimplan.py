@@ -32,9 +32,10 @@ def _short_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def plan_daemon_id(gpu_uuid: str) -> str:
+def plan_daemon_id(cuda_uuid: str) -> str:
+    """The plan daemon of a GPU's (or a MIG instance's, by its MIG UUID) MPS shares."""
     # Short ids keep MPS socket paths under the 108-byte Unix socket limit.
-    return f"plan-{_short_hash(gpu_uuid)}"
+    return f"plan-{_short_hash(cuda_uuid)}"
 
 
 def claim_daemon_id(claim_uid: str, group: int) -> str:
@@ -186,18 +187,19 @@ def _target_for(result: DeviceRequestAllocationResult, view: NodeView, pool_name
 
 
 def _check_share_multiplicity(targets: Sequence[DeviceTarget], *, whole_gpu_class: str) -> None:
-    by_gpu: dict[str, list[DeviceTarget]] = {}
+    by_unit: dict[str, list[DeviceTarget]] = {}
     for t in targets:
         # A consumable device held twice is refused by _consumed, with its own advice. Dynamic MIG placements are
         # no shares: each is an instance of its own, and several in one claim add capacity, as static MIG devices do.
         if t.shares is not None and t.shares.consumable is None and not t.shares.allow_multiple_shares_per_claim \
                 and not t.dynamic_mig:
-            by_gpu.setdefault(t.gpu.uuid, []).append(t)
-    for group in by_gpu.values():
+            by_unit.setdefault(t.cuda_uuid, []).append(t)  # the GPU, or the MIG instance the shares split
+    for group in by_unit.values():
         if len(group) > 1:
             names = ", ".join(t.name for t in group)
+            one = "MIG instance" if group[0].mig is not None else "GPU"
             raise PrepareError(
-                f"the claim holds {len(group)} shares of one GPU ({names}); shares of the same GPU in one claim "
+                f"the claim holds {len(group)} shares of one {one} ({names}); shares of the same {one} in one claim "
                 "add no capacity (every process still gets one share's limits). Ask for one share, or for a whole "
                 f"GPU (DeviceClass {whole_gpu_class}) with GpuConfig.sharing to choose your own limits; the node "
                 "operator can allow this with allowMultipleSharesPerClaim in the sharing plan")
@@ -207,18 +209,19 @@ ConfigGroups = Sequence[tuple[DeviceConfig, Sequence[DeviceRequestAllocationResu
 
 
 def _plan_daemons(targets: Sequence[DeviceTarget], multi_user: bool) -> list[PlannedDaemon]:
-    """One shared daemon per GPU whose plan MPS shares the claim holds."""
-    by_gpu: dict[str, list[DeviceTarget]] = {}
+    """One shared daemon per GPU (or MIG instance: its MIG UUID is the daemon's CUDA_VISIBLE_DEVICES, so the limits
+    are the instance's) whose plan MPS shares the claim holds."""
+    by_unit: dict[str, list[DeviceTarget]] = {}
     for t in targets:
         if t.kind == "mps" and t.shares is not None:
-            by_gpu.setdefault(t.gpu.uuid, []).append(t)
+            by_unit.setdefault(t.cuda_uuid, []).append(t)
     daemons: list[PlannedDaemon] = []
-    for gpu_uuid, shares in sorted(by_gpu.items()):
+    for cuda_uuid, shares in sorted(by_unit.items()):
         s, gpu = shares[0].shares, shares[0].gpu
         assert s is not None
-        spec = MpsDaemonSpec(daemon_id=plan_daemon_id(gpu_uuid), gpu_uuids=[gpu_uuid],
+        spec = MpsDaemonSpec(daemon_id=plan_daemon_id(cuda_uuid), gpu_uuids=[cuda_uuid],
                              active_thread_percentage=s.active_thread_percentage,
-                             pinned_memory_limits={gpu_uuid: s.memory_bytes_per_share},
+                             pinned_memory_limits={cuda_uuid: s.memory_bytes_per_share},
                              multi_user=multi_user and multi_user_capable(gpu.cuda_compute_capability),
                              shm_size=s.shm_size_bytes)
         daemons.append(PlannedDaemon(spec, shared=True, device_names=tuple(t.name for t in shares),
@@ -257,9 +260,10 @@ def _check_one_cuda_process_can_see(served: Sequence[DeviceTarget]) -> None:
     """``served``: every device of the claim an MPS daemon would serve. A container reaches one daemon,
     an MPS server is one CUDA process, and "a single CUDA process can only enumerate a single MIG
     device", never a MIG device next to a whole GPU (NVIDIA MIG user guide, "CUDA Device Enumeration")."""
-    # A dynamic MIG device is a MIG device once created, the whole device of a dynamic GPU (its full profile) too.
-    migs = sorted(t.name for t in served if t.kind == "mig" or t.dynamic_mig)
-    others = sorted(t.name for t in served if not (t.kind == "mig" or t.dynamic_mig))
+    # A dynamic MIG device is a MIG device once created, the whole device of a dynamic GPU (its full profile) too;
+    # a share of a MIG instance runs on its instance.
+    migs = sorted(t.name for t in served if t.mig is not None or t.dynamic_mig)
+    others = sorted(t.name for t in served if not (t.mig is not None or t.dynamic_mig))
     if len(migs) > 1 or (migs and others):
         raise PrepareError(
             f"MPS would have to serve {', '.join(migs + others)} together, but an MPS server is a single CUDA "

@@ -25,6 +25,7 @@ from driver.gpu.runtime.gpulocks import RESCAN_GPU_WAIT
 from driver.gpu.runtime.interfaces import ServedClaim
 from driver.kubeletplugin.events import EventRecorder, EventSpec, ObjectRef
 from driver.kubeletplugin.telemetry import Telemetry
+from driver.kubeletplugin.types import ClaimRef
 
 if TYPE_CHECKING:
     from driver.gpu.state import DeviceState
@@ -121,6 +122,8 @@ class MpsReports:
         self._lock = threading.Lock()
         self._drift: Counter[tuple[str, ...]] = Counter()  # (daemon id, limit) -> reverted changes
         self._restarts: Counter[tuple[str, ...]] = Counter()  # (daemon id,) -> restarts
+        # Told of the claims whose daemon's limits were restored (their status.devices says so).
+        self.restored: Callable[[list[ClaimRef]], None] | None = None
 
     def register_metrics(self, telemetry: Telemetry) -> None:
         # Labels name daemons and limits, never a tenant's claim or namespace.
@@ -144,6 +147,8 @@ class MpsReports:
         log.warning("a client changed an MPS daemon's limits; restored them", extra={
             "daemon_id": daemon_id, "changes": changes, "claims": [c.uid for c in claims],
             "found": {d.limit: d.found for d in drift}, "restored": {d.limit: d.expected for d in drift}})
+        if self.restored is not None:
+            self.restored([ClaimRef(namespace=c.namespace, name=c.name, uid=c.uid) for c in claims])
         self._post(claims, LIMITS_REVERTED, "RevertMpsLimits",
                    f"A client of the MPS control daemon {daemon_id} serving this claim changed its default limits "
                    f"(any process that runs as root and can reach the daemon's pipe directory can); the driver "

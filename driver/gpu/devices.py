@@ -18,6 +18,7 @@ from driver.gpu.devicenames import (
     dynamic_mig_device_name,
     gpu_device_name,
     mig_device_name,
+    mig_share_device_name,
     share_device_name,
 )
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
@@ -222,7 +223,9 @@ def _dynamic_mig(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, poli
     return entries, CounterSet(name=set_name, counters=counters(_counter_quantities(offered)))
 
 
-def _shares(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, mps_multi_user: bool) -> list[Entry]:
+def _shares(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, mps_multi_user: bool,
+            instance: MigInstance | None = None) -> list[Entry]:
+    """The shares of ``gpu``, or of its MIG ``instance`` (which then say its profile and MIG UUID)."""
     common = {
         "type": string_attr(shares.device_type),
         "parentUUID": _string(gpu.uuid),
@@ -232,6 +235,9 @@ def _shares(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, mps_multi
         "memoryLimitEnforcement": string_attr(shares.memory_enforcement(inventory.driver_version).value),
         "computeLimitEnforcement": string_attr(shares.compute_enforcement(inventory.driver_version).value),
     }
+    if instance is not None:
+        common["profile"] = _string(instance.profile)
+        common["migUUID"] = _string(instance.uuid)
     if shares.strategy == "MPS" and shares.active_thread_percentage is not None:
         common["activeThreadPercentage"] = int_attr(shares.active_thread_percentage)
     if shares.strategy == "MPS":
@@ -245,9 +251,11 @@ def _shares(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, mps_multi
     entries: list[Entry] = []
     strategy: ShareStrategy = "MPS" if shares.strategy == "MPS" else "TimeSlicing"  # Consumable: _consumable
     for k in range(shares.count):
-        name = share_device_name(gpu.minor, strategy, k)
+        name = (share_device_name(gpu.minor, strategy, k) if instance is None
+                else mig_share_device_name(gpu.minor, instance.profile, instance.placement_start, strategy, k))
         device = Device(name=name, attributes={**common, "shareIndex": int_attr(k)}, capacity=capacity)
-        entries.append((_checked(device), DeviceTarget(name, shares.device_type, gpu, shares=shares, share_index=k)))
+        entries.append((_checked(device), DeviceTarget(name, shares.device_type, gpu, mig=instance, shares=shares,
+                                                       share_index=k)))
     return entries
 
 
@@ -278,19 +286,28 @@ def _consumable(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, polic
     return _checked(device), DeviceTarget(name, "consumable", gpu, shares=shares)
 
 
-def _mig_devices(inventory: NodeInventory, gpu: GpuInfo, own: OwnInstances) -> list[Entry]:
-    entries: dict[str, Entry] = {}
+def _mig_devices(inventory: NodeInventory, gpu: GpuInfo, layout: Mapping[str, GpuShares], mps_multi_user: bool,
+                 own: OwnInstances) -> list[Entry]:
+    """Each instance as its MIG device, or (a layout entry under its MIG UUID) as the shares of it."""
+    instances: dict[str, MigInstance] = {}
     # Several compute instances in one GPU instance would share a name; the lowest CI id wins.
     for mig in sorted(gpu.mig_instances, key=lambda m: (m.placement_start, m.ci_id)):
         if (gpu.uuid, mig.gi_id) in own:
             continue  # created for a claim: its device is the dynamic placement, not a static one
-        device, target = _mig_device(inventory, gpu, mig)
-        entries.setdefault(device.name, (device, target))
-    return list(entries.values())
+        instances.setdefault(mig_device_name(gpu.minor, mig.profile, mig.placement_start), mig)
+    entries: list[Entry] = []
+    for mig in instances.values():
+        shares = layout.get(mig.uuid)
+        if shares is not None and shares.mig_profile is not None:
+            entries.extend(_shares(inventory, gpu, shares, mps_multi_user, instance=mig))
+        else:
+            entries.append(_mig_device(inventory, gpu, mig))
+    return entries
 
 
-def _gpu_entries(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares | None, mps_multi_user: bool,
+def _gpu_entries(inventory: NodeInventory, gpu: GpuInfo, layout: Mapping[str, GpuShares], mps_multi_user: bool,
                  own: OwnInstances) -> list[Entry]:
+    shares = layout.get(gpu.uuid)
     if shares is not None:
         if gpu.mig_enabled:
             raise ValueError(
@@ -301,7 +318,7 @@ def _gpu_entries(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares | Non
             return [_consumable(inventory, gpu, shares, shares.consumable)]
         return _shares(inventory, gpu, shares, mps_multi_user)
     if gpu.mig_enabled:
-        return _mig_devices(inventory, gpu, own)
+        return _mig_devices(inventory, gpu, layout, mps_multi_user, own)
     return [_whole_gpu(inventory, gpu)]
 
 
@@ -313,7 +330,8 @@ def make_view(inventory: NodeInventory, layout: Mapping[str, GpuShares], mps_mul
     whole device, then its placements profile by profile). A GPU in ``layout`` is published only as
     its shares or (``DynamicMig``) its placements with its counter set; a MIG-enabled GPU only as its
     MIG instances (none at all if it has none: the caller decides how to report that), less
-    ``own_instances`` (those Tessera created for claims); any other GPU whole. A dynamic GPU leaves
+    ``own_instances`` (those Tessera created for claims), each instance in ``layout`` (by MIG UUID) as
+    its shares instead of its MIG device; any other GPU whole. A dynamic GPU leaves
     out what covers an instance not in ``own_instances``; None (not known yet: recovery's first view)
     takes every instance of a dynamic GPU for its claims'. Layout entries for
     GPUs not in the inventory are ignored. Attributes whose source is unknown (None) are left out.
@@ -332,7 +350,7 @@ def make_view(inventory: NodeInventory, layout: Mapping[str, GpuShares], mps_mul
             entries, counter_set = _dynamic_mig(inventory, gpu, shares, shares.dynamic_mig, own_instances)
             counter_sets.extend([counter_set] if counter_set is not None else [])
         else:
-            entries = _gpu_entries(inventory, gpu, shares, mps_multi_user, own_instances or ())
+            entries = _gpu_entries(inventory, gpu, layout, mps_multi_user, own_instances or ())
         for device, target in entries:
             devices.append(device)
             targets[target.name] = target

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from driver.gpu.errors import PrepareError
 from driver.gpu.mps.model import MpsError
@@ -21,10 +22,15 @@ log = logging.getLogger(__name__)
 class GpuDriver:
     """Implements :class:`driver.kubeletplugin.types.DRADriver` on top of :class:`DeviceState`."""
 
-    def __init__(self, state: DeviceState):
+    def __init__(self, state: DeviceState, admit: Callable[[ResourceClaim], str | None] | None = None):
+        """``admit``: why a claim must not be prepared at all (None: it may), asked before anything is done."""
         self.state = state
+        self.admit = admit
 
     def prepare_claim(self, claim: ResourceClaim, deadline: Deadline) -> PrepareResult:
+        refusal = self.admit(claim) if self.admit is not None else None
+        if refusal is not None:
+            return PrepareResult(error=refusal)
         try:
             return PrepareResult(devices=self.state.prepare(claim, deadline))
         except (PrepareError, LockTimeout) as exc:

@@ -78,16 +78,42 @@ def dynamic_mig_form(entry: DynamicMigEntry, gpu: GpuInfo, *, supported: bool,
     shares = GpuShares(strategy="DynamicMig", count=1, memory_bytes_per_share=gpu.memory_bytes,
                        dynamic_mig=DynamicMigPolicy(profiles=tuple(allowed), also_whole_gpu=entry.alsoWholeGpu))
     unknown = unknown_profiles(entry, gpu)
-    note = None
+    notes = []
     if unknown:
-        note = (f"dynamicMig.profiles {', '.join(unknown)} not offered by this GPU (it offers {', '.join(offered)}); "
-                "publishing the others")
-    return shares, note
+        notes.append(f"dynamicMig.profiles {', '.join(unknown)} not offered by this GPU (it offers "
+                     f"{', '.join(offered)}); publishing the others")
+    if (pending := pending_mig_mode(gpu)) is not None:
+        notes.append(f"{pending}; served as dynamic MIG until then")
+    return shares, "; ".join(notes) or None
+
+
+# Where a MIG mode change takes effect without a GPU reset: once no process holds the GPU (NVIDIA's MIG user
+# guide; nvidia-smi -mig says so and leaves the mode pending while a process, DCGM or a monitor holds it).
+_IDLE_TOGGLE_ARCHITECTURES = ("Hopper", "Blackwell", "Rubin")
+
+
+def pending_mig_mode(gpu: GpuInfo) -> str | None:
+    """What a MIG mode set but not in effect yet needs (for the operator); None when none is pending."""
+    if gpu.mig_mode_pending is None:
+        return None
+    reset = (f"a GPU reset (nvidia-smi -i {gpu.uuid} -r, with no process on the GPU) or a reboot; running "
+             f"nvidia-smi -mig {int(gpu.mig_mode_pending == 'enable')} again does not apply it")
+    idle = ("no process holding the GPU (workloads, MPS daemons, DCGM or other monitoring agents); it then takes "
+            "effect by itself")
+    if gpu.architecture == "Ampere":
+        needs = reset
+    elif gpu.architecture in _IDLE_TOGGLE_ARCHITECTURES:
+        needs = idle
+    else:
+        needs = f"{reset} (Ampere), or {idle} (Hopper and later)"
+    return f"MIG mode {gpu.mig_mode_pending} is pending on {gpu.architecture or 'this GPU'}: it needs {needs}"
 
 
 def unavailable_reason(gpu: GpuInfo, own: OwnInstances, supported: bool) -> str | None:
     """Why ``gpu`` cannot be published as dynamic MIG, ending with what it is published as; None if it can."""
     if not gpu.mig_enabled:
+        if gpu.mig_mode_pending == "enable":
+            return f"{pending_mig_mode(gpu)}; published as a whole GPU until then"
         if gpu.mig_capable:
             return (f"MIG mode is off (Tessera never changes it; an operator enables it with "
                     f"'nvidia-smi -i {gpu.uuid} -mig 1'), published as a whole GPU")

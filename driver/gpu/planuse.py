@@ -16,10 +16,19 @@ from pydantic import BaseModel, ConfigDict
 
 from driver.gpu.devicenames import counter_set_name
 from driver.gpu.devices import quantity_from_bytes
-from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
+from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.migplacement import counter_values, placements
+from driver.gpu.migshareplan import named_instances
 from driver.gpu.sharelayout import GpuShares, SharingLayout
-from driver.gpu.sharingplan import PlanError, SharingPlan, entries_matching_no_gpu, entry_path, first_match, load_plans
+from driver.gpu.sharingplan import (
+    PlanError,
+    SharingPlan,
+    entries_matching_no_gpu,
+    entry_path,
+    first_instance_match,
+    first_match,
+    load_plans,
+)
 
 PLAN_USE_FILE = "sharing-plan.json"
 
@@ -30,7 +39,8 @@ class GpuPlanUse(BaseModel):
     minor: int
     uuid: str
     product: str
-    entry: str | None  # the plan entry that matched (e.g. plans.demo.gpus[0]); None: none did
+    # The plan entry that matched (e.g. plans.demo.gpus[0]), then those that split its MIG instances; None: none did.
+    entry: str | None
     published: str  # one line: what the GPU is published as
     note: str | None = None  # why the entry's form is not used (and what it is published as), or what was ignored
 
@@ -62,17 +72,18 @@ def gpu_label_of(g: GpuPlanUse) -> str:
     return f"gpu-{g.minor} ({g.product})"
 
 
-def describe_shares(shares: GpuShares | None, gpu: GpuInfo) -> str:
-    """What one GPU is published as under ``shares``, in the units a claim's selector would use."""
+def describe_shares(shares: GpuShares | None, gpu: GpuInfo, layout: SharingLayout | None = None) -> str:
+    """What one GPU is published as under ``shares`` (a GPU in MIG mode: each instance under ``layout``), in the
+    units a claim's selector would use."""
     if shares is None:
         if gpu.mig_enabled:
-            profiles = ", ".join(m.profile for m in gpu.mig_instances) or "none"
-            return f"its {len(gpu.mig_instances)} MIG device(s) ({profiles})"
+            instances = named_instances(gpu)
+            described = [_describe_instance(m, (layout or {}).get(m.uuid)) for m in instances]
+            return f"its {len(instances)} MIG device(s) ({'; '.join(described) or 'none'})"
         memory = quantity_from_bytes(gpu.memory_bytes) if gpu.memory_bytes else "memory unknown"
         return f"whole (memory {memory})"
     if shares.dynamic_mig is not None:
         return _describe_dynamic_mig(shares, gpu)
-    memory = quantity_from_bytes(shares.memory_bytes_per_share)
     if shares.consumable is not None:
         c = shares.consumable
         return (f"one consumable device: memory {quantity_from_bytes(c.memory_bytes)} (claims take "
@@ -80,11 +91,25 @@ def describe_shares(shares: GpuShares | None, gpu: GpuInfo) -> str:
                 f"{quantity_from_bytes(c.memory_step_bytes)}), {c.multiprocessors} multiprocessors (claims take "
                 f"{c.multiprocessors_min} to {c.multiprocessors_max} in steps of {c.multiprocessors_step}), "
                 f"memory enforcement {c.memory_enforcement.value}")
+    return _describe_split(shares)
+
+
+def _describe_split(shares: GpuShares) -> str:
+    memory = quantity_from_bytes(shares.memory_bytes_per_share)
     if shares.strategy == "MPS":
         return (f"{shares.count} MPS shares, each memory {memory} (pinned limit), "
                 f"{shares.active_thread_percentage}% of the SMs, clients {shares.mps_clients}")
-    interval = f", time slice {shares.interval}" if shares.interval else ""
+    interval = f", time slice {shares.interval}" if shares.interval and shares.mig_profile is None else ""
     return f"{shares.count} time-sliced shares, each memory {memory} (not enforced){interval}"
+
+
+def _describe_instance(instance: MigInstance, shares: GpuShares | None) -> str:
+    where = f"{instance.profile} at {instance.placement_start}"
+    if shares is None:
+        return where
+    # A MIG instance's MPS limits hold only for clients that stay with its daemon: its GPU is in DEFAULT.
+    advisory = ", limits advisory" if shares.strategy == "MPS" else ""
+    return f"{where} as {_describe_split(shares)}{advisory}"
 
 
 def _describe_dynamic_mig(shares: GpuShares, gpu: GpuInfo) -> str:
@@ -103,9 +128,13 @@ def plan_use(plan: SharingPlan, plan_name: str | None, file: Path | None, how: s
     gpus = []
     for gpu in sorted(inventory.gpus, key=lambda g: g.minor):
         index, entry = first_match(plan, gpu)
+        # Then the migProfile entries that split its instances (in the plan's order).
+        used = sorted({i for m in gpu.mig_instances if m.uuid in layout
+                       for i, e in [first_instance_match(plan, gpu, m)] if e is not None})
+        paths = [entry_path(plan_name, i) for i in ([index] if entry is not None else []) + used]
         gpus.append(GpuPlanUse(minor=gpu.minor, uuid=gpu.uuid, product=gpu.product_name,
-                               entry=entry_path(plan_name, index) if entry is not None else None,
-                               published=describe_shares(layout.get(gpu.uuid), gpu),
+                               entry=", ".join(paths) or None,
+                               published=describe_shares(layout.get(gpu.uuid), gpu, layout),
                                note=(notes or {}).get(gpu.uuid)))
     return PlanUse(file=str(file) if file is not None else None, plan=plan_name, how=how, gpus=gpus,
                    unmatched_entries=entries_matching_no_gpu(plan, inventory, plan_name))

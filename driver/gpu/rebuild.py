@@ -1,4 +1,4 @@
-"""Rebuild the checkpoint from the CDI specs on disk, after the checkpoint was found corrupt.
+"""Rebuild the checkpoint from the CDI specs on disk, after the checkpoint was found corrupt or missing.
 
 Every spec the driver writes carries annotations naming its claim and, per device, everything
 the checkpoint held about it: kind, GPU, MIG instance (and, for dynamic MIG, its profile and placement),
@@ -108,11 +108,13 @@ def _claim_from_spec(path: Path, names: CdiNames, pool_name: str,
             daemons = record.shared_mps_daemons if is_plan_daemon(daemon) else record.owned_mps_daemons
             if daemon not in daemons:
                 daemons.append(daemon)
-            # The same rule as at prepare (computemode.exclusive_gpus): whole GPUs only, never a MIG parent.
-            if record.devices[-1].kind in ("gpu", "mps") and record.devices[-1].dynamic_mig is None \
+            # The same rule as at prepare (computemode.exclusive_gpus): whole GPUs only, never a MIG parent (nor
+            # the GPU of a MIG instance's shares).
+            rebuilt = record.devices[-1]
+            if rebuilt.kind in ("gpu", "mps") and rebuilt.dynamic_mig is None and rebuilt.mig_uuid is None \
                     and gpu_uuid not in record.exclusive_gpus:
                 record.exclusive_gpus.append(gpu_uuid)
         shares = dann.get(names.annotation("shares"))
         if shares:
-            layout[gpu_uuid] = GpuShares.model_validate_json(shares)
+            layout[record.devices[-1].layout_key] = GpuShares.model_validate_json(shares)
     return record, layout

@@ -51,7 +51,7 @@ def recover(state: DeviceState) -> RecoveryReport:
             loaded: Checkpoint | None = ledger.store.load()
         except CheckpointCorrupt:
             loaded = None
-        if loaded is None or _rebuild_interrupted(ledger.store.path):
+        if loaded is None or _rebuild_interrupted(ledger.store.path) or _checkpoint_lost(state):
             cp = rebuild_checkpoint(state.paths.cdi_root, state.names, state.pool_name, _now())
             ledger.store.save(cp)
             report.rebuilt_from_cdi = True
@@ -123,6 +123,14 @@ def _rebuild_interrupted(path: Path) -> bool:
     return not path.exists() and any(path.parent.glob(f"{path.name}.corrupt-*"))
 
 
+def _checkpoint_lost(state: DeviceState) -> bool:
+    """Whether the checkpoint is missing while claims' CDI specs are there (it was deleted): loading it as
+    empty would make each of those claims an orphan, its spec removed and its MPS daemon stopped under
+    its running clients. A first start has neither."""
+    return not state.ledger.store.path.exists() and bool(cdi.list_specs(state.paths.cdi_root,
+                                                                         state.names.spec_prefix))
+
+
 def _adopt_daemons(state: DeviceState) -> None:
     """After a rebuild from the CDI specs: each live daemon they name gets its record back (its limits read back
     first), so the watcher checks its limits and restarts it again. GPU locks held."""
@@ -130,7 +138,7 @@ def _adopt_daemons(state: DeviceState) -> None:
         if spec.daemon_id in state.ledger.read().mps_daemons:
             continue
         try:
-            record = state.sharing.mps.adopt(spec)
+            record = state.sharing.mps.adopt(spec, restore=True)
         except Exception:
             log.exception("adopting an MPS daemon after the rebuild failed", extra={"daemon_id": spec.daemon_id})
             continue

@@ -12,6 +12,7 @@ from driver.gpu.checkpoint import Checkpoint
 from driver.gpu.claimplan import ClaimPlan
 from driver.gpu.consumable import ConsumedShare, HeldShare, check_fits
 from driver.gpu.errors import PrepareError
+from driver.gpu.targets import DeviceTarget
 
 
 def check_shares_fit(cp: Checkpoint, plan: ClaimPlan) -> None:
@@ -49,14 +50,28 @@ def check_no_overlap(cp: Checkpoint, plan: ClaimPlan) -> None:
         held = [d for d in other.devices if not d.admin_access]
         taken = {d.device.device_name for d in held}
         # A GPU held in another form (whole next to a share, MPS next to time-slice shares): possible
-        # when a view is stale, e.g. the other pod of a rolling update re-published the GPU.
-        forms = {(d.gpu_uuid, d.kind) for d in held}
+        # when a view is stale, e.g. the other pod of a rolling update re-published the GPU. The instances
+        # of a MIG GPU each have a form of their own (a MIG device, or its shares).
+        forms = {(d.gpu_uuid, d.mig_uuid or ("" if d.dynamic_mig is not None else None), d.kind) for d in held}
         for t in held_targets:
             if t.kind == "consumable":  # shares of a consumable GPU: check_shares_fit
                 continue
-            other_form = any(g == t.gpu.uuid and (k != t.kind or k == "gpu") for g, k in forms)
-            if t.name in taken or other_form:
+            if t.name in taken or any(_other_form(t, instance, kind) for g, instance, kind in forms
+                                      if g == t.gpu.uuid):
                 raise PrepareError(
                     f"device {t.name!r} (or its GPU in another form) is already prepared for claim "
                     f"{other.namespace}/{other.name} ({other.uid}); the allocation is stale, delete the pod "
                     "so its claim is allocated again")
+
+
+def _other_form(t: DeviceTarget, instance: str | None, kind: str) -> bool:
+    """Whether a device of ``t``'s GPU held as ``kind`` on MIG ``instance`` (its MIG UUID; "": a dynamic MIG
+    instance not created yet; None: no MIG device or share) stands in ``t``'s way."""
+    if kind == "gpu" or t.kind == "gpu":
+        return True
+    mine = t.mig.uuid if t.mig is not None else ("" if t.dynamic_mig else None)
+    if (instance is None) != (mine is None):
+        return True  # a whole GPU's share next to a MIG device or share of the same GPU: a stale view
+    if instance is None:
+        return kind != t.kind
+    return instance == mine and kind != t.kind

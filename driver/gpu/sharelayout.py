@@ -1,6 +1,8 @@
 """How one physical GPU is published: whole, as N MPS or time-sliced share devices, as one
 consumable device that many claims share by capacity (``driver/gpu/consumable.py``), or as the
-placements of its MIG profiles, created at prepare (dynamic MIG, ``driver/gpu/migplacement.py``).
+placements of its MIG profiles, created at prepare (dynamic MIG, ``driver/gpu/migplacement.py``);
+and how one MIG instance is: as its MIG device, or as N MPS or time-sliced shares of it
+(``driver/gpu/migshareplan.py``).
 
 This is the resolved, per-GPU form of the node sharing plan (``sharingplan.py`` parses the
 YAML and resolves it against the inventory); ``devices.py`` turns it into share devices and
@@ -36,9 +38,9 @@ class Enforcement(StrEnum):
 
 
 # Who may be a client of an MPS daemon (plan entry ``mps.clients``, per-claim ``mpsConfig.clients``):
-# ``nonRoot``: only claims none of whose pods' containers may run as host UID 0 (checked at prepare,
-# ``driver/gpu/tenancy.py``); ``any``: every claim, whose root processes can then change or stop the
-# daemon, so its limits are advisory.
+# ``nonRoot``: only claims all of whose consumers are pods that meet Pod Security "baseline" and cannot run
+# as root or group root (checked at prepare, ``driver/gpu/tenancy.py``); ``any``: every claim, whose root
+# processes can then change or stop the daemon, so its limits are advisory.
 MpsClients = Literal["nonRoot", "any"]
 
 # The first driver branch whose MPS control daemon refuses settings from UIDs other than root and
@@ -128,6 +130,9 @@ class GpuShares(BaseModel):
     # share daemon's); None: the node's --mps-shm-size.
     shm_size_bytes: int | None = None
     dynamic_mig: DynamicMigPolicy | None = None
+    # MPS and TimeSlicing: the profile of the MIG instance these shares split (its layout key is then the
+    # instance's MIG UUID); None: a whole GPU's shares.
+    mig_profile: str | None = None
 
     @model_validator(mode="after")
     def _form(self) -> GpuShares:
@@ -139,6 +144,8 @@ class GpuShares(BaseModel):
             raise ValueError(f"{self.strategy} needs at least 2 shares, got {self.count}")
         if self.strategy in ("Consumable", "DynamicMig") and self.count != 1:
             raise ValueError(f"a {self.strategy} GPU has no share count, got count {self.count}")
+        if self.mig_profile is not None and self.strategy not in ("MPS", "TimeSlicing"):
+            raise ValueError(f"a MIG instance can be split into MPS or TimeSlicing shares only, not {self.strategy}")
         return self
 
     @property
@@ -151,16 +158,30 @@ class GpuShares(BaseModel):
         if self.consumable is not None:
             return self.consumable.memory_enforcement
         if self.strategy == "MPS":
-            return mps_enforcement(self.mps_clients, driver_version)
+            return self._mps_enforcement(driver_version)
         return Enforcement.NONE
+
+    def _mps_enforcement(self, driver_version: str | None) -> Enforcement:
+        # A MIG instance's GPU stays in compute mode DEFAULT (the only mode MIG allows), so a client that
+        # leaves MPS runs on the instance beside the daemon: its limits are advisory.
+        return mps_enforcement(self.mps_clients, driver_version, exclusive=self.mig_profile is None)
 
     def compute_enforcement(self, driver_version: str | None) -> Enforcement:
         if self.consumable is not None:
             return Enforcement.MPS_ADVISORY
         if self.strategy == "MPS":
-            return mps_enforcement(self.mps_clients, driver_version)
+            return self._mps_enforcement(driver_version)
         return Enforcement.NONE
 
 
-# Resolved plan: GPU UUID -> shares. GPUs absent from the mapping are published whole.
+# Resolved plan: GPU UUID -> shares, and MIG UUID -> shares of that MIG instance (``mig_profile`` set).
+# GPUs absent from the mapping are published whole (a GPU in MIG mode: as its MIG devices), instances
+# absent from it as MIG devices.
 SharingLayout = dict[str, GpuShares]
+
+
+def plan_timeslices(layout: SharingLayout) -> dict[str, TimeSliceInterval]:
+    """GPU UUID -> the time slice the plan sets on it: its time-sliced whole GPUs. A MIG instance has no time
+    slice of its own (``migshareplan.py``), so its time-sliced shares set none."""
+    return {uuid: s.interval or "Default" for uuid, s in layout.items()
+            if s.strategy == "TimeSlicing" and s.mig_profile is None}

@@ -1,5 +1,6 @@
 """The node sharing plan: which GPUs of a node are published as MPS, time-sliced or consumable shares,
-or as dynamic MIG placements (the entry itself: ``dynamicmigplan.py``).
+or as dynamic MIG placements (the entry itself: ``dynamicmigplan.py``), and which MIG instances as MPS or
+time-sliced shares (``match.migProfile``: ``migshareplan.py``).
 
 Operators write named plans in one YAML file (Helm renders it into a ConfigMap mounted at
 ``/etc/tessera/sharing-plans.yaml``); a node label (default ``gpu.tessera.dev/sharing-plan``)
@@ -13,22 +14,30 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from cdi.yamlload import load_yaml
 from driver.gpu.claimconfig.api import ByteQuantity, ShmSize, describe_validation_error
 from driver.gpu.consumable import UNDETECTED, KernelMemoryLimits, build_policy
-from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
+from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.dynamicmigplan import DynamicMigEntry, dynamic_mig_form
 from driver.gpu.migplacement import OwnInstances
+from driver.gpu.migshareplan import check_instance_entry, instance_shares, named_instances
 from driver.gpu.planmatch import Match
-from driver.gpu.sharelayout import GpuShares, MpsClients, SharingLayout, TimeSliceInterval
-from driver.units import MIB
+from driver.gpu.shareforms import (
+    MpsShares,
+    PlanObject,
+    ShareUnit,
+    TimeSlicingShares,
+    mps_shares,
+    time_slicing_shares,
+)
+from driver.gpu.sharelayout import GpuShares, SharingLayout
 
 DEFAULT_PLANS_PATH = Path("/etc/tessera/sharing-plans.yaml")
 
@@ -43,56 +52,7 @@ class PlanError(ValueError):
     """A sharing plan that cannot be used; the message says where and what to fix."""
 
 
-def _between(low: int, high: int, value: int | None) -> int | None:
-    if value is not None and not low <= value <= high:
-        raise ValueError(f"must be between {low} and {high}, got {value}")
-    return value
-
-
-class _PlanObject(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-class MpsShares(_PlanObject):
-    """Split a GPU into ``shares`` MPS shares, each with an enforced thread and memory limit."""
-
-    shares: int
-    activeThreadPercentage: int | None = None  # default floor(100 / shares)
-    pinnedMemoryLimit: ByteQuantity | None = None  # per share; default GPU memory / shares
-    # Who may hold a share: nonRoot refuses, at prepare, claims whose pods could run as host root (and so
-    # control the daemon all shares of the GPU go through); any admits them, and the limits are advisory.
-    clients: MpsClients = "nonRoot"
-    # The GPU's daemon's own /dev/shm tmpfs, which every share's containers use with it: size it for
-    # all the shares. Default: the node's --mps-shm-size.
-    shmSize: ShmSize | None = None
-
-    @field_validator("shares")
-    @classmethod
-    def _shares_range(cls, value: int) -> int:
-        _between(2, 48, value)
-        return value
-
-    @field_validator("activeThreadPercentage")
-    @classmethod
-    def _percentage_range(cls, value: int | None) -> int | None:
-        return _between(1, 100, value)
-
-
-class TimeSlicingShares(_PlanObject):
-    """Publish a GPU ``shares`` times; the shares take turns, and memory is an entitlement only."""
-
-    shares: int
-    interval: TimeSliceInterval = "Default"
-    memoryPerShare: ByteQuantity | None = None  # not enforced; default GPU memory / shares
-
-    @field_validator("shares")
-    @classmethod
-    def _shares_range(cls, value: int) -> int:
-        _between(2, 48, value)
-        return value
-
-
-class ConsumableFallback(_PlanObject):
+class ConsumableFallback(PlanObject):
     """How a consumable GPU is published where the API server would drop consumable capacity."""
 
     mps: MpsShares | None = None
@@ -105,7 +65,7 @@ class ConsumableFallback(_PlanObject):
         return self
 
 
-class ConsumableShares(_PlanObject):
+class ConsumableShares(PlanObject):
     """Publish a GPU once for many claims, each consuming memory (whole GiB) and SMs (docs/sharing.md)."""
 
     memoryMin: ByteQuantity | None = None  # default 1Gi; a whole number of GiB
@@ -118,7 +78,7 @@ class ConsumableShares(_PlanObject):
     shmSize: ShmSize | None = None
 
 
-class PlanEntry(_PlanObject):
+class PlanEntry(PlanObject):
     match: Match
     mps: MpsShares | None = None
     timeSlicing: TimeSlicingShares | None = None
@@ -138,6 +98,8 @@ class PlanEntry(_PlanObject):
                              "or dynamicMig")
         if (self.whole or self.consumable or self.dynamicMig) and self.allowMultipleSharesPerClaim:
             raise ValueError("allowMultipleSharesPerClaim applies only to mps or timeSlicing entries")
+        if self.match.for_instances:
+            check_instance_entry(given[0], self.timeSlicing)
         return self
 
     def forms(self) -> dict[str, object]:
@@ -145,11 +107,11 @@ class PlanEntry(_PlanObject):
                 "dynamicMig": self.dynamicMig, "whole": self.whole}
 
 
-class SharingPlan(_PlanObject):
+class SharingPlan(PlanObject):
     gpus: list[PlanEntry] = Field(default_factory=list)  # first matching entry wins
 
 
-class SharingPlans(_PlanObject):
+class SharingPlans(PlanObject):
     """The whole plans file."""
 
     defaultPlan: str | None = None  # plan for nodes without the label; None: every GPU whole
@@ -227,7 +189,12 @@ def resolve_layout(plan: SharingPlan, inventory: NodeInventory, plan_name: str |
 def resolve_plan(plan: SharingPlan, inventory: NodeInventory, plan_name: str | None, *,
                  consumable_supported: bool = True, kernel: KernelMemoryLimits | None = None,
                  partitionable_supported: bool = True, own_instances: OwnInstances = ()) -> ResolvedPlan:
-    """GPU UUID -> shares for every GPU the plan splits; the first matching entry wins, others stay whole.
+    """GPU UUID -> shares for every GPU the plan splits, MIG UUID -> shares for every MIG instance it splits.
+
+    Entries without ``migProfile`` are matched against GPUs, those with it against the MIG instances of GPUs
+    in MIG mode; in each, the first matching entry wins, and what none matches stays whole (a MIG instance:
+    a MIG device). A GPU the plan makes dynamic MIG keeps its instances to itself: no ``migProfile`` entry
+    applies to them (said in ``notes``).
 
     ``consumable_supported``: the API server keeps consumable capacity
     (:func:`driver.gpu.consumable.consumable_supported`); where it does not, a consumable entry is
@@ -239,51 +206,102 @@ def resolve_plan(plan: SharingPlan, inventory: NodeInventory, plan_name: str | N
     """
     layout: SharingLayout = {}
     notes: dict[str, str] = {}
-    problems: list[str] = []
+    problems: dict[tuple[int, str], list[GpuInfo]] = {}  # (entry, problem) -> the GPUs it has it on
+    instance_problems: list[str] = []
     kernel = kernel or UNDETECTED
     for gpu in inventory.gpus:
         index, entry = first_match(plan, gpu)
-        if entry is None or entry.whole:
-            continue
-        try:
-            if entry.dynamicMig is not None:
-                shares, note = dynamic_mig_form(entry.dynamicMig, gpu, supported=partitionable_supported,
-                                                own=own_instances)
-                if note is not None:
-                    notes[gpu.uuid] = note
-            else:
-                shares = _shares_for(entry, gpu, consumable_supported, kernel)
-        except ValueError as exc:
-            problems.append(f"{entry_path(plan_name, index)} ({_describe_gpu(gpu)}): {exc}")
-            continue
-        if entry.consumable is not None and not consumable_supported:
-            log.warning("the API server does not support consumable capacity (Kubernetes 1.36+, or 1.34/1.35 with "
-                        "the DRAConsumableCapacity gate); publishing the plan's fallback instead",
-                        extra={"entry": entry_path(plan_name, index), "gpu_uuid": gpu.uuid,
-                               "fallback": shares.strategy if shares is not None else "whole"})
+        shares: GpuShares | None = None
+        if entry is not None and _spares_mig_gpu(entry, gpu):
+            # As NVIDIA's device plugin under migStrategy mixed: a shared `nvidia.com/gpu` is the non-MIG GPUs.
+            notes[gpu.uuid] = (f"{entry_path(plan_name, index)} (match {entry.match.describe()}) does not split a "
+                               "MIG-enabled GPU: its MIG instances are published (an entry with match.migProfile "
+                               "shares them)")
+        elif entry is not None and not entry.whole:
+            try:
+                if entry.dynamicMig is not None:
+                    shares, note = dynamic_mig_form(entry.dynamicMig, gpu, supported=partitionable_supported,
+                                                    own=own_instances)
+                    if note is not None:
+                        notes[gpu.uuid] = note
+                else:
+                    shares = _shares_for(entry, gpu, consumable_supported, kernel)
+            except ValueError as exc:
+                problems.setdefault((index, str(exc)), []).append(gpu)
+                continue
+            if entry.consumable is not None and not consumable_supported:
+                log.warning("the API server does not support consumable capacity (Kubernetes 1.36+, or 1.34/1.35 "
+                            "with the DRAConsumableCapacity gate); publishing the plan's fallback instead",
+                            extra={"entry": entry_path(plan_name, index), "gpu_uuid": gpu.uuid,
+                                   "fallback": shares.strategy if shares is not None else "whole"})
         if shares is not None:
             layout[gpu.uuid] = shares
-    if problems:
-        raise PlanError("\n".join(problems))
+        if shares is not None and shares.dynamic_mig is not None:
+            skipped = [entry_path(plan_name, i) for i, e in _instance_entries(plan, gpu)]
+            if skipped:
+                notes[gpu.uuid] = "; ".join([*([notes[gpu.uuid]] if gpu.uuid in notes else []),
+                                            f"{', '.join(skipped)} (migProfile) not applied: the GPU is dynamic "
+                                            "MIG, its instances are created for claims"])
+        elif gpu.mig_enabled:
+            layout.update(_instance_layout(plan, plan_name, gpu, instance_problems))
+    if problems or instance_problems:
+        # One line per entry and problem: eight identical GPUs are one mistake, not eight.
+        raise PlanError("\n".join([*(f"{entry_path(plan_name, index)} ({_describe_gpus(gpus)}): {problem}"
+                                    for (index, problem), gpus in problems.items()), *instance_problems]))
     return ResolvedPlan(layout, notes)
 
 
+def _instance_entries(plan: SharingPlan, gpu: GpuInfo) -> list[tuple[int, PlanEntry]]:
+    """The plan's ``migProfile`` entries that match an instance of ``gpu``."""
+    return [(i, e) for i, e in enumerate(plan.gpus)
+            if any(e.match.matches_instance(gpu, m) for m in gpu.mig_instances)]
+
+
+def _instance_layout(plan: SharingPlan, plan_name: str | None, gpu: GpuInfo, problems: list[str]) -> SharingLayout:
+    """MIG UUID -> shares for each published instance of ``gpu`` a ``migProfile`` entry matches first."""
+    layout: SharingLayout = {}
+    for instance in named_instances(gpu):
+        index, entry = first_instance_match(plan, gpu, instance)
+        if entry is None:
+            continue
+        try:
+            layout[instance.uuid] = instance_shares(entry.mps, entry.timeSlicing, entry.allowMultipleSharesPerClaim,
+                                                    gpu, instance)
+        except ValueError as exc:
+            problems.append(f"{entry_path(plan_name, index)} ({_describe_gpus([gpu])}, MIG instance {instance.profile} "
+                            f"at {instance.placement_start}, {instance.uuid}): {exc}")
+    return layout
+
+
 def entries_matching_no_gpu(plan: SharingPlan, inventory: NodeInventory, plan_name: str | None) -> list[str]:
-    """Paths of entries no GPU on this node matched (fine, plans are shared by nodes; worth a log line)."""
-    return [
-        f"{entry_path(plan_name, index)} (match {entry.match.describe()})"
-        for index, entry in enumerate(plan.gpus)
-        if not any(entry.match.matches(gpu) for gpu in inventory.gpus)
-    ]
+    """Paths of entries no GPU (``migProfile``: no MIG instance) on this node matched (fine, plans are shared by
+    nodes; worth a log line)."""
+    return [f"{entry_path(plan_name, index)} (match {entry.match.describe()})"
+            for index, entry in enumerate(plan.gpus) if not any(_takes(entry.match, gpu) for gpu in inventory.gpus)]
+
+
+def _takes(match: Match, gpu: GpuInfo) -> bool:
+    if match.for_instances:
+        return any(match.matches_instance(gpu, m) for m in gpu.mig_instances)
+    return match.matches(gpu)
 
 
 def layout_changes(old: SharingLayout, new: SharingLayout) -> set[str]:
-    """UUIDs of GPUs published differently under ``new`` than under ``old`` (including whole <-> shared)."""
+    """UUIDs of GPUs (and MIG instances) published differently under ``new`` than under ``old`` (including whole
+    <-> shared)."""
     return {uuid for uuid in old.keys() | new.keys() if old.get(uuid) != new.get(uuid)}
 
 
 def first_match(plan: SharingPlan, gpu: GpuInfo) -> tuple[int, PlanEntry | None]:
-    return next(((i, entry) for i, entry in enumerate(plan.gpus) if entry.match.matches(gpu)), (-1, None))
+    """The first entry for whole GPUs (no ``migProfile``) that matches ``gpu``, and its index; (-1, None): none."""
+    return next(((i, entry) for i, entry in enumerate(plan.gpus)
+                 if not entry.match.for_instances and entry.match.matches(gpu)), (-1, None))
+
+
+def first_instance_match(plan: SharingPlan, gpu: GpuInfo, instance: MigInstance) -> tuple[int, PlanEntry | None]:
+    """The first ``migProfile`` entry that matches ``instance`` of ``gpu``, and its index; (-1, None): none."""
+    return next(((i, entry) for i, entry in enumerate(plan.gpus) if entry.match.matches_instance(gpu, instance)),
+                (-1, None))
 
 
 def _shares_for(entry: PlanEntry, gpu: GpuInfo, consumable_supported: bool,
@@ -300,78 +318,40 @@ def _shares_for(entry: PlanEntry, gpu: GpuInfo, consumable_supported: bool,
         if fallback.mps is None and fallback.timeSlicing is None:
             return None
         entry = PlanEntry(match=entry.match, mps=fallback.mps, timeSlicing=fallback.timeSlicing)
+    unit = ShareUnit("GPU", gpu.memory_bytes)
     if entry.mps is not None:
-        return _mps_shares(entry.mps, gpu, entry.allowMultipleSharesPerClaim)
+        _refuse_mig(gpu, "MPS")
+        return mps_shares(entry.mps, unit, entry.allowMultipleSharesPerClaim)
     assert entry.timeSlicing is not None  # PlanEntry validation: exactly one form
-    return _time_slicing_shares(entry.timeSlicing, gpu, entry.allowMultipleSharesPerClaim)
-
-
-def _mps_shares(mps: MpsShares, gpu: GpuInfo, allow_multiple: bool) -> GpuShares:
-    _refuse_mig(gpu, "MPS")
-    # MPS enforces whole MiB, so check and publish what will be enforced.
-    explicit = None if mps.pinnedMemoryLimit is None else mps.pinnedMemoryLimit // MIB * MIB
-    if explicit == 0:
-        raise ValueError("mps.pinnedMemoryLimit is less than 1 MiB; MPS limits are set in whole MiB")
-    per_share = _memory_per_share(gpu, mps.shares, explicit, "mps.pinnedMemoryLimit")
-    return GpuShares(
-        strategy="MPS",
-        count=mps.shares,
-        active_thread_percentage=(
-            mps.activeThreadPercentage if mps.activeThreadPercentage is not None else 100 // mps.shares
-        ),
-        memory_bytes_per_share=per_share,
-        allow_multiple_shares_per_claim=allow_multiple,
-        mps_clients=mps.clients,
-        shm_size_bytes=mps.shmSize,
-    )
-
-
-def _time_slicing_shares(ts: TimeSlicingShares, gpu: GpuInfo, allow_multiple: bool) -> GpuShares:
     _refuse_mig(gpu, "time slicing")
-    per_share = _memory_per_share(gpu, ts.shares, ts.memoryPerShare, "timeSlicing.memoryPerShare")
-    if per_share == 0:
-        raise ValueError("timeSlicing.memoryPerShare must be more than 0 bytes")
-    return GpuShares(
-        strategy="TimeSlicing",
-        count=ts.shares,
-        memory_bytes_per_share=per_share,
-        interval=ts.interval,
-        allow_multiple_shares_per_claim=allow_multiple,
-    )
+    return time_slicing_shares(entry.timeSlicing, unit, entry.allowMultipleSharesPerClaim)
+
+
+def _spares_mig_gpu(entry: PlanEntry, gpu: GpuInfo) -> bool:
+    """An entry for a family of GPUs (product, all) passes over the MIG-enabled ones: plans are shared by nodes, and
+    one GPU in MIG mode must not make the whole plan invalid. One named by minor or UUID is an error instead."""
+    splits = entry.mps is not None or entry.timeSlicing is not None or entry.consumable is not None
+    return gpu.mig_enabled and splits and not entry.match.names_one_gpu
 
 
 def _refuse_mig(gpu: GpuInfo, strategy: str) -> None:
     if gpu.mig_enabled:
         raise ValueError(
-            f"{strategy} sharing is not possible on a MIG-enabled GPU; publish it whole (its MIG devices "
-            "are published instead), narrow the match, or disable MIG on this GPU"
+            f"{strategy} sharing is not possible on a MIG-enabled GPU; share its MIG instances instead (an entry "
+            "with match.migProfile), publish it whole (its MIG devices are published instead), narrow the match, "
+            "or disable MIG on this GPU"
         )
-
-
-def _memory_per_share(gpu: GpuInfo, shares: int, explicit: int | None, field: str) -> int:
-    if explicit is None:
-        if gpu.memory_bytes is None:
-            raise ValueError(f"the GPU's memory size is unknown; set {field} explicitly")
-        per_share = gpu.memory_bytes // shares // MIB * MIB
-        if per_share == 0:
-            raise ValueError(
-                f"the GPU's {gpu.memory_bytes} bytes of memory give less than 1 MiB to each of {shares} shares"
-            )
-        return per_share
-    if gpu.memory_bytes is not None and explicit * shares > gpu.memory_bytes:
-        raise ValueError(
-            f"{shares} shares x {field} {explicit // MIB} MiB is more than the GPU's "
-            f"{gpu.memory_bytes // MIB} MiB; lower {field} or the number of shares"
-        )
-    return explicit
 
 
 def entry_path(plan_name: str | None, index: int) -> str:
     return f"plans.{plan_name}.gpus[{index}]" if plan_name is not None else f"gpus[{index}]"
 
 
-def _describe_gpu(gpu: GpuInfo) -> str:
-    return f"GPU minor {gpu.minor}, {gpu.uuid}, {gpu.product_name}"
+def _describe_gpus(gpus: Sequence[GpuInfo]) -> str:
+    if len(gpus) == 1:
+        return f"GPU minor {gpus[0].minor}, {gpus[0].uuid}, {gpus[0].product_name}"
+    products = ", ".join(dict.fromkeys(gpu.product_name for gpu in gpus))
+    return f"{len(gpus)} GPUs, minors {', '.join(str(gpu.minor) for gpu in gpus)}, {products}"
 
 
 def _names(plans: Mapping[str, object]) -> str:

@@ -48,6 +48,7 @@ from driver.gpu.kernelmemory import warn_if_shared_pod
 from driver.gpu.ledger import UNCHANGED, NodeLedger
 from driver.gpu.migclaims import check_placements_free, dynamic_devices, own_instances
 from driver.gpu.mps.model import MpsError
+from driver.gpu.mps.multiuser import MultiUserPending
 from driver.gpu.rebuild import rebuild_checkpoint
 from driver.gpu.recovery import RecoveryReport, recover
 from driver.gpu.runtime.computemode import ComputeModeError
@@ -58,7 +59,7 @@ from driver.gpu.runtime.migruntime import MigRuntime
 from driver.gpu.runtime.sharing import SharingRuntime
 from driver.gpu.runtime.timeslice import TimeSliceError
 from driver.gpu.sharecheck import check_no_overlap, check_shares_fit
-from driver.gpu.sharelayout import SharingLayout
+from driver.gpu.sharelayout import SharingLayout, plan_timeslices
 from driver.gpu.targets import NodeView, drop_unfit, merge_layout
 from driver.gpu.tenancy import check_clients, client_rules
 from driver.kubeletplugin.claimmodel import ResourceClaim
@@ -99,6 +100,8 @@ class DeviceState:
         """``mps_multi_user``: the node's MPS supports multi-user mode (plan daemons then use it); ``mig``
         opens the MIG partitioner of dynamic MIG claims (at the first; None: none can be prepared)."""
         self.mps_multi_user = mps_multi_user
+        # True: multi-user mode turned out available while it waited (plan again); the app's (multiuser.py).
+        self.multi_user_gate: Callable[[ClaimPlan, float], bool] = lambda _plan, _seconds: False
         # Published device name -> why it is unhealthy; new claims on those are refused (set by the app).
         self.device_problems: Callable[[], Mapping[str, str]] = dict
         self.device_taints: Callable[[], DeviceTaints] = dict  # a claim may tolerate them
@@ -158,7 +161,7 @@ class DeviceState:
             if not current():
                 return self.view, set()
             cp = self.ledger.load_locked()
-            busy = {uuid for rec in cp.claims.values() for uuid in rec.held_gpu_uuids}
+            busy = {key for rec in cp.claims.values() for key in rec.held_layout_keys}
             effective, deferred = merge_layout(self.view.layout, desired, busy)
             effective, unfit = drop_unfit(effective, desired, view.inventory)
             new_view = make_view(view.inventory, effective, self.mps_multi_user, own_instances(cp, view.inventory))
@@ -178,7 +181,7 @@ class DeviceState:
         return new_view, deferred
 
     def _apply_plan_timeslices(self, layout: SharingLayout) -> None:
-        desired = {uuid: s.interval or "Default" for uuid, s in layout.items() if s.strategy == "TimeSlicing"}
+        desired = plan_timeslices(layout)
         recorded = self.ledger.read().plan_timeslices
         for uuid in sorted(set(recorded) | set(desired)):
             if recorded.get(uuid) == desired.get(uuid):
@@ -203,6 +206,8 @@ class DeviceState:
                 plan, view, gpus = self._plan(claim)
                 if plan is None:
                     return []
+                if self.multi_user_gate(plan, deadline.remaining()):
+                    continue
                 # Every call, a claim already prepared included: the kubelet sends it again after its own
                 # restart, with the pods then reserved. Before any lock or side effect: it reads pods.
                 check_clients(claim, plan, deadline)
@@ -210,7 +215,7 @@ class DeviceState:
                     devices = self._prepare_holding(claim, gpus, deadline, (view, plan))
                 if devices is not None:
                     return devices
-        except (GpuBusy, LockTimeout, DeadlineExceeded) as exc:
+        except (GpuBusy, LockTimeout, DeadlineExceeded, MultiUserPending) as exc:
             raise PrepareError(f"{exc}; nothing was left prepared, the kubelet will retry") from exc
         raise PrepareError("the claim's devices changed form while it was being prepared; the kubelet will retry")
 

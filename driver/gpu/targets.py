@@ -30,7 +30,7 @@ class DeviceTarget:
     name: str
     kind: str  # the device's type attribute: gpu | mig | mps | timeslice | consumable
     gpu: GpuInfo
-    mig: MigInstance | None = None
+    mig: MigInstance | None = None  # a MIG device, or (kind mps / timeslice) the instance a share splits
     shares: GpuShares | None = None
     share_index: int | None = None
     placement: MigPlacement | None = None  # dynamic MIG: the profile and where its instance is to be created
@@ -91,9 +91,11 @@ def merge_layout(
     return effective, deferred
 
 
-def form_fits(shares: GpuShares, gpu: GpuInfo) -> bool:
-    """Whether ``gpu`` can be published as ``shares``: dynamic MIG needs MIG mode on; MPS, time-slice and
-    consumable shares of a whole GPU need it off."""
+def form_fits(shares: GpuShares, gpu: GpuInfo, instance: bool = False) -> bool:
+    """Whether ``gpu`` (``instance``: one of its MIG instances) can be published as ``shares``: dynamic MIG and
+    shares of a MIG instance need MIG mode on; MPS, time-slice and consumable shares of a whole GPU need it off."""
+    if instance:
+        return gpu.mig_enabled and shares.mig_profile is not None
     return gpu.mig_enabled == (shares.dynamic_mig is not None)
 
 
@@ -105,16 +107,17 @@ def drop_unfit(layout: SharingLayout, desired: SharingLayout,
     reset: what the claims had on it is gone anyway). Such a GPU takes its desired form if that fits, else
     none (published as the hardware is); keeping the impossible form would fail every rescan of the node.
     """
-    gpus = {g.uuid: g for g in inventory.gpus}
+    gpus = {g.uuid: (g, False) for g in inventory.gpus}
+    gpus.update({m.uuid: (g, True) for g in inventory.gpus for m in g.mig_instances})
     fitting: SharingLayout = {}
     dropped: set[str] = set()
     for uuid, shares in layout.items():
-        gpu = gpus.get(uuid)
-        if gpu is None or form_fits(shares, gpu):
+        gpu, instance = gpus.get(uuid, (None, False))
+        if gpu is None or form_fits(shares, gpu, instance):
             fitting[uuid] = shares
             continue
         dropped.add(uuid)
         wanted = desired.get(uuid)
-        if wanted is not None and form_fits(wanted, gpu):
+        if wanted is not None and form_fits(wanted, gpu, instance):
             fitting[uuid] = wanted
     return fitting, dropped

@@ -4,10 +4,11 @@ A process that is root on the host can change an MPS daemon's limits or stop it 
 directory every client mounts (a read-only mount still allows ``connect()``; measured with
 NVIDIA's 550 and 535 daemons, docs/sharing.md "Tenants"). Where a daemon's clients are
 ``nonRoot`` (the default for plan MPS shares, whose daemon serves every claim on the GPU), a
-claim is prepared only if none of the pods it is reserved for has a container that may run as
-host UID 0; the pods are read from the API server (``ResourceClaim.reserved_pods``) and judged by
-the generic :func:`driver.kubeletplugin.podsecurity.host_root_containers`. The check runs on every
-prepare call, before anything starts, so a refused claim leaves nothing behind; claims whose
+claim is prepared only if every consumer it is reserved for is a pod that meets Pod Security
+"baseline" and cannot run as root or group root; the pods are read from the API server
+(``ResourceClaim.reserved_pods``) and judged by the generic ``ReservedPods.findings()``, which
+fails closed (no pod, a consumer that is not a pod, a pod under another UID). The check runs on
+every prepare call, before anything starts, so a refused claim leaves nothing behind; claims whose
 daemons admit ``any`` client never read a pod.
 
 :func:`claim_enforcement` says how the limits then hold, for the checkpoint and the usage metrics.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import logging
 
 from driver.gpu.claimplan import ClaimPlan, PlannedDaemon
-from driver.gpu.devicenames import gpu_device_name
+from driver.gpu.devicenames import gpu_device_name, mig_device_name
 from driver.gpu.errors import PrepareError
 from driver.gpu.sharelayout import Enforcement, MpsClients, mps_enforcement
 from driver.kubeletplugin.claimmodel import ResourceClaim
@@ -34,7 +35,7 @@ def client_rules(plan: ClaimPlan) -> tuple[tuple[str, MpsClients], ...]:
 
 def check_clients(claim: ResourceClaim, plan: ClaimPlan, deadline: Deadline) -> None:
     """Refuse the claim (:class:`PrepareError`, one line) if a daemon it uses admits only non-root
-    clients and one of the claim's pods may run as host root, or if its pods cannot be read."""
+    clients and a consumer of the claim is not such a pod, or if its pods cannot be read."""
     restricted = [d for d in plan.daemons if d.clients == "nonRoot"]
     if not restricted:
         return
@@ -46,15 +47,13 @@ def check_clients(claim: ResourceClaim, plan: ClaimPlan, deadline: Deadline) -> 
     except PodsUnreadable as exc:
         raise PrepareError(f"{_what(daemon)} on {where} admits only non-root clients, so the pods the claim is "
                            f"reserved for must be checked first, but {exc}") from exc
-    if not pods.pods:
-        log.debug("no reserved pod of the claim can run: nothing to check against clients: nonRoot",
-                  extra={"claim_uid": plan.uid, "skipped": list(pods.skipped)})
-        return
-    root = pods.host_root()
-    if root:
-        first = root[0]
-        raise PrepareError(f"{first.describe()}, so it could control {_what(daemon)} on {where}; {first.fix}, "
-                           f"or {_alternative(daemon)}")
+    findings = pods.findings()
+    if findings:
+        first = findings[0]
+        more = {1: "", 2: " (1 more finding)"}.get(len(findings), f" ({len(findings) - 1} more findings)")
+        raise PrepareError(f"{first.describe()}{more}; {_what(daemon)} on {where} admits only pods that meet "
+                           f"Pod Security \"baseline\" and cannot run as root or group root (clients: nonRoot); "
+                           f"{first.fix}, or {_alternative(daemon)}")
 
 
 def claim_enforcement(plan: ClaimPlan, driver_version: str | None) -> tuple[MpsClients | None, Enforcement | None]:
@@ -77,6 +76,8 @@ def _alternative(daemon: PlannedDaemon) -> str:
 
 def _where(plan: ClaimPlan, daemon: PlannedDaemon) -> str:
     served = [t for t in plan.targets if t.name in daemon.device_names]
-    if daemon.shared:
-        return ", ".join(sorted({gpu_device_name(t.gpu.minor) for t in served}))
+    if daemon.shared:  # the GPU, or the MIG instance, whose shares all go through the daemon
+        return ", ".join(sorted({gpu_device_name(t.gpu.minor) if t.mig is None
+                                 else mig_device_name(t.gpu.minor, t.mig.profile, t.mig.placement_start)
+                                 for t in served}))
     return ", ".join(t.name for t in served)

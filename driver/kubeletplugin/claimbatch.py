@@ -48,7 +48,9 @@ class ClaimBatch:
 
     def __init__(self, driver: DRADriver, claims: ClaimSource, telemetry: Telemetry,
                  max_parallel: int = MAX_PARALLEL_CLAIMS, activity: CallActivity | None = None,
-                 prepare_deadline: float = DEFAULT_PREPARE_DEADLINE):
+                 prepare_deadline: float = DEFAULT_PREPARE_DEADLINE,
+                 changed: Callable[[ClaimRef], None] | None = None):
+        """``changed``: told of each claim prepared or unprepared (it must not block: the call waits for it)."""
         if prepare_deadline <= 0:
             raise ValueError(f"prepare_deadline must be positive seconds, got {prepare_deadline!r}")
         self._prepare_deadline = prepare_deadline
@@ -57,6 +59,7 @@ class ClaimBatch:
         self._telemetry = telemetry
         self._max_parallel = max_parallel
         self._activity = activity if activity is not None else CallActivity()
+        self._changed = changed
 
     @property
     def activity(self) -> CallActivity:
@@ -103,6 +106,8 @@ class ClaimBatch:
             else:
                 span.set_attribute("dra.claim.devices", len(result.devices))
         seconds = time.monotonic() - start
+        if not result.error and self._changed is not None:
+            self._changed(ref)
         self._telemetry.prepare_total.add(1, {"result": "error" if result.error else "success"})
         self._telemetry.prepare_duration.record(seconds)
         _log_outcome("prepare", ref, seconds, result.error, devices=len(result.devices))
@@ -136,6 +141,8 @@ class ClaimBatch:
                 error = bounded_error(error)
                 span.set_status(Status(StatusCode.ERROR, error))
         seconds = time.monotonic() - start
+        if not error and self._changed is not None:
+            self._changed(ref)
         self._telemetry.unprepare_total.add(1, {"result": "error" if error else "success"})
         self._telemetry.unprepare_duration.record(seconds)
         _log_outcome("unprepare", ref, seconds, error)

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.kubeclient import KubeApiError, KubeClient, send
 from driver.kubeletplugin.podfetch import PodFetcher
-from driver.kubeletplugin.podsecurity import PodReader
+from driver.kubeletplugin.reservedpods import PodReader
 from driver.kubeletplugin.types import ClaimRef
 
 # The kubelet gives a whole prepare call 45 s and a claim read must leave most of that to the

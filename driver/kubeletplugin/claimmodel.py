@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from driver.kubeletplugin.podsecurity import PodReader, PodsUnreadable, ReservedPods
+from driver.kubeletplugin.reservedpods import Consumer, PodReader, PodsUnreadable, ReservedPods, judge_consumers
 
 
 class _ServerObject(BaseModel):
@@ -112,23 +112,24 @@ class ResourceClaim(_ServerObject):
         return self
 
     def reserved_pods(self, timeout_s: float) -> ReservedPods:
-        """The pods in ``status.reservedFor``, read from the API server on first use, then kept.
+        """The consumers in ``status.reservedFor``, pods read from the API server on first use, then kept.
 
-        Lazy, so a driver that never asks costs nothing. A claim reserved for no pod gives an empty
-        answer without a request; one that names pods but came from a source that cannot read
-        them raises :class:`PodsUnreadable`, as does a failed read.
+        Lazy, so a driver that never asks costs nothing. A claim reserved for no pod gives an answer
+        without a request (and whose ``findings()`` refuse it); one that names pods but came from a
+        source that cannot read them raises :class:`PodsUnreadable`, as does a failed read.
         """
         lazy = self._pods
         with lazy.mutex:
             if lazy.found is not None:
                 return lazy.found
-            refs = [(self.metadata.namespace, r.name, r.uid) for r in self._reserved_pod_refs()]
-            if not refs:
-                lazy.found = ReservedPods()
-            elif lazy.reader is None:
+            consumers = [Consumer(r.api_group, r.resource, r.name, r.uid) for r in self.status.reserved_for]
+            refs = [(self.metadata.namespace, c.name, c.uid) for c in consumers if c.is_pod]
+            if refs and lazy.reader is None:
                 raise PodsUnreadable("this claim source cannot read the pods the claim is reserved for")
-            else:
-                lazy.found = lazy.reader.read_pods(refs, timeout_s)
+            read = lazy.reader.read_pods(refs, timeout_s) if refs and lazy.reader is not None else []
+            if len(read) != len(refs):
+                raise PodsUnreadable(f"{len(read)} answers came back for the claim's {len(refs)} pods")
+            lazy.found = judge_consumers(self.metadata.namespace, consumers, read)
             return lazy.found
 
     @property

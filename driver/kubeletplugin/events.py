@@ -56,11 +56,17 @@ class EventSpec(BaseModel):
     note: str
     type: Literal["Normal", "Warning"] = "Warning"
 
+    def namespace(self) -> str:
+        """Where the Event is posted: its object's namespace; for a cluster-scoped object (a Node) "default", where
+        the kubelet's node events are (the API server takes them only there or in kube-system:
+        k8s.io/kubernetes pkg/apis/core/validation/events.go, ValidateEventCreate)."""
+        return self.regarding.namespace or "default"
+
     def body(self, controller: str, instance: str, now: datetime) -> dict[str, object]:
         note = self.note if len(self.note) <= NOTE_MAX else self.note[:NOTE_MAX - 1] + "…"
         return {
             "apiVersion": EVENTS_API, "kind": "Event",
-            "metadata": {"generateName": f"{self.regarding.name[:200]}.", "namespace": self.regarding.namespace},
+            "metadata": {"generateName": f"{self.regarding.name[:200]}.", "namespace": self.namespace()},
             # MicroTime: RFC 3339 with microseconds.
             "eventTime": now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
             "reportingController": controller[:_FIELD_MAX], "reportingInstance": instance[:_FIELD_MAX],
@@ -125,7 +131,7 @@ class EventRecorder:
             self._send(event)
 
     def _send(self, event: EventSpec) -> None:
-        ns = event.regarding.namespace
+        ns = event.namespace()
         path = f"/apis/events.k8s.io/v1/namespaces/{quote(ns, safe='')}/events"
         try:
             request_json(self.api, "POST", path, body=event.body(self.controller, self.instance, datetime.now(UTC)),

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from driver.kubeletplugin.claimbatch import ClaimBatch
 from driver.kubeletplugin.claimfetch import ClaimFetcher, ClaimSource
+from driver.kubeletplugin.claimstatus import ClaimStatusWriter, StatusSource
 from driver.kubeletplugin.healthservice import HealthBoard
 from driver.kubeletplugin.kubeclient import KubeClient
 from driver.kubeletplugin.plugin import DEFAULT_REGISTRAR_DIR
@@ -36,7 +37,7 @@ from driver.kubeletplugin.slicemodel import CounterSet, Device
 from driver.kubeletplugin.slicepublisher import ResourceSlicePublisher
 from driver.kubeletplugin.slicevalidation import validate_driver_and_pool
 from driver.kubeletplugin.telemetry import CONTENT_TYPE, Telemetry
-from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, DRADriver
+from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, ClaimRef, DRADriver
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -63,6 +64,7 @@ class Helper:
         self._served = served
         self._plugin = served.plugin
         self._publisher: ResourceSlicePublisher | None = None
+        self._status: ClaimStatusWriter | None = None
         self._telemetry: Telemetry | None = None
         self._stopped = False
 
@@ -124,6 +126,25 @@ class Helper:
         """
         return self._publishing().update(devices, counter_sets)
 
+    def claim_status_changed(self, ref: ClaimRef) -> None:
+        """Write ``ref``'s ``status.devices`` again soon (e.g. a device's health changed); never blocks.
+        Prepare and unprepare do it by themselves."""
+        if self._status is not None:
+            self._status.mark(ref)
+
+    def wait_claim_status(self, timeout: float) -> bool:
+        """True once every claim status write asked for so far was made (or given up)."""
+        return self._status.wait_idle(timeout) if self._status is not None else True
+
+    @property
+    def claim_status_writes(self) -> int:
+        """Claim status writes sent so far."""
+        return self._status.writes if self._status is not None else 0
+
+    def resync_slices(self) -> None:
+        """Sync the node's ResourceSlices again at once (e.g. the Node was re-created under a new UID)."""
+        self._publishing().resync()
+
     def wait_published(self, timeout: float) -> bool:
         """True once the latest devices are on the API server and nothing has changed them since."""
         return self._publishing().wait_synced(timeout)
@@ -138,32 +159,43 @@ class Helper:
 
     def complete(self, driver: DRADriver, *, api: KubeClient, names: TelemetryNames, claims: ClaimSource | None = None,
                  kubernetes_minor_version: int | None = None, resync_delay: float = 2.0,
-                 span_exporter: SpanExporter | None = None) -> None:
+                 span_exporter: SpanExporter | None = None, claim_status: StatusSource | None = None,
+                 node_uid: Callable[[], str | None] | None = None) -> None:
         """Serve claims with ``driver`` (calls that waited included) and get ready to publish its devices.
 
         ``claims`` defaults to reading ResourceClaims through ``api``; ``kubernetes_minor_version``
-        defaults to asking the API server. On failure the plugin keeps refusing nothing and serving
-        nothing new: the caller stops it. Raises ``ValueError`` for a bad node name.
+        defaults to asking the API server. ``claim_status``: the driver's entries of a claim's
+        ``status.devices``, written after each prepare and unprepare (:mod:`.claimstatus`); None writes none.
+        ``node_uid``: the Node's UID from a watch (:class:`.nodewatch.NodeWatch`); None reads the Node when
+        the slices are synced.
+        On failure the plugin keeps refusing nothing and serving nothing new: the caller stops it. Raises
+        ``ValueError`` for a bad node name.
         """
         if self._telemetry is not None:
             raise RuntimeError("the kubelet plugin is already completed")
         served = self._served
         telemetry = Telemetry(names.service, names.metric_prefix, span_exporter, scope=names.scope)
         publisher: ResourceSlicePublisher | None = None
+        status = (ClaimStatusWriter(api, self._plugin.driver_name, self._plugin.driver_name, claim_status)
+                  if claim_status is not None else None)
         try:
             publisher = ResourceSlicePublisher(api, self._plugin.driver_name, served.node_name, telemetry,
-                                               minor_version=kubernetes_minor_version, resync_delay=resync_delay)
+                                               minor_version=kubernetes_minor_version, resync_delay=resync_delay,
+                                               node_uid=node_uid)
             batch = ClaimBatch(driver, claims if claims is not None else ClaimFetcher(api), telemetry,
-                               activity=self._plugin.activity, prepare_deadline=served.prepare_deadline)
+                               activity=self._plugin.activity, prepare_deadline=served.prepare_deadline,
+                               changed=status.mark if status is not None else None)
             telemetry.observe_gauge("published_devices", "Devices published in ResourceSlices",
                                     lambda: float(self.published_device_count))
             publisher.start()
+            if status is not None:
+                status.start()
         except BaseException:
             if publisher is not None:
                 publisher.stop()
             telemetry.shutdown()
             raise
-        self._telemetry, self._publisher = telemetry, publisher
+        self._telemetry, self._publisher, self._status = telemetry, publisher, status
         if served.http is not None:
             served.http.serve_metrics(telemetry.render_metrics, CONTENT_TYPE)
         self._plugin.serve_claims(batch)
@@ -188,6 +220,8 @@ class Helper:
         self._served.stop()
         if self._publisher is not None and not self._publisher.stop():
             log.warning("the ResourceSlice publisher did not stop in time")
+        if self._status is not None and not self._status.stop():
+            log.warning("the claim status writer did not stop in time")
         if self._telemetry is not None:
             self._telemetry.shutdown()
 

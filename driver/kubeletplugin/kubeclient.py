@@ -131,11 +131,21 @@ def server_minor_version(api: KubeClient) -> int:
     return minor
 
 
+JSON = "application/json"
+# Server-side apply: the body is YAML, of which JSON is a subset.
+APPLY_PATCH = "application/apply-patch+yaml"
+# An object's (or a list's) metadata only, whatever else the object carries (a Node's images, say).
+METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+METADATA_LIST_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+
+
 def send(api: KubeClient, method: str, path: str, *, query: Sequence[tuple[str, str]] = (),
-         body: dict[str, Any] | None = None, timeouts: tuple[float, float]) -> Response:
+         body: dict[str, Any] | None = None, timeouts: tuple[float, float], content_type: str = JSON,
+         accept: str = JSON) -> Response:
     """One request with a JSON body (if any); the whole answer, whatever its status. Raises KubeApiError
     (status 0) when no answer came back. ``timeouts`` is (connect, read) in seconds."""
-    response = _open(api, method, path, query=query, body=body, timeouts=timeouts)
+    response = _open(api, method, path, query=query, body=body, timeouts=timeouts, content_type=content_type,
+                     accept=accept)
     try:
         data = response.read()
     except (urllib3.exceptions.HTTPError, OSError) as err:
@@ -147,9 +157,10 @@ def send(api: KubeClient, method: str, path: str, *, query: Sequence[tuple[str, 
 
 def request_json(api: KubeClient, method: str, path: str, *,
                  query: Sequence[tuple[str, str]] = (), body: dict[str, Any] | None = None,
-                 timeout: float = 30.0) -> dict[str, Any]:
+                 timeout: float = 30.0, content_type: str = JSON, accept: str = JSON) -> dict[str, Any]:
     """One request with a JSON body (if any); the answer's JSON object. Raises KubeApiError."""
-    response = send(api, method, path, query=query, body=body, timeouts=_timeouts(timeout))
+    response = send(api, method, path, query=query, body=body, timeouts=_timeouts(timeout),
+                    content_type=content_type, accept=accept)
     if not 200 <= response.status <= 299:
         raise _error_from_answer(method, path, response.status, response.data)
     try:
@@ -202,9 +213,10 @@ class JsonLineStream:
 
 
 def open_json_lines(api: KubeClient, path: str, *, query: Sequence[tuple[str, str]],
-                    timeout: float) -> JsonLineStream:
+                    timeout: float, accept: str = JSON) -> JsonLineStream:
     """Start a streaming GET (``watch=true``); ``timeout`` bounds each read, not the whole stream."""
-    response = _open(api, "GET", path, query=query, body=None, timeouts=_timeouts(timeout))
+    response = _open(api, "GET", path, query=query, body=None, timeouts=_timeouts(timeout), content_type=JSON,
+                     accept=accept)
     if not 200 <= response.status <= 299:
         try:
             data = response.read()
@@ -217,7 +229,8 @@ def open_json_lines(api: KubeClient, path: str, *, query: Sequence[tuple[str, st
 
 
 def _open(api: KubeClient, method: str, path: str, *, query: Sequence[tuple[str, str]],
-          body: dict[str, Any] | None, timeouts: tuple[float, float]) -> urllib3.HTTPResponse:
+          body: dict[str, Any] | None, timeouts: tuple[float, float], content_type: str,
+          accept: str) -> urllib3.HTTPResponse:
     """One request through the client's REST layer (its connection pool, TLS and retries); the answer unread.
 
     Headers are built here rather than by ``ApiClient.param_serialize``, whose generic parameter
@@ -226,9 +239,9 @@ def _open(api: KubeClient, method: str, path: str, *, query: Sequence[tuple[str,
     ``refresh_api_key_hook``), so a rotated service-account token is picked up as the client would.
     """
     headers = dict(api.default_headers)
-    headers["Accept"] = "application/json"
+    headers["Accept"] = accept
     if body is not None:
-        headers["Content-Type"] = "application/json"
+        headers["Content-Type"] = content_type
     if api.cookie:
         headers["Cookie"] = api.cookie
     bearer = api.configuration.auth_settings().get("BearerToken")

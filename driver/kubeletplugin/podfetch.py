@@ -1,10 +1,10 @@
-"""Reading the pods a ResourceClaim is reserved for, by name, checked by UID (RBAC: ``get`` on pods).
+"""Reading the pods a ResourceClaim is reserved for, by name (RBAC: ``get`` on pods).
 
 Only a driver that needs to know who will use a claim's devices asks (through
 :meth:`driver.kubeletplugin.claimmodel.ResourceClaim.reserved_pods`), so plain claims cost no
-request. A reserved pod that is gone, or whose name now belongs to a new pod with another UID,
-cannot run with the claim: it is skipped (and logged), not refused. Any other failure to read a
-pod is an error, since whatever the pod is allowed to do could then not be checked.
+request. A pod that is gone (404) is answered as None; what a pod under the entry's name but with
+another UID means is decided in :mod:`driver.kubeletplugin.reservedpods`. Any other failure to read
+a pod is an error, since whatever the pod is allowed to do could then not be checked.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from urllib.parse import quote
 from pydantic import ValidationError
 
 from driver.kubeletplugin.kubeclient import KubeApiError, KubeClient, send
-from driver.kubeletplugin.podsecurity import Pod, PodsUnreadable, ReservedPods
+from driver.kubeletplugin.podsecurity import pod_name, shown
+from driver.kubeletplugin.podspec import Pod
+from driver.kubeletplugin.reservedpods import PodRef, PodsUnreadable
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +31,7 @@ _MIN_TIMEOUT_S = 0.5
 
 
 class PodFetcher:
-    """Implements :class:`driver.kubeletplugin.podsecurity.PodReader` against the API server."""
+    """Implements :class:`driver.kubeletplugin.reservedpods.PodReader` against the API server."""
 
     def __init__(self, api: KubeClient, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S):
@@ -37,29 +39,23 @@ class PodFetcher:
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
 
-    def read_pods(self, refs: Sequence[tuple[str, str, str]], timeout_s: float) -> ReservedPods:
-        pods: list[Pod] = []
-        skipped: list[str] = []
-        for namespace, name, uid in refs:
-            pod = self._read(namespace, name, timeout_s)
+    def read_pods(self, refs: Sequence[PodRef], timeout_s: float) -> list[Pod | None]:
+        found = [self._read(namespace, name, timeout_s) for namespace, name, _ in refs]
+        for (namespace, name, _), pod in zip(refs, found, strict=True):
             if pod is None:
-                skipped.append(f"pod {namespace}/{name} is gone")
-            elif pod.metadata.uid != uid:
-                skipped.append(f"pod {namespace}/{name} was re-created (uid {pod.metadata.uid}, the claim names {uid})")
-            else:
-                pods.append(pod)
-        for line in skipped:
-            log.info("a pod the claim is reserved for cannot run with it; not checked", extra={"reason": line})
-        return ReservedPods(tuple(pods), tuple(skipped))
+                log.info("a pod the claim is reserved for is gone: it cannot run with the claim",
+                         extra={"pod": pod_name(namespace, name)})
+        return found
 
     def _read(self, namespace: str, name: str, timeout_s: float) -> Pod | None:
+        shown_pod = pod_name(namespace, name)
         path = f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
         bound = max(_MIN_TIMEOUT_S, timeout_s)
         timeouts = (min(self._connect_timeout_s, bound), min(self._read_timeout_s, bound))
         try:
             response = send(self._api, "GET", path, timeouts=timeouts)
         except KubeApiError as err:
-            raise PodsUnreadable(f"cannot read pod {namespace}/{name} from the API server ({err}); "
+            raise PodsUnreadable(f"cannot read pod {shown_pod} from the API server ({err}); "
                                  "the kubelet will retry") from err
         if response.status == 404:
             return None
@@ -67,15 +63,15 @@ class PodFetcher:
             reason, message = _status_details(response.reason or "Error", response.data)
             hint = ("grant the driver's service account 'get' on pods" if response.status == 403
                     else "the kubelet will retry")
-            raise PodsUnreadable(f"reading pod {namespace}/{name} failed: HTTP {response.status} {reason}: "
+            raise PodsUnreadable(f"reading pod {shown_pod} failed: HTTP {response.status} {reason}: "
                                  f"{message}; {hint}")
         try:
             return Pod.model_validate_json(response.data)
         except ValidationError as err:
             first = err.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "body"
-            raise PodsUnreadable(f"pod {namespace}/{name}: the API server returned an object this driver cannot "
-                                 f"read ({where}: {first['msg']})") from err
+            where = shown(".".join(str(p) for p in first["loc"]) or "body")
+            raise PodsUnreadable(f"pod {shown_pod}: the API server returned an object this driver cannot "
+                                 f"read (at {where}: {first['msg']})") from err
 
 
 def _status_details(http_reason: str, body: bytes) -> tuple[str, str]:
@@ -85,5 +81,7 @@ def _status_details(http_reason: str, body: bytes) -> tuple[str, str]:
     except ValueError:
         status = None
     if not isinstance(status, dict):
-        return http_reason, body.decode("utf-8", errors="replace").strip()[:200] or "no details"
-    return str(status.get("reason") or http_reason), str(status.get("message") or "no details")
+        return http_reason, " ".join(body.decode("utf-8", errors="replace").split())[:200] or "no details"
+    # The message is the server's (or a proxy's) text: one line, cut, as every echoed value.
+    message = " ".join(str(status.get("message") or "no details").split())
+    return " ".join(str(status.get("reason") or http_reason).split())[:100], message[:300]

@@ -1,183 +1,251 @@
-"""Which containers of a pod may run as UID 0 on the host, and why: a pure function over the pod spec.
+"""Which pods cannot reach host root: Pod Security "baseline", and no root user or group. Pure.
 
 A driver that lets several claims share one node-side service (a daemon that takes control
-commands from root only, for example) must know whether a claim's pods could act as host root.
-:func:`host_root_containers` answers that from the fields the kubelet and the container runtime
-honour, naming for each container the field that makes it root-capable and the field to set.
+commands from root only, for example) admits only pods that cannot act as host root.
+:func:`violations` names, for one pod, every field that breaks the rule, as the user wrote it (or
+left it), why it matters, and what to set. The rule is one users already know
+(kubernetes.io "Pod Security Standards"):
 
-The rules (Kubernetes API reference, SecurityContext / PodSecurityContext; kubernetes.io "User
-Namespaces"; container-level fields win over pod-level ones):
+* the whole ``baseline`` profile: no hostProcess, host namespaces, privileged containers,
+  capabilities beyond baseline's list, hostPath volumes, host ports, AppArmor or SELinux
+  overrides, ``procMount`` other than Default, ``Unconfined`` seccomp, unsafe sysctls;
+* ``restricted``'s user rules: ``runAsNonRoot: true`` (container, else pod), no ``runAsUser: 0``
+  anywhere, ``allowPrivilegeEscalation: false`` (a set-user-ID root program in the image would
+  otherwise make a non-root process root);
+* no group root: a non-zero ``runAsGroup`` (container, else pod: without one the image decides,
+  and runtimes give a UID missing from the image's ``/etc/passwd`` GID 0), no GID 0 in
+  ``runAsGroup``, ``supplementalGroups`` or ``fsGroup``, and no added ``SETUID`` / ``SETGID``
+  (baseline allows both; either lets a process make itself root or group root).
 
-* ``spec.hostUsers: false`` runs the pod in a user namespace: UID 0 inside maps to an unprivileged
-  host UID, so ``runAsUser: 0``, privilege escalation and added capabilities stay inside it. Only
-  ``privileged: true`` still counts there (kept as host root: it is the one setting no rule here
-  can narrow).
-* Otherwise a container may run as host root when it is ``privileged``; or its effective
-  ``runAsUser`` is 0 (unless ``runAsNonRoot: true``, with which the kubelet refuses to start it);
-  or it has neither ``runAsNonRoot: true`` nor a non-zero ``runAsUser`` (the image's user decides,
-  and many images run as root); or ``allowPrivilegeEscalation`` is not ``false`` (a set-user-ID
-  root program in the image makes a non-root process root: the kernel's ``no_new_privs`` is off);
-  or it adds a capability that is root's power (``SYS_ADMIN``, ``SYS_PTRACE``, ``SETUID``, ``ALL``).
-  ``runAsNonRoot: true`` without ``runAsUser`` counts as non-root: the kubelet starts the container
-  only if the image's user is numeric and not 0.
-
-Init, regular and ephemeral containers are all checked: each has its own securityContext.
+``spec.hostUsers: false`` (a user namespace) maps UID and GID 0 to unprivileged host IDs, so the
+user and group rules do not apply there (as Pod Security relaxes its user rules for such pods);
+baseline does. Init, regular and ephemeral containers are all judged: each has its own
+securityContext, and where both levels set a field the container's wins (Kubernetes API
+reference). A forbidden value is refused at either level even where the other overrides it, as
+Pod Security does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from driver.kubeletplugin.podspec import Container, Pod, PodSecurityContext, SecurityContext, TypedProfile
 
 ContainerKind = Literal["initContainer", "container", "ephemeralContainer"]
 
-# Capabilities that are root's power whatever the UID: SYS_ADMIN and SYS_PTRACE (reaching other
-# processes and their files), SETUID (setuid(0) itself), and ALL.
-ROOT_CAPABILITIES = frozenset({"SYS_ADMIN", "SYS_PTRACE", "SETUID", "ALL"})
+BASELINE = 'Pod Security "baseline"'
+RESTRICTED = 'Pod Security "restricted"'
+NO_GROUP_ROOT = "clients: nonRoot (no group root)"
+NO_ROOT_IDS = "clients: nonRoot (no way to root user or group)"
 
-_SET_NON_ROOT = "set securityContext.runAsNonRoot: true or runAsUser: <non-zero> on the pod or container"
+# Pod Security "baseline": the capabilities a container may add (exact names, as the profile lists them).
+BASELINE_CAPABILITIES = frozenset({
+    "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD", "NET_BIND_SERVICE", "SETFCAP",
+    "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"})
+# Baseline's capabilities that make a process root or group root: setuid(0), setgid(0).
+ROOT_ID_CAPABILITIES = ("SETUID", "SETGID")
+# Pod Security "baseline": the safe sysctls (kubernetes.io "Using sysctls in a Kubernetes Cluster").
+SAFE_SYSCTLS = frozenset({
+    "kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
+    "net.ipv4.tcp_keepalive_probes", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"})
+SELINUX_TYPES = frozenset({"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"})
+# seccompProfile.type and appArmorProfile.type: unset, RuntimeDefault or Localhost (not Unconfined).
+PROFILE_TYPES = frozenset({"", "RuntimeDefault", "Localhost"})
+APPARMOR_ANNOTATION = "container.apparmor.security.beta.kubernetes.io/"
 
-
-class _ServerObject(BaseModel):
-    # A pod carries many fields this check does not read; ignore them, but read the ones it does strictly.
-    model_config = ConfigDict(extra="ignore", populate_by_name=True, frozen=True, strict=True)
-
-
-class Capabilities(_ServerObject):
-    add: list[str] = Field(default_factory=list)
-
-
-class SecurityContext(_ServerObject):
-    """The fields of a container's securityContext (and, for the first two, the pod's) read here."""
-
-    run_as_user: int | None = Field(default=None, alias="runAsUser")
-    run_as_non_root: bool | None = Field(default=None, alias="runAsNonRoot")
-    privileged: bool | None = None
-    allow_privilege_escalation: bool | None = Field(default=None, alias="allowPrivilegeEscalation")
-    capabilities: Capabilities | None = None
-
-
-class Container(_ServerObject):
-    name: str
-    security_context: SecurityContext | None = Field(default=None, alias="securityContext")
-
-
-class PodSpec(_ServerObject):
-    host_users: bool | None = Field(default=None, alias="hostUsers")
-    security_context: SecurityContext | None = Field(default=None, alias="securityContext")
-    init_containers: list[Container] = Field(default_factory=list, alias="initContainers")
-    containers: list[Container] = Field(default_factory=list)
-    ephemeral_containers: list[Container] = Field(default_factory=list, alias="ephemeralContainers")
+_KIND_WORDS = {"initContainer": "init container", "container": "container",
+               "ephemeralContainer": "ephemeral container"}
+_FIELD_LISTS = {"initContainer": "initContainers", "container": "containers",
+                "ephemeralContainer": "ephemeralContainers"}
+_ROOT_ID = {"SETUID": "root", "SETGID": "group root"}
+_GROUP_ROOT = "group root can open the root group's files and sockets"
+_PLAIN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,252}")
 
 
-class PodMeta(_ServerObject):
-    name: str
-    namespace: str = ""
-    uid: str
-
-
-class Pod(_ServerObject):
-    metadata: PodMeta
-    spec: PodSpec = Field(default_factory=PodSpec)
-
-    def __str__(self) -> str:
-        return f"{self.metadata.namespace}/{self.metadata.name}"
+def shown(value: str, limit: int = 80) -> str:
+    """``value`` quoted and escaped to one printable line, cut after ``limit`` characters."""
+    return json.dumps(value[:limit]) + ("..." if len(value) > limit else "")
 
 
 @dataclass(frozen=True)
-class HostRootContainer:
-    """One container that may run as host UID 0: why (the field, as the user wrote it or left it), and what to set."""
+class Violation:
+    """One field of one pod that breaks the rule: where, the field and the rule, why, and what to set."""
 
-    pod: str  # namespace/name
+    pod: str  # namespace/name, escaped where needed
+    kind: ContainerKind | None  # None: a pod-level field no container owns
     container: str
-    kind: ContainerKind
-    reason: str
+    statement: str  # 'spec.hostPID: true is not allowed by Pod Security "baseline"'
+    why: str
     fix: str
 
     def describe(self) -> str:
-        """``pod ns/name container "main" may run as root (<reason>)``, the start of a one-line refusal."""
-        what = {"initContainer": "init container ", "container": "container ",
-                "ephemeralContainer": "ephemeral container "}[self.kind]
-        return f'pod {self.pod} {what}"{self.container}" may run as root ({self.reason})'
+        """``pod ns/name container "main": <field> <rule> (<why>)``, one line."""
+        where = f" {_KIND_WORDS[self.kind]} {shown(self.container)}" if self.kind is not None else ""
+        return f"pod {self.pod}{where}: {self.statement} ({self.why})"
 
 
-def host_root_containers(pod: Pod) -> list[HostRootContainer]:
-    """Every container of ``pod`` that may run as UID 0 on the host, init containers first, in spec order."""
+def pod_name(namespace: str, name: str) -> str:
+    """``namespace/name`` as a user reads it; escaped if the server sent anything but a plain name."""
+    text = f"{namespace}/{name}"
+    return text if _PLAIN.fullmatch(text) else shown(text)
+
+
+def violations(pod: Pod) -> list[Violation]:
+    """Every field of ``pod`` that breaks the rule: pod-level fields first, then each container in spec order."""
+    return [*_pod_fields(pod), *(v for kind, index, c in _containers(pod) for v in _container(pod, kind, index, c))]
+
+
+def _containers(pod: Pod) -> Iterator[tuple[ContainerKind, int, Container]]:
     spec = pod.spec
-    pod_sc = spec.security_context or SecurityContext()
-    user_namespace = spec.host_users is False
-    found: list[HostRootContainer] = []
     groups: tuple[tuple[ContainerKind, list[Container]], ...] = (
         ("initContainer", spec.init_containers), ("container", spec.containers),
         ("ephemeralContainer", spec.ephemeral_containers))
     for kind, containers in groups:
-        for container in containers:
-            why = _why_root(container.security_context or SecurityContext(), pod_sc, user_namespace)
-            if why is not None:
-                found.append(HostRootContainer(str(pod), container.name, kind, why[0], why[1]))
-    return found
+        for index, container in enumerate(containers):
+            yield kind, index, container
 
 
-def _why_root(sc: SecurityContext, pod_sc: SecurityContext, user_namespace: bool) -> tuple[str, str] | None:
-    """(reason, fix) if a container with ``sc`` in a pod with ``pod_sc`` may run as host root, else None."""
+def _pod_fields(pod: Pod) -> Iterator[Violation]:
+    spec = pod.spec
+    sc = spec.security_context or PodSecurityContext()
+    name = pod_name(pod.metadata.namespace, pod.metadata.name)
+
+    def at_pod(statement: str, why: str, fix: str) -> Violation:
+        return Violation(name, None, "", statement, why, fix)
+
+    namespaces = (("hostNetwork", spec.host_network, "the host's network namespace: its local sockets and ports"),
+                  ("hostPID", spec.host_pid, "the host's processes, to see and signal"),
+                  ("hostIPC", spec.host_ipc, "the host's IPC namespace and its shared memory"))
+    for field, value, what in namespaces:
+        if value:
+            yield at_pod(f"spec.{field}: true is not allowed by {BASELINE}", f"it shares {what}",
+                         f"remove spec.{field}")
+    for index, volume in enumerate(spec.volumes):
+        if volume.host_path is not None:
+            owner = next(((k, c.name) for k, _, c in _containers(pod)
+                          if any(m.name == volume.name for m in c.volume_mounts)), None)
+            yield Violation(name, owner[0] if owner else None, owner[1] if owner else "",
+                            f"spec.volumes[{index}].hostPath is not allowed by {BASELINE}",
+                            f"a host path can reach host root; this one is {shown(volume.host_path.path)}",
+                            f"use another volume type than hostPath for volume {shown(volume.name)}")
+    yield from (at_pod(s, w, f) for s, w, f in _shared_fields("spec.securityContext", sc))
+    for index, sysctl in enumerate(sc.sysctls):
+        if sysctl.name not in SAFE_SYSCTLS:
+            yield at_pod(f"spec.securityContext.sysctls[{index}].name {shown(sysctl.name)} is not allowed by "
+                         f"{BASELINE}", "only the safe sysctls are namespaced and isolated from other pods",
+                         "remove the sysctl or have the node's own configuration set it")
+    for key, profile in pod.metadata.annotations.items():
+        if key.startswith(APPARMOR_ANNOTATION) and profile != "runtime/default" and not profile.startswith(
+                "localhost/"):
+            annotated = key.removeprefix(APPARMOR_ANNOTATION)
+            annotated_kind = next((k for k, _, c in _containers(pod) if c.name == annotated), None)
+            yield Violation(name, annotated_kind, annotated if annotated_kind else "",
+                            f"metadata.annotations[{shown(key)}]: {shown(profile)} is not allowed by {BASELINE}",
+                            "only runtime/default or localhost/<profile> keeps an AppArmor profile",
+                            "remove the annotation or set runtime/default")
+    if spec.host_users is False:
+        return
+    if sc.run_as_user == 0:
+        yield at_pod(f"spec.securityContext.runAsUser: 0 is not allowed by {RESTRICTED}", "it runs as root",
+                     "set a non-zero runAsUser")
+    groups = (("runAsGroup", sc.run_as_group), ("fsGroup", sc.fs_group),
+              *((f"supplementalGroups[{i}]", g) for i, g in enumerate(sc.supplemental_groups)))
+    for field, gid in groups:
+        if gid == 0:
+            yield at_pod(f"spec.securityContext.{field}: 0 is not allowed by {NO_GROUP_ROOT}", _GROUP_ROOT,
+                         f"set a non-zero {field.split('[')[0]}")
+
+
+def _container(pod: Pod, kind: ContainerKind, index: int, container: Container) -> Iterator[Violation]:
+    sc = container.security_context or SecurityContext()
+    pod_sc = pod.spec.security_context or PodSecurityContext()
+    path = f"spec.{_FIELD_LISTS[kind]}[{index}]"
+    name = pod_name(pod.metadata.namespace, pod.metadata.name)
+
+    def at(statement: str, why: str, fix: str) -> Violation:
+        return Violation(name, kind, container.name, statement, why, fix)
+
     if sc.privileged:
-        return "securityContext.privileged: true", "remove securityContext.privileged: true from the container"
-    if user_namespace:
-        return None
-    user = sc.run_as_user if sc.run_as_user is not None else pod_sc.run_as_user
+        yield at(f"{path}.securityContext.privileged: true is not allowed by {BASELINE}",
+                 "a privileged container is root on the host", "remove securityContext.privileged")
+    added = sc.capabilities.add if sc.capabilities else []
+    for cap_index, cap in enumerate(added):
+        if cap not in BASELINE_CAPABILITIES:
+            yield at(f"{path}.securityContext.capabilities.add[{cap_index}] {shown(cap)} is not allowed by "
+                     f"{BASELINE}", "only baseline's capabilities keep a container from the host's power",
+                     f"remove {shown(cap)} from securityContext.capabilities.add")
+    for port_index, port in enumerate(container.ports):
+        if port.host_port:
+            yield at(f"{path}.ports[{port_index}].hostPort: {port.host_port} is not allowed by {BASELINE}",
+                     "it binds a port on the host's network", "remove hostPort")
+    if sc.proc_mount not in (None, "Default"):
+        yield at(f"{path}.securityContext.procMount: {shown(sc.proc_mount)} is not allowed by {BASELINE}",
+                 "an unmasked /proc shows the host's kernel settings", "remove procMount or set Default")
+    yield from (at(s, w, f) for s, w, f in _shared_fields(f"{path}.securityContext", sc))
+    if pod.spec.host_users is False:
+        return
+    if sc.run_as_user == 0:
+        yield at(f"{path}.securityContext.runAsUser: 0 is not allowed by {RESTRICTED}", "it runs as root",
+                 "set a non-zero runAsUser")
     non_root = sc.run_as_non_root if sc.run_as_non_root is not None else pod_sc.run_as_non_root
-    if user == 0 and non_root is True:
-        return None  # the kubelet refuses to start it ("container has runAsNonRoot and image will run as root")
-    if user == 0:
-        level = "container" if sc.run_as_user is not None else "pod"
-        return f"runAsUser: 0 at {level} level", _SET_NON_ROOT.replace("runAsNonRoot: true or ", "")
-    if user is None and non_root is not True:
-        return "no runAsNonRoot: true or non-zero runAsUser at pod or container level", _SET_NON_ROOT
+    if non_root is not True:
+        where = "is false" if sc.run_as_non_root is False else "is not true here or in spec.securityContext"
+        yield at(f"{path}.securityContext.runAsNonRoot {where}; {RESTRICTED} requires true",
+                 "without it the image's user decides, and that may be root",
+                 "set securityContext.runAsNonRoot: true on the pod or container")
+    for cap_index, cap in enumerate(added):
+        if cap in ROOT_ID_CAPABILITIES:
+            yield at(f"{path}.securityContext.capabilities.add[{cap_index}] {shown(cap)} is not allowed by "
+                     f"{NO_ROOT_IDS}", f"with {cap} a process can make itself {_ROOT_ID[cap]}",
+                     f"remove {cap} from securityContext.capabilities.add")
     if sc.allow_privilege_escalation is not False:
-        return ("no allowPrivilegeEscalation: false, so a set-user-ID root program in its image can make it root",
-                "set securityContext.allowPrivilegeEscalation: false on the container")
-    added = sorted(_root_capabilities(sc.capabilities.add if sc.capabilities else []))
-    if added:
-        return (f"securityContext.capabilities.add has {', '.join(added)}",
-                f"remove {', '.join(added)} from securityContext.capabilities.add")
-    return None
+        shown_value = "true" if sc.allow_privilege_escalation else "not set"
+        yield at(f"{path}.securityContext.allowPrivilegeEscalation is {shown_value}; {RESTRICTED} requires false",
+                 "a set-user-ID root program in the image would make the process root",
+                 "set securityContext.allowPrivilegeEscalation: false on the container")
+    group = sc.run_as_group if sc.run_as_group is not None else pod_sc.run_as_group
+    if sc.run_as_group == 0:
+        yield at(f"{path}.securityContext.runAsGroup: 0 is not allowed by {NO_GROUP_ROOT}",
+                 _GROUP_ROOT, "set a non-zero runAsGroup")
+    elif group is None:
+        yield at(f"{path}.securityContext.runAsGroup is not set here or in spec.securityContext; "
+                 f"{NO_GROUP_ROOT} requires a non-zero one",
+                 "without it the image decides, and a user missing from its /etc/passwd gets group 0",
+                 "set securityContext.runAsGroup: <non-zero> on the pod or container")
 
 
-def _root_capabilities(names: Sequence[str]) -> set[str]:
-    # Runtimes accept both "SYS_ADMIN" and "CAP_SYS_ADMIN", in any case.
-    normal = {n.upper().removeprefix("CAP_") for n in names}
-    return normal & ROOT_CAPABILITIES
+def _shared_fields(path: str, sc: SecurityContext | PodSecurityContext) -> Iterator[tuple[str, str, str]]:
+    """(statement, why, fix) for the baseline fields both levels have: seccomp, AppArmor, SELinux, hostProcess."""
+    seccomp = _profile_type(sc.seccomp_profile)
+    if seccomp not in PROFILE_TYPES:
+        yield (f"{path}.seccompProfile.type: {shown(seccomp)} is not allowed by {BASELINE}",
+               "without a seccomp filter every system call of the host's kernel is open",
+               "set seccompProfile.type: RuntimeDefault or remove it")
+    apparmor = _profile_type(sc.app_armor_profile)
+    if apparmor not in PROFILE_TYPES:
+        yield (f"{path}.appArmorProfile.type: {shown(apparmor)} is not allowed by {BASELINE}",
+               "only RuntimeDefault or Localhost keeps an AppArmor profile",
+               "set appArmorProfile.type: RuntimeDefault or remove it")
+    selinux = sc.se_linux_options
+    if selinux is not None:
+        if selinux.type not in SELINUX_TYPES:
+            yield (f"{path}.seLinuxOptions.type: {shown(selinux.type)} is not allowed by {BASELINE}",
+                   "only the container types keep SELinux's confinement", "remove seLinuxOptions.type")
+        for field, value in (("user", selinux.user), ("role", selinux.role)):
+            if value:
+                yield (f"{path}.seLinuxOptions.{field}: {shown(value)} is not allowed by {BASELINE}",
+                       "a custom SELinux user or role can leave the container's confinement",
+                       f"remove seLinuxOptions.{field}")
+    if sc.windows_options is not None and sc.windows_options.host_process:
+        yield (f"{path}.windowsOptions.hostProcess: true is not allowed by {BASELINE}",
+               "a host process container runs on the host itself", "remove windowsOptions.hostProcess")
 
 
-# ----------------------------------------------------------------------------- the pods of a claim
-
-
-@dataclass(frozen=True)
-class ReservedPods:
-    """The pods a claim is reserved for, as read at prepare.
-
-    ``pods``: those found with the UID the claim names. ``skipped``: one line per reserved pod that
-    was not checked because it cannot run (deleted, or re-created under a new UID).
-    """
-
-    pods: tuple[Pod, ...] = ()
-    skipped: tuple[str, ...] = ()
-
-    def host_root(self) -> list[HostRootContainer]:
-        return [c for pod in self.pods for c in host_root_containers(pod)]
-
-
-class PodsUnreadable(Exception):
-    """The pods of a claim could not be read; the message says why and what to do."""
-
-
-class PodReader(Protocol):
-    """Reads the pods a claim is reserved for (``(namespace, name, uid)`` each) within ``timeout_s``."""
-
-    def read_pods(self, refs: Sequence[tuple[str, str, str]], timeout_s: float) -> ReservedPods:
-        """The pods, or raise :class:`PodsUnreadable`."""
-        ...
-
+def _profile_type(profile: TypedProfile | None) -> str:
+    return profile.type if profile is not None else ""

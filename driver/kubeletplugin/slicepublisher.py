@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from opentelemetry.trace import Status, StatusCode
@@ -43,12 +44,12 @@ from driver.kubeletplugin.telemetry import Telemetry
 log = logging.getLogger(__name__)
 
 _INITIAL_BACKOFF_S = 1.0
-# update() and stop() interrupt a watch at once; this short server-side timeout only bounds
-# how long stop() could wait if that ever failed.
-_WATCH_SECONDS = 30
+# Each watch lasts 5 to 10 minutes (as client-go's reflectors do) and resumes from the last resourceVersion
+# seen, so an idle node costs well under one request a minute; update() and stop() interrupt it at once.
+_MIN_WATCH_SECONDS = 300
 # A watch that ends sooner than this without an event is treated as a failure (with backoff), so
 # a proxy that closes watches at once cannot make the publisher re-watch in a hot loop.
-_MIN_WATCH_SECONDS = 1.0
+_MIN_WATCH_LIFETIME_S = 1.0
 # After writing, the next round runs at once to confirm the result; a bounded number of times,
 # so a server that keeps changing what it stores cannot make a hot loop.
 _MAX_CONFIRMING_ROUNDS = 3
@@ -71,7 +72,10 @@ class ResourceSlicePublisher:
 
     def __init__(self, api: KubeClient, driver_name: str, node_name: str, telemetry: Telemetry, *,
                  minor_version: int | None = None, resync_delay: float = 2.0, max_backoff: float = 300.0,
-                 initial_backoff: float = _INITIAL_BACKOFF_S):
+                 initial_backoff: float = _INITIAL_BACKOFF_S, node_uid: Callable[[], str | None] | None = None,
+                 min_watch_seconds: int = _MIN_WATCH_SECONDS):
+        """``node_uid``: the Node's UID as a watch knows it (:class:`.nodewatch.NodeWatch`); None reads the Node
+        at every sync round instead."""
         problems = validate_driver_and_pool(driver_name, node_name)
         if problems:
             raise ValueError("cannot publish ResourceSlices: " + "; ".join(problems))
@@ -81,6 +85,7 @@ class ResourceSlicePublisher:
         self._telemetry = telemetry
         self._limits = limits_for(minor_version if minor_version is not None else server_minor_version(api))
         self._resync_delay = resync_delay
+        self._min_watch = min_watch_seconds
         self._initial_backoff = initial_backoff
         self._max_backoff = max_backoff
         self._selector = f"spec.driver={driver_name},spec.nodeName={node_name}"
@@ -98,7 +103,7 @@ class ResourceSlicePublisher:
         self._stream: JsonLineStream | None = None
         self._thread: threading.Thread | None = None
         # Worker thread only.
-        self._writer = SliceWriter(api, driver_name, node_name)
+        self._writer = SliceWriter(api, driver_name, node_name, node_uid)
         self._backoff = initial_backoff
         self._watch_backoff = initial_backoff
 
@@ -140,13 +145,22 @@ class ResourceSlicePublisher:
                 self._validation_problems = problems
             return list(problems)
         with self._cond:
+            self._validation_problems = []
+            if slices == self._desired:
+                return []  # a rescan that found nothing new costs the API server nothing
             self._desired = slices
             self._desired_version += 1
-            self._validation_problems = []
             self._wake = True
             self._cond.notify_all()
             self._interrupt_watch()
         return []
+
+    def resync(self) -> None:
+        """Sync again at once (e.g. the Node was re-created: the owner reference changes)."""
+        with self._cond:
+            self._wake = True
+            self._cond.notify_all()
+            self._interrupt_watch()
 
     def start(self) -> None:
         if self._thread is not None:
@@ -282,12 +296,13 @@ class ResourceSlicePublisher:
         such as 410 Gone ("expired": list again), the watch times out ("ended"), it fails
         ("failed"), or update()/stop() interrupt it ("interrupted"). Returns the outcome and the
         resourceVersion to resume from."""
+        seconds = random.randint(self._min_watch, 2 * self._min_watch)
         query = [("fieldSelector", self._selector), ("watch", "true"), ("allowWatchBookmarks", "true"),
-                 ("timeoutSeconds", str(_WATCH_SECONDS))]
+                 ("timeoutSeconds", str(seconds))]
         if resource_version:
             query.append(("resourceVersion", resource_version))
         try:
-            stream = open_json_lines(self._api, SLICES_PATH, query=query, timeout=_WATCH_SECONDS + 5)
+            stream = open_json_lines(self._api, SLICES_PATH, query=query, timeout=seconds + 30)
         except KubeApiError as err:
             log.warning("cannot watch ResourceSlices: %s", err, extra=self._log_extra)
             return "failed", resource_version
@@ -320,7 +335,7 @@ class ResourceSlicePublisher:
             with self._cond:
                 if self._wake or self._stopping:
                     return "interrupted", resource_version
-            if time.monotonic() - opened < _MIN_WATCH_SECONDS:
+            if time.monotonic() - opened < _MIN_WATCH_LIFETIME_S:
                 log.warning("ResourceSlice watch ended at once, watching again later", extra=self._log_extra)
                 return "failed", resource_version
             self._watch_backoff = self._initial_backoff

@@ -8,6 +8,7 @@ fields are logged once, loudly. Used by the publisher's worker thread only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from driver.kubeletplugin.kubeclient import KubeApiError, KubeClient, request_json
 from driver.kubeletplugin.sliceplanner import Obj, SyncPlan, canonical_spec, dropped_fields
@@ -30,8 +31,11 @@ class SliceWriteError(Exception):
 class SliceWriter:
     """The API requests of a node's slices, and what the server stored instead of what was sent."""
 
-    def __init__(self, api: KubeClient, driver_name: str, node_name: str) -> None:
+    def __init__(self, api: KubeClient, driver_name: str, node_name: str,
+                 node_uid: Callable[[], str | None] | None = None) -> None:
+        """``node_uid``: the Node's UID as a watch knows it; None reads the Node every round instead."""
         self._api = api
+        self._node_uid = node_uid
         self._node = node_name
         self._log_extra = {"driver": driver_name, "node": node_name}
         self._adopted: dict[str, str] = {}
@@ -104,18 +108,26 @@ class SliceWriter:
 
     def node_owner(self) -> Obj | None:
         """The owner reference to the Node, or the last known one (or None) when the Node cannot be read."""
-        # Read every round (rounds are rare): a Node deleted and re-registered under the same name
-        # has a new UID, and slices pointing at the old one would be garbage-collected.
-        try:
-            node = request_json(self._api, "GET", f"/api/v1/nodes/{self._node}", timeout=_REQUEST_TIMEOUT_S)
-        except KubeApiError as err:
-            if self._owner is None:
-                level = logging.DEBUG if self._owner_warned else logging.WARNING
-                log.log(level, "cannot read Node %s, publishing ResourceSlices without an owner reference "
-                        "(they will not be garbage-collected with the Node): %s", self._node, err,
-                        extra=self._log_extra)
-                self._owner_warned = True
-            return self._owner
-        self._owner = {"apiVersion": "v1", "kind": "Node", "name": self._node,
-                       "uid": node["metadata"]["uid"], "controller": True}
+        # A Node deleted and re-registered under the same name has a new UID, and slices pointing at the
+        # old one would be garbage-collected: the watch's UID is current; without one, read every round.
+        if self._node_uid is not None:
+            uid = self._node_uid()
+            if uid is None:
+                self._warn_no_owner("its UID is not known (yet)")
+                return self._owner
+        else:
+            try:
+                uid = str(request_json(self._api, "GET", f"/api/v1/nodes/{self._node}",
+                                       timeout=_REQUEST_TIMEOUT_S)["metadata"]["uid"])
+            except KubeApiError as err:
+                self._warn_no_owner(str(err))
+                return self._owner
+        self._owner = {"apiVersion": "v1", "kind": "Node", "name": self._node, "uid": uid, "controller": True}
         return self._owner
+
+    def _warn_no_owner(self, why: str) -> None:
+        if self._owner is None:
+            level = logging.DEBUG if self._owner_warned else logging.WARNING
+            log.log(level, "cannot read Node %s, publishing ResourceSlices without an owner reference "
+                    "(they will not be garbage-collected with the Node): %s", self._node, why, extra=self._log_extra)
+            self._owner_warned = True

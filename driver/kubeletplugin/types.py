@@ -16,11 +16,12 @@ from driver.kubeletplugin.claimmodel import ResourceClaim
 
 # Who will use a claim's devices: ``ResourceClaim.reserved_pods(timeout_s)`` reads the pods in its
 # ``status.reservedFor`` on first use (one GET per pod, RBAC ``get`` on pods), and
-# ``ReservedPods.host_root()`` names every container that may run as UID 0 on the host, why, and
-# the field to set (``podsecurity.py``). What a driver makes of that is its own decision.
-from driver.kubeletplugin.podsecurity import HostRootContainer as HostRootContainer
-from driver.kubeletplugin.podsecurity import PodsUnreadable as PodsUnreadable
-from driver.kubeletplugin.podsecurity import ReservedPods as ReservedPods
+# ``ReservedPods.findings()`` names every consumer that cannot be judged and every field of a pod
+# that could reach host root (Pod Security "baseline", no root user or group), why, and what to
+# set (``reservedpods.py``, ``podsecurity.py``). What a driver makes of that is its own decision.
+from driver.kubeletplugin.reservedpods import Finding as Finding
+from driver.kubeletplugin.reservedpods import PodsUnreadable as PodsUnreadable
+from driver.kubeletplugin.reservedpods import ReservedPods as ReservedPods
 
 
 class PreparedDevice(BaseModel):

@@ -1,4 +1,10 @@
-"""SIMULATION: the HTTP side of the API server double: routes, JSON bodies, chunked watch streams."""
+"""SIMULATION: the HTTP side of the API server double: routes, JSON bodies, chunked watch streams.
+
+A ``PATCH`` with ``Content-Type: application/apply-patch+yaml`` is a server-side apply (its body YAML,
+``fieldManager`` required, ``force`` optional); other patch types are refused with 415, as this double
+does not implement them. ``Accept: application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1`` (or
+``PartialObjectMetadataList``) gets objects as their metadata only, as from a real server.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +17,23 @@ from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, urlsplit
 
-from driver.simulation.apiobjects import RESOURCES, ApiError, Obj, Resource, field_selector, label_selector
+import yaml
+
+from driver.simulation.apiobjects import (
+    RESOURCES,
+    ApiError,
+    Obj,
+    Resource,
+    field_selector,
+    label_selector,
+    metadata_only,
+)
 
 if TYPE_CHECKING:
     from driver.simulation.apiserver import FakeApiServer
 
 DEFAULT_WATCH_SECONDS = 1800
+APPLY_PATCH = "application/apply-patch+yaml"
 ROUTES = (
     re.compile(r"^/api/v1/(?P<plural>nodes)(?:/(?P<name>[^/]+))?$"),
     re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>pods)(?:/(?P<name>[^/]+))?$"),
@@ -57,13 +74,15 @@ def handler_for(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
             parts = urlsplit(self.path)
             query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
             watching = method == "GET" and query.get("watch") in ("true", "1")
-            api.record_request("WATCH" if watching else method, parts.path)
+            api.record_request("WATCH" if watching else method, parts.path, query)
             try:
                 body = self._read_body()
                 if watching:
                     self._stream_watch(parts.path, query)
                     return
                 code, answer = self._dispatch(method, parts.path, query, body)
+                if self._metadata_only() and code == 200:
+                    answer = _as_metadata(answer)
             except ApiError as err:
                 code, answer = err.code, err.status_body()
             self._send_json(code, answer)
@@ -72,13 +91,20 @@ def handler_for(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
             length = int(self.headers.get("Content-Length") or 0)
             if not length:
                 return {}
+            raw = self.rfile.read(length)
             try:
-                body = json.loads(self.rfile.read(length))
-            except ValueError as err:
-                raise ApiError(400, "BadRequest", f"request body is not JSON: {err}") from err
+                body = yaml.safe_load(raw) if self._content_type() == APPLY_PATCH else json.loads(raw)
+            except (ValueError, yaml.YAMLError) as err:
+                raise ApiError(400, "BadRequest", f"request body is not {self._content_type()}: {err}") from err
             if not isinstance(body, dict):
                 raise ApiError(400, "BadRequest", "request body must be a JSON object")
             return body
+
+        def _content_type(self) -> str:
+            return str(self.headers.get("Content-Type") or "").split(";")[0].strip()
+
+        def _metadata_only(self) -> bool:
+            return "as=PartialObjectMetadata" in str(self.headers.get("Accept") or "")
 
         def _send_json(self, code: int, answer: Obj) -> None:
             data = json.dumps(answer).encode()
@@ -129,6 +155,16 @@ def handler_for(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                     return 200, api.replace_object(resource.plural, ns, name, body, keep_status=False, status_only=True)
                 return 200, api.replace_object(resource.plural, ns, name, body,
                                          keep_status=resource.plural == "resourceclaims")
+            elif method == "PATCH" and not read_only and sub == "status":
+                if self._content_type() != APPLY_PATCH:
+                    raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format "
+                                                                f"for this test double: {self._content_type()}")
+                manager = query.get("fieldManager", "")
+                if not manager:
+                    raise ApiError(422, "Invalid", "metadata.managedFields.fieldManager: Required value: is required "
+                                                   "for apply patch")
+                return 200, api.apply_status(resource.plural, ns, name, body, manager=manager,
+                                             force=query.get("force") == "true")
             elif method == "DELETE" and not read_only:
                 return 200, api.delete_object(resource.plural, ns, name, preconditions=body.get("preconditions") or {})
             raise ApiError(405, "MethodNotAllowed", f"{method} is not supported on {path} by this test double")
@@ -162,7 +198,9 @@ def handler_for(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                     return False
 
             timeout_s = float(query.get("timeoutSeconds") or DEFAULT_WATCH_SECONDS)
-            api.watch_objects(resource.plural, namespace, selector, query.get("resourceVersion", ""), timeout_s, write)
+            api.watch_objects(resource.plural, namespace, selector, query.get("resourceVersion", ""), timeout_s, write,
+                              bookmarks=query.get("allowWatchBookmarks") == "true",
+                              shape=metadata_only if self._metadata_only() else lambda obj: obj)
             try:
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
@@ -171,3 +209,11 @@ def handler_for(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
             self.close_connection = True
 
     return Handler
+
+
+def _as_metadata(answer: Obj) -> Obj:
+    """A GET's answer as metadata only: an object, or a list of them."""
+    if "items" not in answer:
+        return metadata_only(answer)
+    return {"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadataList",
+            "metadata": answer.get("metadata", {}), "items": [metadata_only(o) for o in answer["items"]]}

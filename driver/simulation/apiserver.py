@@ -4,7 +4,8 @@ It serves just what a DRA node plugin and its tests use, well enough for the rea
 ``kubernetes`` Python client end to end: ``/version``, Nodes (read), ResourceSlices (list,
 watch, create with ``generateName``, get, replace, delete with preconditions, delete
 collection), ResourceClaims (namespaced CRUD and ``/status``), DeviceClasses and Pods (read; tests put
-them with ``put_pod``). Objects are
+them with ``put_pod``), server-side apply of a claim's ``status.devices`` (``applypatch.py``), and
+metadata-only answers (``Accept: ...;as=PartialObjectMetadata``). Objects are
 kept as plain dicts, so no field is ever dropped unless a test asks for it
 (``dropped_device_fields``, which imitates a server with a feature gate off; consumable capacity
 and counters are dropped by the release's own gates).
@@ -12,11 +13,12 @@ and counters are dropped by the release's own gates).
 ResourceSlice writes are checked like a real server checks them for the rules a driver most
 often breaks, and answered with ``422 Invalid`` and a Kubernetes ``Status`` naming the field.
 This module is the store; the rules, resources and selectors are in ``apiobjects.py``, the HTTP
-side (routes, watch streams) in ``apihttp.py``.
+side (routes, watch streams) in ``apihttp.py``, the event history and watches in ``apiwatch.py``.
 
 Tests drive it with helpers (``add_node``, ``slices``, ``put_claim``, ``wipe_slices``,
-``reject_next_slice_writes``, ``expire_watch_history``, ``put_pod``) and inspect ``requests``: one
-``(verb, path)`` per request, where verb is the HTTP method, or ``WATCH`` for a watch.
+``reject_next_slice_writes``, ``expire_watch_history``, ``put_pod``, ``refuse_claim_status``) and
+inspect ``requests``: one ``(verb, path)`` per request, where verb is the HTTP method, or ``WATCH``
+for a watch (``request_queries``: the same with each request's query parameters).
 
 Manual use: ``python -m driver.simulation.apiserverrun --port 8001 [--node node-1]``.
 """
@@ -25,12 +27,9 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -49,43 +48,37 @@ from driver.simulation.apiobjects import (
     event_errors,
     group_of,
     invalid_error,
+    kube_config_for,
     slice_errors,
+    unique_name,
 )
+from driver.simulation.apiwatch import EventLog
+from driver.simulation.applypatch import apply_device_status, device_status_errors, status_refused
 from driver.simulation.capacitypolicy import consumable_enabled
 from driver.simulation.counterrules import partitionable_enabled
-
-_NAME_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
-_MAX_GENERATE_NAME_BASE = 58
-_WATCH_HISTORY = 10_000
-
-
-@dataclass
-class _Event:
-    rv: int
-    plural: str
-    type: str
-    obj: Obj
 
 
 class FakeApiServer:
     """In-memory API server on 127.0.0.1. Thread-safe: all state is guarded by one lock."""
 
     def __init__(self, minor_version: int = 36, *, dropped_device_fields: Iterable[str] = (),
-                 consumable_capacity_gate: bool = False, partitionable_devices_gate: bool = False):
+                 consumable_capacity_gate: bool = False, partitionable_devices_gate: bool = False,
+                 claim_device_status_gate: bool = True):
         self.minor_version = minor_version
         self.dropped_device_fields = tuple(dropped_device_fields)
         # DRAConsumableCapacity and DRAPartitionableDevices on a 1.34/1.35 server (on by default from 1.36).
         self.consumable_capacity = consumable_enabled(minor_version, consumable_capacity_gate)
         self.partitionable_devices = partitionable_enabled(minor_version, partitionable_devices_gate)
+        # DRAResourceClaimDeviceStatus (beta, on by default from 1.33): off, status.devices is dropped silently.
+        self.claim_device_status = claim_device_status_gate
         self._cond = threading.Condition()
         self._store: dict[str, dict[tuple[str, str], Obj]] = {plural: {} for plural in RESOURCES}
         self._rv = 0
-        self._events: list[_Event] = []
-        self._oldest_watchable_rv = 0
-        self._requests: list[tuple[str, str]] = []
+        self._events = EventLog(self._cond)
+        self._requests: list[tuple[str, str, dict[str, str]]] = []
         self._reject_writes = 0
         self._reject_status = (500, "InternalError", "")
-        self._stopping = False
+        self._status_refusal: tuple[int, str] | None = None
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -110,7 +103,7 @@ class FakeApiServer:
 
     def stop(self) -> None:
         with self._cond:
-            self._stopping = True
+            self._events.stopping = True
             self._cond.notify_all()
         if self._server is not None:
             self._server.shutdown()
@@ -121,12 +114,7 @@ class FakeApiServer:
     def kube_config(self, path: str | Path) -> Path:
         """Write a kubeconfig pointing at this server (for a driver subprocess)."""
         target = Path(path)
-        target.write_text(json.dumps({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "users": [{"name": "fake", "user": {"token": "fake-token"}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
-        }, indent=2))
+        target.write_text(json.dumps(kube_config_for(self.url), indent=2))
         return target
 
     def api_client(self) -> client.ApiClient:
@@ -136,15 +124,21 @@ class FakeApiServer:
 
     # ----- test helpers ----------------------------------------------------------------
 
-    def record_request(self, verb: str, path: str) -> None:
+    def record_request(self, verb: str, path: str, query: dict[str, str] | None = None) -> None:
         """Called by the HTTP handler for every request (``WATCH`` as the verb of a watch)."""
         with self._cond:
-            self._requests.append((verb, path))
+            self._requests.append((verb, path, dict(query or {})))
 
     @property
     def requests(self) -> list[tuple[str, str]]:
         with self._cond:
-            return list(self._requests)
+            return [(verb, path) for verb, path, _ in self._requests]
+
+    @property
+    def request_queries(self) -> list[tuple[str, str, dict[str, str]]]:
+        """Every request as (verb, path, query parameters)."""
+        with self._cond:
+            return [(verb, path, dict(query)) for verb, path, query in self._requests]
 
     def add_node(self, name: str, labels: dict[str, str] | None = None) -> str:
         """Create a Node; returns its UID."""
@@ -230,8 +224,13 @@ class FakeApiServer:
     def expire_watch_history(self) -> None:
         """Forget past events: watches from an older resourceVersion get 410 Gone."""
         with self._cond:
-            self._events.clear()
-            self._oldest_watchable_rv = self._rv
+            self._events.expire(self._rv)
+
+    def refuse_claim_status(self, code: int | None, reason: str = "Forbidden") -> None:
+        """Refuse every write of a claim's status with ``code`` (403: RBAC without ``resourceclaims/status``);
+        None to accept them again."""
+        with self._cond:
+            self._status_refusal = (code, reason) if code is not None else None
 
     # ----- storage (callers hold no lock; these take it) -------------------------------
 
@@ -240,11 +239,7 @@ class FakeApiServer:
         return self._rv
 
     def _record(self, plural: str, event_type: str, obj: Obj) -> None:
-        self._events.append(_Event(int(obj["metadata"]["resourceVersion"]), plural, event_type, copy.deepcopy(obj)))
-        if len(self._events) > _WATCH_HISTORY:
-            dropped = self._events.pop(0)
-            self._oldest_watchable_rv = dropped.rv
-        self._cond.notify_all()
+        self._events.record(plural, event_type, obj)
 
     def create_object(self, plural: str, namespace: str, body: Obj) -> Obj:
         resource = RESOURCES[plural]
@@ -257,7 +252,7 @@ class FakeApiServer:
                 if not base:
                     raise invalid_error(resource, "", [
                         ("metadata.name", "Required value: name or generateName is required")])
-                meta["name"] = self._unique_name(plural, namespace, base)
+                meta["name"] = unique_name(base, lambda n: (namespace, n) in self._store[plural])
             name = str(meta["name"])
             if (namespace, name) in self._store[plural]:
                 raise ApiError(409, "AlreadyExists", f'{plural}.{group_of(resource)} "{name}" already exists')
@@ -274,13 +269,6 @@ class FakeApiServer:
             self._store[plural][(namespace, name)] = obj
             self._record(plural, "ADDED", obj)
             return copy.deepcopy(obj)
-
-    def _unique_name(self, plural: str, namespace: str, base: str) -> str:
-        base = base[:_MAX_GENERATE_NAME_BASE]
-        while True:
-            name = base + "".join(random.choice(_NAME_SUFFIX_ALPHABET) for _ in range(5))
-            if (namespace, name) not in self._store[plural]:
-                return name
 
     def get_object(self, plural: str, namespace: str, name: str) -> Obj:
         resource = RESOURCES[plural]
@@ -372,46 +360,38 @@ class FakeApiServer:
         if errors:
             raise invalid_error(RESOURCES["resourceslices"], str(obj.get("metadata", {}).get("name", "")), errors)
 
-    # ----- watch ------------------------------------------------------------------------
+    # ----- server-side apply and watch ---------------------------------------------------
+
+    def apply_status(self, plural: str, namespace: str, name: str, patch: Obj, *, manager: str, force: bool) -> Obj:
+        """Server-side apply of a ResourceClaim's ``status.devices`` by ``manager`` (see ``applypatch.py``)."""
+        resource = RESOURCES[plural]
+        if plural != "resourceclaims":
+            raise ApiError(405, "MethodNotAllowed", f"this double applies only resourceclaims/status, not {plural}")
+        check_kind(resource, patch)
+        with self._cond:
+            if self._status_refusal is not None:
+                raise status_refused(name, *self._status_refusal)
+            old = self._store[plural].get((namespace, name))
+            if old is None:
+                raise ApiError(404, "NotFound", f'{plural}.{group_of(resource)} "{name}" not found')
+            new = apply_device_status(old, patch, manager, force=force, gate_on=self.claim_device_status)
+            status = new.get("status") or {}
+            errors = device_status_errors(status.get("devices") or [], status.get("allocation"))
+            if errors:
+                raise invalid_error(resource, name, errors)
+            if new == old:
+                return copy.deepcopy(old)  # a no-op apply does not change the resourceVersion
+            new["metadata"]["resourceVersion"] = str(self._next_rv())
+            self._store[plural][(namespace, name)] = new
+            self._record(plural, "MODIFIED", new)
+            return copy.deepcopy(new)
 
     def watch_objects(self, plural: str, namespace: str | None, selector: Callable[[Obj], bool],
-               resource_version: str, timeout_s: float, write: Callable[[Obj], bool]) -> None:
-        """Stream events until the timeout, the server stops, or the client goes away."""
-        deadline = time.monotonic() + timeout_s
+                      resource_version: str, timeout_s: float, write: Callable[[Obj], bool], *,
+                      bookmarks: bool = False, shape: Callable[[Obj], Obj] = lambda obj: obj) -> None:
+        """Stream events until the timeout, the server stops, or the client goes away (``apiwatch.py``)."""
+        def stored() -> list[Obj]:
+            return [copy.deepcopy(o) for _, o in sorted(self._store[plural].items())]
 
-        def wanted(event: _Event) -> bool:
-            ns = event.obj["metadata"].get("namespace", "")
-            return event.plural == plural and (namespace is None or ns == namespace) and selector(event.obj)
-
-        with self._cond:
-            if resource_version in ("", "0"):
-                cursor = self._rv
-                initial = [_Event(cursor, plural, "ADDED", copy.deepcopy(o))
-                           for (ns, _), o in sorted(self._store[plural].items())
-                           if (namespace is None or ns == namespace) and selector(o)]
-            else:
-                cursor = int(resource_version)
-                initial = []
-                if cursor < self._oldest_watchable_rv:
-                    expired = ApiError(410, "Expired", f"too old resource version: {cursor} "
-                                                       f"({self._oldest_watchable_rv})").status_body()
-                    write({"type": "ERROR", "object": expired})
-                    return
-        for event in initial:
-            if not write({"type": event.type, "object": event.obj}):
-                return
-        while True:
-            with self._cond:
-                pending = [e for e in self._events if e.rv > cursor]
-                if not pending and not self._stopping:
-                    self._cond.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
-                    pending = [e for e in self._events if e.rv > cursor]
-                stopping = self._stopping
-            for event in pending:
-                cursor = event.rv
-                if wanted(event) and not write({"type": event.type, "object": event.obj}):
-                    return
-            if stopping or time.monotonic() >= deadline:
-                return
-            if not pending and not write({}):
-                return
+        self._events.watch(plural, namespace, selector, resource_version, timeout_s, write,
+                           current_rv=lambda: self._rv, stored=stored, bookmarks=bookmarks, shape=shape)

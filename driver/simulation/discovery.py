@@ -50,10 +50,12 @@ class SimulatedMig(BaseModel):
 
 
 class SimulatedGpu(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     model: str
     mig: tuple[SimulatedMig, ...] | None = None  # present (even empty) = MIG mode enabled
+    # The other MIG mode set but not in effect yet (nvidia-smi -mig run, no reset or the GPU busy since).
+    mig_mode_pending: bool = Field(default=False, alias="migModePending")
 
 
 class SimulatedNode(BaseModel):
@@ -194,6 +196,14 @@ def mig_profile_infos(specs: tuple[MigProfileSpec, ...]) -> tuple[MigProfileInfo
     )
 
 
+def _pending_mode(where: str, entry: SimulatedGpu, capable: bool) -> Literal["enable", "disable"] | None:
+    if not entry.mig_mode_pending:
+        return None
+    if not capable:
+        raise SimulationError(f"{where}: migModePending on a GPU without MIG (NVML answers NOT_SUPPORTED)")
+    return "disable" if entry.mig is not None else "enable"
+
+
 def build_inventory(label: str, node: SimulatedNode, node_name: str, mig: MigState | None = None) -> NodeInventory:
     """The inventory a simulated node reports; SimulationError naming the entry if the layout is wrong.
 
@@ -230,6 +240,7 @@ def build_inventory(label: str, node: SimulatedNode, node_name: str, mig: MigSta
                 pcie_root=pcie_root,
                 mig_capable=bool(model.mig_profiles),
                 mig_enabled=mig_enabled,
+                mig_mode_pending=_pending_mode(where, entry, bool(model.mig_profiles)),
                 mig_instances=instances,
                 mig_memory_slices=mig_memory_slices(profiles),
                 mig_profiles=profiles,

@@ -102,8 +102,8 @@ def _write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-def _access_text(minor: int, mode: int = CAPABILITY_FILE_MODE) -> str:
-    return f"DeviceFileMinor: {minor}\nDeviceFileMode: {mode}\nDeviceFileModify: 1\n"
+def _access_text(minor: int) -> str:
+    return f"DeviceFileMinor: {minor}\nDeviceFileMode: {CAPABILITY_FILE_MODE}\nDeviceFileModify: 1\n"
 
 
 def write_mig_capability_proc(root: Path, gpu_minor: int, gi_id: int, ci_id: int) -> None:
@@ -355,14 +355,15 @@ def build_host_root(root: Path, inventory: NodeInventory, layout: DriverLayout =
     shutil.rmtree(root / CAPABILITIES_DIR, ignore_errors=True)
     (root / "dev").mkdir(exist_ok=True)  # the host's /dev, without NVIDIA nodes on a GPU Operator node
     _write_device_nodes(driver_root, inventory)
-    # /proc is the kernel's: the same for a containerised driver. mig/config (creating and destroying instances)
-    # and mig/monitor are nvidia-cap1 and nvidia-cap2 (reference/cdi.md 6.4), config readable by root only.
-    if any(g.mig_capable for g in inventory.gpus):
-        _write(root / CAPABILITIES_DIR / "mig" / "config" / "access", _access_text(1, 0o400))
-        _write(root / CAPABILITIES_DIR / "mig" / "monitor" / "access", _access_text(2))
+    # /proc is the kernel's: the same for a containerised driver.
     for gpu in inventory.gpus:
         for mig in gpu.mig_instances:
             write_mig_capability_proc(root, gpu.minor, mig.gi_id, mig.ci_id)
+    if any(gpu.mig_capable for gpu in inventory.gpus):
+        # The driver's own MIG capabilities (NVIDIA's MIG user guide: nvidia-cap1 cr--------, nvidia-cap2 cr--r--r--).
+        _write(root / CAPABILITIES_DIR / "mig" / "config",
+               "DeviceFileMinor: 1\nDeviceFileMode: 256\nDeviceFileModify: 1\n")
+        _write(root / CAPABILITIES_DIR / "mig" / "monitor", _access_text(2))
     _write(root / "proc" / "devices", _proc_devices())
     # A cgroup v2 host; the dmem controller only where the node models kernel memory limits.
     dmem = ("dmem",) if kernel_memory_node(inventory) else ()

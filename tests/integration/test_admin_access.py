@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from driver.kubeletplugin.types import ClaimRef
+from driver.simulation.hostroot import SIMULATED_CAPS_MAJOR
 from tests.support.node import DRIVER, SimulatedNode, gpu_config, pid_alive, wait_until
 
 LAYOUT: dict[str, Any] = {"description": "admin access: every device form on one node", "gpus": [
@@ -99,6 +100,12 @@ def check_admin_spec(node: SimulatedNode, ref: ClaimRef, device: str) -> None:
     assert dev["annotations"][f"{DRIVER}/admin-access"] == "true" and dev["annotations"][f"{DRIVER}/device"] == device
     assert any(m["containerPath"].endswith(".so.1") or "lib" in m["containerPath"]
                for m in spec["containerEdits"].get("mounts", [])), "the driver libraries are mounted"
+    # On a MIG GPU the monitor capability (nvidia-cap2, read from /proc/driver/nvidia/capabilities/mig/monitor) lets
+    # nvidia-smi in the monitoring pod list the GPU's MIG devices; a GPU without MIG needs none.
+    monitor = [n for n in edits["deviceNodes"] if n["path"] == "/dev/nvidia-caps/nvidia-cap2"]
+    expected = [{"path": "/dev/nvidia-caps/nvidia-cap2", "type": "c", "major": SIMULATED_CAPS_MAJOR, "minor": 2,
+                 "fileMode": 0o444}]
+    assert monitor == (expected if "-mig-" in device else []), edits["deviceNodes"]
 
 
 @pytest.mark.parametrize("order", ["workload-first", "admin-first"])

@@ -10,7 +10,8 @@ from typing import Any
 
 from driver.kubeletplugin.types import ClaimRef
 from tests.integration.test_health import gpu_uuid, metrics
-from tests.support.node import DRIVER, NODE, SimulatedNode, wait_until
+from tests.support.node import DRIVER, NO_ESCALATION, NODE, NON_ROOT, SimulatedNode, wait_until
+from tests.support.node import pod as pod_object
 
 PLANS: dict[str, Any] = {"plans": {"ts": {"gpus": [
     {"match": {"product": "NVIDIA L4"}, "timeSlicing": {"shares": 2, "interval": "Long"}}]}, "mps": {"gpus": [
@@ -19,8 +20,11 @@ GIB = 1 << 30
 
 
 def reserved_claim(node: SimulatedNode, name: str, device: str, pod_uid: str, admin: bool = False) -> ClaimRef:
-    """A claim allocated to ``device`` and reserved for one pod, as the scheduler leaves it."""
+    """A claim allocated to ``device`` and reserved for one pod (one that a ``clients: nonRoot`` share admits),
+    as the scheduler leaves it."""
     uid = str(uuid.uuid4())
+    node.api.put_pod(pod_object(f"{name}-pod", pod_security=NON_ROOT, containers=[("main", NO_ESCALATION)])
+                     | {"metadata": {"name": f"{name}-pod", "namespace": "team-a", "uid": pod_uid}})
     result: dict[str, Any] = {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": device}
     if admin:
         result["adminAccess"] = True

@@ -56,7 +56,7 @@ def test_failed_prepares_make_the_demo_exit_non_zero(workdir: Path) -> None:
                           check=False)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "NodePrepareResources FAILED" in done.stdout
-    assert "prepare(s) FAILED: demo-gpu-mps-per-claim" in done.stdout
+    assert "claim(s) FAILED: demo-gpu-mps-per-claim" in done.stdout
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
@@ -80,3 +80,43 @@ def test_sigterm_mid_run_stops_the_driver_and_every_stand_in(workdir: Path, sign
     assert "Traceback" not in output
     assert f"demo stopped by {signal.Signals(signum).name}" in output
     assert processes_mentioning(str(workdir), in_environment=True) == []
+
+
+def test_a_second_demo_on_the_same_workdir_is_refused_and_the_first_finishes(workdir: Path) -> None:
+    first = subprocess.Popen(_demo("--workdir", str(workdir)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    assert first.stdout is not None
+    seen = []
+    try:
+        for line in first.stdout:
+            seen.append(line)
+            if "MPS control daemon" in line:  # mid-run: its files are in use
+                break
+        second = subprocess.run(_demo("--workdir", str(workdir)), capture_output=True, text=True, timeout=60,
+                                check=False)
+        rest, _ = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert second.stdout == ""
+    assert second.stderr.strip() == (f"python -m driver demo: --workdir {workdir}: another demo (pid {first.pid}) is "
+                                     "running in it; wait for it to end, or give another --workdir")
+    output = "".join(seen) + rest
+    assert first.returncode == 0, output
+    assert "FAILED" not in output and "No such file" not in output
+
+
+def test_an_example_the_node_cannot_serve_names_its_claim_and_node_and_fails(workdir: Path) -> None:
+    done = subprocess.run(_demo("--workdir", str(workdir), "--example", "consumable-share-kernel-memory.yaml"),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert ("NOT ALLOCATED: claim default/demo-consumable-share-kernel-memory (from "
+            "consumable-share-kernel-memory.yaml): request 'share': no free consumable device matches; this example "
+            "needs the simulated node --layout kernel-memory") in done.stdout
+    assert "1 claim(s) FAILED: demo-consumable-share-kernel-memory" in done.stdout
+    # And on that node it is served.
+    served = subprocess.run(_demo("--workdir", str(workdir), "--layout", "kernel-memory", "--example",
+                                  "consumable-share-kernel-memory.yaml"),
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert served.returncode == 0, served.stdout + served.stderr
+    assert "NOT ALLOCATED" not in served.stdout

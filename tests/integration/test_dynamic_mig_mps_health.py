@@ -1,5 +1,6 @@
-"""MPS on a dynamic MIG device whose instance is made again, through the real driver process and the MPS
-stand-in: the claim's daemon must follow the instance to its new MIG UUID, not go on serving the old one.
+"""MPS and health on dynamic MIG devices, through the real driver process and the MPS stand-in: the claim's daemon
+must follow an instance made again to its new MIG UUID, not go on serving the old one; an XID NVML scopes to an
+instance made since the driver's last rescan reaches only that instance, not every device of its GPU.
 
 The node is the simulated ``dynamic-mig`` layout (``test_dynamic_mig_prepare.py``); the test destroys the claim's
 instance as ``nvidia-smi mig -dci``/``-dgi`` would, through the simulated NVML the driver uses.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,3 +64,30 @@ def test_a_daemon_follows_its_instance_made_again_without_a_reboot(node: Simulat
     assert sent.count("set_default_device_pinned_mem_limit 0 8192M") == 2, "limits set again on the new daemon"
     assert node.unprepare(ref) == {ref.uid: None}
     assert mignode.placements(node) == [] and not pid_alive(daemon["pid"])
+
+
+def inject(node: SimulatedNode, **event: Any) -> None:
+    with node.events_file.open("a") as handle:
+        handle.write(json.dumps(event) + "\n")
+
+
+def tainted(node: SimulatedNode) -> dict[str, str]:
+    return {d["name"]: d["taints"][0]["value"] for d in node.devices() if d.get("taints")}
+
+
+def test_an_xid_in_an_instance_made_since_the_last_rescan_reaches_only_that_instance(node: SimulatedNode) -> None:
+    node.start("--rescan-interval", "3600", env={"TESSERA_SIM_EVENTS": str(node.events_file)})
+    wait_until(lambda: THREE_G in node.device_names(), 30, "the dynamic MIG placements published")
+    ref = node.claim("c", [("mig", THREE_G)])
+    node.prepare_ok(ref)
+    claimed = node.checkpoint()["claims"][ref.uid]["devices"][0]
+    gpu = node.inventory.gpus[0]
+    one_g = next(p for p in gpu.mig_profiles if p.name == "1g.10gb")
+    other = mignode.engine(node).create(gpu.uuid, one_g, 0)  # another tool; the driver rescans an hour later
+
+    inject(node, uuid=gpu.uuid, xid=94, gpu_instance=other.gi_id, compute_instance=other.ci_id)
+    inject(node, uuid=gpu.uuid, xid=95, gpu_instance=claimed["mig_gi_id"])  # the claim's instance, after it
+    wait_until(lambda: THREE_G in tainted(node), 10, f"the claim's instance tainted (have {tainted(node)})")
+    assert tainted(node) == {THREE_G: "xid-95"}, "the other instance's XID 94 reached no device of the GPU"
+    unhealthy = {e["uuid"]: e["reason"] for e in node.log() if e.get("msg") == "device became unhealthy"}
+    assert unhealthy == {other.uuid: "xid-94", claimed["mig_uuid"]: "xid-95"}

@@ -186,3 +186,49 @@ def test_a_recovery_action_clears_only_itself_and_a_pending_row_remap_leaves_the
         wait_until(lambda: tainted(node).get("gpu-0") == "row-remapping", 5, "a failed remap taints the GPU")
     finally:
         node.close()
+
+
+def test_a_gpu_asking_for_a_reset_is_healthy_after_the_reset_and_a_recorded_row_remap_is_no_fault() -> None:
+    # What a real GPU reports (NVIDIA's XID catalog, nvml.h): XID 154 as field 230 turns to "GPU reset", and
+    # XID 154 again as it goes back to none after the reset. XID 63 says a row remap was recorded: pending
+    # until the next reset, which NVIDIA's memory-error guide says is no fault.
+    node = new_node()
+    try:
+        start(node)
+        l4 = gpu_uuid(node, 2)
+        inject(node, uuid=l4, xid=154)
+        inject(node, uuid=l4, recovery_action=1)
+        wait_until(lambda: tainted(node) == dict.fromkeys(SHARES, "recovery-action"), 5,
+                   f"the reset asked for taints the GPU's shares (have {tainted(node)})")
+        inject(node, uuid=l4, recovery_action=0)  # the operator reset the GPU
+        inject(node, uuid=l4, xid=154)
+        wait_until(lambda: tainted(node) == {}, 5, f"no taint after the reset (have {tainted(node)})")
+
+        inject(node, uuid=gpu_uuid(node, 0), xid=63)
+        inject(node, uuid=gpu_uuid(node, 1), xid=48)  # a fault after it: once it shows, XID 63 was handled
+        wait_until(lambda: tainted(node) == dict.fromkeys(MIG, "xid-48"), 5, f"xid-48 alone (have {tainted(node)})")
+        node.prepare_ok(node.claim("after-remap-recorded", [("gpu", "gpu-0")]))
+        said = [e for e in node.log() if e.get("msg") == "XID reported; device health unchanged"]
+        assert sorted(e["xid"] for e in said) == [63, 154, 154]
+        assert metrics(node)[("tessera_gpu_xid_errors_total", (("xid", "154"),))] == 2.0
+    finally:
+        node.close()
+
+
+def test_remapped_rows_nvml_cannot_report_on_a_mig_gpu_with_instances_are_said_once_and_shown_by_inspect() -> None:
+    # nvml.h: "On MIG-enabled GPUs with active instances, querying the number of remapped rows is not supported".
+    node = new_node()
+    try:
+        start(node)
+        migged = gpu_uuid(node, 1)
+        inject(node, uuid=migged, row_remap={"pending": False, "failed": True})  # NVML cannot report this reading
+        inject(node, uuid=gpu_uuid(node, 0), lost=True)  # a change after it: the health file is written again
+        wait_until(lambda: tainted(node) == {"gpu-0": "gpu-lost"}, 5, f"gpu-0 lost alone (have {tainted(node)})")
+        said = [e for e in node.log() if str(e.get("msg")).startswith("memory row remapping of a GPU cannot be read")]
+        assert [e["uuid"] for e in said] == [migged], "said once, for the MIG GPU with instances only"
+        done = subprocess.run([sys.executable, "-m", "driver", "inspect", "--plugins-dir", str(node.work / "plugins"),
+                               "--cdi-root", str(node.cdi_dir)], capture_output=True, text=True, timeout=30)
+        assert (f"- not watched on {migged}: memory row remapping: NVML does not report remapped rows on a GPU in MIG "
+                "mode with instances (nvml.h)") in done.stdout, done.stdout
+    finally:
+        node.close()

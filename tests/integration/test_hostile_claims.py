@@ -47,3 +47,27 @@ def test_a_claim_nested_deeper_than_the_driver_reads_is_told_so(node: SimulatedN
     error = node.prepare(claim)[claim.uid].error or ""
     assert "nests its JSON deeper than this driver reads" in error and "resource.k8s.io/v1" not in error
     assert claim.uid not in node.checkpoint()["claims"]
+
+
+FORGED = "I1128 12:00:00.000000 kubelet.go:1] claim prepared"
+
+
+def test_a_claim_value_with_a_line_break_is_echoed_on_one_line_in_the_kubelets_error_and_the_log(
+        node: SimulatedNode) -> None:
+    # A raw echo let the value start a line of its own in the pod's events and the log (a text log, or a
+    # JSON log read by a tool that prints each field), looking like someone else's: it is quoted and escaped.
+    node.start()
+    values = {"shmSize": f"64Mi\n{FORGED}", "defaultPinnedDeviceMemoryLimit": f"1Gi\u2028{FORGED}",
+              "defaultPerDevicePinnedMemoryLimit": {f"GPU-x\r\n{FORGED}": "1Gi"}}
+    for field, value in values.items():
+        ref = node.claim(field.lower(), [("gpu", "gpu-0")], configs=[{
+            "source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": {
+                "apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "GpuConfig",
+                "sharing": {"strategy": "MPS", "mpsConfig": {field: value}}}}}])
+        error = node.prepare(ref)[ref.uid].error or ""
+        assert field in error and "I1128" in error, error
+        assert not any(line.startswith(FORGED) for line in error.splitlines()), error
+        assert "\u2028" not in error and "\r" not in error, error
+    logged = [str(v) for entry in node.log() for v in entry.values() if "I1128" in str(v)]
+    assert logged, "the refusals are logged"
+    assert not any(line.startswith(FORGED) for text in logged for line in text.splitlines()), logged

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -73,3 +75,50 @@ def test_daemon_survives_a_kill_9_of_the_plugin_and_the_restarted_plugin_adopts_
     wait_until(lambda: not pid_alive(pid), what="the daemon to stop after its last share")
     wait_until(lambda: read_proc_stat(pid) is None, what="the MPS host to reap the daemon (no zombie)")
     assert node.mps_host is not None and node.mps_host.poll() is None, "the host keeps running"
+
+
+def test_sixteen_connections_sending_a_byte_now_and_then_do_not_keep_a_prepare_from_its_daemon(
+        node: SimulatedNode) -> None:
+    # Root on the node (the host's socket is root's, 0600) opens all 16 of the host's connection slots and
+    # keeps each alive with a byte every second, never finishing a request: once each recv was bounded
+    # and not the request, the slots were held for good and the plugin's prepare failed at once with
+    # "Broken pipe". Now each request has 5 s in all, and the plugin asks again within its deadline.
+    node.start_mps_host()
+    node.start("--mps-host-socket", str(node.mps_host_socket))
+    stop, cut = threading.Event(), []
+
+    def trickle(conn: socket.socket) -> None:
+        with conn:
+            while not stop.wait(1.0):
+                try:
+                    conn.sendall(b"{")
+                except OSError:
+                    cut.append(conn)
+                    return
+
+    held = []
+    for _ in range(16):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(str(node.mps_host_socket))
+        conn.sendall(b"{")
+        held.append(threading.Thread(target=trickle, args=(conn,), daemon=True))
+        held[-1].start()
+
+    def busy() -> bool:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(5)
+            probe.connect(str(node.mps_host_socket))
+            return b"busy" in probe.recv(4096)
+
+    ref = node.claim("c", [("share", "gpu-2-mps-0")])  # before the wait: the prepare follows the probe at once
+    try:
+        wait_until(busy, what="every slot of the host to be held")
+        answer = node.prepare(ref)[ref.uid]
+        assert answer.error is None, answer.error
+        wait_until(lambda: len(cut) == 16, timeout=30, what="the host to drop every connection that sent no request")
+    finally:
+        stop.set()
+        for thread in held:
+            thread.join(5)
+    assert any(e.get("msg") == "the MPS host was busy or cut the connection; asking again" for e in node.log())
+    assert node.unprepare(ref) == {ref.uid: None}

@@ -116,7 +116,7 @@ def test_startup_problems_exit_with_one_clear_line(node: SimulatedNode) -> None:
     code, output = node.run_to_exit("--kubeconfig", str(node.work / "missing-kubeconfig"))
     assert code == 1 and "tessera: cannot use kubeconfig" in output and "Traceback" not in output
     code, output = node.run_to_exit("--simulate", "no-such-layout")
-    assert code == 1 and "GPU discovery failed" in output and "no-such-layout" in output
+    assert code == 2 and "--simulate 'no-such-layout': unknown simulated layout" in output  # a usage error
     assert "Traceback" not in output
     code, output = node.run_to_exit("--node-name", "")
     assert code == 2 and "python -m driver run: the node name is required" in output  # a usage error

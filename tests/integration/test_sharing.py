@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -216,6 +217,26 @@ def test_published_slices_validate_against_the_kubernetes_schemas(plan: str) -> 
                 kubernetes_validate.validate(slice_, version, strict=True)
     finally:
         node.close()
+
+
+def test_a_prepare_at_the_first_instant_waits_for_the_multi_user_probe_and_starts_its_daemon_multi_user(
+        mps_node: SimulatedNode) -> None:
+    # The stand-in holds the probe's -M daemon until the file exists: the prepare comes while the probe
+    # has no answer yet. A daemon started then used to be single-user for as long as claims used it.
+    hold = mps_node.work / "release-multi-user-probe"
+    ref = mps_node.claim("first", [("share", "gpu-2-mps-0")])
+    mps_node.start(env={"TESSERA_SIM_MPS_HOLD_MULTI_USER": str(hold)})
+    answers: dict[str, Any] = {}
+    prepare = threading.Thread(target=lambda: answers.update(mps_node.prepare(ref)))
+    prepare.start()
+    wait_until(lambda: not prepare.is_alive() or any(
+        "waits for the multi-user probe" in str(e.get("msg")) for e in mps_node.log()), what="the prepare to wait")
+    hold.touch()
+    prepare.join(60)
+    assert answers[ref.uid].error is None, answers[ref.uid].error
+    [start] = [e for e in mps_node.journal() if e.get("event") == "start"]
+    assert start["multi_user"] is True, "the first plan daemon started multi-user"
+    assert next(iter(mps_node.checkpoint()["mps_daemons"].values()))["spec"]["multi_user"] is True
 
 
 def test_multi_user_mode_is_probed_after_start_then_published_and_used(mps_node: SimulatedNode) -> None:

@@ -108,3 +108,43 @@ def test_one_tenant_filling_its_dev_shm_changes_nothing_for_the_others_or_the_dr
         node.stop_mps_host()
         unmount_everything_under(node.work)
         node.close()
+
+
+MPS_PLANS: dict[str, Any] = {"plans": {"mps": {"gpus": [{"match": {"product": "NVIDIA L4"}, "mps": {
+    "shares": 2, "activeThreadPercentage": 50}}]}}}
+
+
+@pytest.mark.parametrize("launcher", ["plugin", "mps-host"])
+def test_a_link_planted_at_a_daemon_directory_makes_the_driver_touch_nothing_behind_it(launcher: str) -> None:
+    # Someone with write access to the MPS directory plants <mps dir>/<daemon id> -> a directory whose shm/ is
+    # a mount holding files, before the daemon's first prepare. The driver used to follow the link: it
+    # unmounted and emptied that shm/ and the prepare and unprepare then failed for good.
+    from driver.gpu.claimplan import plan_daemon_id
+    from driver.gpu.mps.shmmount import mount_tmpfs
+
+    node = SimulatedNode("demo", plans=MPS_PLANS, plan="mps")
+    outside = node.work / "outside"
+    try:
+        if launcher == "mps-host":
+            node.start_mps_host("--private-shm", "--shm-tmpfs")
+            node.start("--mps-host-socket", str(node.mps_host_socket))
+        else:
+            node.start("--mps-shm-tmpfs", "true")
+        wait_until(lambda: "gpu-2-mps-0" in node.device_names(), timeout=30, what="the MPS shares")
+        (outside / "shm").mkdir(parents=True)
+        mount_tmpfs(outside / "shm", 64 * MIB)
+        (outside / "shm" / "precious").write_text("keep me")
+        (node.state_dir / "mps").mkdir(exist_ok=True)
+        link = node.state_dir / "mps" / plan_daemon_id(node.inventory.gpus[2].uuid)
+        link.symlink_to(outside)
+        ref = node.claim("c", [("share", "gpu-2-mps-0")])
+        answer = node.prepare(ref)[ref.uid]
+        assert answer.error is None, answer.error
+        assert link.is_dir() and not link.is_symlink(), "the link was removed and the daemon got a real directory"
+        assert (outside / "shm" / "precious").read_text() == "keep me"
+        assert outside / "shm" in [m.point for m in mounts_under(node.work)], "the mount behind the link stays"
+        assert node.unprepare(ref) == {ref.uid: None}
+        assert (outside / "shm" / "precious").read_text() == "keep me"
+    finally:
+        node.close()
+        unmount_everything_under(node.work)

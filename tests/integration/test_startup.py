@@ -29,7 +29,7 @@ PLANS = {"plans": {"p": {"gpus": [{"match": {"minor": 0}, "mps": {"shares": 2}}]
 @pytest.fixture
 def held() -> Iterator[tuple[SimulatedNode, HeldApi]]:
     node = SimulatedNode("demo", plans=PLANS, plan="p")
-    api = HeldApi(node.api.url, hold_prefix=b"GET /api/v1/nodes/")
+    api = HeldApi(node.api.url, hold_prefix=b"GET /api/v1/nodes?")
     kubeconfig = json.loads(node.kubeconfig.read_text())
     kubeconfig["clusters"][0]["cluster"]["server"] = api.url
     node.kubeconfig.write_text(json.dumps(kubeconfig))

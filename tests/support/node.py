@@ -133,6 +133,11 @@ class SimulatedNode:
         return self.work / "plugins" / DRIVER
 
     @property
+    def device_plugins_dir(self) -> Path:
+        """The simulated kubelet's device plugin directory (another GPU allocator's socket goes there)."""
+        return self.work / "device-plugins"
+
+    @property
     def cdi_dir(self) -> Path:
         # On a GPU Operator node the driver writes next to the operator's toolkit spec and finds it there.
         return self.sim_host.toolkit_spec.parent if self.sim_host.layout == "gpu-operator" else self.work / "cdi"
@@ -194,6 +199,7 @@ class SimulatedNode:
     def args(self, *extra: str) -> list[str]:
         args = [self.python, "-m", "driver", "run", "--simulate", self.layout, "--node-name", NODE,
                 "--kubeconfig", str(self.kubeconfig), "--registrar-dir", str(self.work / "reg"),
+                "--device-plugins-dir", str(self.device_plugins_dir),
                 "--plugins-dir", str(self.work / "plugins"), "--cdi-root", str(self.cdi_dir),
                 *self.sim_host.driver_args(),
                 "--http-port", "0", "--log-format", "json", "--rescan-interval", "0.5"]
@@ -345,12 +351,14 @@ class SimulatedNode:
 
     def claim(self, name: str, devices: Sequence[tuple[str, str]], *, configs: Sequence[dict[str, Any]] = (),
               namespace: str = "default", share_ids: dict[str, str] | None = None, pool: str = NODE,
-              allocated: bool = True, pods: Sequence[dict[str, Any]] = (), admin_access: bool = False,
+              allocated: bool = True, pods: Sequence[dict[str, Any]] | None = None, admin_access: bool = False,
               tolerations: Sequence[dict[str, Any]] = (),
               consumed: dict[str, dict[str, str]] | None = None) -> ClaimRef:
         """Create a ResourceClaim allocated to ``devices`` (pairs of request, device name).
 
-        ``pods`` (e.g. from :func:`pod`) are put on the API server and the claim is reserved for them.
+        ``pods`` (e.g. from :func:`pod`) are put on the API server and the claim is reserved for them;
+        by default one pod that a ``clients: nonRoot`` share admits, as the kubelet prepares a claim only
+        for a pod it is reserved for (``()``: reserved for none).
         ``admin_access`` and ``tolerations`` go into every result, as the scheduler copies them from the
         request; ``consumed``: device name -> its ``consumedCapacity``.
         """
@@ -373,6 +381,8 @@ class SimulatedNode:
             claim["status"] = {"allocation": {"devices": {"results": results, "config": list(configs)}}}
         self.api.put_claim(claim)
         ref = ClaimRef(namespace=namespace, name=name, uid=uid)
+        if pods is None:
+            pods = [pod(f"{name}-pod", pod_security=NON_ROOT, containers=[("main", NO_ESCALATION)])]
         for p in pods:
             self.reserve(ref, p)
         return ref
@@ -414,8 +424,8 @@ def pod(name: str, *, pod_security: dict[str, Any] | None = None,
     return {"metadata": {"name": name, "uid": str(uuid.uuid4())}, "spec": body}
 
 
-# A pod-level securityContext that runs as a non-root user, and a container's that cannot become root.
-NON_ROOT = {"runAsNonRoot": True, "runAsUser": 1000}
+# A pod-level securityContext that runs as a non-root user and group, and a container's that cannot become root.
+NON_ROOT = {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000}
 NO_ESCALATION = {"allowPrivilegeEscalation": False}
 
 

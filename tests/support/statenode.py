@@ -29,6 +29,7 @@ from driver.kubeletplugin.types import ClaimRef, Deadline
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import build_host_root
 from driver.units import GIB
+from tests.support.pods import NonRootPods
 
 DRIVER = "gpu.tessera.dev"
 POOL = "node-a"
@@ -78,10 +79,11 @@ class FakeMps:
         self.verified.append(record.spec.daemon_id)
         return self.drift.pop(record.spec.daemon_id, [])
 
-    def adopt(self, spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord | None:
+    def adopt(self, spec: MpsDaemonSpec, timeout: float | None = None,
+              restore: bool = False) -> MpsDaemonRecord | None:
         self.calls.append(("adopt", spec.daemon_id))
         running = self.running.get(spec.daemon_id)
-        return running if running is not None and running.spec == spec else None
+        return running if running is not None and (restore or running.spec == spec) else None
 
     def stop(self, record: MpsDaemonRecord, timeout: float | None = None) -> None:
         self.calls.append(("stop", record.spec.daemon_id))
@@ -192,12 +194,14 @@ class Node:
 
 def claim(uid: str, *devices: str, configs: list[dict[str, Any]] | None = None, pool: str = POOL,
           name: str | None = None) -> ResourceClaim:
-    """A ResourceClaim allocated to ``devices`` (request ``r<i>`` for the i-th), as the API server returns it."""
+    """A ResourceClaim allocated to ``devices`` (request ``r<i>`` for the i-th), as the API server returns it,
+    reserved for one pod (``pod-<uid>``) that a ``clients: nonRoot`` share admits."""
     results = [{"request": f"r{i}", "driver": DRIVER, "pool": pool, "device": d} for i, d in enumerate(devices)]
     return ResourceClaim.model_validate({
         "metadata": {"name": name or f"claim-{uid}", "namespace": "default", "uid": uid},
-        "status": {"allocation": {"devices": {"results": results, "config": configs or []}}},
-    })
+        "status": {"allocation": {"devices": {"results": results, "config": configs or []}},
+                   "reservedFor": [{"resource": "pods", "name": f"pod-{uid}", "uid": f"pod-{uid}"}]},
+    }).with_pod_reader(NonRootPods())
 
 
 def ref(uid: str) -> ClaimRef:

@@ -25,6 +25,7 @@ from driver.kubeletplugin.claimmodel import DeviceToleration, ResourceClaim
 from driver.kubeletplugin.slicemodel import DeviceTaint
 from driver.kubeletplugin.tolerations import tolerates, untolerated
 from driver.simulation.discovery import SimulatedDiscovery
+from tests.support.pods import NonRootPods
 from tests.support.statenode import DRIVER, POOL, Node, device_env, gpu_config, mps_shares, ref, ts_shares
 
 MIG_MPS = {"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": {
@@ -41,7 +42,9 @@ def result(device: str, request: str = "r0", *, admin: bool = False, **extra: An
 def allocated(uid: str, *results: dict[str, Any], configs: list[dict[str, Any]] | None = None) -> ResourceClaim:
     return ResourceClaim.model_validate({
         "metadata": {"name": f"claim-{uid}", "namespace": "default", "uid": uid},
-        "status": {"allocation": {"devices": {"results": list(results), "config": configs or []}}}})
+        "status": {"allocation": {"devices": {"results": list(results), "config": configs or []}},
+                   "reservedFor": [{"resource": "pods", "name": f"pod-{uid}", "uid": f"pod-{uid}"}]}}
+    ).with_pod_reader(NonRootPods())
 
 
 def admin(uid: str, device: str, **extra: Any) -> ResourceClaim:

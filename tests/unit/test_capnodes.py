@@ -56,7 +56,8 @@ def test_something_else_at_a_nodes_path_is_left_alone_and_reported(host: Path, t
     assert "something other than the MIG capability node is at its path" in caplog.text
 
 
-@pytest.mark.parametrize("name", ["../../../etc/access", "gpu0/mig/gi1/../../access", "mig/config", "gpu0/access"])
+@pytest.mark.parametrize("name", ["../../../etc/access", "gpu0/mig/gi1/../../access", "mig/config/access",
+                                  "gpu0/access"])
 def test_only_the_kernels_capability_files_are_read(host: Path, tmp_path: Path, name: str) -> None:
     with pytest.raises(CapabilityNodeError, match="is not a MIG capability path"):
         ensure_nodes(host, tmp_path / "own", [name])

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -177,3 +180,75 @@ def test_a_failing_check_makes_the_table_say_not_ready_and_exit_one(tmp_path: Pa
     assert "this node is NOT ready" in done.stdout
     assert "Not run here (SIMULATION: there is no real GPU on a simulated node):" in done.stdout
     assert "  - MPS pinned memory limit: SIMULATION: no real GPU" in done.stdout
+
+
+def test_another_gpu_allocators_socket_fails_the_node_unless_the_owned_gpus_are_listed() -> None:
+    # Short path: a Unix socket path must stay under 108 bytes.
+    directory = Path(tempfile.mkdtemp(prefix="tdp-", dir="/tmp"))
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        server.bind(str(directory / "nvidia-mig-1g.10gb.sock"))
+        done = _check_node("demo", "--json", "--device-plugins-dir", str(directory))
+        report = json.loads(done.stdout)
+        [line] = [c for c in report["checks"] if c["check"] == "other GPU allocators"]
+        assert line["status"] == "FAIL" and done.returncode == 1
+        assert line["detail"].startswith("another GPU allocator is on this node: NVIDIA device plugin "
+                                         f"(nvidia.com/mig-1g.10gb) at {directory}/nvidia-mig-1g.10gb.sock")
+        owned = json.loads(_check_node("demo", "--json", "--device-plugins-dir", str(directory),
+                                       "--owned-gpus", "2").stdout)
+        [line] = [c for c in owned["checks"] if c["check"] == "other GPU allocators"]
+        assert line["status"] == "OK" and "publishing GPU minor(s) 2" in line["detail"]
+    finally:
+        server.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_mig_capability_nodes_missing_on_the_host_are_no_failure_the_proc_files_are(tmp_path: Path) -> None:
+    # The kernel module does not create /dev/nvidia-caps/nvidia-cap<N> (nvidia-modprobe does, on demand); the CDI
+    # spec carries type, major and minor read from /proc, so the runtime makes them in the container.
+    import shutil
+
+    from driver.simulation.discovery import SimulatedDiscovery
+    from driver.simulation.hostroot import build_host_root
+
+    host = build_host_root(tmp_path / "host", SimulatedDiscovery("demo", "check").discover())
+    shutil.rmtree(host.root / "dev" / "nvidia-caps")
+    done = _check_node("demo", "--json", *host.driver_args())
+    nodes = next(c for c in json.loads(done.stdout)["checks"] if c["check"] == "device nodes")
+    assert nodes["status"] == "OK", nodes
+    assert "6 MIG capability node(s) read from /proc (0 of them also on the host" in nodes["detail"]
+    # Without the /proc access file the CDI path cannot write the node either: that fails, naming the file.
+    [access] = list((host.root / "proc/driver/nvidia/capabilities/gpu1/mig").glob("gi*/access"))[:1]
+    access.unlink()
+    nodes = next(c for c in json.loads(_check_node("demo", "--json", *host.driver_args()).stdout)["checks"]
+                 if c["check"] == "device nodes")
+    assert nodes["status"] == "FAIL" and str(access) in nodes["detail"], nodes
+
+
+def test_a_pending_mig_mode_says_what_applies_it_in_both_directions(tmp_path: Path) -> None:
+    # nvmlDeviceGetMigMode answers (current, pending): after nvidia-smi -mig 1 an A100 needs a GPU reset, a Hopper
+    # GPU no process holding it; telling the operator to run nvidia-smi -mig 1 again would be wrong.
+    import yaml
+
+    layout = tmp_path / "pending.yaml"
+    layout.write_text(yaml.safe_dump({"gpus": [{"model": "A100-40GB", "migModePending": True},
+                                               {"model": "H100-80GB", "migModePending": True},
+                                               {"model": "A100-80GB", "mig": [], "migModePending": True}]}))
+    checks = {c["check"]: c["detail"] for c in json.loads(_check_node(str(layout), "--json").stdout)["checks"]}
+    a100, h100, disabling = checks["dynamic MIG GPU 0"], checks["dynamic MIG GPU 1"], checks["GPU 2"]
+    assert "MIG mode enable is pending on Ampere: it needs a GPU reset (nvidia-smi -i GPU-" in a100
+    assert "running nvidia-smi -mig 1 again does not apply it" in a100 and "-mig 1'" not in a100
+    assert "MIG mode enable is pending on Hopper: it needs no process holding the GPU" in h100
+    assert "MIG mode disable is pending on Ampere: it needs a GPU reset" in disabling
+    assert "MIG mode disable is pending" in checks["dynamic MIG GPU 2"]
+    assert "MIG mode enable is pending on Ampere" in checks["GPU 0"]
+
+
+def test_check_node_says_what_the_health_source_cannot_watch_on_each_gpu() -> None:
+    # nvml.h: remapped rows are NOT_SUPPORTED on a GPU in MIG mode with instances (the demo's gpu 1).
+    checks = {c["check"]: c for c in json.loads(_check_node("demo", "--json").stdout)["checks"]}
+    assert checks["health watch GPU 0"]["detail"] == ("XIDs, ECC errors, a lost GPU, the recovery action and row "
+                                                      "remapping are watched")
+    migged = checks["health watch GPU 1"]
+    assert migged["status"] == "OK" and migged["detail"].startswith(
+        "memory row remapping is not watched: NVML does not report remapped rows on a GPU in MIG mode with instances")

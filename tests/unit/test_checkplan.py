@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from driver.app import PlanSource
 from driver.cli import main
 from driver.config import Settings
 from driver.gpu.planuse import PLAN_USE_FILE, plan_use, write_plan_use
 from driver.gpu.sharingplan import load_plans, resolve_layout
 from driver.nodelayout import SIMULATED_NODE_NAME
+from driver.plansource import PlanSource
 from driver.simulation.discovery import SimulatedDiscovery
 
 PLAN = """\
@@ -65,7 +65,7 @@ def test_a_valid_file_is_summarised_and_the_simulated_node_shows_each_gpu(
     assert (f"GPU {l4.minor} {l4.uuid} NVIDIA L4: plans.l4-mps.gpus[0] -> 4 MPS shares, each memory 5758Mi "
             "(pinned limit), 25% of the SMs, clients nonRoot") in out
     assert "NVIDIA H100 80GB HBM3: no entry matches -> whole (memory 81559Mi)" in out
-    assert "no entry matches -> its 3 MIG device(s) (3g.40gb, 2g.20gb, 1g.10gb)" in out
+    assert "no entry matches -> its 3 MIG device(s) (3g.40gb at 0; 2g.20gb at 4; 1g.10gb at 6)" in out
     assert "defaultPlan: the node has no label gpu.tessera.dev/sharing-plan" in out
 
 
@@ -97,7 +97,7 @@ def test_a_bad_entry_is_one_line_naming_it(tmp_path: Path, capsys: pytest.Captur
 def test_a_plan_that_cannot_apply_to_the_simulated_node_names_the_entry_and_gpu(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     mig = tmp_path / "mig.yaml"
-    mig.write_text("plans:\n  p:\n    gpus:\n    - match: {all: true}\n      mps: {shares: 4}\n")
+    mig.write_text("plans:\n  p:\n    gpus:\n    - match: {minor: 1}\n      mps: {shares: 4}\n")
     status, out, err = run_cli(["check-plan", str(mig), "--simulate", "demo", "--plan", "p"], capsys)
     assert status == 1 and out == ""
     assert err.startswith(f"python -m driver check-plan: {mig}: plans.p.gpus[0] (GPU minor 1, ")
@@ -149,7 +149,7 @@ def test_the_plan_in_use_is_logged_at_start_and_shown_by_inspect(
                       ("elsewhere", "node label gpu.tessera.dev/sharing-plan=elsewhere")):
         plan = loaded.plans[name]
         use = plan_use(plan, name, plans, how, inventory, resolve_layout(plan, inventory, name))
-        with caplog.at_level(logging.INFO, logger="driver.app"):
+        with caplog.at_level(logging.INFO, logger="driver.plansource"):
             source._record(use)
     messages = [r.getMessage() for r in caplog.records]
     assert f"sharing plan in use: plan 'l4-mps' from {plans} (node label gpu.tessera.dev/sharing-plan=l4-mps)" \

@@ -227,3 +227,46 @@ def test_demo_refuses_a_workdir_that_is_a_file_in_one_line(tmp_path: Path, capsy
     status, _, err = run_cli(["demo", "--workdir", str(afile)], capsys)
     assert status == 2
     assert assert_one_plain_line(err) == f"python -m driver demo: --workdir {afile}: exists and is not a directory"
+
+
+def test_a_flag_before_the_command_is_named_in_the_error(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run_cli(["--bogus"], capsys)
+    assert status == 2 and out == ""
+    line = assert_one_plain_line(err)
+    assert "'--bogus'" in line and "give a command first (run, inspect," in line
+    assert "required" not in line
+
+
+@pytest.mark.parametrize("command", ["run", "inspect", "check-node"])
+def test_an_unknown_simulated_layout_is_a_usage_error_before_anything_is_checked(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run_cli([command, "--simulate", "nope", "--node-name", "n1"], capsys)
+    assert status == 2 and out == "", "the real host is never checked in place of the layout"
+    line = assert_one_plain_line(err)
+    assert line.startswith(f"python -m driver {command}: --simulate 'nope': unknown simulated layout 'nope': ")
+    assert "dynamic-mig" in line, "the line lists the layouts there are"
+
+
+def test_an_unknown_simulated_layout_from_the_environment_names_the_variable(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("TESSERA_SIMULATE", "nope")
+    status, _, err = run_cli(["inspect"], capsys)
+    assert status == 2
+    assert assert_one_plain_line(err).startswith(
+        "python -m driver inspect: TESSERA_SIMULATE='nope' (environment variable for --simulate): unknown simulated")
+
+
+def test_help_writes_whole_second_defaults_as_the_docs_do(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run_cli(["run", "--help"], capsys)
+    text = " ".join(out.split())
+    assert status == 0
+    assert "[env RESCAN_INTERVAL; default 30]" in text and "[env PREPARE_DEADLINE; default 30]" in text
+    assert ".0]" not in text
+
+
+def test_the_configuration_docs_name_every_simulated_layout() -> None:
+    from driver.simulation.discovery import available_layouts
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| `--simulate` |"))
+    assert [name for name in available_layouts() if f"`{name}`" not in row] == []

@@ -162,7 +162,8 @@ def test_prepare_deadline_flag_and_its_bound() -> None:
 
 
 @pytest.mark.parametrize("flag,field", [("--plugins-dir", "plugins_dir"), ("--registrar-dir", "registrar_dir"),
-                                        ("--cdi-root", "cdi_root"), ("--driver-root", "driver_root"),
+                                        ("--device-plugins-dir", "device_plugins_dir"), ("--cdi-root", "cdi_root"),
+                                        ("--driver-root", "driver_root"),
                                         ("--host-root", "host_root"), ("--nvidia-cdi-spec", "nvidia_cdi_spec"),
                                         ("--sharing-plans", "sharing_plans"), ("--mps-host-socket", "mps_host_socket"),
                                         ("--kubeconfig", "kubeconfig")])

@@ -186,3 +186,16 @@ def test_the_api_double_validates_events_as_the_api_server_does(api: FakeApiServ
                      body={**body, "reason": ""})
     with pytest.raises(KubeApiError, match=r"422.*regarding\.namespace"):
         request_json(api.api_client(), "POST", "/apis/events.k8s.io/v1/namespaces/other/events", body=body)
+
+
+def test_a_nodes_event_is_posted_in_default_which_is_the_only_user_namespace_the_api_server_takes_it_in(
+        api: FakeApiServer) -> None:
+    node = EventSpec(regarding=ObjectRef(apiVersion="v1", kind="Node", namespace="", name="node-1", uid="u"),
+                     reason="R", action="A", note="n")
+    assert node.namespace() == "default"
+    body = node.body("gpu.tessera.dev/kubelet-plugin", "node-1", datetime.now(UTC))
+    assert body["metadata"] == {"generateName": "node-1.", "namespace": "default"}
+    request_json(api.api_client(), "POST", "/apis/events.k8s.io/v1/namespaces/default/events", body=body)
+    assert [e["regarding"]["kind"] for e in api.events("default")] == ["Node"]
+    with pytest.raises(KubeApiError, match=r"422.*regarding\.namespace"):
+        request_json(api.api_client(), "POST", "/apis/events.k8s.io/v1/namespaces/tessera/events", body=body)

@@ -257,3 +257,17 @@ def test_the_device_table_uses_one_memory_unit_and_says_what_each_row_is() -> No
                                                               "validRange": {"min": "2", "step": "1"}}}}}
     assert details(consumable) == ("each claim takes memory 1024Mi-80896Mi step 1024Mi, SMs 2-132 step 1; "
                                    "memory-enforcement=kernel")
+
+
+def test_a_slice_of_counter_sets_alone_says_what_it_holds_instead_of_an_empty_table() -> None:
+    from driver.demotable import print_slices
+
+    said: list[str] = []
+    counters = {"name": "gpu-0-counter-set", "counters": {"multiprocessors": {"value": "132"},
+                                                           "memory-slice-0": {"value": "1"}}}
+    print_slices([{"metadata": {"name": "demo-node-gpu.tessera.dev-abcde"},
+                   "spec": {"driver": "gpu.tessera.dev", "pool": {"name": "demo-node", "generation": 1},
+                            "sharedCounters": [counters]}}], said.append)
+    assert said[1:] == ["  counter set gpu-0-counter-set: 2 counters that the dynamic MIG devices of the other slices "
+                        "consume"]
+    assert not [line for line in said if "DEVICE" in line]

@@ -417,10 +417,18 @@ def test_cluster_role_is_least_privilege(default_objects: list[Obj]) -> None:
     assert granted == {
         ("resource.k8s.io", "resourceslices"): {"get", "list", "watch", "create", "update", "patch", "delete"},
         ("resource.k8s.io", "resourceclaims"): {"get"},
-        ("", "nodes"): {"get"},
+        ("resource.k8s.io", "resourceclaims/status"): {"patch", "update"},  # status.devices by server-side apply
+        # What a 1.36+ API server checks too for status.devices: only claims on the plugin's own node.
+        ("resource.k8s.io", "resourceclaims/driver"): {"associated-node:update", "associated-node:patch"},
+        ("", "nodes"): {"list", "watch"},  # its own Node's metadata, watched: never a GET of the whole Node
         ("", "pods"): {"get"},  # the reservedFor pods of a claim on a shared MPS daemon (tenancy check)
         ("events.k8s.io", "events"): {"create"},  # MpsLimitsReverted on the claims of a retuned daemon
     }
+
+
+def test_the_granular_claim_status_rule_names_only_this_driver(default_objects: list[Obj]) -> None:
+    [rule] = [r for r in only(default_objects, "ClusterRole")["rules"] if "resourceclaims/driver" in r["resources"]]
+    assert rule["resourceNames"] == ["gpu.tessera.dev"]
 
 
 def test_roles_bind_the_service_account_the_pods_run_as(default_objects: list[Obj]) -> None:
@@ -711,6 +719,17 @@ def test_admission_policy_names_the_custom_driver() -> None:
             },
             helm_python.HelmValuesError,
             "/sharing/plans/p/gpus/0/mps/pinnedMemoryLimit",
+        ),
+        (
+            {"sharing": {"plans": {"p": {"gpus": [{"match": {"minor": 0, "all": True, "migProfile": "*"},
+                                                   "timeSlicing": {"shares": 2}}]}}}},
+            helm_python.HelmValuesError,
+            "/sharing/plans/p/gpus/0/match",
+        ),
+        (
+            {"sharing": {"plans": {"p": {"gpus": [{"match": {"minor": 0, "all": True}, "whole": True}]}}}},
+            helm_python.HelmValuesError,
+            "/sharing/plans/p/gpus/0/match",
         ),
         (
             {"sharing": {"defaultPlan": "mps4", "plans": {"whole": {}}}},

@@ -279,7 +279,9 @@ def test_admin_access_to_a_dynamic_device_gets_the_gpu_node_and_creates_nothing(
              "adminAccess": True}], "config": []}}}})
     state.prepare(admin)
     assert node.instances() == [(4, 4, 0)], "no second instance"
-    assert node.spec_json("u2")["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}]
+    nodes = node.spec_json("u2")["devices"][0]["containerEdits"]["deviceNodes"]
+    # The GPU's node, and mig/monitor so that nvidia-smi in the monitoring pod can list the GPU's MIG devices.
+    assert [n["path"] for n in nodes] == ["/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap2"]
     state.unprepare(ref("u2"))
     assert node.instances() == [(4, 4, 0)], "the holder's instance stays"
 

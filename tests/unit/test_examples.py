@@ -432,11 +432,24 @@ def test_sharing_plans_example_loads_in_the_driver() -> None:
 
     plans = load_plans(SHARING_PLANS_EXAMPLE)
     assert plans.defaultPlan == "whole"
-    assert set(plans.plans) == {"whole", "a100-mps4", "t4-ts", "h100-consumable"}
+    assert set(plans.plans) == {"whole", "a100-mps4", "t4-ts", "h100-consumable", "h100-dynamic", "mig-shared"}
+    assert plans.plans["h100-dynamic"].gpus[0].dynamicMig is not None
     # First match wins: the explicit whole GPU must come before the catch-all.
     first, catch_all = plans.plans["t4-ts"].gpus
     assert first.whole is True
     assert catch_all.timeSlicing is not None
+
+
+def test_the_mig_sharing_example_splits_instances_of_the_demo_node() -> None:
+    from driver.gpu.devices import make_view
+    from driver.gpu.sharingplan import load_plans, resolve_layout
+    from driver.simulation.discovery import SimulatedDiscovery
+
+    inventory = SimulatedDiscovery("demo", "node-a").discover()
+    layout = resolve_layout(load_plans(SHARING_PLANS_EXAMPLE).plans["mig-shared"], inventory, "mig-shared")
+    assert [d.name for d in make_view(inventory, layout).devices] == [
+        "gpu-0", *(f"gpu-1-mig-3g40gb-0-mps-{k}" for k in range(4)), "gpu-1-mig-2g20gb-4",
+        "gpu-1-mig-1g10gb-6-ts-0", "gpu-1-mig-1g10gb-6-ts-1", "gpu-2"]
 
 
 @pytest.mark.parametrize(

@@ -44,10 +44,19 @@ def test_application_xids_leave_the_device_healthy(xid: int) -> None:
     assert XID_TABLE[xid].impact is XidImpact.APPLICATION
 
 
-@pytest.mark.parametrize("xid", [48, 63, 64, 74, 79, 92, 94, 95])
+@pytest.mark.parametrize("xid", [48, 64, 74, 79, 92, 94, 95])
 def test_device_xids_make_it_unhealthy(xid: int) -> None:
     verdict = classify_xid(xid)
     assert verdict.makes_unhealthy and f"XID {xid}" in verdict.why
+
+
+@pytest.mark.parametrize(("xid", "state"), [(154, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION"),
+                                            (63, "nvmlDeviceGetRemappedRows")])
+def test_an_xid_announcing_a_state_change_leaves_the_decision_to_that_state(xid: int, state: str) -> None:
+    # XID 154 is logged when the recovery action changes, back to none after a reset too; XID 63 when a row remap
+    # is recorded, which is pending until the next reset and no fault (NVIDIA's memory-error guide).
+    verdict = classify_xid(xid)
+    assert not verdict.makes_unhealthy and XID_TABLE[xid].impact is XidImpact.STATE and state in verdict.why
 
 
 def test_unknown_xids_count_as_device_errors_and_the_operator_can_ignore_any() -> None:
@@ -148,6 +157,7 @@ class FakeNvml:
     NVML_ERROR_TIMEOUT = 10
     NVML_ERROR_NOT_FOUND = 6
     NVML_ERROR_GPU_IS_LOST = 15
+    NVML_ERROR_NOT_SUPPORTED = 3
     NVML_TEMPERATURE_GPU = 0
     NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = 230
     nvmlEventTypeDoubleBitEccError = 0x2
@@ -157,6 +167,10 @@ class FakeNvml:
 
     def __init__(self, uuids: list[str]):
         self.uuids = uuids
+        self.supported_events = 0x8 | 0x2  # no GPU-unavailable or recovery-action events on this "driver"
+        self.field_return = 0  # nvmlReturn of field 230: 3 = NOT_SUPPORTED
+        self.remap_error: int | None = None  # nvmlDeviceGetRemappedRows raises this NVML error
+        self.mig_devices: dict[str, list[tuple[int, int, str]]] = {}  # GPU UUID -> (GI, CI, MIG UUID) NVML lists now
         self.events: list[Any] = []
         self.lost: set[str] = set()
         self.recovery_action: dict[str, int] = {}
@@ -183,11 +197,26 @@ class FakeNvml:
             raise FakeNvmlError(self.NVML_ERROR_NOT_FOUND)
         return f"h:{uuid}"
 
-    def nvmlDeviceGetUUID(self, handle: str) -> str:
-        return handle.removeprefix("h:")
+    def nvmlDeviceGetUUID(self, handle: str | tuple[int, int, str]) -> str:
+        return handle[2] if isinstance(handle, tuple) else handle.removeprefix("h:")
 
     def nvmlDeviceGetSupportedEventTypes(self, handle: str) -> int:
-        return 0x8 | 0x2  # no GPU-unavailable or recovery-action events on this "driver"
+        return self.supported_events
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: str) -> int:
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: str, index: int) -> tuple[int, int, str]:
+        listed = self.mig_devices.get(handle.removeprefix("h:"), [])
+        if index >= len(listed):
+            raise FakeNvmlError(self.NVML_ERROR_NOT_FOUND)
+        return listed[index]
+
+    def nvmlDeviceGetGpuInstanceId(self, mig: tuple[int, int, str]) -> int:
+        return mig[0]
+
+    def nvmlDeviceGetComputeInstanceId(self, mig: tuple[int, int, str]) -> int:
+        return mig[1]
 
     def nvmlDeviceRegisterEvents(self, handle: str, types: int, event_set: str) -> None:
         self.registered[handle.removeprefix("h:")] = types
@@ -198,7 +227,8 @@ class FakeNvml:
             self.stop.set()
         if not self.events:
             raise FakeNvmlError(self.NVML_ERROR_TIMEOUT)
-        return self.events.pop(0)
+        item = self.events.pop(0)
+        return item() if callable(item) else item  # a callable changes the GPU's state as its event arrives
 
     def nvmlDeviceGetTemperature(self, handle: str, sensor: int) -> int:
         if handle.removeprefix("h:") in self.lost:
@@ -212,12 +242,15 @@ class FakeNvml:
         return SimpleNamespace(used=5 << 30)
 
     def nvmlDeviceGetRemappedRows(self, handle: str) -> tuple[int, int, int, int]:
+        if self.remap_error is not None:
+            raise FakeNvmlError(self.remap_error)
         pending, failed = self.remap.get(handle.removeprefix("h:"), (0, 0))
         return 0, 1, pending, failed
 
     def nvmlDeviceGetFieldValues(self, handle: str, fields: list[int]) -> list[Any]:
         action = self.recovery_action.get(handle.removeprefix("h:"), 0)
-        return [SimpleNamespace(nvmlReturn=0, value=SimpleNamespace(uiVal=action))]
+        assert fields == [230], "the recovery action is field 230 (nvml.h)"
+        return [SimpleNamespace(nvmlReturn=self.field_return, value=SimpleNamespace(uiVal=action))]
 
 
 def event(uuid: str, kind: int, data: int = 0, gi: int = NO_INSTANCE, ci: int = NO_INSTANCE) -> Any:
@@ -310,6 +343,126 @@ def test_a_recovery_action_event_reads_the_action_and_leaves_an_xid_79_gpu_unhea
     assert (sample.temperature_celsius, sample.power_watts, sample.memory_used_bytes) == (41.0, 123.456, 5 << 30)
 
 
+def test_xid_154_reads_the_recovery_action_at_once_and_the_gpu_is_healthy_after_the_reset(inventory: Any) -> None:
+    # What a GPU asking for a reset reports: XID 154 with field 230 at "GPU reset", then after the reset XID 154
+    # again with field 230 back at none. The XID decides nothing; the field does, read when the XID arrives.
+    uuid = gpu(inventory, 0).uuid
+    nvml = FakeNvml([g.uuid for g in inventory.gpus])
+
+    def action_changes(action: int) -> Any:
+        def arrive() -> Any:
+            nvml.recovery_action[uuid] = action
+            return event(uuid, 0x8, 154)
+        return arrive
+
+    nvml.events = [action_changes(1)]
+    source = NvmlHealthSource(nvml, lambda: inventory, poll_interval=3600)  # one poll, at the start
+    seen = run_source(source, nvml, 2)
+    assert [(e.kind, e.xid, e.detail) for e in seen] == [(EventKind.XID, 154, ""),
+                                                         (EventKind.RECOVERY_ACTION, None, "GPU reset")]
+    health: dict[str, Any] = {}
+    for e in seen:
+        health = apply_event(health, e, (), now=1.0)
+    assert health[uuid].reason == "recovery-action"
+    nvml.events = [action_changes(0)]
+    for e in run_source(source, nvml, 2):
+        health = apply_event(health, e, (), now=2.0)
+    assert health == {}, "the reset GPU carries no taint: neither the action's nor XID 154's"
+
+
+class OldNvml(FakeNvml):
+    """nvidia-ml-py 12.560: no name for field 230 or the recovery-action and GPU-unavailable event bits."""
+
+    NVML_FI_DEV_GET_GPU_RECOVERY_ACTION = None  # type: ignore[assignment]
+    nvmlEventTypeGpuUnavailableError = None  # type: ignore[assignment]
+    nvmlEventTypeGpuRecoveryAction = None  # type: ignore[assignment]
+
+
+def test_an_old_pynvml_uses_nvml_h_values_and_what_the_driver_lacks_is_logged_once(
+        inventory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    whole = gpu(inventory, 0)
+    nvml = OldNvml([whole.uuid])
+    one = inventory.model_copy(update={"gpus": (whole,)})
+    nvml.supported_events = 0x8 | 0x2 | 0x4000 | 0x8000
+    nvml.recovery_action[whole.uuid] = 4
+    nvml.events = [event(whole.uuid, 0x8000), event(whole.uuid, 0x4000)]
+    source = NvmlHealthSource(nvml, lambda: one, poll_interval=3600)
+    with caplog.at_level(logging.INFO, logger="driver.gpu.health.nvmlsource"):
+        seen = run_source(source, nvml, 3)
+    assert nvml.registered[whole.uuid] == 0x8 | 0x2 | 0x4000 | 0x8000, "nvml.h's bits registered"
+    assert [(e.kind, e.detail) for e in seen] == [(EventKind.RECOVERY_ACTION, "drain and reset"),
+                                                  (EventKind.LOST, "NVML reported the GPU unavailable")]
+    assert any(r.message.startswith("this pynvml lacks some NVML names") for r in caplog.records)
+
+    # A driver older than the recovery action: the missing event types and field are said once, not per poll.
+    caplog.clear()
+    nvml.supported_events, nvml.field_return = 0x8 | 0x2, 3
+    source = NvmlHealthSource(nvml, lambda: one, poll_interval=0)
+    with caplog.at_level(logging.INFO, logger="driver.gpu.health"):
+        assert run_source(source, nvml, 5) == []
+        nvml.field_return = 0
+        run_source(source, nvml, 2)
+    said = [(r.message, getattr(r, "events_not_reported", None)) for r in caplog.records
+            if "this pynvml" not in r.message]
+    assert [m for m, _ in said if "cannot be read" in m] == [
+        "the recovery action of a GPU cannot be read: the driver answers NVML field 230 with error 3 (older than "
+        "r570, or not on this GPU); a GPU asking for a reset is seen only through its XIDs (XID 154 is then taken "
+        "as asking for one)"]
+    assert [lacking for m, lacking in said if "event types" in m] == [["GPU unavailable", "recovery action"]]
+    assert [m for m, _ in said if "can be read again" in m] == ["the recovery action of a GPU can be read again"]
+
+
+def test_xid_154_where_field_230_cannot_be_read_is_taken_as_asking_for_a_reset(inventory: Any) -> None:
+    uuid = gpu(inventory, 0).uuid
+    nvml = FakeNvml([g.uuid for g in inventory.gpus])
+    nvml.field_return = 3  # NOT_SUPPORTED: a driver before the field
+    nvml.events = [event(uuid, 0x8, 154)]
+    source = NvmlHealthSource(nvml, lambda: inventory, poll_interval=3600)
+    seen = run_source(source, nvml, 2)
+    assert [(e.kind, e.detail) for e in seen] == [
+        (EventKind.XID, ""),
+        (EventKind.RECOVERY_ACTION, "XID 154 reported and NVML field 230 unreadable: a reset is assumed")]
+    nvml.field_return = 0  # the field readable again (a driver update) and none asked for: the assumption goes
+    assert [(e.kind, e.clears) for e in run_source(source, nvml, 1)] == [(EventKind.RECOVERED, "recovery-action")]
+
+
+def test_remapped_rows_not_supported_on_a_mig_gpu_with_instances_is_said_once_and_shown(
+        inventory: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # nvml.h: "On MIG-enabled GPUs with active instances, querying the number of remapped rows is not supported".
+    migged = gpu(inventory, 1)
+    assert migged.mig_enabled and migged.mig_instances
+    nvml = FakeNvml([migged.uuid])
+    nvml.remap_error = 3
+    one = inventory.model_copy(update={"gpus": (migged,)})
+    source = NvmlHealthSource(nvml, lambda: one, poll_interval=0)
+    with caplog.at_level(logging.WARNING, logger="driver.gpu.health"):
+        assert run_source(source, nvml, 4) == []
+    said = [r.message for r in caplog.records if "remapping" in r.message]
+    assert said == ["memory row remapping of a GPU cannot be read: NVML does not report remapped rows on a GPU in MIG "
+                    "mode with instances (nvml.h); a failed remap is not detected while instances exist (XID 64 still "
+                    "is)"]
+    assert list(source.not_watched()) == [migged.uuid] and "MIG mode" in source.not_watched()[migged.uuid][
+        "memory row remapping"]
+    nvml.remap_error = None
+    run_source(source, nvml, 1)
+    assert source.not_watched() == {}
+
+
+def test_an_event_in_a_gpu_instance_made_since_the_inventory_was_read_reaches_only_that_instance(
+        inventory: Any) -> None:
+    migged = gpu(inventory, 1)
+    known = {m.gi_id for m in migged.mig_instances}
+    new_gi = next(i for i in range(1, 15) if i not in known)
+    nvml = FakeNvml([g.uuid for g in inventory.gpus])
+    nvml.mig_devices[migged.uuid] = [(m.gi_id, m.ci_id, m.uuid) for m in migged.mig_instances] + [
+        (new_gi, 0, "MIG-made-since")]
+    nvml.events = [event(migged.uuid, 0x8, 94, gi=new_gi, ci=0), event(migged.uuid, 0x8, 94, gi=new_gi + 1, ci=0)]
+    source = NvmlHealthSource(nvml, lambda: inventory, poll_interval=3600)
+    seen = run_source(source, nvml, 3)
+    assert [(e.uuid, e.parent_uuid) for e in seen] == [("MIG-made-since", migged.uuid), (migged.uuid, None)], \
+        "the new instance alone; an instance gone by now still reaches its GPU"
+
+
 # --- simulated events ---------------------------------------------------------------------------
 
 
@@ -318,6 +471,11 @@ def test_simulated_event_lines_are_checked() -> None:
     assert parse_line('{"uuid": "GPU-1", "recovered": true}', "f line 1").kind() is EventKind.RECOVERED
     with pytest.raises(ValueError, match="f line 3: not a health event"):
         parse_line('{"uuid": "GPU-1", "xid": 79, "lost": true}', "f line 3")
+    assert parse_line('{"uuid": "GPU-1", "xid": 94, "gpu_instance": 3}', "f line 4").gpu_instance == 3
+    with pytest.raises(ValueError, match="compute_instance needs gpu_instance"):
+        parse_line('{"uuid": "GPU-1", "xid": 94, "compute_instance": 0}', "f line 5")
+    with pytest.raises(ValueError, match="gpu_instance goes with an xid or double_bit_ecc event"):
+        parse_line('{"uuid": "GPU-1", "lost": true, "gpu_instance": 3}', "f line 6")
     with pytest.raises(ValueError, match="f line 4"):
         parse_line("{not json", "f line 4")
 
@@ -415,3 +573,33 @@ def test_a_failed_source_makes_every_device_unknown_not_healthy(inventory: Any) 
     entries = node.board.current()
     assert {e.health for e in entries} == {Health.UNKNOWN}
     assert "broken source failed: NVML went away" in entries[0].message
+
+
+def test_the_health_probe_reports_what_a_node_tells_and_what_the_source_cannot_read(
+        inventory: Any, tmp_path: Any) -> None:
+    # scripts/health-probe.py runs on real GPUs (scripts/gpu-machine-check.sh); here over the NVML fake.
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("health_probe", Path(__file__).parents[2] / "scripts/health-probe.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    whole = gpu(inventory, 0)
+    nvml = OldNvml([whole.uuid])
+    nvml.field_return = 3
+    nvml.nvmlDeviceGetCount = lambda: 1  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetHandleByIndex = lambda index: f"h:{whole.uuid}"  # type: ignore[attr-defined]
+    nvml.nvmlDeviceGetMigMode = lambda handle: (0, 1)  # type: ignore[attr-defined]
+    (tmp_path / "proc/driver/nvidia/capabilities/mig").mkdir(parents=True)
+    (tmp_path / "proc/driver/nvidia/capabilities/mig/monitor").write_text("DeviceFileMinor: 2\n")
+    report = module.probe(nvml, tmp_path)
+    assert report["pynvml_lacks"] == ["NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", "nvmlEventTypeGpuUnavailableError",
+                                      "nvmlEventTypeGpuRecoveryAction"]
+    [entry] = report["gpus"]
+    assert entry["mig_mode"] == {"current": 0, "pending": 1}
+    assert entry["event_types"] == {"mask": "0xa", "gpu_unavailable": False, "recovery_action": False}
+    assert entry["field_230"] == {"nvmlReturn": 3, "value": 0} and entry["remapped_rows"] == [0, 1, 0, 0]
+    assert list(report["not_watched"][whole.uuid]) == ["the recovery action"]
+    assert report["capabilities"] == {"mig/config": None, "mig/monitor": "DeviceFileMinor: 2\n",
+                                      "dev_nvidia_caps": None}

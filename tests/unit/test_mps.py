@@ -39,6 +39,7 @@ from driver.gpu.mps.model import (
     multi_user_capable,
     pinned_limit_taken,
 )
+from driver.gpu.mps.multiuser import supports_multi_user
 from driver.units import MIB
 from tests.support.mpsdaemons import STANDIN, MpsDaemonKind, daemon_params
 from tests.support.processes import poll_until, processes_mentioning, standin_sandbox
@@ -325,7 +326,7 @@ def test_launcher_reaps_the_daemon_so_no_zombie_is_left(sim: Sim) -> None:
 
 def test_multi_user_daemon_starts_where_the_driver_knows_the_flag(anyd: Sim) -> None:
     manager = anyd.manager()
-    assert manager.supports_multi_user(GPU_A) is anyd.kind.knows_multi_user
+    assert supports_multi_user(manager, GPU_A) is anyd.kind.knows_multi_user
     assert anyd.running() == []
     spec = PLAIN.model_copy(update={"multi_user": True})
     if anyd.kind.knows_multi_user:
@@ -341,7 +342,7 @@ def test_multi_user_daemon_starts_where_the_driver_knows_the_flag(anyd: Sim) -> 
 
 def test_standin_modelling_550_has_no_multi_user_mode(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TESSERA_SIM_MPS_DRIVER", "550")
-    assert not sim.manager().supports_multi_user(GPU_A)
+    assert not supports_multi_user(sim.manager(), GPU_A)
 
 
 @pytest.mark.parametrize(("capability", "capable"), [("9.0", True), ("7.0", True), ("6.1", False), (None, False),
@@ -489,7 +490,7 @@ class StopOnceListening(LocalLauncher):
         self.sim, self.how, self.times = sim, how, times
         self.stopped: list[int] = []
 
-    def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
+    def launch(self, request: DaemonLaunch, timeout: float | None = None) -> LaunchedDaemon:
         launched = super().launch(request)
         if len(self.stopped) < self.times:
             self.stopped.append(launched.pid)
@@ -845,7 +846,7 @@ def test_a_launcher_answering_with_another_shm_dir_is_refused_and_its_daemon_sto
     # Clients get the answered directory read-write at /dev/shm: a launcher (the MPS host, over a
     # socket) must not be able to point them anywhere but the directory the manager asked for.
     class Elsewhere(LocalLauncher):
-        def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
+        def launch(self, request: DaemonLaunch, timeout: float | None = None) -> LaunchedDaemon:
             launched = super().launch(request)
             return LaunchedDaemon(pid=launched.pid, shm_dir=sim.top / "elsewhere")
 

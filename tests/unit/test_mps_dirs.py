@@ -6,7 +6,18 @@ import os
 import subprocess
 from pathlib import Path
 
-from driver.gpu.mps.dirs import RestartState, next_restart_state, remove_daemon_dir, restart_delay, trim_log
+import pytest
+
+from driver.gpu.mps.dirs import (
+    RestartState,
+    log_tail,
+    next_restart_state,
+    read_restart_state,
+    remove_daemon_dir,
+    restart_delay,
+    trim_log,
+    write_restart_state,
+)
 
 BASE, CAP = 2.0, 300.0
 
@@ -76,3 +87,23 @@ def test_a_daemon_log_past_its_bound_is_emptied_and_the_daemon_keeps_appending(t
     assert log.read_text() == "[log emptied by the driver: it passed 100 bytes]\nnext line\n"
     (tmp_path / "link").symlink_to(log)
     assert not trim_log(tmp_path / "link", 0), "never through a symlink"
+
+
+def test_a_link_in_place_of_a_daemon_directory_never_takes_its_restart_record_or_log_elsewhere(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    (outside / "log").mkdir(parents=True)
+    (outside / "log" / "control.log").write_text("x" * 1000)
+    (outside / "restarts.json").write_text('{"count": 5, "last_at": 1.0}')
+    base = tmp_path / "mps"
+    base.mkdir()
+    daemon_dir = base / "plan-0123456789ab"
+    daemon_dir.symlink_to(outside)
+    assert read_restart_state(daemon_dir) == RestartState(0, 0.0), "not read through the link"
+    with pytest.raises(OSError):
+        write_restart_state(daemon_dir, RestartState(1, 2.0))
+    assert not trim_log(daemon_dir / "log" / "control.log", 10)
+    assert "no " in log_tail(daemon_dir / "log" / "control.log", 5)
+    remove_daemon_dir(daemon_dir)
+    assert not daemon_dir.exists() and not daemon_dir.is_symlink()
+    assert (outside / "log" / "control.log").read_text() == "x" * 1000
+    assert (outside / "restarts.json").read_text() == '{"count": 5, "last_at": 1.0}'

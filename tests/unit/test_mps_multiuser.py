@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
+from driver.gpu.claimplan import ClaimPlan, PlannedDaemon
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
-from driver.gpu.mps.multiuser import MultiUserProbe, plan_mps_gpus, probe_gpu, single_user_gpus
+from driver.gpu.mps.model import MpsDaemonSpec
+from driver.gpu.mps.multiuser import (
+    MultiUserGate,
+    MultiUserPending,
+    MultiUserProbe,
+    plan_mps_gpus,
+    probe_gpu,
+    single_user_gpus,
+)
 from driver.gpu.sharelayout import GpuShares
 from driver.units import GIB
+from tests.support.node import wait_until
 
 
 def _gpu(minor: int, capability: str | None) -> GpuInfo:
@@ -62,3 +74,46 @@ def test_a_probe_that_raises_counts_as_single_user() -> None:
     runner.start(U2)
     runner.join(10)
     assert runner.result is False
+
+
+def _plan(*daemons: tuple[str, bool, bool]) -> ClaimPlan:
+    """A plan with daemons of (GPU, shared, multi_user)."""
+    return ClaimPlan(uid="u", namespace="ns", name="c", results=(), targets=(), timeslice=None, daemons=tuple(
+        PlannedDaemon(MpsDaemonSpec(daemon_id=f"d{i}", gpu_uuids=[gpu], multi_user=multi), shared=shared,
+                      device_names=()) for i, (gpu, shared, multi) in enumerate(daemons)))
+
+
+def test_a_prepare_that_would_start_a_plan_daemon_single_user_waits_for_the_answer_and_plans_again() -> None:
+    release, taken = threading.Event(), []
+
+    def probe(uuid: str) -> bool:
+        return release.wait(10)
+
+    runner = MultiUserProbe(probe)
+    gate = MultiUserGate(runner, lambda: NODE, lambda: taken.append(True))
+    waiting = threading.Thread(target=lambda: taken.append(gate.wait(_plan((U2, True, False)), 30)))
+    waiting.start()
+    wait_until(lambda: runner.started, what="the gate to start the probe that was not started yet")
+    assert runner.result is None and taken == [], "no answer yet: the prepare waits"
+    release.set()
+    waiting.join(10)
+    assert taken == [True, True], "the answer was taken, then the prepare plans again"
+
+
+def test_without_an_answer_in_time_the_prepare_fails_instead_of_starting_single_user_for_good() -> None:
+    release = threading.Event()
+    runner = MultiUserProbe(lambda uuid: release.wait(10))
+    with pytest.raises(MultiUserPending, match="still being probed"):
+        MultiUserGate(runner, lambda: NODE, lambda: None).wait(_plan((U3, True, False)), 0.01)
+    release.set()
+    runner.join(10)
+
+
+def test_claims_that_start_no_single_user_plan_daemon_on_a_capable_gpu_never_wait() -> None:
+    runner = MultiUserProbe(lambda uuid: pytest.fail("no probe needed"))
+    gate = MultiUserGate(runner, lambda: NODE, lambda: pytest.fail("nothing to take"))
+    assert gate.wait(_plan(), 0) is False
+    assert gate.wait(_plan((U0, True, False)), 0) is False, "Pascal: never multi-user"
+    assert gate.wait(_plan((U2, False, False)), 0) is False, "a claim's own daemon"
+    assert gate.wait(_plan((U2, True, True)), 0) is False, "already multi-user"
+    assert not runner.started

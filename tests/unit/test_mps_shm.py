@@ -5,6 +5,7 @@ is not permitted; every one unmounts what it mounted, also when it fails."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -27,7 +28,7 @@ from driver.gpu.mps.hostcmd import HostMode
 from driver.gpu.mps.launch import LocalLauncher, MpsLaunchError
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
-from driver.gpu.mps.shmmount import ShmTmpfs, is_mount_point
+from driver.gpu.mps.shmmount import ShmTmpfs, is_mount_point, mount_tmpfs, unmount_all
 from driver.gpu.runtime.sharing import _same_limits
 from driver.gpu.sharelayout import GpuShares
 from driver.gpu.sharingplan import PlanError, load_plans
@@ -273,3 +274,29 @@ def test_a_host_older_than_the_plugin_is_asked_again_without_a_size(tmp_path: Pa
         thread.join(10)
     assert [("shm_size" in (r.get("launch") or {})) for r in seen] == [True, False, False]
     assert seen[0]["launch"]["shm_size"] == 256 * MIB
+
+
+@needs_mount
+def test_a_link_planted_at_the_daemon_directory_is_removed_and_nothing_behind_it_is_emptied_or_unmounted(
+        top: Path) -> None:
+    # Someone with write access to the MPS directory replaces <mps dir>/<id> with a link to a directory whose
+    # shm/ is a mount with files: O_NOFOLLOW on the last component alone let the driver empty and unmount it.
+    outside = top / "outside"
+    (outside / "shm").mkdir(parents=True)
+    mount_tmpfs(outside / "shm", 64 * MIB)
+    (outside / "shm" / "precious").write_text("keep me")
+    (top / "mps").mkdir()
+    (top / "mps" / DAEMON).symlink_to(outside)
+    manager = local_manager(top)
+    with pytest.raises(OSError) as refused:
+        unmount_all(top / "mps" / DAEMON / "shm")
+    assert refused.value.errno in (errno.ELOOP, errno.ENOTDIR)
+    assert not is_mount_point(top / "mps" / DAEMON / "shm"), "a link is no mount point"
+    manager.stop_by_id(DAEMON)  # what a prepare does first, for a daemon left without a record
+    assert (outside / "shm" / "precious").read_text() == "keep me"
+    assert [m.point for m in mounts_under(top)] == [outside / "shm"], "the mount behind the link stays"
+    assert not (top / "mps" / DAEMON).is_symlink(), "the link is gone: the next start makes a real directory"
+    record = manager.start(MpsDaemonSpec(daemon_id=DAEMON, gpu_uuids=[GPU]))
+    assert (top / "mps" / DAEMON).is_dir() and not (top / "mps" / DAEMON).is_symlink()
+    manager.stop(record)
+    assert (outside / "shm" / "precious").read_text() == "keep me"

@@ -9,13 +9,14 @@ import json
 import socket
 import stat
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from driver.gpu.mps.hostcheck import HostConfig, HostError, LaunchRefused, check_config, check_launch, default_tools
-from driver.gpu.mps.hostclient import HostReply, MpsHostLauncher
+from driver.gpu.mps.hostclient import HostReply, MpsHostLauncher, read_line
 from driver.gpu.mps.hostcmd import ROOT_PATH, WRAP_SCRIPT, HostMode, Tools, daemon_argv, daemon_env, shm_source
 from driver.gpu.mps.hostserver import open_listener
 from driver.gpu.mps.launch import DaemonLaunch, MpsLaunchError
@@ -262,3 +263,68 @@ def test_a_failing_accept_does_not_end_the_host(base: Path) -> None:
     listener = _Listener()
     host.serve(listener)  # type: ignore[arg-type]
     assert listener.calls == 2  # the first failure was survived; only stop() ended the loop
+
+
+def _host_answering(path: Path, answers: list[bytes | None]) -> threading.Thread:
+    """A host on ``path`` giving each connection the next answer (None: close without one); then a daemon."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(8)
+
+    def serve() -> None:
+        with server:
+            for answer in answers:
+                conn, _ = server.accept()
+                with conn:
+                    if answer is not None:
+                        conn.sendall(answer)
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(json.dumps({"daemon": {"pid": 5}}).encode() + b"\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+BUSY_LINE = json.dumps({"error": "the MPS host is busy: it already serves 16 connections; retry"}).encode() + b"\n"
+
+
+def test_a_busy_or_broken_host_connection_is_asked_again_within_the_deadline(tmp_path: Path) -> None:
+    # Two busy answers (the host reads nothing), then a connection cut before any answer: then it launches.
+    path = tmp_path / "h.sock"
+    server = _host_answering(path, [BUSY_LINE, BUSY_LINE, None])
+    assert MpsHostLauncher(path).launch(launch_request(tmp_path), timeout=30).pid == 5
+    server.join(5)
+
+
+def test_a_host_busy_for_the_whole_deadline_is_named_busy_not_a_broken_pipe(tmp_path: Path) -> None:
+    path = tmp_path / "h.sock"
+    server = _host_answering(path, [BUSY_LINE] * 1000)
+    with pytest.raises(MpsLaunchError) as info:
+        MpsHostLauncher(path).launch(launch_request(tmp_path), timeout=0.5)
+    assert str(info.value).startswith("the MPS host is busy or cut the connection: daemon plan-0123456789ab was "
+                                      "not started after "), str(info.value)
+    assert "Broken pipe" not in str(info.value)
+    del server  # a daemon thread, blocked in accept, ends with the process
+
+
+def test_a_message_sent_a_byte_at_a_time_is_bounded_as_a_whole_not_per_recv() -> None:
+    ours, theirs = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.02):
+            theirs.sendall(b"{")
+
+    sender = threading.Thread(target=trickle, daemon=True)
+    sender.start()
+    try:
+        with pytest.raises(TimeoutError, match="no complete message"):
+            read_line(ours, time.monotonic() + 0.3)
+    finally:
+        stop.set()
+        sender.join(5)
+        ours.close()
+        theirs.close()

@@ -701,6 +701,15 @@ def test_mig_capable_but_disabled(sysfs: Path) -> None:
     gpu.mig_mode = [0, 1]  # enabling is pending: still disabled now
     [info] = discover(FakeNvml([gpu]), sysfs).gpus
     assert (info.mig_capable, info.mig_enabled, info.mig_instances) == (True, False, ())
+    assert info.mig_mode_pending == "enable"
+
+
+def test_a_pending_mig_disable_is_discovered_and_a_settled_mode_has_none_pending(sysfs: Path) -> None:
+    disabling, settled = h100_mig(), h100_mig()
+    disabling.mig_mode = [1, 0]
+    [first, second] = discover(FakeNvml([disabling, settled]), sysfs).gpus
+    assert (first.mig_enabled, first.mig_mode_pending) == (True, "disable")
+    assert (second.mig_enabled, second.mig_mode_pending) == (True, None)
 
 
 def test_compute_instance_smaller_than_its_gpu_instance(sysfs: Path) -> None:

@@ -18,6 +18,7 @@ from driver.gpu.sharingplan import (
     layout_changes,
     load_plans,
     resolve_layout,
+    resolve_plan,
     select_plan,
 )
 from driver.units import GIB, MIB
@@ -179,11 +180,12 @@ def test_entry_errors_name_field_and_value(tmp_path: Path, body: str, expected: 
 @pytest.mark.parametrize(
     ("match", "expected"),
     [
-        ("{}", "set exactly one of minor, uuid, product, all: true (got none)"),
-        ("{minor: 1, uuid: GPU-x}", "set exactly one of minor, uuid, product, all: true (got minor, uuid)"),
+        ("{}", "set exactly one of minor, uuid, product, all: true, or migProfile (got none)"),
+        ("{minor: 1, uuid: GPU-x}",
+         "set exactly one of minor, uuid, product, all: true, or migProfile (got minor, uuid)"),
         ("{all: false}", "all: false matches nothing"),
         ('{minor: "1"}', 'expected an integer, got "1"'),
-        ("{name: x}", 'unknown field "name" (known fields: minor, uuid, product, all)'),
+        ("{name: x}", 'unknown field "name" (known fields: minor, uuid, product, all, migProfile)'),
     ],
 )
 def test_match_errors(tmp_path: Path, match: str, expected: str) -> None:
@@ -337,9 +339,9 @@ def test_mig_enabled_gpu_matched_as_whole_is_fine() -> None:
 
 
 @pytest.mark.parametrize(("form", "strategy"), [("mps", "MPS"), ("timeSlicing", "time slicing")])
-def test_sharing_a_mig_enabled_gpu_is_an_error(form: str, strategy: str) -> None:
+def test_sharing_a_mig_enabled_gpu_named_by_minor_is_an_error(form: str, strategy: str) -> None:
     with pytest.raises(PlanError) as info:
-        resolve_layout(plan({"match": {"all": True}, form: {"shares": 2}}), node(A100, A100_MIG), "a100")
+        resolve_layout(plan({"match": {"minor": 1}, form: {"shares": 2}}), node(A100, A100_MIG), "a100")
     assert str(info.value).startswith(
         "plans.a100.gpus[0] (GPU minor 1, GPU-a100-1, NVIDIA A100-SXM4-40GB): "
         f"{strategy} sharing is not possible on a MIG-enabled GPU"
@@ -389,7 +391,8 @@ def test_gpu_without_known_memory_accepts_an_explicit_value() -> None:
 
 def test_errors_for_several_gpus_are_all_reported() -> None:
     with pytest.raises(PlanError) as info:
-        resolve_layout(plan({"match": {"all": True}, "mps": {"shares": 2}}), node(A100_MIG, T4_NO_MEMORY), "p")
+        resolve_layout(plan({"match": {"product": "*"}, "mps": {"shares": 2}},
+                            {"match": {"migProfile": "*"}, "mps": {"shares": 40}}), node(A100_MIG, T4_NO_MEMORY), "p")
     assert len(str(info.value).splitlines()) == 2
 
 
@@ -416,3 +419,25 @@ def test_layout_changes() -> None:
     assert layout_changes(old, new) == {"GPU-b", "GPU-c", "GPU-d"}
     assert layout_changes(old, dict(old)) == set()
     assert layout_changes({}, {}) == set()
+
+
+def test_one_problem_on_many_gpus_of_an_entry_is_one_line_naming_them_all() -> None:
+    second = A100.model_copy(update={"minor": 4, "index": 4, "uuid": "GPU-a100-4"})
+    with pytest.raises(PlanError) as info:
+        resolve_layout(plan({"match": {"all": True}, "mps": {"shares": 4, "pinnedMemoryLimit": "11Gi"}}),
+                       node(A100, second, T4), "p")
+    lines = str(info.value).splitlines()
+    assert lines[0] == ("plans.p.gpus[0] (2 GPUs, minors 0, 4, NVIDIA A100-SXM4-40GB): 4 shares x "
+                        "mps.pinnedMemoryLimit 11264 MiB is more than the GPU's 40960 MiB; lower "
+                        "mps.pinnedMemoryLimit or the number of shares")
+    assert len(lines) == 2 and lines[1].startswith("plans.p.gpus[0] (GPU minor 2, GPU-t4-2, Tesla T4): ")
+
+
+@pytest.mark.parametrize("match", [{"all": True}, {"product": "NVIDIA A100*"}])
+@pytest.mark.parametrize("form", ["mps", "timeSlicing"])
+def test_an_entry_for_a_family_of_gpus_splits_the_others_and_passes_over_a_mig_enabled_one(
+        match: dict[str, Any], form: str) -> None:
+    resolved = resolve_plan(plan({"match": match, form: {"shares": 2}}), node(A100, A100_MIG), "p")
+    assert set(resolved.layout) == {"GPU-a100-0"}, "the MIG GPU is published as its MIG devices"
+    assert resolved.notes["GPU-a100-1"].startswith("plans.p.gpus[0] (match ")
+    assert "does not split a MIG-enabled GPU: its MIG instances are published" in resolved.notes["GPU-a100-1"]

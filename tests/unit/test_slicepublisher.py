@@ -296,10 +296,9 @@ def test_unreadable_node_means_no_owner_reference(server: FakeApiServer,
     assert "cannot read Node ghost" in caplog.text
 
     uid = server.add_node("ghost")  # the Node shows up: the next round adds the owner reference
-    publisher.update(gpus(1))
-    assert publisher.wait_synced(10)
-    (published,) = server.slices(node="ghost")
-    assert [ref["uid"] for ref in published["metadata"]["ownerReferences"]] == [uid]
+    publisher.resync()
+    assert eventually(lambda: [r["uid"] for s in server.slices(node="ghost")
+                               for r in s["metadata"].get("ownerReferences", [])] == [uid])
 
 
 def test_update_during_watch_is_published_promptly(server: FakeApiServer,
@@ -342,3 +341,30 @@ def test_stop_returns_promptly_while_watching(server: FakeApiServer,
 def test_invalid_driver_or_node_name_is_refused_at_construction(server: FakeApiServer, telemetry: Telemetry) -> None:
     with pytest.raises(ValueError, match='pool name "Node_1": part "Node_1" must be a DNS subdomain'):
         ResourceSlicePublisher(server.api_client(), DRIVER, "Node_1", telemetry, minor_version=36)
+
+
+def test_the_same_devices_again_cost_no_request(server: FakeApiServer,
+                                                start_publisher: Callable[..., ResourceSlicePublisher]) -> None:
+    server.add_node("node-2")
+    publisher = start_publisher(node="node-2")
+    publisher.update(gpus(3))
+    assert publisher.wait_synced(10)
+    assert eventually(lambda: server.requests[-1][0] == "WATCH")
+    before = len(server.requests)
+    for _ in range(5):  # what every rescan of an unchanged node does
+        assert publisher.update(gpus(3)) == []
+    assert publisher.wait_synced(10)
+    assert len(server.requests) == before, "no list, no write and the watch goes on"
+
+
+def test_the_node_uid_from_a_watch_saves_reading_the_node(
+        server: FakeApiServer, start_publisher: Callable[..., ResourceSlicePublisher]) -> None:
+    publisher = start_publisher(node="node-2", node_uid=lambda: "0b9f3c1e-5a55-4c8e-9d0e-3f1c2b7a9e11")
+    publisher.update(gpus(1))
+    assert publisher.wait_synced(10)
+    (published,) = server.slices(node="node-2")
+    assert [r["uid"] for r in published["metadata"]["ownerReferences"]] == ["0b9f3c1e-5a55-4c8e-9d0e-3f1c2b7a9e11"]
+    assert eventually(lambda: server.requests[-1][0] == "WATCH")
+    assert not [r for r in server.requests if r[1].startswith("/api/v1/nodes")]
+    watches = [q for verb, _, q in server.request_queries if verb == "WATCH"]
+    assert watches and all(int(q["timeoutSeconds"]) >= 300 and q["allowWatchBookmarks"] == "true" for q in watches)

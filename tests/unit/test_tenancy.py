@@ -23,84 +23,12 @@ from driver.gpu.sharelayout import Enforcement, GpuShares, MpsClients, mps_contr
 from driver.gpu.sharingplan import PlanError, SharingPlans, load_plans, resolve_layout, select_plan
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.podfetch import PodFetcher
-from driver.kubeletplugin.podsecurity import Pod, PodReader, PodsUnreadable, ReservedPods, host_root_containers
+from driver.kubeletplugin.podspec import Pod
+from driver.kubeletplugin.reservedpods import PodReader, PodRef, PodsUnreadable
 from driver.simulation.apiserver import FakeApiServer
 from tests.support.mpsdaemons import MpsDaemonKind, daemon_params
 from tests.support.processes import poll_until, standin_sandbox
 from tests.support.statenode import Node, claim, gpu_config, mps_shares
-
-# --- which containers may run as host root ----------------------------------------------------
-
-
-def make_pod(spec: dict[str, Any], name: str = "p") -> Pod:
-    return Pod.model_validate({"metadata": {"name": name, "namespace": "ns", "uid": "u"}, "spec": spec})
-
-
-def root_reasons(spec: dict[str, Any]) -> list[tuple[str, str, str]]:
-    return [(c.kind, c.container, c.reason) for c in host_root_containers(make_pod(spec))]
-
-
-def containers(*security: dict[str, Any] | None) -> list[dict[str, Any]]:
-    return [{"name": f"c{i}", **({"securityContext": sc} if sc is not None else {})} for i, sc in enumerate(security)]
-
-
-SAFE = {"allowPrivilegeEscalation": False}
-UNSET = "no runAsNonRoot: true or non-zero runAsUser at pod or container level"
-
-
-def test_a_container_with_no_user_setting_may_run_as_root_and_the_refusal_names_the_field() -> None:
-    [found] = host_root_containers(make_pod({"containers": containers(None)}, name="train-0"))
-    assert found.describe() == f'pod ns/train-0 container "c0" may run as root ({UNSET})'
-    assert found.fix == "set securityContext.runAsNonRoot: true or runAsUser: <non-zero> on the pod or container"
-
-
-@pytest.mark.parametrize(("pod_sc", "container_sc", "reason"), [
-    ({"runAsNonRoot": True}, SAFE, None),  # the kubelet checks the image's numeric user
-    ({"runAsUser": 1000}, SAFE, None),
-    (None, {"runAsUser": 1000, **SAFE}, None),
-    ({"runAsUser": 0}, {"runAsUser": 1000, **SAFE}, None),  # the container wins
-    ({"runAsUser": 1000}, {"runAsUser": 0, **SAFE}, "runAsUser: 0 at container level"),
-    ({"runAsUser": 0}, SAFE, "runAsUser: 0 at pod level"),
-    ({"runAsNonRoot": True}, {"runAsNonRoot": False, **SAFE}, UNSET),  # the container wins
-    ({"runAsUser": 0, "runAsNonRoot": True}, SAFE, None),  # the kubelet refuses to start it
-    ({"runAsNonRoot": True}, None, "no allowPrivilegeEscalation: false, so a set-user-ID root program in its "
-                                   "image can make it root"),
-    ({"runAsNonRoot": True}, {"privileged": True}, "securityContext.privileged: true"),
-    ({"runAsNonRoot": True}, {"capabilities": {"add": ["NET_BIND_SERVICE", "cap_sys_admin"]}, **SAFE},
-     "securityContext.capabilities.add has SYS_ADMIN"),
-    ({"runAsNonRoot": True}, {"capabilities": {"add": ["SYS_PTRACE"]}, **SAFE},
-     "securityContext.capabilities.add has SYS_PTRACE"),
-])
-def test_pod_and_container_level_settings(pod_sc: dict[str, Any] | None, container_sc: dict[str, Any] | None,
-                                          reason: str | None) -> None:
-    spec: dict[str, Any] = {"containers": containers(container_sc)}
-    if pod_sc is not None:
-        spec["securityContext"] = pod_sc
-    assert root_reasons(spec) == ([] if reason is None else [("container", "c0", reason)])
-
-
-def test_init_and_ephemeral_containers_count() -> None:
-    spec = {"securityContext": {"runAsNonRoot": True}, "containers": containers(SAFE),
-            "initContainers": [{"name": "setup", "securityContext": {"runAsUser": 0, "runAsNonRoot": False}}],
-            "ephemeralContainers": [{"name": "debugger", "securityContext": {"privileged": True}}]}
-    assert root_reasons(spec) == [("initContainer", "setup", "runAsUser: 0 at container level"),
-                                  ("ephemeralContainer", "debugger", "securityContext.privileged: true")]
-    [init, ephemeral] = host_root_containers(make_pod(spec))
-    assert init.describe().startswith('pod ns/p init container "setup" may run as root')
-    assert ephemeral.describe().startswith('pod ns/p ephemeral container "debugger" may run as root')
-
-
-def test_user_namespaces_keep_root_inside_the_pod_but_not_privileged() -> None:
-    spec = {"hostUsers": False, "containers": containers(None, {"runAsUser": 0}, {"capabilities": {"add": ["ALL"]}},
-                                                         {"privileged": True})}
-    assert root_reasons(spec) == [("container", "c3", "securityContext.privileged: true")]
-    assert root_reasons({"hostUsers": True, "containers": containers(None)}) == [("container", "c0", UNSET)]
-
-
-def test_pod_fields_are_read_strictly() -> None:
-    with pytest.raises(ValueError, match="runAsUser"):
-        make_pod({"containers": containers({"runAsUser": "0"})})
-
 
 # --- reading a claim's pods -------------------------------------------------------------------
 
@@ -120,16 +48,20 @@ def claim_for(*pods: tuple[str, str]) -> ResourceClaim:
         "reservedFor": [{"resource": "pods", "name": name, "uid": uid} for name, uid in pods]}})
 
 
-def test_reserved_pods_are_read_by_name_and_a_missing_or_recreated_pod_is_skipped(apiserver: FakeApiServer) -> None:
+def test_reserved_pods_are_read_by_name_once_and_judged_by_uid(apiserver: FakeApiServer) -> None:
     apiserver.put_pod({"metadata": {"name": "a", "namespace": "ns", "uid": "uid-a"},
-                       "spec": {"containers": containers(None)}})
+                       "spec": {"containers": [{"name": "c0"}]}})
     apiserver.put_pod({"metadata": {"name": "b", "namespace": "ns", "uid": "uid-b2"}, "spec": {}})
     claim = claim_for(("a", "uid-a"), ("b", "uid-b"), ("gone", "uid-c"))
     claim.with_pod_reader(PodFetcher(apiserver.api_client()))
     pods = claim.reserved_pods(5.0)
     assert [str(p) for p in pods.pods] == ["ns/a"]
-    assert pods.skipped == ("pod ns/b was re-created (uid uid-b2, the claim names uid-b)", "pod ns/gone is gone")
-    assert [c.container for c in pods.host_root()] == ["c0"]
+    assert pods.skipped == ("pod ns/gone",)
+    assert [u.line.split(";")[0] for u in pods.unknown] == [
+        'status.reservedFor[1] names pod ns/b with uid "uid-b", but pod ns/b has uid "uid-b2"']
+    assert [f.describe().split(":")[0] for f in pods.findings()] == [
+        "status.reservedFor[1] names pod ns/b with uid \"uid-b\", but pod ns/b has uid \"uid-b2\"; the kubelet matches "
+        "pods by uid, so the pod that would use the claim cannot be checked", *['pod ns/a container "c0"'] * 3]
     requests = len(apiserver.requests)
     assert claim.reserved_pods(5.0) is pods and len(apiserver.requests) == requests, "read once per claim"
 
@@ -138,6 +70,18 @@ def test_a_claim_reserved_for_no_pod_reads_nothing_and_one_without_a_reader_cann
     assert claim_for().reserved_pods(5.0).pods == ()
     with pytest.raises(PodsUnreadable, match="cannot read the pods"):
         claim_for(("a", "uid-a")).reserved_pods(5.0)
+
+
+def test_what_the_server_sent_is_echoed_on_one_line(apiserver: FakeApiServer) -> None:
+    apiserver.put_pod({"metadata": {"name": "odd", "namespace": "ns", "uid": "uid-odd",
+                                    "annotations": {"x\nFAKE: y": 5}}, "spec": {}})
+    with pytest.raises(PodsUnreadable) as caught:
+        claim_for(("odd", "uid-odd")).with_pod_reader(PodFetcher(apiserver.api_client())).reserved_pods(5.0)
+    assert str(caught.value).startswith('pod ns/odd: the API server returned an object this driver cannot read (at '
+                                        '"metadata.annotations.x\\nFAKE: y": '), str(caught.value)
+    gone = claim_for(("a\nb", "uid-a")).with_pod_reader(PodFetcher(apiserver.api_client())).reserved_pods(5.0)
+    assert [f.describe() for f in gone.findings()] == [
+        'every pod the claim is reserved for is gone (pod "ns/a\\nb"), so none can use it']
 
 
 # --- the settings -----------------------------------------------------------------------------
@@ -254,10 +198,9 @@ def test_what_a_non_root_uid_can_do_to_the_daemon_matches_the_published_rule(kin
 class RootPods:
     """Every reserved pod exists and runs its one container as root (no securityContext)."""
 
-    def read_pods(self, refs: Sequence[tuple[str, str, str]], timeout_s: float) -> ReservedPods:
-        return ReservedPods(tuple(Pod.model_validate({"metadata": {"namespace": ns, "name": name, "uid": uid},
-                                                      "spec": {"containers": [{"name": "main"}]}})
-                                  for ns, name, uid in refs))
+    def read_pods(self, refs: Sequence[PodRef], timeout_s: float) -> list[Pod | None]:
+        return [Pod.model_validate({"metadata": {"namespace": ns, "name": name, "uid": uid},
+                                    "spec": {"containers": [{"name": "main"}]}}) for ns, name, uid in refs]
 
 
 def for_pod(c: ResourceClaim, reader: PodReader | None) -> ResourceClaim:
@@ -274,9 +217,11 @@ def test_a_claims_own_daemon_with_clients_non_root_refuses_a_root_pod_before_any
     with pytest.raises(PrepareError) as caught:
         state.prepare(refused)
     assert str(caught.value) == (
-        f'pod default/train-0 container "main" may run as root ({UNSET}), so it could control the claim\'s own MPS '
-        "daemon on gpu-0; set securityContext.runAsNonRoot: true or runAsUser: <non-zero> on the pod or container, "
-        "or set clients: any in the claim's mpsConfig")
+        'pod default/train-0 container "main": spec.containers[0].securityContext.runAsNonRoot is not true here or in '
+        'spec.securityContext; Pod Security "restricted" requires true (without it the image\'s user decides, and '
+        "that may be root) (2 more findings); the claim's own MPS daemon on gpu-0 admits only pods that meet Pod "
+        'Security "baseline" and cannot run as root or group root (clients: nonRoot); set '
+        "securityContext.runAsNonRoot: true on the pod or container, or set clients: any in the claim's mpsConfig")
     assert node.mps.started() == [] and node.cdi_files() == [] and state.ledger.read().claims == {}
 
     state.prepare(for_pod(claim("u2", "gpu-0", configs=[gpu_config(strategy="MPS")]), RootPods()))
@@ -284,14 +229,23 @@ def test_a_claims_own_daemon_with_clients_non_root_refuses_a_root_pod_before_any
     assert (record.mps_clients, record.mps_enforcement) == ("any", Enforcement.MPS_ADVISORY)
 
 
-def test_plan_shares_fail_closed_when_pods_cannot_be_read_and_pass_when_none_is_reserved(node: Node) -> None:
+def test_plan_shares_fail_closed_when_pods_cannot_be_read_or_none_is_reserved(node: Node) -> None:
     state = node.state()
     state.apply_layout(make_view(node.inventory, {}), {node.uuid(0): mps_shares(2)})
     with pytest.raises(PrepareError, match="admits only non-root clients, so the pods the claim is reserved for must "
                                            "be checked first, but this claim source cannot read"):
         state.prepare(for_pod(claim("u1", "gpu-0-mps-0"), None))
     assert node.mps.started() == []
-    state.prepare(claim("u2", "gpu-0-mps-1"))  # reserved for no pod (the kubelet always names one)
-    record = state.ledger.read().claims["u2"]
+    unreserved = claim("u2", "gpu-0-mps-1").model_dump(by_alias=True)
+    unreserved["status"]["reservedFor"] = []
+    with pytest.raises(PrepareError) as caught:
+        state.prepare(ResourceClaim.model_validate(unreserved))
+    assert str(caught.value) == (
+        "the claim is reserved for no pod (status.reservedFor is empty); the MPS daemon shared with other claims on "
+        'gpu-0 admits only pods that meet Pod Security "baseline" and cannot run as root or group root (clients: '
+        "nonRoot); reserve the claim for the pod that uses it, or use a share whose plan sets clients: any")
+    assert node.mps.started() == []
+    state.prepare(claim("u3", "gpu-0-mps-1"))  # reserved for a pod that runs as a non-root user and group
+    record = state.ledger.read().claims["u3"]
     # The simulated node's driver is R580: its daemon refuses non-root control.
     assert (record.mps_clients, record.mps_enforcement) == ("nonRoot", Enforcement.MPS_PER_PROCESS)

@@ -22,11 +22,13 @@ import cdi
 from driver.gpu.checkpoint import ClaimRecord, PreparedDeviceRecord
 from driver.gpu.claimcdi import assemble
 from driver.gpu.claimcdi.hostfs import (
+    MIG_MONITOR,
     NODE_ROOT,
     DeviceRoot,
     control_device_paths,
     find_device_root,
     mig_capability_nodes,
+    mig_driver_capability_node,
 )
 from driver.gpu.claimcdi.toolkit import ToolkitEdits
 from driver.gpu.errors import PrepareError
@@ -82,7 +84,8 @@ class CdiSources:
 
 
 def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[str, MpsDaemonRecord],
-                 shares: GpuShares | None, root: DeviceRoot) -> assemble.DeviceEdits:
+                 shares: GpuShares | None, root: DeviceRoot, mig_gpu: bool = False) -> assemble.DeviceEdits:
+    """``mig_gpu``: the device's GPU is in MIG mode (an admin-access device then gets the monitor capability)."""
     gpu_node = f"/dev/nvidia{dev.gpu_minor}"
     if not root.exists(gpu_node):
         raise PrepareError(
@@ -96,6 +99,10 @@ def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[st
         # node on the host; /proc is the kernel's, the same for a host-installed and a containerised driver.
         for cap in mig_capability_nodes(src.host_root, dev.gpu_minor, dev.mig_gi_id, dev.mig_ci_id):
             nodes.append(root.node(cap.path, type="c", major=cap.major, minor=cap.minor, fileMode=cap.file_mode))
+    if dev.admin_access and mig_gpu:
+        # Monitoring a MIG-mode GPU: without mig/monitor, nvidia-smi in the pod cannot list its MIG devices.
+        cap = mig_driver_capability_node(src.host_root, MIG_MONITOR)
+        nodes.append(root.node(cap.path, type="c", major=cap.major, minor=cap.minor, fileMode=cap.file_mode))
     env: list[str] = []
     mounts: list[dict[str, object]] = []
     names = src.names
@@ -141,15 +148,21 @@ def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[st
     return assemble.DeviceEdits(dev.device.device_name, nodes, env, mounts, annotations, hooks)
 
 
-# Devices whose GPU's published form (the layout entry) goes into the spec, so a rebuilt checkpoint
-# publishes the GPU the same way while the claim runs.
+# Devices whose GPU's (a MIG instance's share: the instance's) published form, the layout entry, goes into the
+# spec, so a rebuilt checkpoint publishes it the same way while the claim runs.
 _SHARE_KINDS = ("mps", "timeslice", "consumable")
 
 
 def _shares_form(dev: PreparedDeviceRecord) -> bool:
     # An admin-access device gets device nodes only (no MPS settings, no memory hook) and does not pin
-    # its GPU's form (ClaimRecord.held_gpu_uuids). A dynamic MIG device's GPU keeps its DynamicMig form.
+    # its GPU's form (ClaimRecord.held_layout_keys). A dynamic MIG device's GPU keeps its DynamicMig form.
     return (dev.kind in _SHARE_KINDS or dev.dynamic_mig is not None) and not dev.admin_access
+
+
+def _mig_gpu(dev: PreparedDeviceRecord, form: GpuShares | None) -> bool:
+    """Whether the device's GPU is in MIG mode: a MIG device (static or a placement), or the whole device of a
+    dynamic MIG GPU (its form)."""
+    return dev.kind == "mig" or dev.mig_gi_id is not None or (form is not None and form.strategy == "DynamicMig")
 
 
 def claim_spec(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDaemonRecord],
@@ -176,7 +189,8 @@ def claim_spec_file(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, 
     return assemble.build_claim_spec_file(
         kind=names.kind,
         claim=assemble.ClaimIdentity(record.uid, record.namespace, record.name),
-        devices=[device_edits(src, d, daemons, layout.get(d.gpu_uuid) if _shares_form(d) else None, root)
+        devices=[device_edits(src, d, daemons, layout.get(d.layout_key) if _shares_form(d) else None, root,
+                              _mig_gpu(d, layout.get(d.gpu_uuid)))
                  for d in record.devices],
         common_edits=src.toolkit.edits,
         control_nodes=[root.node(path) for path in control],

@@ -159,11 +159,12 @@ def nvidia_caps_major(host_root: Path = Path("/")) -> int:
 
 def _access_fields(file: Path, gpu_minor: int, gi_id: int, ci_id: int | None) -> tuple[int, int]:
     instance = f"GPU {gpu_minor} GPU instance {gi_id}" + ("" if ci_id is None else f" compute instance {ci_id}")
-    text = _read(
-        file,
-        f"the MIG access capability of {instance}",
-        "is the NVIDIA driver loaded with MIG enabled, and does that MIG device still exist?",
-    )
+    return _capability_fields(file, f"the MIG access capability of {instance}",
+                              "is the NVIDIA driver loaded with MIG enabled, and does that MIG device still exist?")
+
+
+def _capability_fields(file: Path, what: str, hint: str) -> tuple[int, int]:
+    text = _read(file, what, hint)
     values: dict[str, str] = {}
     for line in text.splitlines():
         key, sep, value = line.partition(":")
@@ -180,18 +181,6 @@ def _access_fields(file: Path, gpu_minor: int, gi_id: int, ci_id: int | None) ->
     return parsed["DeviceFileMinor"], parsed["DeviceFileMode"]
 
 
-def capability_node(host_root: Path, access_path: str) -> tuple[int, int]:
-    """(minor, file mode) of the capability whose ``access`` file is ``access_path`` (under ``host_root``, e.g.
-    ``proc/driver/nvidia/capabilities/mig/config/access``)."""
-    file = host_path(host_root, "/" + access_path)
-    text = _read(file, f"the capability {access_path}", "is the NVIDIA driver loaded with MIG support?")
-    values = dict((k.strip(), v.strip()) for k, sep, v in (line.partition(":") for line in text.splitlines()) if sep)
-    for key in ("DeviceFileMinor", "DeviceFileMode"):
-        if not values.get(key, "").isdigit():
-            raise HostFsError(f"{file}: expected a '{key}: <n>' line with a non-negative decimal integer")
-    return int(values["DeviceFileMinor"]), int(values["DeviceFileMode"])
-
-
 def mig_capability_nodes(host_root: Path, gpu_minor: int, gi_id: int, ci_id: int) -> list[CapabilityNode]:
     """The GI and CI access capability nodes a container needs to use one MIG device, in that order."""
     gi_dir = host_path(host_root, f"/{CAPABILITIES_DIR}/gpu{gpu_minor}/mig/gi{gi_id}")
@@ -202,3 +191,17 @@ def mig_capability_nodes(host_root: Path, gpu_minor: int, gi_id: int, ci_id: int
         CapabilityNode(path=f"/dev/nvidia-caps/nvidia-cap{minor}", major=major, minor=minor, file_mode=mode)
         for minor, mode in read
     ]
+
+
+# The driver's own MIG capabilities, one for all GPUs (the kernel module's table; mig-minors "config 1",
+# "monitor 2"): monitor lets a process that opens a MIG-mode GPU list and query its MIG devices (nvidia-smi).
+MIG_MONITOR = "mig/monitor"
+
+
+def mig_driver_capability_node(host_root: Path, name: str) -> CapabilityNode:
+    """The capability node of ``name`` (``mig/monitor``, ``mig/config``), read from ``/proc`` like an instance's."""
+    file = host_path(host_root, f"/{CAPABILITIES_DIR}/{name}")
+    minor, mode = _capability_fields(file, f"the {name} capability",
+                                     "is the NVIDIA driver loaded on a node with MIG-capable GPUs?")
+    return CapabilityNode(path=f"/dev/nvidia-caps/nvidia-cap{minor}", major=nvidia_caps_major(host_root),
+                          minor=minor, file_mode=mode)

@@ -29,6 +29,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from driver.gpu.claimconfig.echo import show, show_path_part
 from driver.gpu.claimconfig.quantity import parse_quantity
 from driver.gpu.mps.model import check_shm_size
 from driver.gpu.sharelayout import MpsClients, TimeSliceInterval
@@ -51,7 +52,7 @@ def _quantity(value: object) -> object:
             return parse_quantity(value, "value")
         except ValueError as exc:
             raise ValueError(str(exc).removeprefix("value: ")) from exc
-    raise ValueError(f'expected a quantity such as "10Gi" or "512Mi", got {_show(value)}')
+    raise ValueError(f'expected a quantity such as "10Gi" or "512Mi", got {show(value)}')
 
 
 # A memory quantity ("10Gi", 1073741824), held as whole bytes.
@@ -180,19 +181,19 @@ _KINDS: dict[str, type[GpuConfig] | type[MigDeviceConfig]] = {
 def parse_config(parameters: Mapping[str, Any]) -> DeviceConfig:
     """Decode an opaque config's ``parameters``; ConfigError lists every problem, one per line."""
     if not isinstance(parameters, Mapping):
-        raise ConfigError(f"parameters: expected a mapping with apiVersion and kind, got {_show(parameters)}")
+        raise ConfigError(f"parameters: expected a mapping with apiVersion and kind, got {show(parameters)}")
     api_version = parameters.get("apiVersion")
     if api_version is None:
         raise ConfigError(f"apiVersion: required field is missing; expected {API_VERSION}")
     if api_version != API_VERSION:
         hint = " (same fields, only the apiVersion changes)" if api_version == _NVIDIA_API_VERSION else ""
-        raise ConfigError(f"apiVersion {_show(api_version)} is not served by this driver; use {API_VERSION}{hint}")
+        raise ConfigError(f"apiVersion {show(api_version)} is not served by this driver; use {API_VERSION}{hint}")
     kind = parameters.get("kind")
     if kind is None:
         raise ConfigError(f"kind: required field is missing; expected one of {', '.join(_KINDS)}")
     model = _KINDS.get(kind) if isinstance(kind, str) else None
     if model is None:
-        raise ConfigError(f"kind {_show(kind)} is not served by this driver; expected one of {', '.join(_KINDS)}")
+        raise ConfigError(f"kind {show(kind)} is not served by this driver; expected one of {', '.join(_KINDS)}")
     try:
         return model.model_validate(parameters)
     except ValidationError as exc:
@@ -237,7 +238,7 @@ def resolve_mps_limits(cfg: MpsConfig, gpu_uuids_sorted: list[str], gpu_memory_b
     sources = dict.fromkeys(uuids, "mpsConfig.defaultPinnedDeviceMemoryLimit")
     named_by: dict[str, str] = {}
     for key, limit in (cfg.defaultPerDevicePinnedMemoryLimit or {}).items():
-        field = f"mpsConfig.defaultPerDevicePinnedMemoryLimit.{key}"
+        field = f"mpsConfig.defaultPerDevicePinnedMemoryLimit.{show_path_part(key)}"
         uuid = _device_for_key(key, uuids, field)
         if uuid in named_by:
             raise ConfigError(f'{field}: names the same device ({uuid}) as key "{named_by[uuid]}"; keep only one')
@@ -272,7 +273,7 @@ def _device_for_key(key: str, uuids: list[str], field: str) -> str:
         return uuids[index]
     if key not in uuids:
         raise ConfigError(
-            f'{field}: "{key}" is not one of this config\'s devices; expected a UUID from '
+            f"{field}: {_show_key(key)} is not one of this config's devices; expected a UUID from "
             f"{', '.join(uuids)} or an index from 0 to {len(uuids) - 1}"
         )
     return key
@@ -326,18 +327,18 @@ def _describe(error: ErrorDetails, model: type[BaseModel], root: str) -> str:
     if kind == "extra_forbidden":
         parent = _model_at(model, loc[:-1])
         known = ", ".join(_field_names(parent)) if parent is not None else ""
-        return _prefixed(root, loc[:-1], f"unknown field {_show(loc[-1])} (known fields: {known})")
+        return _prefixed(root, loc[:-1], f"unknown field {show(loc[-1])} (known fields: {known})")
     if loc and loc[-1] == "[key]":  # a mapping key of the wrong type, e.g. YAML read `yes:` as a boolean
         problem = _TYPE_MESSAGES.get(kind, error["msg"])
-        return _prefixed(root, loc[:-2], f"key {_show(error['input'])}: {problem} (quote the key)")
+        return _prefixed(root, loc[:-2], f"key {show(error['input'])}: {problem} (quote the key)")
     if kind == "value_error":
         return _prefixed(root, loc, str(ctx.get("error", error["msg"])))
     if kind == "literal_error":
-        return _prefixed(root, loc, f"{_show(error['input'])} is not allowed; expected {ctx.get('expected', '')}")
+        return _prefixed(root, loc, f"{show(error['input'])} is not allowed; expected {ctx.get('expected', '')}")
     if kind == "missing":
         return _prefixed(root, loc, _TYPE_MESSAGES[kind])
     message = _TYPE_MESSAGES.get(kind, error["msg"])
-    return _prefixed(root, loc, f"{message}, got {_show(error['input'])}")
+    return _prefixed(root, loc, f"{message}, got {show(error['input'])}")
 
 
 def _prefixed(root: str, loc: list[int | str], message: str) -> str:
@@ -351,23 +352,8 @@ def _path(root: str, loc: list[int | str]) -> str:
         if isinstance(part, int):
             path += f"[{part}]"
         else:
-            path += f".{part}" if path else part
+            path += f".{show_path_part(part)}" if path else show_path_part(part)
     return path
-
-
-# Values are echoed in errors; a tenant's 10 KiB string or list is cut, so one line stays one short line.
-_SHOWN_CHARS = 80
-
-
-def _show(value: object) -> str:
-    if isinstance(value, str):
-        text = json.dumps(value[:_SHOWN_CHARS])
-        return text if len(value) <= _SHOWN_CHARS else f"{text}... ({len(value)} characters)"
-    try:
-        text = json.dumps(value, default=str)
-    except ValueError:
-        text = repr(value)
-    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} characters)"
 
 
 def _field_names(model: type[BaseModel]) -> list[str]:

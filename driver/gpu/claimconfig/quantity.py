@@ -14,6 +14,7 @@ import re
 from decimal import Decimal
 from fractions import Fraction
 
+from driver.gpu.claimconfig.echo import show
 from driver.units import MIB
 
 # Kubernetes' limit: a quantity must fit in a signed 64-bit integer.
@@ -43,32 +44,32 @@ def parse_whole_quantity(value: str | int, field: str) -> int:
     component counted exactly (a consumedCapacity), where rounding would make ours differ from its count."""
     amount = _exact(value, field)
     if amount.denominator != 1:
-        raise ValueError(f"{field}: {_show(value)} is not a whole number")
+        raise ValueError(f"{field}: {show(value)} is not a whole number")
     return int(amount)
 
 
 def _exact(value: str | int, field: str) -> Fraction:
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"{field}: expected {_EXAMPLE}, got {_show(value)}")
+        raise ValueError(f"{field}: expected {_EXAMPLE}, got {show(value)}")
     amount = Fraction(value) if isinstance(value, int) else _parse_text(value, field)
     if amount < 0:
-        raise ValueError(f"{field}: {_show(value)} is negative; expected {_EXAMPLE}")
+        raise ValueError(f"{field}: {show(value)} is negative; expected {_EXAMPLE}")
     if amount > _MAX_BYTES:
-        raise ValueError(f"{field}: {_show(value)} is too large; expected {_EXAMPLE}")
+        raise ValueError(f"{field}: {show(value)} is too large; expected {_EXAMPLE}")
     return amount
 
 
 def _parse_text(text: str, field: str) -> Fraction:
     foreign = next((c for c in text if not c.isascii()), None)
     if foreign is not None:
-        raise ValueError(f"{field}: {_show(text)} contains {foreign!r} (U+{ord(foreign):04X}), which is not an "
+        raise ValueError(f"{field}: {show(text)} contains {foreign!r} (U+{ord(foreign):04X}), which is not an "
                          f"ASCII digit, sign, point or suffix; expected {_EXAMPLE}")
     if len(text) > _MAX_TEXT_CHARS:
-        raise ValueError(f"{field}: {_show(text)} is too long for a quantity (at most {_MAX_TEXT_CHARS} "
+        raise ValueError(f"{field}: {show(text)} is too long for a quantity (at most {_MAX_TEXT_CHARS} "
                          f"characters); expected {_EXAMPLE}")
     match = _QUANTITY.fullmatch(text)
     if match is None:
-        raise ValueError(f"{field}: {_show(text)} is not a valid quantity; expected {_EXAMPLE}")
+        raise ValueError(f"{field}: {show(text)} is not a valid quantity; expected {_EXAMPLE}")
     number = Fraction(Decimal(match["number"]))
     if match["binary"]:
         return number * Fraction(1024) ** _BINARY_POWERS[match["binary"]]
@@ -76,25 +77,11 @@ def _parse_text(text: str, field: str) -> Fraction:
         exponent = int(match["exponent"])
         # Bounded so that "1e999999999" is rejected instead of computing a huge power.
         if abs(exponent) > 64:
-            raise ValueError(f"{field}: {_show(text)} is out of range; expected {_EXAMPLE}")
+            raise ValueError(f"{field}: {show(text)} is out of range; expected {_EXAMPLE}")
         return number * Fraction(10) ** exponent
     if match["decimal"]:
         return number * Fraction(10) ** _DECIMAL_POWERS[match["decimal"]]
     return number
-
-
-# Longer input is cut in messages so that a megabyte of digits does not become a megabyte of event.
-_SHOWN_CHARS = 40
-
-
-def _show(value: object) -> str:
-    if isinstance(value, int) and value.bit_length() > 128:
-        # repr() of an int past 4300 digits raises; the size is what matters here.
-        return f"an integer of {value.bit_length()} bits"
-    text = value if isinstance(value, str) else repr(value)
-    if len(text) > _SHOWN_CHARS:
-        text = f"{text[:_SHOWN_CHARS]}... ({len(text)} characters)"
-    return f'"{text}"' if isinstance(value, str) else text
 
 
 def format_mib(value_bytes: int) -> str:

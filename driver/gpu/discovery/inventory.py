@@ -8,7 +8,7 @@ NVML feature becomes a missing attribute rather than a crash.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -90,6 +90,9 @@ class GpuInfo(BaseModel):
     addressing_mode: str | None = None  # "None", "HMM", "ATS"
     mig_capable: bool = False
     mig_enabled: bool = False
+    # nvmlDeviceGetMigMode's pending mode where it differs from the current one: set (nvidia-smi -mig) but not
+    # in effect until a GPU reset (Ampere) or until no process holds the GPU (Hopper and later).
+    mig_mode_pending: Literal["enable", "disable"] | None = None
     mig_instances: tuple[MigInstance, ...] = ()
     # For dynamic MIG: the memory slices a MIG GPU has, and the profiles it can create (empty when
     # MIG is off or not supported, or NVML could not list them).

@@ -27,7 +27,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from driver.gpu.discovery.cudarun import CudaSmCounts, SmCountSource, fill_sm_counts
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory, mig_memory_slices
@@ -189,7 +189,7 @@ class NvmlDiscovery:
         product_name = optional("name", lambda: as_text(nvml.nvmlDeviceGetName(handle)))
         memory_bytes = optional("memory", lambda: int(nvml.nvmlDeviceGetMemoryInfo(handle).total))
         pci_bus_id = optional("PCI info", lambda: normalise_pci_bus_id(nvml.nvmlDeviceGetPciInfo(handle).busId))
-        mig_capable, mig_enabled = self._mig_mode(index, handle)
+        mig_capable, mig_enabled, mig_mode_pending = self._mig_mode(index, handle)
         mig = MigScan(nvml, index, handle, memory_bytes, uuid, self._mig_gaps_logged) if mig_enabled else None
         mig_profiles = mig.profiles() if mig is not None else ()
         return GpuInfo(
@@ -216,23 +216,27 @@ class NvmlDiscovery:
             ),
             mig_capable=mig_capable,
             mig_enabled=mig_enabled,
+            mig_mode_pending=mig_mode_pending,
             mig_instances=mig.instances() if mig is not None else (),
             mig_memory_slices=mig_memory_slices(mig_profiles),
             mig_profiles=mig_profiles,
         )
 
-    def _mig_mode(self, index: int, handle: Any) -> tuple[bool, bool]:
-        """(capable, enabled). NotSupported is how NVML says a GPU has no MIG."""
+    def _mig_mode(self, index: int, handle: Any) -> tuple[bool, bool, Literal["enable", "disable"] | None]:
+        """(capable, enabled, the pending mode where it differs). NotSupported is how NVML says a GPU has no MIG."""
         nvml = self._nvml
         try:
-            current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+            current, pending = nvml.nvmlDeviceGetMigMode(handle)
         except nvml.NVMLError as err:
             log.debug(
                 "MIG mode unavailable; treating the GPU as not MIG-capable",
                 extra={"gpu_index": index, "error": str(err)},
             )
-            return False, False
-        return True, int(current) == int(nvml.NVML_DEVICE_MIG_ENABLE)
+            return False, False, None
+        enabled, to_enable = (int(mode) == int(nvml.NVML_DEVICE_MIG_ENABLE) for mode in (current, pending))
+        if enabled == to_enable:
+            return True, enabled, None
+        return True, enabled, "enable" if to_enable else "disable"
 
     def _pcie_root(self, pci_bus_id: str) -> str | None:
         link = self._sysfs_root / "bus" / "pci" / "devices" / pci_bus_id

@@ -12,18 +12,27 @@ with the one rule for each:
   memory-error guide: unaffected applications keep running and new work can start until the next
   GPU reset applies it, so it is logged once and the GPU stays schedulable. A *failed* remap makes
   the GPU unhealthy; clearing it clears only ``row-remapping``.
+
+What cannot be read on a GPU (:class:`WatchGaps`) is logged once when it starts and once when it ends,
+and shown by ``inspect``: nvml.h says remapped rows are NOT_SUPPORTED on a GPU in MIG mode with
+instances, so a failed remap goes unseen there while instances exist.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
+from driver.gpu.discovery.inventory import GpuInfo
 from driver.gpu.health.model import EventKind, HealthEvent
 
 log = logging.getLogger(__name__)
 
+# XID 154 on a driver whose field 230 cannot be read: some action is asked for, which one is unknown.
+UNKNOWN_ACTION = -1
 RECOVERY_ACTION_NAMES = {1: "GPU reset", 2: "node reboot", 3: "drain peer-to-peer traffic",
-                         4: "drain and reset", 5: "recover the IMEX domain", 6: "bus reset", 7: "system reboot"}
+                         4: "drain and reset", 5: "recover the IMEX domain", 6: "bus reset", 7: "system reboot",
+                         UNKNOWN_ACTION: "XID 154 reported and NVML field 230 unreadable: a reset is assumed"}
 
 
 class ConditionTracker:
@@ -61,3 +70,47 @@ class ConditionTracker:
             return HealthEvent(uuid, EventKind.RECOVERED, detail="no failed memory row remapping any more",
                                clears="row-remapping")
         return None
+
+
+ROW_REMAPPING = "memory row remapping"
+RECOVERY_ACTION = "the recovery action"
+# nvml.h (nvmlDeviceGetRemappedRows): "On MIG-enabled GPUs with active instances, querying the number of remapped
+# rows is not supported".
+REMAP_ON_MIG = ("NVML does not report remapped rows on a GPU in MIG mode with instances (nvml.h); a failed remap is "
+                "not detected while instances exist (XID 64 still is)")
+
+
+def remap_unreadable_on(gpu: GpuInfo) -> bool:
+    """Whether NVML answers NOT_SUPPORTED for the GPU's remapped rows because of its MIG instances."""
+    return gpu.mig_enabled and bool(gpu.mig_instances)
+
+
+class WatchGaps:
+    """What cannot be read on each GPU now, and why; each change is logged once. Changed on the health source's
+    thread, read on the publishing one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._gaps: dict[tuple[str, str], str] = {}
+
+    def unreadable(self, uuid: str, what: str, why: str) -> None:
+        with self._lock:
+            new = self._gaps.get((uuid, what)) is None
+            self._gaps[(uuid, what)] = why
+        if new:
+            log.warning(f"{what} of a GPU cannot be read: {why}", extra={"uuid": uuid, "not_watched": what})
+
+    def readable(self, uuid: str, what: str) -> None:
+        with self._lock:
+            gone = self._gaps.pop((uuid, what), None) is not None
+        if gone:
+            log.info(f"{what} of a GPU can be read again", extra={"uuid": uuid, "watched": what})
+
+    def current(self) -> dict[str, dict[str, str]]:
+        """GPU UUID -> what cannot be read on it -> why (for ``inspect``)."""
+        with self._lock:
+            gaps = sorted(self._gaps.items())
+        result: dict[str, dict[str, str]] = {}
+        for (uuid, what), why in gaps:
+            result.setdefault(uuid, {})[what] = why
+        return result

@@ -46,7 +46,9 @@ class NodeHealth:
         self.taints_enabled = False
         self._clock = clock
         self._report_path = report_path
-        self._reported: list[DeviceHealthStatus] | None = None
+        self._reported: tuple[list[DeviceHealthStatus], dict[str, dict[str, str]]] | None = None
+        # What the health source cannot read on each GPU (set once the source is open); in the report for inspect.
+        self.not_watched: Callable[[], dict[str, dict[str, str]]] = dict
         self._lock = threading.Lock()
         # Device name -> (healthy, since): the time a device's state was determined stays put
         # while it does not change, so unchanged lists are not re-sent as changes.
@@ -91,10 +93,11 @@ class NodeHealth:
                 since[device.name] = (health, stamp)
                 entries.append(DeviceHealthStatus(self.pool_name, device.name, health, message, stamp))
             self._since = since
-            if self._report_path is not None and entries != self._reported:
+            reported = (entries, self.not_watched())
+            if self._report_path is not None and reported != self._reported:
                 try:
-                    write_report(self._report_path, entries)
-                    self._reported = entries
+                    write_report(self._report_path, entries, reported[1])
+                    self._reported = reported
                 except OSError as exc:
                     log.warning("cannot write the device health file for inspect",
                                 extra={"path": str(self._report_path), "reason": str(exc)})

@@ -1,14 +1,16 @@
 """The health file the running driver keeps for ``python -m driver inspect`` (which runs in another process).
 
 ``<state dir>/device-health.json``, rewritten atomically whenever a published device's health
-changes: ``{"updated": <unix s>, "devices": {<name>: {"health", "message", "since"}}}``.
+changes: ``{"updated": <unix s>, "devices": {<name>: {"health", "message", "since"}},
+"not_watched": {<GPU UUID>: {<what>: <why>}}}`` (``not_watched``: what NVML cannot report on a GPU now,
+such as remapped rows on a MIG GPU with instances; absent in files of older drivers).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +20,12 @@ from driver.kubeletplugin.healthservice import DeviceHealthStatus
 HEALTH_FILE = "device-health.json"
 
 
-def write_report(path: Path, entries: Sequence[DeviceHealthStatus]) -> None:
+def write_report(path: Path, entries: Sequence[DeviceHealthStatus],
+                 not_watched: Mapping[str, Mapping[str, str]] | None = None) -> None:
     report = {"updated": time.time(),
               "devices": {e.device: {"health": e.health.value, "message": e.message, "since": e.updated_at}
-                          for e in entries}}
+                          for e in entries},
+              "not_watched": not_watched or {}}
     # Not durable: the driver rewrites it at start, and a stale one after a crash is only informative.
     write_atomic(path, json.dumps(report, indent=1).encode(), mode=0o644, durable=False)
 
@@ -48,6 +52,8 @@ def add_to_inspect(report: dict[str, Any], path: Path) -> None:
         return
     devices: dict[str, Any] = health["devices"]
     report["device_health"] = devices
+    if health.get("not_watched"):
+        report["health_not_watched"] = health["not_watched"]
     for claim in report.get("claims", []):
         for device in claim["devices"]:
             entry = devices.get(device["device"])
@@ -65,4 +71,6 @@ def render_health(report: dict[str, Any]) -> list[str]:
     unhealthy = {name: d for name, d in sorted(devices.items()) if d["health"] != "Healthy"}
     lines = [f"device health: {len(devices) - len(unhealthy)} healthy, {len(unhealthy)} not"]
     lines += [f"- {name}: {d['health']} {d['message']}" for name, d in unhealthy.items()]
+    for uuid, gaps in sorted(report.get("health_not_watched", {}).items()):
+        lines += [f"- not watched on {uuid}: {what}: {why}" for what, why in sorted(gaps.items())]
     return lines

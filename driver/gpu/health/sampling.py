@@ -25,3 +25,7 @@ class DeviceSampler(Protocol):
 
 class SampledHealthSource(HealthSource, DeviceSampler, Protocol):
     """What the app runs: health events for the monitor and readings for the metrics."""
+
+    def not_watched(self) -> dict[str, dict[str, str]]:
+        """GPU UUID -> what cannot be read on it now -> why (logged once; shown by ``inspect``)."""
+        ...

@@ -173,7 +173,7 @@ def claim_usage(claims: Iterable[ClaimRecord], processes: Iterable[ProcessUsage]
             samples = [p.sm_percent for p in found if p.sm_percent is not None] if unknown is None else []
             memories = [p.memory_bytes for p in found]
             memory, sm, enforced = _entitlement(record, device, targets.get(device.device.device_name),
-                                                layout.get(device.gpu_uuid))
+                                                layout.get(device.layout_key))
             usage.append(ClaimDeviceUsage(
                 namespace=record.namespace, claim=record.name, device=device.device.device_name, kind=device.kind,
                 pids=tuple(sorted(p.pid for p in found)),

@@ -7,6 +7,15 @@ attributes to the user's program and clears by restarting it; NVIDIA's Kubernete
 ignores the same set (k8s-device-plugin ``internal/rm/health.go``, ``applicationErrorXids``).
 An XID missing from the table is treated as making the GPU unhealthy, as NVIDIA's device plugin
 does: a new hardware XID must not keep receiving work until someone classifies it.
+
+Two XIDs announce a change of a state NVML reports, and that state decides (``conditions.py``):
+XID 154 ("GPU Recovery Action Changed") is logged whenever the recovery action changes, also back
+to none after a reset, so tainting on it would keep a reset GPU tainted; field 230
+(``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``) is what says a reset is needed. XID 63 ("row remapping
+recording event") says a remap was recorded, i.e. is pending until the next reset, which NVIDIA's
+memory-error guide says is no fault; ``nvmlDeviceGetRemappedRows`` reports pending and failed,
+and a failed remap taints. NVIDIA's device plugin marks a GPU unhealthy on both (it skips only the
+application XIDs above); Tessera does not, on purpose.
 Pure data and functions; no I/O.
 """
 
@@ -20,6 +29,7 @@ from enum import StrEnum
 class XidImpact(StrEnum):
     APPLICATION = "application"  # the failing program's problem; the device stays healthy
     DEVICE = "device"  # the device needs a reset (or more) before it takes work again
+    STATE = "state"  # announces a change of a state NVML reports (recovery action, row remapping): that decides
 
 
 @dataclass(frozen=True)
@@ -31,6 +41,7 @@ class XidInfo:
 
 _APP = XidImpact.APPLICATION
 _DEV = XidImpact.DEVICE
+_STATE = XidImpact.STATE
 
 XID_TABLE: dict[int, XidInfo] = {info.xid: info for info in (
     XidInfo(13, "Graphics Engine Exception", _APP),
@@ -42,7 +53,7 @@ XID_TABLE: dict[int, XidInfo] = {info.xid: info for info in (
     XidInfo(48, "Double Bit ECC Error", _DEV),
     XidInfo(61, "Internal micro-controller breakpoint/warning", _DEV),
     XidInfo(62, "Internal micro-controller halt", _DEV),
-    XidInfo(63, "ECC page retirement or row remapping recording event", _DEV),
+    XidInfo(63, "ECC page retirement or row remapping recording event", _STATE),
     XidInfo(64, "ECC page retirement or row remapper recording failure", _DEV),
     XidInfo(74, "NVLink Error", _DEV),
     XidInfo(79, "GPU has fallen off the bus", _DEV),
@@ -52,8 +63,17 @@ XID_TABLE: dict[int, XidInfo] = {info.xid: info for info in (
     XidInfo(119, "GSP RPC Timeout", _DEV),
     XidInfo(120, "GSP Error", _DEV),
     XidInfo(140, "Unrecovered ECC Error", _DEV),
-    XidInfo(154, "GPU Recovery Action Changed", _DEV),
+    XidInfo(154, "GPU Recovery Action Changed", _STATE),
 )}
+
+
+# What NVML reports for the state a STATE XID announces a change of.
+_STATE_READ = {63: "memory row remapping (nvmlDeviceGetRemappedRows: a pending remap is no fault, a failed one is)",
+               154: "the recovery action (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION)"}
+
+# The XIDs after which the NVML source reads the state at once rather than at its next poll.
+RECOVERY_ACTION_XID = 154
+ROW_REMAP_XIDS = frozenset({63, 64})
 
 
 @dataclass(frozen=True)
@@ -74,6 +94,9 @@ def classify_xid(xid: int, ignored: Collection[int] = ()) -> XidVerdict:
         return XidVerdict(xid, name, True, f"XID {xid} is not a known application error; treated as a device error")
     if info.impact is XidImpact.APPLICATION:
         return XidVerdict(xid, name, False, f"XID {xid} ({name}) is an application error; the device stays healthy")
+    if info.impact is XidImpact.STATE:
+        return XidVerdict(xid, name, False, f"XID {xid} ({name}) announces a change of {_STATE_READ[xid]}, which "
+                                            "decides the device's health")
     return XidVerdict(xid, name, True, f"XID {xid} ({name})")
 
 

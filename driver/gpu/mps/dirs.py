@@ -9,7 +9,10 @@ Layout under the MPS base directory (the driver's own; tenants never see it whol
 
 The shared MPS ``/dev/shm`` directory lives outside ``<base>``, so it can never be taken for a
 daemon directory. Tenants write into ``shm/`` (and, with older mounts, ``pipe/``): everything here
-uses ``lstat`` and never follows a symlink found inside those directories.
+uses ``lstat`` and never follows a symlink found inside those directories. Nor one anywhere below
+``<base>``: a link planted at ``<base>/<daemon_id>`` must not make the driver empty, unmount or write
+a directory elsewhere, so paths there are walked one directory fd at a time with ``O_NOFOLLOW``
+(:func:`open_dir_below`, :func:`open_below_base`); ``<base>`` and what leads to it are configuration.
 """
 
 from __future__ import annotations
@@ -24,14 +27,50 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cdi.atomicfile import write_atomic
-
 # The names the driver gives its daemons (driver/gpu/claimplan.py: plan_daemon_id,
 # claim_daemon_id, share_daemon_id; the multi-user probe's in manager.py). Anything else under the
 # base directory is not the driver's to stop or remove.
 DRIVER_DAEMON_DIR_NAME = re.compile(
     r"^(plan-[0-9a-f]{12}|claim-[0-9a-f]{12}-[0-9]{1,4}|share-[0-9a-f]{12}|probe-multi-user)$")
 RESTART_STATE_NAME = "restarts.json"
+
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_dir_below(top: Path, path: Path, flags: int = DIR_FLAGS) -> int:
+    """An fd of the directory ``path``, reached from ``top`` one component at a time without following a link
+    (``top`` itself is opened without following one either; what leads to it is trusted). OSError (ELOOP,
+    ENOTDIR, ENOENT) where a component is a link or no directory; ValueError if ``path`` is not under ``top``."""
+    fd = os.open(top, DIR_FLAGS if path != top else flags)
+    try:
+        parts = path.relative_to(top).parts
+        for index, part in enumerate(parts):
+            following = os.open(part, flags if index == len(parts) - 1 else DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = following
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def daemon_base(path: Path) -> Path:
+    """The MPS base directory of ``path`` (``<base>/<daemon_id>/...``): what is above its last component of
+    the driver's daemon-id form; ``path``'s parent if it has none (a path the driver did not name)."""
+    for index in range(len(path.parts) - 1, 0, -1):
+        if DRIVER_DAEMON_DIR_NAME.fullmatch(path.parts[index]):
+            return Path(*path.parts[:index])
+    return path.parent
+
+
+def open_below_base(path: Path, flags: int, mode: int = 0o600) -> int:
+    """Open the file ``path`` under an MPS base directory, following no link below the base (O_NOFOLLOW)."""
+    parent = open_dir_below(daemon_base(path), path.parent)
+    try:
+        return os.open(path.name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent)
+    finally:
+        os.close(parent)
 
 
 class DaemonDirError(Exception):
@@ -79,44 +118,49 @@ def clear_dir(path: Path) -> None:
     Entries are judged by ``lstat``: a symlink is unlinked, never followed, so whatever a tenant
     planted cannot make this remove files elsewhere.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = open_dir_below(daemon_base(path), path)
     try:
-        pending = _clear_fd(fd)
-        queued, hoisted = set(pending), 0
-        while pending:
-            name = pending.pop()
-            queued.discard(name)
-            # Tenants write here (shm/): a tree nested past the recursion limit made shutil.rmtree raise
-            # RecursionError, so a subdirectory's subdirectories are moved up here, not descended into.
-            try:
-                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:  # swapped for a symlink or a file since it was listed: unlink that
-                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                    raise
-                os.unlink(name, dir_fd=fd)
-                continue
-            try:
-                for child in _clear_fd(sub):
-                    while True:
-                        hoisted += 1
-                        target = f".tessera-rm-{hoisted}"
-                        if target in queued:
-                            continue
-                        try:
-                            os.rename(child, target, src_dir_fd=sub, dst_dir_fd=fd)
-                            break
-                        except OSError as exc:  # a tenant's entry has that name: try the next one
-                            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
-                                raise
-                    pending.append(target)
-                    queued.add(target)
-            finally:
-                os.close(sub)
-            os.rmdir(name, dir_fd=fd)
+        _clear_tree(fd)
     finally:
         os.close(fd)
+
+
+def _clear_tree(fd: int) -> None:
+    """Empty the directory ``fd`` (see :func:`clear_dir`)."""
+    pending = _clear_fd(fd)
+    queued, hoisted = set(pending), 0
+    while pending:
+        name = pending.pop()
+        queued.discard(name)
+        # Tenants write here (shm/): a tree nested past the recursion limit made shutil.rmtree raise
+        # RecursionError, so a subdirectory's subdirectories are moved up here, not descended into.
+        try:
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:  # swapped for a symlink or a file since it was listed: unlink that
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            os.unlink(name, dir_fd=fd)
+            continue
+        try:
+            for child in _clear_fd(sub):
+                while True:
+                    hoisted += 1
+                    target = f".tessera-rm-{hoisted}"
+                    if target in queued:
+                        continue
+                    try:
+                        os.rename(child, target, src_dir_fd=sub, dst_dir_fd=fd)
+                        break
+                    except OSError as exc:  # a tenant's entry has that name: try the next one
+                        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                            raise
+                pending.append(target)
+                queued.add(target)
+        finally:
+            os.close(sub)
+        os.rmdir(name, dir_fd=fd)
 
 
 def _clear_fd(fd: int) -> list[str]:
@@ -132,29 +176,52 @@ def _clear_fd(fd: int) -> list[str]:
 
 def remove_daemon_dir(daemon_dir: Path) -> None:
     """Remove a daemon's directory. Its launcher unmounts a tmpfs on shm/ first (shmmount.py); one still
-    mounted (the launcher could not) is emptied and the directory left for the next start's sweep."""
-    shm = daemon_dir / "shm"
+    mounted (the launcher could not) is emptied and the directory left for the next start's sweep.
+    Anything but a directory in its place (a link planted there) is removed, never followed."""
     try:
-        if shm.is_dir() and not shm.is_symlink():
-            clear_dir(shm)
-            try:
-                shm.rmdir()
-            except OSError as exc:
-                if exc.errno != errno.EBUSY:
-                    raise
-                return  # still mounted: the sweep at the next start asks the launcher again
-        clear_dir(daemon_dir)
-        daemon_dir.rmdir()
+        base = open_dir_below(daemon_base(daemon_dir), daemon_dir.parent)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise DaemonDirError(f"could not remove {daemon_dir}: {exc}") from exc
+    try:
+        if _remove_entry(base, daemon_dir.name):
+            os.rmdir(daemon_dir.name, dir_fd=base)
     except FileNotFoundError:
         pass
     except OSError as exc:
-        raise DaemonDirError(f"could not remove {daemon_dir}: {exc}") from exc
+        if exc.errno != errno.EBUSY:  # EBUSY: a mount there after all; the next start's sweep tries again
+            raise DaemonDirError(f"could not remove {daemon_dir}: {exc}") from exc
+    finally:
+        os.close(base)
+
+
+def _remove_entry(parent: int, name: str) -> bool:
+    """Empty the directory ``name`` in ``parent`` (its shm/ first); unlink it if it is no directory. True
+    when the directory is left empty, False when its shm/ is still a mount point."""
+    if not stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+        os.unlink(name, dir_fd=parent)
+        return False
+    fd = os.open(name, DIR_FLAGS, dir_fd=parent)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat("shm", dir_fd=fd, follow_symlinks=False).st_dev != os.fstat(fd).st_dev:
+                shm = os.open("shm", DIR_FLAGS, dir_fd=fd)
+                try:
+                    _clear_tree(shm)
+                finally:
+                    os.close(shm)
+                return False  # still mounted: the sweep at the next start asks the launcher again
+        _clear_tree(fd)
+        return True
+    finally:
+        os.close(fd)
 
 
 def read_restart_state(daemon_dir: Path) -> RestartState:
     try:
-        fd = os.open(daemon_dir / RESTART_STATE_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+        fd = open_below_base(daemon_dir / RESTART_STATE_NAME, os.O_RDONLY)
+    except (OSError, ValueError):
         return RestartState(count=0, last_at=0.0)
     try:
         data = json.loads(os.read(fd, 4096))
@@ -166,9 +233,21 @@ def read_restart_state(daemon_dir: Path) -> RestartState:
 
 
 def write_restart_state(daemon_dir: Path, state: RestartState) -> None:
-    # Losing the last restart to a power failure only shortens one backoff: no directory fsync.
+    # Losing the last restart to a power failure only shortens one backoff: no fsync. Written through the
+    # daemon directory's fd, so a link planted in its place cannot send the write elsewhere.
     data = json.dumps({"count": state.count, "last_at": state.last_at}).encode()
-    write_atomic(daemon_dir / RESTART_STATE_NAME, data, mode=0o600, durable=False)
+    directory = open_dir_below(daemon_base(daemon_dir), daemon_dir)
+    temp = f".{RESTART_STATE_NAME}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=directory)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(temp, RESTART_STATE_NAME, src_dir_fd=directory, dst_dir_fd=directory)
+    finally:
+        os.close(directory)
 
 
 def restart_delay(state: RestartState, base: float, cap: float, now: float | None = None) -> float:
@@ -194,8 +273,8 @@ def trim_log(path: Path, max_bytes: int) -> bool:
     (O_APPEND, ``launch.py``), so its next line lands at the new end; the limit watcher's read-backs
     would otherwise grow it by megabytes a day."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
+        fd = open_below_base(path, os.O_WRONLY)
+    except (OSError, ValueError):
         return False
     try:
         if os.fstat(fd).st_size <= max_bytes:
@@ -212,10 +291,10 @@ def trim_log(path: Path, max_bytes: int) -> bool:
 def log_tail(path: Path, lines: int) -> str:
     """The last ``lines`` lines of a daemon's log, for an error message (never through a symlink)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_below_base(path, os.O_RDONLY)
         with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
             found = f.read().splitlines()
-    except OSError:
+    except (OSError, ValueError):
         return f"\n(no {path})"
     tail = "\n".join(found[-lines:])
     return f"\nlast {min(len(found), lines)} lines of {path}:\n{tail}"

@@ -22,10 +22,12 @@ socket is root's, 0600, so the peer is the host), which ties daemons found in /p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
 import struct
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -45,6 +47,15 @@ HOST_HINT = "is the tessera-mps-host DaemonSet running on this node?"
 OLD_HOST_REFUSAL = "shm_size: Extra inputs are not permitted"
 # How the host's error for a request it cannot parse begins (hostserver.py, MpsHost.answer).
 INVALID_REQUEST = "invalid request:"
+# How the host's answer begins when all its connection slots are taken (it read nothing: try again).
+HOST_BUSY = "the MPS host is busy"
+# Between tries on a busy or broken host connection, doubling up to the cap.
+_RETRY_FIRST_S = 0.05
+_RETRY_MAX_S = 0.5
+
+
+class _TryAgain(Exception):
+    """The host was busy or the connection broke before a reply: the request may be sent again."""
 
 
 class HostRequest(BaseModel):
@@ -101,15 +112,25 @@ def encode(message: BaseModel) -> bytes:
     return message.model_dump_json(exclude_none=True).encode() + b"\n"
 
 
-def read_line(conn: socket.socket) -> bytes:
+def read_line(conn: socket.socket, until: float | None = None) -> bytes:
     """One newline-terminated message from ``conn`` (without the newline); bounded in size.
 
-    Raises ``ValueError`` for an oversized or unterminated message; socket timeouts propagate.
+    ``until`` (``time.monotonic()``) bounds the whole message, not each ``recv``: a peer sending a byte
+    now and then cannot hold the connection past it. Raises ``ValueError`` for an oversized or
+    unterminated message, ``TimeoutError`` once ``until`` or the socket's timeout has passed.
     """
     chunks: list[bytes] = []
     size = 0
     while True:
-        chunk = conn.recv(4096)
+        if until is not None:
+            left = until - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no complete message in the time allowed ({size} bytes came)")
+            conn.settimeout(left)
+        try:
+            chunk = conn.recv(4096)
+        except TimeoutError as exc:
+            raise TimeoutError(f"no complete message in the time allowed ({size} bytes came)") from exc
         if not chunk and not chunks:
             raise NothingSent("the connection closed before anything was sent")
         if not chunk:
@@ -163,15 +184,31 @@ class MpsHostLauncher:
         stat = read_proc_stat(pid) if pid > 0 else None
         self._host = (pid, stat.start_time) if stat is not None else None
 
-    def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
+    def launch(self, request: DaemonLaunch, timeout: float | None = None) -> LaunchedDaemon:
+        """Ask the host to start the daemon, within ``timeout`` seconds (else ``reply_timeout``). A busy
+        host, or a connection it cut before replying, is asked again until then."""
         if request.shm_size is None:
             request = request.model_copy(update={"shm_size": self.shm_size})
-        return self._launch(request)
+        budget = self.reply_timeout if timeout is None else max(timeout, 0.0)
+        until, pause, tries = time.monotonic() + budget, _RETRY_FIRST_S, 0
+        while True:
+            tries += 1
+            try:
+                return self._launch(request, until)
+            except _TryAgain as exc:
+                if time.monotonic() + pause >= until:
+                    raise MpsLaunchError(
+                        f"{HOST_BUSY} or cut the connection: daemon {request.daemon_id} was not started after "
+                        f"{tries} tries in {budget:.1f}s (last: {exc}); the kubelet retries") from exc
+                log.info("the MPS host was busy or cut the connection; asking again",
+                         extra={"daemon_id": request.daemon_id, "reason": str(exc), "tries": tries})
+                time.sleep(pause)
+                pause = min(pause * 2, _RETRY_MAX_S)
 
-    def _launch(self, request: DaemonLaunch) -> LaunchedDaemon:
-        where = f"MPS host socket {self.socket_path}"
+    def _launch(self, request: DaemonLaunch, until: float) -> LaunchedDaemon:
+        where, started = f"MPS host socket {self.socket_path}", time.monotonic()
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(self.connect_timeout)
+            conn.settimeout(max(min(self.connect_timeout, until - time.monotonic()), 0.001))
             try:
                 conn.connect(str(self.socket_path))
             except (FileNotFoundError, ConnectionRefusedError) as exc:
@@ -182,27 +219,31 @@ class MpsHostLauncher:
             except OSError as exc:
                 raise MpsLaunchError(f"cannot connect to the {where}: {exc}") from exc
             self._remember_host(conn)
-            conn.settimeout(self.reply_timeout)
             try:
-                conn.sendall(encode(HostRequest(launch=request)))
-                raw = read_line(conn)
+                conn.settimeout(max(until - time.monotonic(), 0.001))
+                # A busy host answers without reading the request: its answer, if it came, says why.
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    conn.sendall(encode(HostRequest(launch=request)))
+                raw = read_line(conn, until)
             except TimeoutError as exc:
-                raise MpsLaunchError(f"the {where} did not answer within {self.reply_timeout:g}s "
-                                     f"while starting daemon {request.daemon_id}") from exc
-            except (OSError, ValueError) as exc:
-                raise MpsLaunchError(f"the {where} broke off while starting daemon {request.daemon_id}: {exc}") from exc
+                raise MpsLaunchError(f"the {where} did not answer within {until - started:.1f}s while starting "
+                                     f"daemon {request.daemon_id}") from exc
+            except (OSError, ValueError) as exc:  # NothingSent included: cut before any reply
+                raise _TryAgain(f"the connection broke off: {exc}") from exc
         try:
             reply = HostReply.model_validate(json.loads(raw))
         except (ValueError, ValidationError) as exc:  # JSONDecodeError is a ValueError
             raise MpsLaunchError(f"the {where} sent an unreadable reply ({exc}); "
                                  "are the plugin and the MPS host the same version?") from exc
         if reply.error is not None:
+            if reply.error.startswith(HOST_BUSY):
+                raise _TryAgain(reply.error)
             if OLD_HOST_REFUSAL in reply.error and request.shm_size is not None:
                 # A host older than the plugin (it is updated OnDelete) mounts no tmpfs, so it needs no
                 # size: ask again without one (None is not sent) rather than fail every MPS prepare.
                 log.warning("the MPS host is older than the plugin: daemons get no /dev/shm tmpfs of their own "
                             "until its pod is replaced", extra={"daemon_id": request.daemon_id})
-                return self._launch(request.model_copy(update={"shm_size": None}))
+                return self._launch(request.model_copy(update={"shm_size": None}), until)
             raise MpsLaunchError(f"the MPS host refused daemon {request.daemon_id}: {reply.error}")
         assert reply.daemon is not None  # the model guarantees one of the two
         return reply.daemon

@@ -45,6 +45,7 @@ from driver.gpu.mps.hostcheck import (
     make_mount_point_in_root,
 )
 from driver.gpu.mps.hostclient import (
+    HOST_BUSY,
     HostReleaseRequest,
     HostReply,
     HostRequest,
@@ -310,8 +311,8 @@ class MpsHost:
                 if uid not in (0, os.geteuid()):
                     reply = HostReply(error=f"uid {uid} may not start MPS daemons")
                 else:
-                    conn.settimeout(self.config.read_timeout)
-                    reply = self.answer(read_line(conn))
+                    # The whole request, not each recv: a byte every few seconds must not hold a slot for good.
+                    reply = self.answer(read_line(conn, time.monotonic() + self.config.read_timeout))
                 conn.settimeout(self.config.read_timeout)
                 conn.sendall(encode(reply))
             except NothingSent:
@@ -357,7 +358,7 @@ class MpsHost:
         with conn:
             conn.settimeout(_BUSY_REPLY_TIMEOUT_S)
             with contextlib.suppress(OSError):
-                conn.sendall(encode(HostReply(error=f"the MPS host is busy: it already serves {self.max_connections} "
+                conn.sendall(encode(HostReply(error=f"{HOST_BUSY}: it already serves {self.max_connections} "
                                                     "connections; retry")))
         self._busy_refused += 1
         now = time.monotonic()

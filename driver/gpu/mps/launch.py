@@ -70,7 +70,7 @@ class DaemonLaunch(BaseModel):
         for name in value or []:
             if not CAPABILITY.fullmatch(name):
                 raise ValueError(f"capabilities entry {name!r} is not gpu<N>/mig/gi<G>[/ci<C>]/access, "
-                                 f"mig/config/access or mig/monitor/access")
+                                 f"mig/config or mig/monitor")
         return value
 
     @field_validator("shm_size")
@@ -91,8 +91,9 @@ class LaunchedDaemon(BaseModel):
 
 
 class DaemonLauncher(Protocol):
-    def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
-        """Start ``nvidia-cuda-mps-control -f`` for ``request`` and return its PID; raise MpsLaunchError."""
+    def launch(self, request: DaemonLaunch, timeout: float | None = None) -> LaunchedDaemon:
+        """Start ``nvidia-cuda-mps-control -f`` for ``request`` and return its PID; raise MpsLaunchError.
+        ``timeout``: what is left of the caller's deadline, for a launcher that waits on another process."""
         ...
 
     def describe(self) -> str:
@@ -163,7 +164,7 @@ class LocalLauncher:
         # A daemon orphaned by a plugin crash is re-parented but stays in the plugin container's cgroup.
         return tied_to(pid, os.getpid())
 
-    def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
+    def launch(self, request: DaemonLaunch, timeout: float | None = None) -> LaunchedDaemon:
         try:
             binary = find_binary(self.driver_root, CONTROL_BINARY)
             env = driver_env(self.driver_root)

@@ -181,28 +181,34 @@ class MpsManager:
         meanwhile (restart it), MpsError if it does not answer or does not take a limit back."""
         return verify_limits(self.control, record, Deadline.after(self._within_ready(timeout), "limit check"))
 
-    def adopt(self, spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord | None:
+    def adopt(self, spec: MpsDaemonSpec, timeout: float | None = None,
+              restore: bool = False) -> MpsDaemonRecord | None:
         """A record for the one live daemon in ``spec``'s directory if its limits read back as ``spec``'s,
-        else None. For daemons whose record was lost with a corrupt checkpoint: their clients keep
-        their daemon instead of losing it to a restart."""
+        else None. For daemons whose record was lost with the checkpoint: their clients keep their daemon
+        instead of losing it to a restart. With ``restore`` (``spec`` is the one the daemon was started
+        with, from its claims' CDI specs), limits a client changed are set back and it is adopted anyway."""
         daemon_dir = self.daemon_dir(spec.daemon_id)
-        pipe_dir, log_dir = daemon_dir / "pipe", daemon_dir / "log"
-        running = self.identity.unrecorded(pipe_dir)
+        running = self.identity.unrecorded(daemon_dir / "pipe")
         if len(running) != 1:
             return None
+        shm = daemon_dir / "shm"  # present only when the launcher gave the daemon a /dev/shm of its own
+        record = MpsDaemonRecord(spec=spec, pid=running[0][0], pipe_dir=daemon_dir / "pipe", log_dir=daemon_dir / "log",
+                                 started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                                 process_start_time=running[0][1],
+                                 shm_dir=shm if shm.is_dir() and not shm.is_symlink() else self.shm_dir)
+        deadline, drift = Deadline.after(self._within_ready(timeout), "adoption"), []
         try:
-            check_limits(self.control, spec, pipe_dir, log_dir, Deadline.after(self._within_ready(timeout), "adoption"))
+            if restore:
+                drift = verify_limits(self.control, record, deadline)
+            else:
+                check_limits(self.control, spec, record.pipe_dir, record.log_dir, deadline)
         except MpsError as exc:
             log.info("found a daemon without a record but not with the expected limits; not adopting it",
                      extra={"daemon_id": spec.daemon_id, "reason": str(exc)})
             return None
-        pid, process_start_time = running[0]
-        shm = daemon_dir / "shm"  # present only when the launcher gave the daemon a /dev/shm of its own
-        log.info("adopted an MPS control daemon that had no record", extra={"daemon_id": spec.daemon_id, "pid": pid})
-        return MpsDaemonRecord(spec=spec, pid=pid, pipe_dir=pipe_dir, log_dir=log_dir,
-                               started_at=datetime.now(UTC).isoformat(timespec="seconds"),
-                               process_start_time=process_start_time,
-                               shm_dir=shm if shm.is_dir() and not shm.is_symlink() else self.shm_dir)
+        log.info("adopted an MPS control daemon that had no record", extra={
+            "daemon_id": spec.daemon_id, "pid": record.pid, "limits_restored": [d.describe() for d in drift]})
+        return record
 
     def stop(self, record: MpsDaemonRecord, timeout: float | None = None) -> None:
         """Quit the daemon, fall back to SIGTERM then SIGKILL, and remove its directories, within
@@ -231,21 +237,6 @@ class MpsManager:
         """Daemon directories of the driver's own naming under ``base_dir`` (no symlinks), to find ones
         the checkpoint does not know."""
         return driver_daemon_ids(self.base_dir)
-
-    def supports_multi_user(self, gpu_uuid: str) -> bool:
-        """Whether this driver's control daemon runs in multi-user mode: starts a throwaway one with it.
-
-        535.x and 550.x do not know the flag and exit at once; that, or any other start failure, is False.
-        """
-        probe = MpsDaemonSpec(daemon_id="probe-multi-user", gpu_uuids=[gpu_uuid], multi_user=True)
-        try:
-            self.stop_by_id(probe.daemon_id)
-            record = self.start(probe)
-        except MpsError as exc:
-            log.info("MPS multi-user mode is not available", extra={"reason": str(exc).splitlines()[0]})
-            return False
-        self.stop(record)
-        return True
 
     def _within_ready(self, timeout: float | None) -> float:
         """``ready_timeout``, or what is left of a caller's deadline if that is less (never negative)."""
@@ -282,7 +273,7 @@ class MpsManager:
         if running:
             raise MpsError(
                 f"an MPS control daemon (pid {running[0][0]}) already runs in {pipe_dir}; "
-                "adopt it with ensure_running() or stop it before starting another"
+                "it must stop before another can start there"
             )
         deadline = Deadline.after(self._within_ready(timeout), "start")
         started: tuple[int, int] | None = None
@@ -294,7 +285,7 @@ class MpsManager:
                                    shm_dir=daemon_dir / "shm", shm_size=spec.shm_size,
                                    capabilities=(self.capabilities(spec.gpu_uuids) if self.capabilities else [])
                                    or None)
-            launched = self.launcher.launch(request)
+            launched = self.launcher.launch(request, deadline.remaining())
             launched_pid = launched.pid
             if launched.shm_dir not in (None, request.shm_dir):
                 # Clients get this directory read-write at /dev/shm: only the one asked for will do.

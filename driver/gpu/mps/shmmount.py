@@ -17,9 +17,10 @@ directories keeps it, so the clients' existing bind mounts of it meet the new se
 they did when shm was a plain directory.
 
 mount(2) and umount2(2) go through ctypes: no child process to bound in time (a tmpfs mount does
-no I/O), and the errno comes back as it is. The target is opened with ``O_NOFOLLOW`` and mounted
-through ``/proc/self/fd``, so a symlink in its place is never followed (the lstat-only rule of
-``dirs.py``: tenants write inside ``shm/``).
+no I/O), and the errno comes back as it is. The target is reached from the MPS directory one
+directory fd at a time with ``O_NOFOLLOW`` (``dirs.open_dir_below``) and mounted and unmounted
+through ``/proc/self/fd``, so a symlink at any component below the MPS directory (``<id>`` or
+``shm``) is never followed: its mount or unmount fails with ELOOP or ENOTDIR, naming the path.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from driver.gpu.claimconfig.quantity import parse_quantity
+from driver.gpu.mps.dirs import daemon_base, open_dir_below
 from driver.gpu.mps.hostclient import HostReply, ShmRelease
 from driver.gpu.mps.hostcmd import HostMode, Tools, daemon_argv
 from driver.gpu.mps.launch import DaemonLaunch, DaemonLauncher, MpsLaunchError
@@ -46,7 +48,6 @@ MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
 MNT_DETACH = 2
-UMOUNT_NOFOLLOW = 8
 # nosuid,nodev,noexec: what the chart's shared tmpfs had; a tenant's files there are data, never programs.
 TMPFS_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC
 # More stacked mounts than this on one shm directory is not something a crash leaves: stop, say so.
@@ -69,17 +70,37 @@ def _errno_error(path: Path) -> OSError:
 
 
 def is_mount_point(path: Path) -> bool:
-    """Whether a file system is mounted on the directory ``path`` (judged by lstat: a symlink is not)."""
+    """Whether a file system is mounted on the directory ``path`` (reached as ``dirs.open_dir_below`` does from
+    its MPS directory, or its parent: a symlink is not one)."""
     try:
-        own, parent = os.lstat(path), os.lstat(path.parent)
+        parent = open_dir_below(daemon_base(path), path.parent)
+    except (OSError, ValueError):
+        return False
+    try:
+        return _mounted_at(parent, path.name)
+    finally:
+        os.close(parent)
+
+
+def _mounted_at(parent: int, name: str) -> bool:
+    try:
+        own = os.stat(name, dir_fd=parent, follow_symlinks=False)
     except OSError:
         return False
-    return stat.S_ISDIR(own.st_mode) and own.st_dev != parent.st_dev
+    return stat.S_ISDIR(own.st_mode) and own.st_dev != os.fstat(parent).st_dev
+
+
+def _target_fd(parent: int, name: str) -> int:
+    return os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent)
 
 
 def mount_tmpfs(path: Path, size: int) -> None:
     """Mount a tmpfs of at most ``size`` bytes, mode 1777 (as /dev/shm), on the real directory ``path``."""
-    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    parent = open_dir_below(daemon_base(path), path.parent)
+    try:
+        fd = _target_fd(parent, path.name)
+    finally:
+        os.close(parent)
     try:
         options = f"size={size},mode=1777".encode()
         if _libc().mount(b"tmpfs", f"/proc/self/fd/{fd}".encode(), b"tmpfs", TMPFS_FLAGS, options) != 0:
@@ -93,15 +114,24 @@ def unmount_all(path: Path) -> int:
 
     Lazily (MNT_DETACH): the mount leaves every namespace it propagated to at once, even while a
     process still has a file open on it, and its memory goes when the last user does. A client's own
-    bind mount of it is a mount of its own and keeps working until its container ends.
+    bind mount of it is a mount of its own and keeps working until its container ends. Each is
+    unmounted through an fd of its root (``/proc/self/fd``), so no link below the MPS directory is followed.
     """
     count = 0
-    while is_mount_point(path):
-        if count >= _MAX_STACKED:
-            raise OSError(errno.EBUSY, f"still a mount point after {count} unmounts", str(path))
-        if _libc().umount2(os.fsencode(path), MNT_DETACH | UMOUNT_NOFOLLOW) != 0:
-            raise _errno_error(path)
-        count += 1
+    parent = open_dir_below(daemon_base(path), path.parent)
+    try:
+        while _mounted_at(parent, path.name):
+            if count >= _MAX_STACKED:
+                raise OSError(errno.EBUSY, f"still a mount point after {count} unmounts", str(path))
+            fd = _target_fd(parent, path.name)  # the top mount's root: opened again after each unmount
+            try:
+                if _libc().umount2(f"/proc/self/fd/{fd}".encode(), MNT_DETACH) != 0:
+                    raise _errno_error(path)
+            finally:
+                os.close(fd)
+            count += 1
+    finally:
+        os.close(parent)
     return count
 
 

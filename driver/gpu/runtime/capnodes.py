@@ -29,13 +29,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from driver.gpu.checkpoint import Checkpoint
-from driver.gpu.claimcdi.hostfs import CAPABILITIES_DIR, HostFsError, capability_node, nvidia_caps_major
+from driver.gpu.claimcdi.hostfs import HostFsError, mig_driver_capability_node
 
 log = logging.getLogger(__name__)
 
-# A capability as a path under /proc/driver/nvidia/capabilities: a MIG instance's GI or CI access, or mig/config.
-CAPABILITY = re.compile(r"^(gpu\d{1,4}/mig/gi\d{1,3}(/ci\d{1,3})?|mig/config|mig/monitor)/access$")
-MIG_CONFIG = "mig/config/access"
+# A capability as a file under /proc/driver/nvidia/capabilities: a MIG instance's GI or CI access file, or the
+# driver's own mig/config and mig/monitor (files themselves: nvidia-modprobe -f .../capabilities/mig/config).
+CAPABILITY = re.compile(r"^(gpu\d{1,4}/mig/gi\d{1,3}(/ci\d{1,3})?/access|mig/config|mig/monitor)$")
+MIG_CONFIG = "mig/config"
 CAPS_DIR = "dev/nvidia-caps"
 
 
@@ -70,15 +71,15 @@ def ensure_nodes(proc_root: Path, dev_root: Path, capabilities: Iterable[str]) -
     for name in wanted:
         if not CAPABILITY.fullmatch(name):
             raise CapabilityNodeError(f"{name!r} is not a MIG capability path (gpu<N>/mig/gi<G>[/ci<C>]/access, "
-                                      f"mig/config/access or mig/monitor/access)")
+                                      f"mig/config or mig/monitor)")
     try:
-        major = nvidia_caps_major(proc_root)
-        nodes = [capability_node(proc_root, f"{CAPABILITIES_DIR}/{name}") for name in wanted]
+        nodes = [mig_driver_capability_node(proc_root, name) for name in wanted]
     except HostFsError as exc:
         raise CapabilityNodeError(str(exc)) from exc
     caps = dev_root / CAPS_DIR
     made: list[str] = []
-    for minor, mode in nodes:
+    for node in nodes:
+        major, minor, mode = node.major, node.minor, node.file_mode
         path = caps / f"nvidia-cap{minor}"
         if _present(path, major, minor):
             continue

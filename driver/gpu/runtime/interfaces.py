@@ -39,7 +39,8 @@ class MpsDaemons(Protocol):
         ``MpsDaemonStopped`` if the daemon exited meanwhile."""
         ...
 
-    def adopt(self, spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord | None:
+    def adopt(self, spec: MpsDaemonSpec, timeout: float | None = None,
+              restore: bool = False) -> MpsDaemonRecord | None:
         """A record for a live daemon of ``spec`` that has none (lost with the checkpoint), if its limits
         read back as ``spec``'s."""
         ...

@@ -57,6 +57,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s/plugins_registry" (include "tessera.kubeletDir" .) }}
 {{- end }}
 
+{{- define "tessera.devicePluginsDir" -}}
+{{- printf "%s/device-plugins" (include "tessera.kubeletDir" .) }}
+{{- end }}
+
 {{- define "tessera.pluginsDir" -}}
 {{- printf "%s/plugins" (include "tessera.kubeletDir" .) }}
 {{- end }}
