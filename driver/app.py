@@ -44,6 +44,7 @@ from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.multiuser import MultiUserProbe, probe_gpu, single_user_gpus
 from driver.gpu.mps.shmmount import ShmTmpfs
 from driver.gpu.planuse import PLAN_USE_FILE, PlanUse, chosen_how, gpu_lines, plan_use, write_plan_use
+from driver.gpu.runtime.sharing import WATCH_CHECK_S
 from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.sharelayout import SharingLayout
 from driver.gpu.sharingplan import PlanError, SharingPlan, load_plans, resolve_plan, select_plan
@@ -211,6 +212,9 @@ class DriverApp:
         self.mps_reports = MpsReports(self.events)
         self.state.sharing.reports = self.mps_reports
         self.daemon_watch = DaemonWatcher(self.state, settings.mps_limit_check_interval)
+        # A prepare joins a daemon whose limits the watcher confirmed this recently without a control command.
+        self.state.sharing.confirmations.fresh_for = settings.mps_limit_check_interval
+        self.state.sharing.confirmations.round_s = WATCH_CHECK_S
         self.state.recover()
         own = own_instances(self.state.ledger.read())
         if own or self.state.mig.changes:

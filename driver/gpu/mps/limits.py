@@ -18,8 +18,16 @@ from pathlib import Path
 
 from driver.gpu.mps.control import Deadline, MpsControl
 from driver.gpu.mps.dirs import trim_log
+from driver.gpu.mps.holders import held_connection, release
 from driver.gpu.mps.launch import CONTROL_LOG_NAME
-from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsDaemonStopped, MpsError, pinned_limit_taken
+from driver.gpu.mps.model import (
+    MpsDaemonRecord,
+    MpsDaemonSpec,
+    MpsDaemonStopped,
+    MpsError,
+    MpsNoAnswer,
+    pinned_limit_taken,
+)
 from driver.gpu.mps.proc import wait_for_exit
 from driver.gpu.mps.restarts import STOPPED_EXIT_WAIT_S
 
@@ -143,22 +151,36 @@ def _read_back(control: MpsControl, limits: list[_Limit], pipe_dir: Path, log_di
 def verify_limits(control: MpsControl, record: MpsDaemonRecord, deadline: Deadline) -> list[LimitDrift]:
     """Read the running daemon's limits back and set again those that drifted; returns the drift found.
     :class:`MpsDaemonStopped` if the daemon exited meanwhile, MpsError if it does not answer or keeps a
-    changed limit."""
+    changed limit. A client that holds the daemon silent through the whole first try is let go
+    (``holders.py``) and the limits read again."""
     trim_log(record.log_dir / CONTROL_LOG_NAME, MAX_LOG_BYTES)  # every read-back adds lines to it
+    held = held_connection(record.pid)
     try:
-        drift = find_drift(control, record.spec, record.pipe_dir, record.log_dir, deadline)
-        if drift:
-            restore_limits(control, record.spec, drift, record.pipe_dir, record.log_dir, deadline)
-        # A client may have raised a limit within what its read-back shows (up to 1023 MiB of pinned
-        # memory): undetectable, so those limits are set again every time, unreported.
-        restored = {d.limit for d in drift}
-        hidden = [limit.set_command for limit in _limits(record.spec)
-                  if limit.hides_changes and limit.name not in restored]
-        if hidden:
-            control.set_all(record.pipe_dir, record.log_dir, hidden, deadline)
+        if held is None:
+            return _verify(control, record, deadline)
+        # Already waiting on a connection: half the time for a first try, the rest for one after letting go.
+        first = Deadline(min(deadline.at, deadline.at - deadline.remaining() / 2), deadline.what)
+        try:
+            return _verify(control, record, first)
+        except MpsNoAnswer:
+            if held_connection(record.pid) != held or not release(held):
+                raise
+        return _verify(control, record, deadline)
     except MpsError as exc:
         if wait_for_exit(record.pid, record.process_start_time, STOPPED_EXIT_WAIT_S):
             raise MpsDaemonStopped(f"MPS control daemon {record.spec.daemon_id} (pid {record.pid}) stopped while "
                                    f"its limits were checked: {exc}") from exc
         raise
+
+
+def _verify(control: MpsControl, record: MpsDaemonRecord, deadline: Deadline) -> list[LimitDrift]:
+    drift = find_drift(control, record.spec, record.pipe_dir, record.log_dir, deadline)
+    if drift:
+        restore_limits(control, record.spec, drift, record.pipe_dir, record.log_dir, deadline)
+    # A client may have raised a limit within what its read-back shows (up to 1023 MiB of pinned
+    # memory): undetectable, so those limits are set again every time, unreported.
+    restored = {d.limit for d in drift}
+    hidden = [limit.set_command for limit in _limits(record.spec) if limit.hides_changes and limit.name not in restored]
+    if hidden:
+        control.set_all(record.pipe_dir, record.log_dir, hidden, deadline)
     return drift
