@@ -86,15 +86,21 @@ class MpsControl:
         pause, tries = _BUSY_PAUSE_FIRST_S, 0
         while True:
             tries += 1
-            answer = self._send_once(pipe_dir, log_dir, command, label, ends - time.monotonic(), limit)
+            try:
+                answer = self._send_once(pipe_dir, log_dir, command, label, ends - time.monotonic(), limit)
+            except MpsNoAnswer as exc:
+                if tries == 1:
+                    raise
+                answer = None  # the socket was busy and the last try ran out of the time left
+                if ends - time.monotonic() > 0:
+                    raise MpsNoAnswer(f"{label} got no answer {limit} after the socket was busy: {exc}") from exc
             if answer is not None:
                 return answer
-            left = ends - time.monotonic()
-            if left <= 0:
+            time.sleep(max(min(random.uniform(pause / 2, pause), ends - time.monotonic()), 0.0))
+            pause = min(pause * 2, _BUSY_PAUSE_MAX_S)
+            if ends - time.monotonic() <= 0:
                 raise MpsBusy(f"{label} not carried out: another client held the daemon's control socket "
                               f"{pipe_dir / CONTROL_SOCKET_NAME} (its one control session) {limit}, {tries} tries")
-            time.sleep(min(random.uniform(pause / 2, pause), left))
-            pause = min(pause * 2, _BUSY_PAUSE_MAX_S)
 
     def _send_once(self, pipe_dir: Path, log_dir: Path, command: str, label: str, timeout: float,
                    limit: str) -> str | None:
