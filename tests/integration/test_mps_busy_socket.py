@@ -3,13 +3,16 @@
 NVIDIA's control daemon serves one control session at a time, and waits for a connected client's first
 message without a timeout (measured with 550.163 and 535.261, scripts/measure-mps-control.py). A tenant
 reaches its ``control`` socket (0666) through its read-only mount of the pipe directory; here the path is
-made traversable for UID 65534 instead of mounted. Each test runs against the stand-in and NVIDIA's 550
+bound read-only into a mount namespace of the tenant's own, as the CDI spec binds it into a container. Each
+test runs against the stand-in and NVIDIA's 550
 and 535 daemons where fetched.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -38,7 +41,8 @@ def node(request: pytest.FixtureRequest) -> Iterator[SimulatedNode]:
     n.kind = kind  # type: ignore[attr-defined]
     try:
         kind.install(n.sim_host.driver_root / "usr" / "bin")
-        n.work.chmod(0o711)  # UID 65534 reaches the pipe dir and the control binary, as through a mount
+        n.work.chmod(0o711)  # UID 65534 reaches its mount point and the control binary
+        (n.work / "tenant-pipe").mkdir(mode=0o755)
         n.start("--mps-limit-check-interval", INTERVAL)
         wait_until(lambda: set(SHARES) <= set(n.device_names()), timeout=30, what="the MPS shares")
         yield n
@@ -51,6 +55,16 @@ def control_argv(node: SimulatedNode) -> list[str]:
     kind: MpsDaemonKind = node.kind  # type: ignore[attr-defined]
     # The stand-in's interpreter (the test's) is not reachable for UID 65534; the system's runs it alike.
     return [binary] if kind.is_real else ["/usr/bin/python3", binary]
+
+
+def as_tenant(node: SimulatedNode, pipe_dir: str, argv: list[str], uid: int = NOBODY) -> list[str]:
+    """``argv`` run as ``uid`` with the pipe dir bound read-only at ``<work>/tenant-pipe`` in a mount namespace
+    of its own (``CUDA_MPS_PIPE_DIRECTORY`` names the mount point)."""
+    mount = str(node.work / "tenant-pipe")
+    script = ('mount --bind -o ro "$1" "$2" && export CUDA_MPS_PIPE_DIRECTORY="$2" && '
+              'exec setpriv --reuid="$3" --regid="$3" --clear-groups "${@:4}"')
+    return ["unshare", "--mount", "--propagation", "private", "bash", "-c", script, "tenant", pipe_dir, mount,
+            str(uid), *argv]
 
 
 def tenant(node: SimulatedNode, pipe_dir: str, command: str) -> str:
@@ -82,14 +96,13 @@ def events(node: SimulatedNode, reason: str) -> dict[str, dict[str, Any]]:
 def flooders(node: SimulatedNode, pipe_dir: str, command: str, count: int = 3) -> list[subprocess.Popen[bytes]]:
     """``count`` processes of UID 65534, each looping ``echo <command> | nvidia-cuda-mps-control``."""
     loop = 'while :; do echo "$1" | "${@:2}" >/dev/null 2>&1; done'
-    return [subprocess.Popen(["bash", "-c", loop, "flood", command, *control_argv(node)], user=NOBODY, group=NOBODY,
-                             extra_groups=[], env={"PATH": "/usr/bin:/bin", "CUDA_MPS_PIPE_DIRECTORY": pipe_dir},
-                             start_new_session=True) for _ in range(count)]
+    argv = as_tenant(node, pipe_dir, ["bash", "-c", loop, "flood", command, *control_argv(node)])
+    return [subprocess.Popen(argv, env={"PATH": "/usr/bin:/bin"}, start_new_session=True) for _ in range(count)]
 
 
 def stop(processes: list[subprocess.Popen[bytes]]) -> None:
     for p in processes:
-        p.kill()
+        os.killpg(p.pid, signal.SIGKILL)  # the loop and its front-end of the moment
         p.wait(timeout=30)
 
 
@@ -99,12 +112,15 @@ def test_three_unprivileged_clients_flooding_the_control_socket_fail_no_other_te
     hostile = node.claim("hostile", [("share", SHARES[0])], namespace="tenant-a")
     node.prepare_ok(hostile)
     daemon = plan_daemon(node)
+    reach = subprocess.run(as_tenant(node, daemon["pipe_dir"], control_argv(node)), input=GET + "\n",
+                           capture_output=True, text=True, timeout=30)
+    assert reach.stdout.strip() == "25.0", f"UID 65534 reaches the daemon through its mount: {reach.stderr}"
     before = control_log(daemon).count("Accepting connection")
     flood = flooders(node, daemon["pipe_dir"], command)
     took: list[float] = []
     try:
         # The flood reaches the daemon: a few dozen more connections than the driver's own.
-        wait_until(lambda: control_log(daemon).count("Accepting connection") > before + 30, timeout=60,
+        wait_until(lambda: control_log(daemon).count("Accepting connection") > before + 60, timeout=60,
                    what="the tenants' flood of control connections")
         others = [node.claim(f"other-{k}", [("share", SHARES[1 + k % 3])], namespace=f"tenant-{k}")
                   for k in range(8)]
@@ -167,8 +183,8 @@ def silent_holder(node: SimulatedNode, pipe_dir: str) -> subprocess.Popen[str]:
     kind = "SOCK_SEQPACKET" if node.kind.is_real else "SOCK_STREAM"  # type: ignore[attr-defined]
     code = (f"import socket,sys\ns=socket.socket(socket.AF_UNIX, socket.{kind})\ns.connect(sys.argv[1])\n"
             "print('held', flush=True)\nwhile s.recv(64): pass\nprint('EOF', flush=True)\nsys.stdin.read()\n")
-    holder = subprocess.Popen(["/usr/bin/python3", "-c", code, f"{pipe_dir}/control"], user=NOBODY, group=NOBODY,
-                              extra_groups=[], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    argv = as_tenant(node, pipe_dir, ["/usr/bin/python3", "-c", code, str(node.work / "tenant-pipe" / "control")])
+    holder = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
     return holder
 

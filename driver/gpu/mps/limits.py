@@ -12,6 +12,7 @@ docs/sharing.md, "NVIDIA's daemon, as measured".
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ from driver.gpu.mps.model import (
 )
 from driver.gpu.mps.proc import wait_for_exit
 from driver.gpu.mps.restarts import STOPPED_EXIT_WAIT_S
+
+log = logging.getLogger(__name__)
 
 THREAD_PERCENTAGE = "active_thread_percentage"
 # A read-back logs about 0.5 KB; every 5 s that is 8 MB a day per daemon without a bound.
@@ -182,5 +185,9 @@ def _verify(control: MpsControl, record: MpsDaemonRecord, deadline: Deadline) ->
     restored = {d.limit for d in drift}
     hidden = [limit.set_command for limit in _limits(record.spec) if limit.hides_changes and limit.name not in restored]
     if hidden:
-        control.set_all(record.pipe_dir, record.log_dir, hidden, deadline)
+        try:
+            control.set_all(record.pipe_dir, record.log_dir, hidden, deadline)
+        except MpsError as exc:  # the next round sets them again; the drift restored now must still be reported
+            log.info("could not set the MPS daemon's whole-G pinned limits again this round",
+                     extra={"daemon_id": record.spec.daemon_id, "reason": str(exc)})
     return drift
