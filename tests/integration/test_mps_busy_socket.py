@@ -11,8 +11,6 @@ and 535 daemons where fetched.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,8 +20,8 @@ from typing import Any
 import pytest
 
 from tests.integration.test_health import metrics
-from tests.support.lookalikes import NOBODY
-from tests.support.mpsdaemons import CONTROL, MpsDaemonKind, daemon_params
+from tests.support.mpsdaemons import MpsDaemonKind, daemon_params
+from tests.support.mpstenants import allow_tenants, as_tenant, control_argv, flooders, silent_holder, stop
 from tests.support.node import SimulatedNode, pid_alive, wait_until
 
 # gpu-2 (an L4) in four MPS shares: 25 % of the threads, 4 GiB pinned each.
@@ -38,11 +36,9 @@ GET = "get_default_active_thread_percentage"
 def node(request: pytest.FixtureRequest) -> Iterator[SimulatedNode]:
     kind: MpsDaemonKind = request.param
     n = SimulatedNode("demo", plans=PLANS, plan="mps")
-    n.kind = kind  # type: ignore[attr-defined]
     try:
         kind.install(n.sim_host.driver_root / "usr" / "bin")
-        n.work.chmod(0o711)  # UID 65534 reaches its mount point and the control binary
-        (n.work / "tenant-pipe").mkdir(mode=0o755)
+        allow_tenants(n)
         n.start("--mps-limit-check-interval", INTERVAL)
         wait_until(lambda: set(SHARES) <= set(n.device_names()), timeout=30, what="the MPS shares")
         yield n
@@ -50,26 +46,19 @@ def node(request: pytest.FixtureRequest) -> Iterator[SimulatedNode]:
         n.close()
 
 
-def control_argv(node: SimulatedNode) -> list[str]:
-    binary = str(node.sim_host.driver_root / "usr" / "bin" / CONTROL)
-    kind: MpsDaemonKind = node.kind  # type: ignore[attr-defined]
-    # The stand-in's interpreter (the test's) is not reachable for UID 65534; the system's runs it alike.
-    return [binary] if kind.is_real else ["/usr/bin/python3", binary]
+@pytest.fixture
+def kind(request: pytest.FixtureRequest) -> MpsDaemonKind:
+    param: MpsDaemonKind = request.node.callspec.params["node"]
+    return param
 
 
-def as_tenant(node: SimulatedNode, pipe_dir: str, argv: list[str], uid: int = NOBODY) -> list[str]:
-    """``argv`` run as ``uid`` with the pipe dir bound read-only at ``<work>/tenant-pipe`` in a mount namespace
-    of its own (``CUDA_MPS_PIPE_DIRECTORY`` names the mount point)."""
-    mount = str(node.work / "tenant-pipe")
-    script = ('mount --bind -o ro "$1" "$2" && export CUDA_MPS_PIPE_DIRECTORY="$2" && '
-              'exec setpriv --reuid="$3" --regid="$3" --clear-groups "${@:4}"')
-    return ["unshare", "--mount", "--propagation", "private", "bash", "-c", script, "tenant", pipe_dir, mount,
-            str(uid), *argv]
 
 
-def tenant(node: SimulatedNode, pipe_dir: str, command: str) -> str:
+
+
+def tenant(node: SimulatedNode, kind: MpsDaemonKind, pipe_dir: str, command: str) -> str:
     """One control command as a root tenant sends it through its mount of the pipe dir."""
-    done = subprocess.run(control_argv(node), input=command + "\n", capture_output=True, text=True, timeout=30,
+    done = subprocess.run(control_argv(node, kind), input=command + "\n", capture_output=True, text=True, timeout=30,
                           env={"PATH": "/usr/bin:/bin", "CUDA_MPS_PIPE_DIRECTORY": pipe_dir})
     return done.stdout.strip()
 
@@ -93,30 +82,21 @@ def events(node: SimulatedNode, reason: str) -> dict[str, dict[str, Any]]:
     return {e["regarding"]["uid"]: e for e in node.api.events() if e["reason"] == reason}
 
 
-def flooders(node: SimulatedNode, pipe_dir: str, command: str, count: int = 3) -> list[subprocess.Popen[bytes]]:
-    """``count`` processes of UID 65534, each looping ``echo <command> | nvidia-cuda-mps-control``."""
-    loop = 'while :; do echo "$1" | "${@:2}" >/dev/null 2>&1; done'
-    argv = as_tenant(node, pipe_dir, ["bash", "-c", loop, "flood", command, *control_argv(node)])
-    return [subprocess.Popen(argv, env={"PATH": "/usr/bin:/bin"}, start_new_session=True) for _ in range(count)]
 
 
-def stop(processes: list[subprocess.Popen[bytes]]) -> None:
-    for p in processes:
-        os.killpg(p.pid, signal.SIGKILL)  # the loop and its front-end of the moment
-        p.wait(timeout=30)
 
 
 @pytest.mark.parametrize("command", [GET, "set_default_active_thread_percentage 100"], ids=["get-loops", "set-loops"])
 def test_three_unprivileged_clients_flooding_the_control_socket_fail_no_other_tenants_prepare(
-        node: SimulatedNode, command: str) -> None:
+        node: SimulatedNode, kind: MpsDaemonKind, command: str) -> None:
     hostile = node.claim("hostile", [("share", SHARES[0])], namespace="tenant-a")
     node.prepare_ok(hostile)
     daemon = plan_daemon(node)
-    reach = subprocess.run(as_tenant(node, daemon["pipe_dir"], control_argv(node)), input=GET + "\n",
+    reach = subprocess.run(as_tenant(node, daemon["pipe_dir"], control_argv(node, kind)), input=GET + "\n",
                            capture_output=True, text=True, timeout=30)
     assert reach.stdout.strip() == "25.0", f"UID 65534 reaches the daemon through its mount: {reach.stderr}"
     before = control_log(daemon).count("Accepting connection")
-    flood = flooders(node, daemon["pipe_dir"], command)
+    flood = flooders(node, kind, daemon["pipe_dir"], command)
     took: list[float] = []
     try:
         # The flood reaches the daemon: a few dozen more connections than the driver's own.
@@ -139,18 +119,19 @@ def test_three_unprivileged_clients_flooding_the_control_socket_fail_no_other_te
     if command == GET:
         # A busy front-end that exits 0 printing nothing is no answer, not a limit found unset.
         assert counter(node, "tessera_mps_limit_drift_total", limit="active_thread_percentage") == 0
-    wait_until(lambda: tenant(node, daemon["pipe_dir"], GET) == "25.0", timeout=30,
+    wait_until(lambda: tenant(node, kind, daemon["pipe_dir"], GET) == "25.0", timeout=30,
                what="the daemon to read back its limits after the flood")
 
 
-def test_a_silent_holder_of_the_control_socket_is_let_go_and_a_limit_it_hid_is_restored(node: SimulatedNode) -> None:
+def test_a_silent_holder_of_the_control_socket_is_let_go_and_a_limit_it_hid_is_restored(
+        node: SimulatedNode, kind: MpsDaemonKind) -> None:
     hostile = node.claim("hostile", [("share", SHARES[0])], namespace="tenant-a")
     victim = node.claim("victim", [("share", SHARES[1])], namespace="tenant-b")
     node.prepare_ok(hostile)
     node.prepare_ok(victim)
     daemon = plan_daemon(node)
-    assert tenant(node, daemon["pipe_dir"], "set_default_active_thread_percentage 100") == "100.0"
-    holder = silent_holder(node, daemon["pipe_dir"])
+    assert tenant(node, kind, daemon["pipe_dir"], "set_default_active_thread_percentage 100") == "100.0"
+    holder = silent_holder(node, kind, daemon["pipe_dir"])
     try:
         # The watcher finds the hold, lets it go and restores the limit while the holder still runs.
         wait_until(lambda: hostile.uid in events(node, "MpsLimitsReverted"), timeout=60,
@@ -161,13 +142,13 @@ def test_a_silent_holder_of_the_control_socket_is_let_go_and_a_limit_it_hid_is_r
         assert "active_thread_percentage was '100.0', restored to 25" in events(node, "MpsLimitsReverted")[
             victim.uid]["note"]
         assert counter(node, "tessera_mps_limit_drift_total", limit="active_thread_percentage") == 1
-        assert tenant(node, daemon["pipe_dir"], GET) == "25.0"
+        assert tenant(node, kind, daemon["pipe_dir"], GET) == "25.0"
         assert plan_daemon(node)["pid"] == daemon["pid"], "let go in place, not restarted"
     finally:
         holder.kill()
         holder.wait(timeout=30)
     # The last unprepare stops the daemon while another silent client holds it: no five-second quit wait.
-    holder = silent_holder(node, daemon["pipe_dir"])
+    holder = silent_holder(node, kind, daemon["pipe_dir"])
     try:
         began = time.monotonic()
         assert node.unprepare(hostile, victim) == {hostile.uid: None, victim.uid: None}
@@ -178,18 +159,10 @@ def test_a_silent_holder_of_the_control_socket_is_let_go_and_a_limit_it_hid_is_r
         holder.wait(timeout=30)
 
 
-def silent_holder(node: SimulatedNode, pipe_dir: str) -> subprocess.Popen[str]:
-    """A UID-65534 process that connects to the control socket and sends nothing; it prints EOF if let go."""
-    kind = "SOCK_SEQPACKET" if node.kind.is_real else "SOCK_STREAM"  # type: ignore[attr-defined]
-    code = (f"import socket,sys\ns=socket.socket(socket.AF_UNIX, socket.{kind})\ns.connect(sys.argv[1])\n"
-            "print('held', flush=True)\nwhile s.recv(64): pass\nprint('EOF', flush=True)\nsys.stdin.read()\n")
-    argv = as_tenant(node, pipe_dir, ["/usr/bin/python3", "-c", code, str(node.work / "tenant-pipe" / "control")])
-    holder = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-    return holder
 
 
-def test_a_held_control_session_counts_as_drift_until_the_limits_read_back_again(node: SimulatedNode) -> None:
+def test_a_held_control_session_counts_as_drift_until_the_limits_read_back_again(
+        node: SimulatedNode, kind: MpsDaemonKind) -> None:
     hostile = node.claim("hostile", [("share", SHARES[0])], namespace="tenant-a")
     victim = node.claim("victim", [("share", SHARES[1])], namespace="tenant-b")
     node.prepare_ok(hostile)
@@ -198,7 +171,7 @@ def test_a_held_control_session_counts_as_drift_until_the_limits_read_back_again
     daemon_id = daemon["spec"]["daemon_id"]
     sessions = control_log(daemon).count("NEW UI")
     # One session (root: 550 takes settings from root only) that raises the limit and stays open.
-    holder = subprocess.Popen(control_argv(node), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    holder = subprocess.Popen(control_argv(node, kind), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                               env={"PATH": "/usr/bin:/bin", "CUDA_MPS_PIPE_DIRECTORY": daemon["pipe_dir"]})
     try:
         assert holder.stdin is not None
@@ -230,7 +203,7 @@ def test_a_held_control_session_counts_as_drift_until_the_limits_read_back_again
                what="the limits read back and confirmed again")
     assert "active_thread_percentage was '100.0', restored to 25" in events(node, "MpsLimitsReverted")[
         victim.uid]["note"]
-    assert tenant(node, daemon["pipe_dir"], GET) == "25.0"
+    assert tenant(node, kind, daemon["pipe_dir"], GET) == "25.0"
     assert counter(node, "tessera_mps_limits_unconfirmed", daemon=daemon_id) == 0
     assert node.checkpoint()["mps_limits_unconfirmed"] == {}
     assert node.unprepare(hostile, victim, joining) == {r.uid: None for r in (hostile, victim, joining)}
