@@ -25,6 +25,9 @@ daemon is the stand-in; every consumable claim starts a daemon of its own), and 
 prepare with NVIDIA's own nvidia-cuda-mps-control 550 (goal: under 30 ms p50) where
 scripts/fetch-nvidia-mps.sh put it into .cache/nvidia-mps; compute modes go through the simulated NVML in the
 driver's process, and the nvidia-smi runs that read or set one are counted (0).
+Also: other tenants' plan MPS share prepares while three UID-65534 tenants flood the shared daemon's
+control socket (p50/p99, goal: each under 3 s), and a prepare and the last unprepare while one holds it
+silent (scripts/benchflood.py; stand-in and NVIDIA's 550/535 where fetched; --flood-prepares 0 skips).
 This is not a test: it asserts nothing and is never run by CI.
 """
 
@@ -52,6 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from driver.kubeletplugin.types import ClaimRef
+from scripts.benchflood import flood_rows
 from tests.support.mpsdaemons import STANDIN, MpsDaemonKind, daemon_params
 from tests.support.node import DRIVER, NODE, SimulatedNode, wait_until
 
@@ -414,6 +418,8 @@ def main() -> None:
                         help="floor and Tessera runs alternate in this many rounds (default 6)")
     parser.add_argument("--registration-runs", type=int, default=5)
     parser.add_argument("--mps-runs", type=int, default=3, help="0 skips the MPS share rows")
+    parser.add_argument("--flood-prepares", type=int, default=24,
+                        help="other tenants' prepares under a flooded control socket, per daemon (0 skips)")
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="py-spy's raw profile of the driver during the measured cycles (needs py-spy)")
     parser.add_argument("--driver-python", default=sys.executable, metavar="PYTHON",
@@ -511,6 +517,7 @@ def main() -> None:
             ("consumable share prepare, following (median)", f"{statistics.median(shares_following) * ms:.1f} ms",
              "", "", "also starts one: a daemon per claim (a < 10 ms goal would need a shared daemon)"),
         ]
+    rows += flood_rows(args.flood_prepares, python, PRODUCTION_RESCAN)
     print_table(rows)
 
 
