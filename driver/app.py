@@ -35,6 +35,7 @@ from driver.gpu.health.report import HEALTH_FILE
 from driver.gpu.health.usagereport import USAGE_FILE
 from driver.gpu.health.usagewatch import ClaimUsageWatch
 from driver.gpu.health.xids import parse_ignored_xids
+from driver.gpu.limitstatement import unconfirmed_gpus, with_unconfirmed_limits
 from driver.gpu.migclaims import own_instances
 from driver.gpu.migplacement import OwnInstances, partitionable_supported
 from driver.gpu.mps.hostcheck import default_tools
@@ -215,6 +216,9 @@ class DriverApp:
         # A prepare joins a daemon whose limits the watcher confirmed this recently without a control command.
         self.state.sharing.confirmations.fresh_for = settings.mps_limit_check_interval
         self.state.sharing.confirmations.round_s = WATCH_CHECK_S
+        # The shares' published limit statement follows (off the watcher's thread: it holds GPU locks).
+        self.mps_reports.on_change = lambda: threading.Thread(
+            target=self._publish_on_health_change, name="publish-limit-statement", daemon=True).start()
         self.state.recover()
         own = own_instances(self.state.ledger.read())
         if own or self.state.mig.changes:
@@ -307,7 +311,8 @@ class DriverApp:
     def publish(self, view: NodeView) -> None:
         """Publish ``view``'s devices (tainted where unhealthy) and tell the kubelet their health."""
         with self._publish_lock:
-            self.helper.publish(self.health.devices(view), view.counter_sets)
+            devices = with_unconfirmed_limits(self.health.devices(view), unconfirmed_gpus(self.state.ledger.read()))
+            self.helper.publish(devices, view.counter_sets)
             self.health.update_board(view)
 
     def _publish_on_health_change(self) -> None:

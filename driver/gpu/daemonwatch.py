@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from driver.gpu.checkpoint import ClaimPhase, ClaimRecord
@@ -119,6 +119,7 @@ class MpsReports:
         self._drift: Counter[tuple[str, ...]] = Counter()  # (daemon id, limit) -> reverted changes
         self._restarts: Counter[tuple[str, ...]] = Counter()  # (daemon id,) -> restarts
         self._unconfirmed: set[str] = set()  # daemons whose limits are unconfirmed now
+        self.on_change: Callable[[], None] | None = None  # called when a daemon's limits turn (un)confirmed
 
     def register_metrics(self, telemetry: Telemetry) -> None:
         # Labels name daemons and limits, never a tenant's claim or namespace.
@@ -166,6 +167,8 @@ class MpsReports:
             with self._lock:
                 self._drift[(daemon_id, UNCONFIRMED)] += 1
                 self._unconfirmed.add(daemon_id)
+            if self.on_change is not None:
+                self.on_change()
             log.warning("an MPS daemon's limits could not be read back for longer than the watch interval; they "
                         "count as changed until they are", extra={"daemon_id": daemon_id, "reason": reason,
                                                                   "claims": [c.uid for c in claims]})
@@ -178,6 +181,8 @@ class MpsReports:
     def limits_confirmed(self, daemon_id: str, claims: Sequence[ServedClaim]) -> None:
         with self._lock:
             self._unconfirmed.discard(daemon_id)
+        if self.on_change is not None:
+            self.on_change()
         log.info("an MPS daemon's limits read back as promised again", extra={"daemon_id": daemon_id})
         self._post(claims, LIMITS_CONFIRMED, "ConfirmMpsLimits",
                    f"The limits of the MPS control daemon {daemon_id} serving this claim read back as promised again "

@@ -78,6 +78,12 @@ def control_log(daemon: dict[str, Any]) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+def statements(node: SimulatedNode) -> set[str]:
+    """The published memoryLimitEnforcement and computeLimitEnforcement of the GPU's shares."""
+    return {d["attributes"][key]["string"] for d in node.devices() if d["name"] in SHARES
+            for key in ("memoryLimitEnforcement", "computeLimitEnforcement")}
+
+
 def events(node: SimulatedNode, reason: str) -> dict[str, dict[str, Any]]:
     return {e["regarding"]["uid"]: e for e in node.api.events() if e["reason"] == reason}
 
@@ -169,6 +175,7 @@ def test_a_held_control_session_counts_as_drift_until_the_limits_read_back_again
     node.prepare_ok(victim)
     daemon = plan_daemon(node)
     daemon_id = daemon["spec"]["daemon_id"]
+    [published] = statements(node)
     sessions = control_log(daemon).count("NEW UI")
     # One session (root: 550 takes settings from root only) that raises the limit and stays open.
     holder = subprocess.Popen(control_argv(node, kind), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
@@ -181,6 +188,8 @@ def test_a_held_control_session_counts_as_drift_until_the_limits_read_back_again
         wait_until(lambda: {hostile.uid, victim.uid} <= set(events(node, "MpsLimitsUnconfirmed")), timeout=60,
                    what="MpsLimitsUnconfirmed on each claim the daemon serves")
         assert counter(node, "tessera_mps_limits_unconfirmed", daemon=daemon_id) == 1
+        wait_until(lambda: statements(node) == {"mps-unconfirmed"}, timeout=30,
+                   what="the GPU's shares published as mps-unconfirmed")
         assert counter(node, "tessera_mps_limit_drift_total", daemon=daemon_id, limit="unconfirmed") == 1
         # A claim that joins meanwhile is prepared at once, without the socket, and told too.
         joining = node.claim("joining", [("share", SHARES[2])], namespace="tenant-c")
@@ -206,4 +215,5 @@ def test_a_held_control_session_counts_as_drift_until_the_limits_read_back_again
     assert tenant(node, kind, daemon["pipe_dir"], GET) == "25.0"
     assert counter(node, "tessera_mps_limits_unconfirmed", daemon=daemon_id) == 0
     assert node.checkpoint()["mps_limits_unconfirmed"] == {}
+    wait_until(lambda: statements(node) == {published}, timeout=30, what="the shares' statement back")
     assert node.unprepare(hostile, victim, joining) == {r.uid: None for r in (hostile, victim, joining)}
