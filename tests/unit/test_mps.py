@@ -897,3 +897,39 @@ def test_a_running_daemon_without_a_record_is_adopted_only_with_its_limits(anyd:
     assert anyd.manager().adopt(other_limits) is None, "a daemon with other limits is not the one wanted"
     anyd.manager().stop(started)
     assert anyd.manager().adopt(LIMITED) is None
+
+
+class _SessionTakenAtLaunch(LocalLauncher):
+    """Launches as the plugin does, then lets a client open the daemon's one control session before the
+    driver can send anything: a tenant polling the (predictable, kept) pipe dir could do the same."""
+
+    def __init__(self, driver_root: Path) -> None:
+        super().__init__(driver_root)
+        self.holders: list[subprocess.Popen[str]] = []
+
+    def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
+        launched = super().launch(request)
+        poll_until(lambda: (request.pipe_dir / "control").is_socket(), "the daemon to listen")
+        log = request.log_dir / "control.log"
+        binary = str(self.driver_root / "usr" / "bin" / "nvidia-cuda-mps-control")
+        holder = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                  env={"PATH": "/usr/bin:/bin", "CUDA_MPS_PIPE_DIRECTORY": str(request.pipe_dir)})
+        self.holders.append(holder)
+        assert holder.stdin is not None
+        holder.stdin.write("get_default_active_thread_percentage\n")
+        holder.stdin.flush()
+        poll_until(lambda: log.exists() and "NEW UI" in log.read_text(), "the client's session", limit=30)
+        return launched
+
+
+def test_a_start_whose_control_session_another_client_holds_fails_naming_the_busy_socket(anyd: Sim) -> None:
+    launcher = _SessionTakenAtLaunch(anyd.root)
+    manager = MpsManager(anyd.root, anyd.base, launcher, shm_dir=anyd.top / "shm", ready_timeout=3.0,
+                         command_timeout=1.0)
+    try:
+        with pytest.raises(MpsError, match=r"another client held the daemon's control socket .*/pipe/control"):
+            manager.start(LIMITED)
+    finally:
+        for holder in launcher.holders:
+            holder.communicate(timeout=30)
+    _assert_nothing_left(anyd, CLAIM_ID)
