@@ -13,6 +13,7 @@ docs/sharing.md, "NVIDIA's daemon, as measured".
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from driver.gpu.mps.dirs import trim_log
 from driver.gpu.mps.holders import held_connection, release
 from driver.gpu.mps.launch import CONTROL_LOG_NAME
 from driver.gpu.mps.model import (
+    MpsBusy,
     MpsDaemonRecord,
     MpsDaemonSpec,
     MpsDaemonStopped,
@@ -35,6 +37,8 @@ from driver.gpu.mps.restarts import STOPPED_EXIT_WAIT_S
 log = logging.getLogger(__name__)
 
 THREAD_PERCENTAGE = "active_thread_percentage"
+# The first read-back while the daemon already waits on a connection: enough for one front-end (ms).
+_FIRST_TRY_S = 0.5
 # A read-back logs about 0.5 KB; every 5 s that is 8 MB a day per daemon without a bound.
 MAX_LOG_BYTES = 4 * 1024 * 1024
 
@@ -49,6 +53,14 @@ class LimitDrift:
 
     def describe(self) -> str:
         return f"{self.limit} was {self.found or 'unset'!r}, restored to {self.expected}"
+
+
+class DriftNotRestored(MpsError):
+    """Limits were found changed, and setting them back was not confirmed (``__cause__`` says why)."""
+
+    def __init__(self, message: str, drift: list[LimitDrift]) -> None:
+        super().__init__(message)
+        self.drift = drift
 
 
 @dataclass(frozen=True)
@@ -161,8 +173,9 @@ def verify_limits(control: MpsControl, record: MpsDaemonRecord, deadline: Deadli
     try:
         if held is None:
             return _verify(control, record, deadline)
-        # Already waiting on a connection: half the time for a first try, the rest for one after letting go.
-        first = Deadline(min(deadline.at, deadline.at - deadline.remaining() / 2), deadline.what)
+        # Already waiting on a connection: a short first try (a read-back takes milliseconds), the rest of the
+        # time for one after letting the connection go.
+        first = Deadline(time.monotonic() + min(_FIRST_TRY_S, deadline.remaining() / 2), deadline.what)
         try:
             return _verify(control, record, first)
         except MpsNoAnswer:
@@ -170,7 +183,9 @@ def verify_limits(control: MpsControl, record: MpsDaemonRecord, deadline: Deadli
                 raise
         return _verify(control, record, deadline)
     except MpsError as exc:
-        if wait_for_exit(record.pid, record.process_start_time, STOPPED_EXIT_WAIT_S):
+        # A busy or silent socket is a daemon at work: only look, do not wait (the GPU's locks are held).
+        held_up = isinstance(exc, (MpsNoAnswer, MpsBusy)) or isinstance(exc.__cause__, (MpsNoAnswer, MpsBusy))
+        if wait_for_exit(record.pid, record.process_start_time, 0.0 if held_up else STOPPED_EXIT_WAIT_S):
             raise MpsDaemonStopped(f"MPS control daemon {record.spec.daemon_id} (pid {record.pid}) stopped while "
                                    f"its limits were checked: {exc}") from exc
         raise
@@ -179,7 +194,10 @@ def verify_limits(control: MpsControl, record: MpsDaemonRecord, deadline: Deadli
 def _verify(control: MpsControl, record: MpsDaemonRecord, deadline: Deadline) -> list[LimitDrift]:
     drift = find_drift(control, record.spec, record.pipe_dir, record.log_dir, deadline)
     if drift:
-        restore_limits(control, record.spec, drift, record.pipe_dir, record.log_dir, deadline)
+        try:
+            restore_limits(control, record.spec, drift, record.pipe_dir, record.log_dir, deadline)
+        except MpsError as exc:  # what was found is reported all the same
+            raise DriftNotRestored(f"{'; '.join(d.describe() for d in drift)}, not confirmed: {exc}", drift) from exc
     # A client may have raised a limit within what its read-back shows (up to 1023 MiB of pinned
     # memory): undetectable, so those limits are set again every time, unreported.
     restored = {d.limit for d in drift}

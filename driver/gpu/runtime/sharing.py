@@ -24,7 +24,7 @@ from typing import Protocol
 
 from driver.gpu.checkpoint import Checkpoint, ClaimRecord
 from driver.gpu.claimplan import ClaimPlan
-from driver.gpu.mps.limits import LimitDrift
+from driver.gpu.mps.limits import DriftNotRestored, LimitDrift
 from driver.gpu.mps.model import MpsBusy, MpsDaemonRecord, MpsDaemonSpec, MpsDaemonStopped, MpsNoAnswer
 from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
 from driver.gpu.runtime.interfaces import ComputeModeControl, DaemonReports, MpsDaemons, ServedClaim, TimeSlices
@@ -241,6 +241,14 @@ class SharingRuntime:
             except MpsDaemonStopped as exc:  # a client stopped it after the /proc check: restart it below
                 log.warning("MPS daemon stopped while its limits were read back; restarting it",
                             extra={"daemon_id": daemon_id, "reason": str(exc)})
+            except DriftNotRestored as exc:
+                # Found changed; setting them back was not confirmed. Reported now; a refusal fails the caller.
+                self._report(partial(self.reports.limits_reverted, daemon_id, exc.drift, self._served_by(daemon_id)))
+                if not isinstance(exc.__cause__, (MpsNoAnswer, MpsBusy)):
+                    raise
+                if self.confirmations.failed(daemon_id, str(exc)):
+                    self._unconfirmed(daemon_id, first=True)
+                return daemon
             except (MpsNoAnswer, MpsBusy) as exc:
                 log.warning("MPS daemon's limits could not be read back (a client holds its control socket); going on "
                             "with it, they count as changed once unconfirmed for longer than the watch interval",
