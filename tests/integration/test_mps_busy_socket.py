@@ -144,7 +144,8 @@ def test_a_silent_holder_of_the_control_socket_is_let_go_and_a_limit_it_hid_is_r
                    what="the limit the silent holder hid to be found and restored")
         assert holder.poll() is None and holder.stdout is not None
         assert holder.stdout.readline().strip() == "EOF", "the daemon's end of the silent connection was shut down"
-        assert any(e.get("msg", "").startswith("ended a silent hold") for e in node.log())
+        wait_until(lambda: any(e.get("msg", "").startswith("ended a silent hold") for e in node.log()), timeout=30,
+                   what="the driver's log line for the hold it ended")
         assert "active_thread_percentage was '100.0', restored to 25" in events(node, "MpsLimitsReverted")[
             victim.uid]["note"]
         assert counter(node, "tessera_mps_limit_drift_total", limit="active_thread_percentage") == 1
@@ -208,8 +209,8 @@ def test_a_held_control_session_counts_as_drift_until_the_limits_read_back_again
         assert holder.stdin is not None
         holder.stdin.close()
         holder.wait(timeout=30)
-    wait_until(lambda: victim.uid in events(node, "MpsLimitsConfirmed"), timeout=60,
-               what="the limits read back and confirmed again")
+    wait_until(lambda: victim.uid in events(node, "MpsLimitsConfirmed") and victim.uid in events(
+        node, "MpsLimitsReverted"), timeout=60, what="the limits read back, restored and confirmed again")
     assert "active_thread_percentage was '100.0', restored to 25" in events(node, "MpsLimitsReverted")[
         victim.uid]["note"]
     assert tenant(node, kind, daemon["pipe_dir"], GET) == "25.0"

@@ -257,11 +257,11 @@ class SharingRuntime:
                     self._unconfirmed(daemon_id, first=True)
                 return daemon
             else:
+                if drift:
+                    self._report(partial(self.reports.limits_reverted, daemon_id, drift, self._served_by(daemon_id)))
                 if self.confirmations.confirmed(daemon_id):
                     self._ledger.commit(lambda cp: cp.mps_limits_unconfirmed.pop(daemon_id, None))
                     self._report(partial(self.reports.limits_confirmed, daemon_id, self._served_by(daemon_id)))
-                if drift:
-                    self._report(partial(self.reports.limits_reverted, daemon_id, drift, self._served_by(daemon_id)))
                 return daemon
         try:
             # A prepare (with a deadline) starts it again, for a while, if a client stops it while it
