@@ -117,7 +117,7 @@ def test_a_prepare_goes_on_when_a_client_holds_the_daemons_control_session(
     state.prepare(claim("b", "gpu-2-mps-1"))
     assert asked[0] is not None and asked[0] <= 1.5, "a prepare waits little for the read-back"
     assert state.check_daemons(limits=True) == [], "the watcher reports it and tries again next round"
-    assert asked[-1] == WATCH_CHECK_S, "a watcher check holds the GPU's locks for a bounded time"
+    assert asked[-1] is not None and asked[-1] <= WATCH_CHECK_S, "a watcher check holds the GPU's locks briefly"
     assert reports.drift == []
     # No watch interval here: unconfirmed at once, reported once, each claim told once.
     assert reports.unconfirmed == [(daemon_id, ["a", "b"], True)]

@@ -23,13 +23,16 @@ def test_read_backs_failing_for_longer_than_the_interval_are_one_drift_episode_u
     confirmations = LimitConfirmations(fresh_for=0.0)
     confirmations.confirmed("d")
     time.sleep(0.01)  # the interval (0 s) has passed since the confirmation
+    assert not confirmations.failing("d")
     assert confirmations.failed("d", "busy") is True
+    assert confirmations.failing("d"), "the watcher's next look is shorter"
     assert not confirmations.fresh("d"), "a failed read-back ends the freshness"
     assert confirmations.failed("d", "still busy") is False, "one report per episode"
     assert confirmations.drifted("d") == "still busy"
     assert confirmations.not_yet_told("d", ["a", "b"]) == ["a", "b"]
     assert confirmations.not_yet_told("d", ["a", "b", "joining"]) == ["joining"]
     assert confirmations.confirmed("d") is True, "the episode ends"
+    assert not confirmations.failing("d")
     assert confirmations.drifted("d") is None
     assert confirmations.not_yet_told("d", ["a"]) == ["a"], "a new episode tells everyone again"
 

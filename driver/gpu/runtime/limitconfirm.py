@@ -63,6 +63,12 @@ class LimitConfirmations:
             status.drifted = True
             return True
 
+    def failing(self, daemon_id: str) -> bool:
+        """Whether the last read-back failed (and none has confirmed the limits since)."""
+        with self._lock:
+            status = self._status.get(daemon_id)
+            return status is not None and status.failing_since is not None
+
     def drifted(self, daemon_id: str) -> str | None:
         """Why the daemon's limits count as drifted, or None."""
         with self._lock:

@@ -39,6 +39,9 @@ _READ_BACK_S = 1.5
 # What one watcher check of a running daemon may take: it holds the daemon's GPU locks meanwhile, and a
 # prepare on those GPUs waits for them. Normally tens of milliseconds; more means a client holds the socket.
 WATCH_CHECK_S = 2.0
+# The same while the last check already failed (a client keeps the socket): a shorter look
+# each round, so prepares on those GPUs wait less for the locks, long enough to catch the socket free.
+_WATCH_RECHECK_S = 1.0
 
 
 class Ledger(Protocol):
@@ -236,7 +239,8 @@ class SharingRuntime:
             try:
                 # A prepare gives the read-back little time: it takes milliseconds unless a client holds the
                 # daemon's one control session, which must not fail the claim (its limits are watched).
-                bound = WATCH_CHECK_S if deadline is None else deadline.bound(_READ_BACK_S)
+                watch = _WATCH_RECHECK_S if self.confirmations.failing(daemon_id) else WATCH_CHECK_S
+                bound = watch if deadline is None else deadline.bound(_READ_BACK_S)
                 drift = self.mps.verify_limits(daemon, bound)
             except MpsDaemonStopped as exc:  # a client stopped it after the /proc check: restart it below
                 log.warning("MPS daemon stopped while its limits were read back; restarting it",
