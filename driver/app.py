@@ -31,6 +31,7 @@ from driver.gpu.health.report import HEALTH_FILE
 from driver.gpu.health.usagereport import USAGE_FILE
 from driver.gpu.health.usagewatch import ClaimUsageWatch
 from driver.gpu.health.xids import parse_ignored_xids
+from driver.gpu.limitstatement import unconfirmed_gpus, with_unconfirmed_limits
 from driver.gpu.migclaims import own_instances
 from driver.gpu.migwatch import check_mig_instances
 from driver.gpu.modewatch import ComputeModeReports, check_compute_modes
@@ -42,6 +43,7 @@ from driver.gpu.mps.multiuser import MultiUserGate, MultiUserProbe, probe_gpu, s
 from driver.gpu.mps.shmmount import ShmTmpfs
 from driver.gpu.ownership import OwnershipWatch, owned_view
 from driver.gpu.runtime.capnodes import MIG_CONFIG, capabilities_of, ensure_nodes_best_effort
+from driver.gpu.runtime.sharing import WATCH_CHECK_S
 from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.sharingplan import PlanError
 from driver.gpu.state import DeviceState, StatePaths
@@ -159,6 +161,12 @@ class DriverApp:
         self.daemon_watch = DaemonWatcher(self.state, settings.mps_limit_check_interval,
                                           also=[partial(check_compute_modes, self.state, self.mode_reports),
                                                 partial(check_mig_instances, self.state, self.events)])
+        # A prepare joins a daemon whose limits the watcher confirmed this recently without a control command.
+        self.state.sharing.confirmations.fresh_for = settings.mps_limit_check_interval
+        self.state.sharing.confirmations.round_s = WATCH_CHECK_S
+        # The shares' published limit statement follows (off the watcher's thread: it holds GPU locks).
+        self.mps_reports.on_change = lambda: threading.Thread(
+            target=self._publish_on_health_change, name="publish-limit-statement", daemon=True).start()
         self.state.recover()
         own = own_instances(self.state.ledger.read())
         if own or self.state.mig.changes:
@@ -265,7 +273,8 @@ class DriverApp:
         health."""
         view = owned_view(view, self.ownership.ownership)
         with self._publish_lock:
-            self.helper.publish(self.health.devices(view), view.counter_sets)
+            devices = with_unconfirmed_limits(self.health.devices(view), unconfirmed_gpus(self.state.ledger.read()))
+            self.helper.publish(devices, view.counter_sets)
             self.health.update_board(view)
 
     def _publish_on_health_change(self) -> None:

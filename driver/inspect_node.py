@@ -59,6 +59,8 @@ def collect(settings: Settings) -> dict[str, Any]:
             "timeslice": record.timeslice.model_dump() if record.timeslice else None,
             "exclusive_gpus": list(record.exclusive_gpus),
             "mps_clients": record.mps_clients, "mps_enforcement": record.mps_enforcement,
+            "mps_limits_unconfirmed": sorted(d for d in (*record.owned_mps_daemons, *record.shared_mps_daemons)
+                                             if d in cp.mps_limits_unconfirmed),
         })
         if not spec_path.exists() and record.phase.value == "PrepareCompleted":
             report["problems"].append(f"claim {record.uid}: CDI spec {spec_path} is missing (the driver re-creates "
@@ -71,7 +73,12 @@ def collect(settings: Settings) -> dict[str, Any]:
                                       "active_thread_percentage": daemon.spec.active_thread_percentage,
                                       "pinned_memory_limits": daemon.spec.pinned_memory_limits,
                                       "pipe_dir": str(daemon.pipe_dir), "log_dir": str(daemon.log_dir),
-                                      "claims": users})
+                                      "claims": users,
+                                      "limits_unconfirmed": cp.mps_limits_unconfirmed.get(daemon_id)})
+        if daemon_id in cp.mps_limits_unconfirmed:
+            report["problems"].append(
+                f"MPS daemon {daemon_id}: its limits cannot be confirmed ({cp.mps_limits_unconfirmed[daemon_id]}); "
+                f"a client holds its control socket, so they may have been changed for {len(users)} claim(s)")
         if users and not alive:
             report["problems"].append(f"MPS daemon {daemon_id} (pid {daemon.pid}) is not running and {len(users)} "
                                       "claim(s) use it: their MPS clients fail until the driver restarts it (at its "
@@ -187,7 +194,9 @@ def render_text(report: dict[str, Any]) -> str:
                 lines.append(f"      cdi: {cdi_id}")
         if claim.get("mps_clients"):
             # Who the claim's MPS daemon admitted at prepare, and so how its limits hold (docs/sharing.md, "Tenants").
-            lines.append(f"    mps clients {claim['mps_clients']}: limits {claim['mps_enforcement']}")
+            unconfirmed = ", UNCONFIRMED (a client holds the daemon's control socket)" if claim.get(
+                "mps_limits_unconfirmed") else ""
+            lines.append(f"    mps clients {claim['mps_clients']}: limits {claim['mps_enforcement']}{unconfirmed}")
         if claim["timeslice"]:
             ts = claim["timeslice"]
             lines.append(f"    time slice {ts['interval']} on {', '.join(ts['gpu_uuids'])}")
@@ -204,6 +213,8 @@ def render_text(report: dict[str, Any]) -> str:
             lines.append(f"- {d['id']} pid={d['pid']} ({alive}) claims={len(d['claims'])}")
             lines.append(f"    gpus={','.join(d['gpus'])} threads={threads} pinned-memory={pinned or 'default'}")
             lines.append(f"    pipe={d['pipe_dir']} log={d['log_dir']}")
+            if d.get("limits_unconfirmed"):
+                lines.append(f"    limits UNCONFIRMED {d['limits_unconfirmed']}")
     lines.extend(render_plan(report))
     for gpu in report.get("gpus", []):
         sms = ("MIG enabled (SM counts per MIG device)" if gpu["mig_enabled"] else

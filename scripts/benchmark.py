@@ -28,6 +28,9 @@ driver's process, and the nvidia-smi runs that read or set one are counted (0).
 Also: the API requests per node at idle (over --idle-seconds, and the steady rate the watches' timeouts give,
 scaled to 5,000 nodes) and per prepare+unprepare cycle, and the sequential prepare latency with claim status
 writes and without them (scripts/apiload.py).
+Also: other tenants' plan MPS share prepares while three UID-65534 tenants flood the shared daemon's
+control socket (p50/p99, goal: each under 3 s), and a prepare and the last unprepare while one holds it
+silent (scripts/benchflood.py; stand-in and NVIDIA's 550/535 where fetched; --flood-prepares 0 skips).
 This is not a test: it asserts nothing and is never run by CI.
 """
 
@@ -58,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import apiload
 
 from driver.kubeletplugin.types import ClaimRef
+from scripts.benchflood import flood_rows
 from tests.support.mpsdaemons import STANDIN, MpsDaemonKind, daemon_params
 from tests.support.node import DRIVER, NODE, SimulatedNode, wait_until
 
@@ -424,6 +428,8 @@ def main() -> None:
                         help="window for counting API requests at idle; 0 skips the API rows (default 60)")
     parser.add_argument("--status-claims", type=int, default=200,
                         help="prepares timed with and without claim status writes; 0 skips them (default 200)")
+    parser.add_argument("--flood-prepares", type=int, default=24,
+                        help="other tenants' prepares under a flooded control socket, per daemon (0 skips)")
     parser.add_argument("--profile", type=Path, default=None, metavar="FILE",
                         help="py-spy's raw profile of the driver during the measured cycles (needs py-spy)")
     parser.add_argument("--driver-python", default=sys.executable, metavar="PYTHON",
@@ -526,6 +532,7 @@ def main() -> None:
         ]
     if load is not None:
         rows += apiload.rows(load, writes_on, writes_off)
+    rows += flood_rows(args.flood_prepares, python, PRODUCTION_RESCAN)
     print_table(rows)
 
 

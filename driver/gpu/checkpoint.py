@@ -128,6 +128,9 @@ class Checkpoint(_Record):
     # GPUs this driver set to EXCLUSIVE_PROCESS, with the mode each had before: written before
     # the change, removed after the mode is restored, so a crash in between is repaired at start.
     compute_modes: dict[str, ComputeMode] = Field(default_factory=dict)
+    # MPS daemons whose limits could not be read back for longer than the watch interval (a client holds
+    # the control socket), with since when and why: `inspect` shows them; removed once confirmed again.
+    mps_limits_unconfirmed: dict[str, str] = Field(default_factory=dict)
 
 
 def _working_copy(checkpoint: Checkpoint) -> Checkpoint:

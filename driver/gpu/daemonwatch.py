@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 
 LIMITS_REVERTED = "MpsLimitsReverted"
 DAEMON_RESTARTED = "MpsDaemonRestarted"
+LIMITS_UNCONFIRMED = "MpsLimitsUnconfirmed"
+LIMITS_CONFIRMED = "MpsLimitsConfirmed"
+# The drift counter's label for limits that could not be read back for longer than the watch interval.
+UNCONFIRMED = "unconfirmed"
 _CLAIM_API = "resource.k8s.io/v1"
 
 
@@ -124,6 +128,8 @@ class MpsReports:
         self._restarts: Counter[tuple[str, ...]] = Counter()  # (daemon id,) -> restarts
         # Told of the claims whose daemon's limits were restored (their status.devices says so).
         self.restored: Callable[[list[ClaimRef]], None] | None = None
+        self._unconfirmed: set[str] = set()  # daemons whose limits are unconfirmed now
+        self.on_change: Callable[[], None] | None = None  # called when a daemon's limits turn (un)confirmed
 
     def register_metrics(self, telemetry: Telemetry) -> None:
         # Labels name daemons and limits, never a tenant's claim or namespace.
@@ -133,6 +139,10 @@ class MpsReports:
         telemetry.observe_labelled(
             "mps_daemon_restarts", "MPS daemons found gone (stopped by a client, or exited) and started again",
             lambda: self._series(self._restarts, ("daemon",)), counter=True)
+        telemetry.observe_labelled(
+            "mps_limits_unconfirmed", "1 while an MPS daemon's limits could not be read back for longer than the "
+            "watch interval (a client holds its control socket): they count as changed until read back again",
+            lambda: self._series(Counter({(d,): 1 for d in self._unconfirmed}), ("daemon",)))
 
     def _series(self, counts: Mapping[tuple[str, ...], int],
                 names: tuple[str, ...]) -> Iterable[tuple[float, Mapping[str, str]]]:
@@ -164,10 +174,37 @@ class MpsReports:
                    f"The MPS control daemon {daemon_id} serving this claim was gone (a client sent quit, or it "
                    f"exited) and was started again with the claim's limits; CUDA clients that used it must reconnect.")
 
-    def _post(self, claims: Sequence[ServedClaim], reason: str, action: str, note: str) -> None:
+    def limits_unconfirmed(self, daemon_id: str, reason: str, claims: Sequence[ServedClaim], first: bool) -> None:
+        if first:
+            with self._lock:
+                self._drift[(daemon_id, UNCONFIRMED)] += 1
+                self._unconfirmed.add(daemon_id)
+            if self.on_change is not None:
+                self.on_change()
+            log.warning("an MPS daemon's limits could not be read back for longer than the watch interval; they "
+                        "count as changed until they are", extra={"daemon_id": daemon_id, "reason": reason,
+                                                                  "claims": [c.uid for c in claims]})
+        self._post(claims, LIMITS_UNCONFIRMED, "ConfirmMpsLimits",
+                   f"The limits of the MPS control daemon {daemon_id} serving this claim cannot be confirmed: a "
+                   f"client holds the daemon's control socket (any process that can reach the daemon's pipe directory "
+                   f"can), so the driver cannot read them back and they may have been changed. The claim's MPS limits "
+                   f"are not assured until the driver confirms them again (reason {LIMITS_CONFIRMED}). {reason}")
+
+    def limits_confirmed(self, daemon_id: str, claims: Sequence[ServedClaim]) -> None:
+        with self._lock:
+            self._unconfirmed.discard(daemon_id)
+        if self.on_change is not None:
+            self.on_change()
+        log.info("an MPS daemon's limits read back as promised again", extra={"daemon_id": daemon_id})
+        self._post(claims, LIMITS_CONFIRMED, "ConfirmMpsLimits",
+                   f"The limits of the MPS control daemon {daemon_id} serving this claim read back as promised again "
+                   f"(any change found was reverted and reported as {LIMITS_REVERTED}).", warning=False)
+
+    def _post(self, claims: Sequence[ServedClaim], reason: str, action: str, note: str, warning: bool = True) -> None:
         if self.events is None:
             return
         for claim in claims:
             regarding = ObjectRef(apiVersion=_CLAIM_API, kind="ResourceClaim", namespace=claim.namespace,
                                   name=claim.name, uid=claim.uid)
-            self.events.post(EventSpec(regarding=regarding, reason=reason, action=action, note=note))
+            self.events.post(EventSpec(regarding=regarding, reason=reason, action=action, note=note,
+                                       type="Warning" if warning else "Normal"))

@@ -35,6 +35,9 @@ class Enforcement(StrEnum):
     # The kernel enforces it for every process of the container's cgroup (MPS v3 memory partitioning,
     # dmem controller). Published only where detection found it; see driver/gpu/kernelmemory.py.
     KERNEL = "kernel"
+    # Published for an MPS share while its daemon's limits could not be read back for longer than the
+    # watch interval (a client holds the control socket): they may have been changed (limitstatement.py).
+    MPS_UNCONFIRMED = "mps-unconfirmed"
 
 
 # Who may be a client of an MPS daemon (plan entry ``mps.clients``, per-claim ``mpsConfig.clients``):

@@ -62,11 +62,13 @@ def test_mps_share_limits_applied_before_readiness_and_one_daemon_per_gpu(mps_no
     second = mps_node.claim("second", [("share", "gpu-2-mps-3")])
     mps_node.prepare_ok(first)
     [pid] = daemon_starts(mps_node)
-    # Readiness first (the daemon answers), then the limits set and read back, all before prepare returns.
+    # Readiness first (the daemon answers), then the limits set and read back, all before prepare returns;
+    # each session ends with a sentinel whose answer shows it was served, not refused as busy.
+    sentinel = "get_default_active_thread_percentage"
     assert commands(mps_node, pid) == [
-        "get_default_active_thread_percentage",
-        "set_default_active_thread_percentage 25", "set_default_device_pinned_mem_limit 0 4096M",
-        "get_default_active_thread_percentage", "get_default_device_pinned_mem_limit 0"]
+        "get_default_active_thread_percentage", sentinel,
+        "set_default_active_thread_percentage 25", "set_default_device_pinned_mem_limit 0 4096M", sentinel,
+        "get_default_active_thread_percentage", "get_default_device_pinned_mem_limit 0", sentinel]
 
     spec = json.loads(mps_node.cdi_spec(first.uid).read_text())
     edits = spec["devices"][0]["containerEdits"]

@@ -18,6 +18,7 @@ from driver.gpu.devices import make_view
 from driver.gpu.mps.limits import LimitDrift
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonStopped, MpsNoAnswer
 from driver.gpu.runtime.interfaces import ServedClaim
+from driver.gpu.runtime.sharing import WATCH_CHECK_S
 from driver.gpu.state import DeviceState
 from driver.kubeletplugin.events import EventRecorder, EventSpec, ObjectRef
 from driver.kubeletplugin.kubeclient import KubeApiError, plain_client, request_json
@@ -33,12 +34,20 @@ class Recorded:
     def __init__(self) -> None:
         self.drift: list[tuple[str, list[LimitDrift], list[str]]] = []
         self.restarts: list[tuple[str, list[str]]] = []
+        self.unconfirmed: list[tuple[str, list[str], bool]] = []
+        self.confirmed: list[tuple[str, list[str]]] = []
 
     def limits_reverted(self, daemon_id: str, drift: Sequence[LimitDrift], claims: Sequence[ServedClaim]) -> None:
         self.drift.append((daemon_id, list(drift), sorted(c.uid for c in claims)))
 
     def daemon_restarted(self, daemon_id: str, claims: Sequence[ServedClaim]) -> None:
         self.restarts.append((daemon_id, sorted(c.uid for c in claims)))
+
+    def limits_unconfirmed(self, daemon_id: str, reason: str, claims: Sequence[ServedClaim], first: bool) -> None:
+        self.unconfirmed.append((daemon_id, sorted(c.uid for c in claims), first))
+
+    def limits_confirmed(self, daemon_id: str, claims: Sequence[ServedClaim]) -> None:
+        self.confirmed.append((daemon_id, sorted(c.uid for c in claims)))
 
 
 @pytest.fixture
@@ -97,7 +106,7 @@ def test_a_prepare_goes_on_when_a_client_keeps_stopping_the_daemon(node: Node, m
 def test_a_prepare_goes_on_when_a_client_holds_the_daemons_control_session(
     node: Node, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    state, reports, _daemon_id = _one_share(node)
+    state, reports, daemon_id = _one_share(node)
     asked: list[float | None] = []
 
     def silent(record: MpsDaemonRecord, timeout: float | None = None) -> list[LimitDrift]:
@@ -107,8 +116,14 @@ def test_a_prepare_goes_on_when_a_client_holds_the_daemons_control_session(
     monkeypatch.setattr(node.mps, "verify_limits", silent)
     state.prepare(claim("b", "gpu-2-mps-1"))
     assert asked[0] is not None and asked[0] <= 1.5, "a prepare waits little for the read-back"
-    assert state.check_daemons(limits=True) == [], "the watcher logs it and tries again next round"
-    assert asked[-1] is None and reports.drift == []
+    assert state.check_daemons(limits=True) == [], "the watcher reports it and tries again next round"
+    assert asked[-1] is not None and asked[-1] <= WATCH_CHECK_S, "a watcher check holds the GPU's locks briefly"
+    assert reports.drift == []
+    # No watch interval here: unconfirmed at once, reported once, each claim told once.
+    assert reports.unconfirmed == [(daemon_id, ["a", "b"], True)]
+    monkeypatch.setattr(node.mps, "verify_limits", lambda record, timeout=None: [])
+    state.check_daemons(limits=True)
+    assert reports.confirmed == [(daemon_id, ["a", "b"])]
 
 
 def test_the_watcher_thread_checks_every_interval_until_stopped(node: Node) -> None:

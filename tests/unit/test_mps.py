@@ -26,15 +26,16 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from driver.gpu.mps.holders import held_connection
 from driver.gpu.mps.launch import DaemonLaunch, LaunchedDaemon, LocalLauncher
 from driver.gpu.mps.manager import _KILL_WAIT_S, _TERM_GRACE_S, MpsManager
 from driver.gpu.mps.model import (
+    MpsBusy,
     MpsDaemonRecord,
     MpsDaemonSpec,
     MpsDaemonStopped,
     MpsError,
     MpsMount,
-    MpsNoAnswer,
     client_edits,
     multi_user_capable,
     pinned_limit_taken,
@@ -162,15 +163,16 @@ def test_start_supervises_the_foreground_daemon_and_reads_limits_back(anyd: Sim)
 
 def test_standin_start_waits_for_readiness_then_sets_and_reads_back_each_limit(sim: Sim) -> None:
     record = sim.manager().start(LIMITED)
+    sentinel = "get_default_active_thread_percentage"  # ends each session: its answer shows it was served
     assert _commands(record) == [
-        "get_default_active_thread_percentage",
+        "get_default_active_thread_percentage", sentinel,
         # The sets through one client, then the reads: a tenant's `quit` has less time to fall in between.
         "set_default_active_thread_percentage 40",
         "set_default_device_pinned_mem_limit 0 2048M",
-        "set_default_device_pinned_mem_limit 1 512M",
+        "set_default_device_pinned_mem_limit 1 512M", sentinel,
         "get_default_active_thread_percentage",
         "get_default_device_pinned_mem_limit 0",
-        "get_default_device_pinned_mem_limit 1",
+        "get_default_device_pinned_mem_limit 1", sentinel,
     ]
 
 
@@ -568,18 +570,47 @@ def test_a_daemon_quit_while_its_limits_are_read_is_reported_stopped(sim: Sim) -
         manager.verify_limits(record)
 
 
-def test_a_client_holding_the_control_session_makes_a_read_back_say_no_answer(anyd: Sim) -> None:
-    # The daemon serves one control client at a time (measured with NVIDIA's 535 and 550 too): a silent
-    # one, from any UID (the socket is 0666), holds every command up.
-    manager = anyd.manager(command=0.5)
+def test_a_client_holding_the_control_socket_silent_is_let_go_and_the_limits_read_back(anyd: Sim) -> None:
+    # The daemon waits for a connected client's first message without a timeout (measured with NVIDIA's 535
+    # and 550): a silent one, from any UID (the socket is 0666), holds every command up until let go.
+    manager = anyd.manager(command=3.0)
     record = manager.start(LIMITED)
     kind = socket.SOCK_SEQPACKET if anyd.kind.is_real else socket.SOCK_STREAM
     with socket.socket(socket.AF_UNIX, kind) as held:
         held.connect(str(record.pipe_dir / "control"))
-        with pytest.raises(MpsNoAnswer, match="got no answer"):
+        assert held.recv(64), "the daemon's greeting: it accepted the connection"
+        poll_until(lambda: held_connection(record.pid) is not None, "the daemon to wait on the silent connection")
+        held.settimeout(30)
+        assert manager.verify_limits(record, timeout=10.0) == []
+        assert held.recv(64) == b"", "the daemon's end of the silent connection was shut down"
+    assert manager.process_running(record), "nobody was signalled"
+    manager.stop(record)
+
+
+def test_a_client_holding_the_control_session_makes_a_read_back_say_the_socket_is_busy(anyd: Sim) -> None:
+    # One control session at a time (measured with NVIDIA's 535 and 550): while a front-end keeps its session
+    # open, another exits at once, said busy or not, and none of its commands is carried out.
+    manager = anyd.manager(command=1.0)
+    record = manager.start(LIMITED)
+    sessions = _control_log(record).count("NEW UI")
+    binary = str(anyd.root / "usr" / "bin" / "nvidia-cuda-mps-control")
+    holder = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={"PATH": "/usr/bin:/bin", "CUDA_MPS_PIPE_DIRECTORY": str(record.pipe_dir)})
+    try:
+        assert holder.stdin is not None and holder.stdout is not None
+        holder.stdin.write("get_default_active_thread_percentage\n")
+        holder.stdin.flush()
+        poll_until(lambda: _control_log(record).count("NEW UI") > sessions, "the holder's session to open", limit=30)
+        with pytest.raises(MpsBusy, match=f"another client held the daemon's control socket {record.pipe_dir}/control"):
             manager.verify_limits(record, timeout=1.0)
+    finally:
+        holder.communicate(timeout=30)
     assert manager.verify_limits(record) == []
     manager.stop(record)
+
+
+def _control_log(record: MpsDaemonRecord) -> str:
+    return (record.log_dir / "control.log").read_text() if (record.log_dir / "control.log").exists() else ""
 
 
 def _tenant(sim: Sim, record: MpsDaemonRecord, command: str) -> str:
@@ -867,3 +898,39 @@ def test_a_running_daemon_without_a_record_is_adopted_only_with_its_limits(anyd:
     assert anyd.manager().adopt(other_limits) is None, "a daemon with other limits is not the one wanted"
     anyd.manager().stop(started)
     assert anyd.manager().adopt(LIMITED) is None
+
+
+class _SessionTakenAtLaunch(LocalLauncher):
+    """Launches as the plugin does, then lets a client open the daemon's one control session before the
+    driver can send anything: a tenant polling the (predictable, kept) pipe dir could do the same."""
+
+    def __init__(self, driver_root: Path) -> None:
+        super().__init__(driver_root)
+        self.holders: list[subprocess.Popen[str]] = []
+
+    def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
+        launched = super().launch(request)
+        poll_until(lambda: (request.pipe_dir / "control").is_socket(), "the daemon to listen")
+        log = request.log_dir / "control.log"
+        binary = str(self.driver_root / "usr" / "bin" / "nvidia-cuda-mps-control")
+        holder = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                                  env={"PATH": "/usr/bin:/bin", "CUDA_MPS_PIPE_DIRECTORY": str(request.pipe_dir)})
+        self.holders.append(holder)
+        assert holder.stdin is not None
+        holder.stdin.write("get_default_active_thread_percentage\n")
+        holder.stdin.flush()
+        poll_until(lambda: log.exists() and "NEW UI" in log.read_text(), "the client's session", limit=30)
+        return launched
+
+
+def test_a_start_whose_control_session_another_client_holds_fails_naming_the_busy_socket(anyd: Sim) -> None:
+    launcher = _SessionTakenAtLaunch(anyd.root)
+    manager = MpsManager(anyd.root, anyd.base, launcher, shm_dir=anyd.top / "shm", ready_timeout=3.0,
+                         command_timeout=1.0)
+    try:
+        with pytest.raises(MpsError, match=r"another client held the daemon's control socket .*/pipe/control"):
+            manager.start(LIMITED)
+    finally:
+        for holder in launcher.holders:
+            holder.communicate(timeout=30)
+    _assert_nothing_left(anyd, CLAIM_ID)

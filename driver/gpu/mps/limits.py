@@ -12,18 +12,33 @@ docs/sharing.md, "NVIDIA's daemon, as measured".
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from driver.gpu.mps.control import Deadline, MpsControl
 from driver.gpu.mps.dirs import trim_log
+from driver.gpu.mps.holders import held_connection, release
 from driver.gpu.mps.launch import CONTROL_LOG_NAME
-from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsDaemonStopped, MpsError, pinned_limit_taken
+from driver.gpu.mps.model import (
+    MpsBusy,
+    MpsDaemonRecord,
+    MpsDaemonSpec,
+    MpsDaemonStopped,
+    MpsError,
+    MpsNoAnswer,
+    pinned_limit_taken,
+)
 from driver.gpu.mps.proc import wait_for_exit
 from driver.gpu.mps.restarts import STOPPED_EXIT_WAIT_S
 
+log = logging.getLogger(__name__)
+
 THREAD_PERCENTAGE = "active_thread_percentage"
+# The first read-back while the daemon already waits on a connection: enough for one front-end (ms).
+_FIRST_TRY_S = 0.5
 # A read-back logs about 0.5 KB; every 5 s that is 8 MB a day per daemon without a bound.
 MAX_LOG_BYTES = 4 * 1024 * 1024
 
@@ -38,6 +53,14 @@ class LimitDrift:
 
     def describe(self) -> str:
         return f"{self.limit} was {self.found or 'unset'!r}, restored to {self.expected}"
+
+
+class DriftNotRestored(MpsError):
+    """Limits were found changed, and setting them back was not confirmed (``__cause__`` says why)."""
+
+    def __init__(self, message: str, drift: list[LimitDrift]) -> None:
+        super().__init__(message)
+        self.drift = drift
 
 
 @dataclass(frozen=True)
@@ -143,22 +166,46 @@ def _read_back(control: MpsControl, limits: list[_Limit], pipe_dir: Path, log_di
 def verify_limits(control: MpsControl, record: MpsDaemonRecord, deadline: Deadline) -> list[LimitDrift]:
     """Read the running daemon's limits back and set again those that drifted; returns the drift found.
     :class:`MpsDaemonStopped` if the daemon exited meanwhile, MpsError if it does not answer or keeps a
-    changed limit."""
+    changed limit. A client that holds the daemon silent through the whole first try is let go
+    (``holders.py``) and the limits read again."""
     trim_log(record.log_dir / CONTROL_LOG_NAME, MAX_LOG_BYTES)  # every read-back adds lines to it
+    held = held_connection(record.pid)
     try:
-        drift = find_drift(control, record.spec, record.pipe_dir, record.log_dir, deadline)
-        if drift:
-            restore_limits(control, record.spec, drift, record.pipe_dir, record.log_dir, deadline)
-        # A client may have raised a limit within what its read-back shows (up to 1023 MiB of pinned
-        # memory): undetectable, so those limits are set again every time, unreported.
-        restored = {d.limit for d in drift}
-        hidden = [limit.set_command for limit in _limits(record.spec)
-                  if limit.hides_changes and limit.name not in restored]
-        if hidden:
-            control.set_all(record.pipe_dir, record.log_dir, hidden, deadline)
+        if held is None:
+            return _verify(control, record, deadline)
+        # Already waiting on a connection: a short first try (a read-back takes milliseconds), the rest of the
+        # time for one after letting the connection go.
+        first = Deadline(time.monotonic() + min(_FIRST_TRY_S, deadline.remaining() / 2), deadline.what)
+        try:
+            return _verify(control, record, first)
+        except MpsNoAnswer:
+            if held_connection(record.pid) != held or not release(held):
+                raise
+        return _verify(control, record, deadline)
     except MpsError as exc:
-        if wait_for_exit(record.pid, record.process_start_time, STOPPED_EXIT_WAIT_S):
+        # A busy or silent socket is a daemon at work: only look, do not wait (the GPU's locks are held).
+        held_up = isinstance(exc, (MpsNoAnswer, MpsBusy)) or isinstance(exc.__cause__, (MpsNoAnswer, MpsBusy))
+        if wait_for_exit(record.pid, record.process_start_time, 0.0 if held_up else STOPPED_EXIT_WAIT_S):
             raise MpsDaemonStopped(f"MPS control daemon {record.spec.daemon_id} (pid {record.pid}) stopped while "
                                    f"its limits were checked: {exc}") from exc
         raise
+
+
+def _verify(control: MpsControl, record: MpsDaemonRecord, deadline: Deadline) -> list[LimitDrift]:
+    drift = find_drift(control, record.spec, record.pipe_dir, record.log_dir, deadline)
+    if drift:
+        try:
+            restore_limits(control, record.spec, drift, record.pipe_dir, record.log_dir, deadline)
+        except MpsError as exc:  # what was found is reported all the same
+            raise DriftNotRestored(f"{'; '.join(d.describe() for d in drift)}, not confirmed: {exc}", drift) from exc
+    # A client may have raised a limit within what its read-back shows (up to 1023 MiB of pinned
+    # memory): undetectable, so those limits are set again every time, unreported.
+    restored = {d.limit for d in drift}
+    hidden = [limit.set_command for limit in _limits(record.spec) if limit.hides_changes and limit.name not in restored]
+    if hidden:
+        try:
+            control.set_all(record.pipe_dir, record.log_dir, hidden, deadline)
+        except MpsError as exc:  # the next round sets them again; the drift restored now must still be reported
+            log.info("could not set the MPS daemon's whole-G pinned limits again this round",
+                     extra={"daemon_id": record.spec.daemon_id, "reason": str(exc)})
     return drift

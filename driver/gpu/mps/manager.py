@@ -48,13 +48,13 @@ from driver.gpu.mps.proc import (
     CONTROL_BINARY,
     StopPlan,
     daemon_start_time,
-    end_processes,
     is_same_process,
     read_proc_stat,
     recorded_daemon,
 )
 from driver.gpu.mps.restarts import STOPPED_EXIT_WAIT_S, STOPPED_RETRY_S, RestartBackoff, stopped_by_quit
 from driver.gpu.mps.shmmount import release_daemon_shm
+from driver.gpu.mps.stopping import stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -374,21 +374,8 @@ class MpsManager:
         # pipe dir (one started by a driver that crashed before checkpointing it); never a look-alike,
         # never a PID read from the pipe dir.
         targets = sorted({*([known] if known else []), *self.identity.unrecorded(pipe_dir)})
-        if not targets:
-            return
         full = StopPlan(quit_s=self.stop_timeout, term_s=min(self.stop_timeout, _TERM_GRACE_S), kill_s=_KILL_WAIT_S)
-        plan = full if timeout is None else full.within(timeout)
-        deadline = Deadline.after(plan.quit_s, "stop")
-        quit_until: float | None = None
-        try:
-            self.control.send(pipe_dir, log_dir, "quit", deadline)
-            quit_until = deadline.at
-        except MpsError as exc:
-            log.info("MPS quit not delivered; will signal the daemon", extra={"pipe_dir": str(pipe_dir),
-                                                                               "reason": str(exc)})
-        left = end_processes(targets, quit_until, plan)
-        if left:
-            raise MpsError(f"MPS control daemon pid {left[0]} is still running after SIGKILL")
+        stop_processes(self.control, pipe_dir, log_dir, targets, full if timeout is None else full.within(timeout))
 
     def _remove(self, daemon_dir: Path) -> None:
         release_daemon_shm(self.launcher, daemon_dir)  # the launcher's tmpfs on shm/, if any

@@ -52,6 +52,13 @@ class MpsNoAnswer(MpsError):
     stays silent holds every other command up."""
 
 
+class MpsBusy(MpsError):
+    """Another client held the daemon's one control session until the caller's time ran out. While one
+    session is open, NVIDIA's front-end exits at once: 1 with "Cannot send command to MPS control daemon
+    process" or nothing, or 0 with nothing printed, and the daemon carries out none of its commands
+    (measured with 550.163 and 535.261, scripts/measure-mps-control.py)."""
+
+
 class MpsDaemonStopped(MpsError):
     """The daemon had come up (it listened, or answered) and then exited: a client sent ``quit``, say.
     Unlike a daemon that fails to start, starting it again at once is expected to work."""

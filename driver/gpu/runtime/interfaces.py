@@ -84,6 +84,15 @@ class DaemonReports(Protocol):
         """The daemon was gone (exited or stopped by a client) and was started again."""
         ...
 
+    def limits_unconfirmed(self, daemon_id: str, reason: str, claims: Sequence[ServedClaim], first: bool) -> None:
+        """The daemon's limits could not be read back for longer than the watch interval: ``first`` when that
+        episode begins; ``claims`` are those not told yet (a claim that joins meanwhile is told then)."""
+        ...
+
+    def limits_confirmed(self, daemon_id: str, claims: Sequence[ServedClaim]) -> None:
+        """The limits of a daemon reported unconfirmed read back as promised again."""
+        ...
+
 
 class TimeSlices(Protocol):
     """Sets and resets GPU time slices (``nvidia-smi compute-policy``), all GPUs of a call or none."""

@@ -18,15 +18,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import suppress
+from datetime import UTC, datetime
 from functools import partial
 from typing import Protocol
 
 from driver.gpu.checkpoint import Checkpoint, ClaimRecord
 from driver.gpu.claimplan import ClaimPlan
-from driver.gpu.mps.limits import LimitDrift
-from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsDaemonStopped, MpsNoAnswer
+from driver.gpu.mps.limits import DriftNotRestored, LimitDrift
+from driver.gpu.mps.model import MpsBusy, MpsDaemonRecord, MpsDaemonSpec, MpsDaemonStopped, MpsNoAnswer
 from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
 from driver.gpu.runtime.interfaces import ComputeModeControl, DaemonReports, MpsDaemons, ServedClaim, TimeSlices
+from driver.gpu.runtime.limitconfirm import LimitConfirmations
 from driver.gpu.sharelayout import TimeSliceInterval
 from driver.kubeletplugin.types import Deadline
 
@@ -34,6 +36,12 @@ log = logging.getLogger(__name__)
 
 # What a prepare that reuses a running daemon waits for its limits' read-back (milliseconds normally).
 _READ_BACK_S = 1.5
+# What one watcher check of a running daemon may take: it holds the daemon's GPU locks meanwhile, and a
+# prepare on those GPUs waits for them. Normally tens of milliseconds; more means a client holds the socket.
+WATCH_CHECK_S = 2.0
+# The same while the last check already failed (a client keeps the socket): a shorter look
+# each round, so prepares on those GPUs wait less for the locks, long enough to catch the socket free.
+_WATCH_RECHECK_S = 1.0
 
 
 class Ledger(Protocol):
@@ -63,6 +71,11 @@ def _left(deadline: Deadline | None) -> float | None:
     return None if deadline is None else deadline.remaining()
 
 
+def _forget_daemon(cp: Checkpoint, daemon_id: str) -> None:
+    cp.mps_daemons.pop(daemon_id, None)
+    cp.mps_limits_unconfirmed.pop(daemon_id, None)
+
+
 def _forget_mode(cp: Checkpoint, uuid: str) -> None:
     cp.compute_modes.pop(uuid, None)
 
@@ -81,6 +94,13 @@ class NoReports:
     def daemon_restarted(self, daemon_id: str, claims: Sequence[ServedClaim]) -> None:
         log.warning("MPS daemon restarted", extra={"daemon_id": daemon_id, "claims": [c.uid for c in claims]})
 
+    def limits_unconfirmed(self, daemon_id: str, reason: str, claims: Sequence[ServedClaim], first: bool) -> None:
+        log.warning("MPS daemon limits unconfirmed", extra={"daemon_id": daemon_id, "reason": reason,
+                                                            "claims": [c.uid for c in claims]})
+
+    def limits_confirmed(self, daemon_id: str, claims: Sequence[ServedClaim]) -> None:
+        log.info("MPS daemon limits confirmed again", extra={"daemon_id": daemon_id})
+
 
 class SharingRuntime:
     def __init__(self, mps: MpsDaemons, timeslicer: TimeSlices, compute_modes: ComputeModeControl, ledger: Ledger):
@@ -89,6 +109,7 @@ class SharingRuntime:
         self.compute_modes = compute_modes
         self._ledger = ledger
         self.reports: DaemonReports = NoReports()  # the app's: log lines, metrics and Events
+        self.confirmations = LimitConfirmations()  # the app sets the watch interval
 
     # ----------------------------------------------------------------------------- prepare
 
@@ -144,6 +165,7 @@ class SharingRuntime:
                 # A daemon left by a crash between its start and its record.
                 self.mps.stop_by_id(spec.daemon_id, _left(deadline))
             record = self.mps.start(spec, _left(deadline))
+            self.confirmations.confirmed(spec.daemon_id)
             if not fresh and not spec.multi_user:
                 log.warning("MPS daemon for plan shares started single-user: it serves one Linux UID at a time, "
                             "a client of another UID waits until the first UID's clients finish (mpsMultiUser=false)",
@@ -183,7 +205,8 @@ class SharingRuntime:
             self.mps.stop_by_id(daemon_id, timeout)
             return
         self.mps.stop(daemon, timeout)
-        self._ledger.commit(lambda cp: cp.mps_daemons.pop(daemon_id, None))
+        self.confirmations.forget(daemon_id)
+        self._ledger.commit(partial(_forget_daemon, daemon_id=daemon_id))
 
     # ----------------------------------------------------------------------------- recovery and rescans
 
@@ -208,23 +231,41 @@ class SharingRuntime:
         restarted one, recorded. Each drift and restart is reported."""
         daemon_id = daemon.spec.daemon_id
         if limits and self.mps.process_running(daemon):
+            if deadline is not None and self.confirmations.fresh(daemon_id):
+                return daemon  # the watcher read them back within its interval: no control command needed
+            if deadline is not None and self.confirmations.drifted(daemon_id) is not None:
+                self._unconfirmed(daemon_id, first=False)  # the joining claim is told too; no wait for the socket
+                return daemon
             try:
                 # A prepare gives the read-back little time: it takes milliseconds unless a client holds the
                 # daemon's one control session, which must not fail the claim (its limits are watched).
-                drift = self.mps.verify_limits(daemon, None if deadline is None else deadline.bound(_READ_BACK_S))
+                watch = _WATCH_RECHECK_S if self.confirmations.failing(daemon_id) else WATCH_CHECK_S
+                bound = watch if deadline is None else deadline.bound(_READ_BACK_S)
+                drift = self.mps.verify_limits(daemon, bound)
             except MpsDaemonStopped as exc:  # a client stopped it after the /proc check: restart it below
                 log.warning("MPS daemon stopped while its limits were read back; restarting it",
                             extra={"daemon_id": daemon_id, "reason": str(exc)})
-            except MpsNoAnswer as exc:
-                if deadline is None:
+            except DriftNotRestored as exc:
+                # Found changed; setting them back was not confirmed. Reported now; a refusal fails the caller.
+                self._report(partial(self.reports.limits_reverted, daemon_id, exc.drift, self._served_by(daemon_id)))
+                if not isinstance(exc.__cause__, (MpsNoAnswer, MpsBusy)):
                     raise
-                log.warning("MPS daemon did not answer the read-back of its limits (a client may hold its control "
-                            "socket); going on with it, its limits are checked again by the watcher",
+                if self.confirmations.failed(daemon_id, str(exc)):
+                    self._unconfirmed(daemon_id, first=True)
+                return daemon
+            except (MpsNoAnswer, MpsBusy) as exc:
+                log.warning("MPS daemon's limits could not be read back (a client holds its control socket); going on "
+                            "with it, they count as changed once unconfirmed for longer than the watch interval",
                             extra={"daemon_id": daemon_id, "reason": str(exc)})
+                if self.confirmations.failed(daemon_id, str(exc)):
+                    self._unconfirmed(daemon_id, first=True)
                 return daemon
             else:
                 if drift:
                     self._report(partial(self.reports.limits_reverted, daemon_id, drift, self._served_by(daemon_id)))
+                if self.confirmations.confirmed(daemon_id):
+                    self._ledger.commit(lambda cp: cp.mps_limits_unconfirmed.pop(daemon_id, None))
+                    self._report(partial(self.reports.limits_confirmed, daemon_id, self._served_by(daemon_id)))
                 return daemon
         try:
             # A prepare (with a deadline) starts it again, for a while, if a client stops it while it
@@ -238,9 +279,24 @@ class SharingRuntime:
             return daemon
         if running == daemon:
             return daemon
+        if self.confirmations.confirmed(daemon_id):  # restarted: its limits were set and read back
+            self._ledger.commit(lambda cp: cp.mps_limits_unconfirmed.pop(daemon_id, None))
+            self._report(partial(self.reports.limits_confirmed, daemon_id, self._served_by(daemon_id)))
         self._ledger.commit(lambda cp: cp.mps_daemons.__setitem__(daemon_id, running))
         self._report(partial(self.reports.daemon_restarted, daemon_id, self._served_by(daemon_id)))
         return running
+
+    def _unconfirmed(self, daemon_id: str, first: bool) -> None:
+        """Report limits that count as drifted for want of a read-back: recorded for `inspect` (first time), and
+        each claim the daemon serves that was not told yet (a joining claim included)."""
+        reason = self.confirmations.drifted(daemon_id) or ""
+        if first:
+            since = datetime.now(UTC).isoformat(timespec="seconds")
+            self._ledger.commit(lambda cp: cp.mps_limits_unconfirmed.__setitem__(daemon_id, f"since {since}: {reason}"))
+        served = self._served_by(daemon_id)
+        new = set(self.confirmations.not_yet_told(daemon_id, [c.uid for c in served]))
+        self._report(partial(self.reports.limits_unconfirmed, daemon_id, reason,
+                             [c for c in served if c.uid in new], first))
 
     def _served_by(self, daemon_id: str) -> list[ClaimRecord]:
         return [c for c in self._ledger.read().claims.values()
