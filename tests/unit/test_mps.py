@@ -908,8 +908,8 @@ class _SessionTakenAtLaunch(LocalLauncher):
         super().__init__(driver_root)
         self.holders: list[subprocess.Popen[str]] = []
 
-    def launch(self, request: DaemonLaunch) -> LaunchedDaemon:
-        launched = super().launch(request)
+    def launch(self, request: DaemonLaunch, timeout: float | None = None) -> LaunchedDaemon:
+        launched = super().launch(request, timeout)
         poll_until(lambda: (request.pipe_dir / "control").is_socket(), "the daemon to listen")
         log = request.log_dir / "control.log"
         binary = str(self.driver_root / "usr" / "bin" / "nvidia-cuda-mps-control")
