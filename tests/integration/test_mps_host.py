@@ -5,8 +5,10 @@ Issue 6, point 8. As root the host also gives each daemon its own /dev/shm (``--
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import socket
 import subprocess
 import threading
@@ -77,48 +79,113 @@ def test_daemon_survives_a_kill_9_of_the_plugin_and_the_restarted_plugin_adopts_
     assert node.mps_host is not None and node.mps_host.poll() is None, "the host keeps running"
 
 
+RETRY_LOGGED = "the MPS host was busy or cut the connection; asking again"
+
+
+class SlotHolder:
+    """Root on the node (the host's socket is root's, 0600) holding every connection slot of the MPS host.
+
+    Each connection sends a byte now and then and never a whole request. While ``keep`` is set, a
+    connection the host refuses (busy) or drops is replaced at once, so the slots stay taken however long
+    the plugin takes to ask, bar the moment between a drop and its replacement; once ``keep`` is cleared,
+    each connection runs until the host drops it.
+    """
+
+    def __init__(self, path: str, slots: int) -> None:
+        self.path = path
+        self.keep, self.stop = threading.Event(), threading.Event()
+        self._lock = threading.Lock()
+        self._conns: list[socket.socket | None] = [None] * slots
+        self.dropped = 0  # connections the host held, then cut (its request budget ran out)
+        self._threads = [threading.Thread(target=self._hold, args=(i,), daemon=True) for i in range(slots)]
+        self.keep.set()
+        for thread in self._threads:
+            thread.start()
+
+    def _hold(self, slot: int) -> None:
+        while not self.stop.is_set():
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(self.path)
+            with self._lock:
+                self._conns[slot] = conn
+            answer = self._trickle(conn)
+            with self._lock:
+                self._conns[slot] = None
+                if answer is not None and b"busy" not in answer:
+                    self.dropped += 1
+            conn.close()
+            if not self.keep.is_set():
+                return
+
+    def _trickle(self, conn: socket.socket) -> bytes | None:
+        """What the host sent before it closed the connection (b"" for nothing); None if told to stop."""
+        while not self.stop.is_set():
+            try:
+                conn.sendall(b"{")
+                if select.select([conn], [], [], 1.0)[0]:  # a byte a second, or the host's answer or close
+                    return conn.recv(4096)
+            except OSError:  # the host closed it with our last byte unread
+                return b""
+        return None
+
+    def all_held(self) -> bool:
+        """Whether every slot is ours: a connection made after ours was answered busy, and none of ours was.
+
+        The host accepts connections in the order they came and answers a busy one before it accepts the
+        next, so each of ours, made before the probe, had its slot or its answer before the probe's."""
+        with self._lock:
+            conns = [c for c in self._conns if c is not None]
+        if len(conns) < len(self._conns) or not host_busy(self.path):
+            return False
+        with self._lock:
+            return self._conns == list(conns) and not select.select(conns, [], [], 0)[0]
+
+    def finished(self, timeout: float) -> bool:
+        for thread in self._threads:
+            thread.join(timeout)
+        return not any(thread.is_alive() for thread in self._threads)
+
+
+def host_busy(path: str) -> bool:
+    """Whether the host answers busy; a request line at once, so a host with a free slot answers at once too."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(30)  # a guard against a host that answers neither way, not a pace
+        probe.connect(path)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a busy host answers and closes at once
+            probe.sendall(b"\n")
+        return b"busy" in probe.recv(4096)
+
+
 def test_sixteen_connections_sending_a_byte_now_and_then_do_not_keep_a_prepare_from_its_daemon(
         node: SimulatedNode) -> None:
-    # Root on the node (the host's socket is root's, 0600) opens all 16 of the host's connection slots and
-    # keeps each alive with a byte every second, never finishing a request: once each recv was bounded
-    # and not the request, the slots were held for good and the plugin's prepare failed at once with
-    # "Broken pipe". Now each request has 5 s in all, and the plugin asks again within its deadline.
+    # Root on the node opens all 16 of the host's connection slots and keeps each alive with a byte every
+    # second, never finishing a request: once each recv was bounded and not the request, the slots were
+    # held for good and the plugin's prepare failed at once with "Broken pipe". Now each request has 5 s
+    # in all, and the plugin asks again within its deadline.
     node.start_mps_host()
     node.start("--mps-host-socket", str(node.mps_host_socket))
-    stop, cut = threading.Event(), []
-
-    def trickle(conn: socket.socket) -> None:
-        with conn:
-            while not stop.wait(1.0):
-                try:
-                    conn.sendall(b"{")
-                except OSError:
-                    cut.append(conn)
-                    return
-
-    held = []
-    for _ in range(16):
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(str(node.mps_host_socket))
-        conn.sendall(b"{")
-        held.append(threading.Thread(target=trickle, args=(conn,), daemon=True))
-        held[-1].start()
-
-    def busy() -> bool:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            probe.settimeout(5)
-            probe.connect(str(node.mps_host_socket))
-            return b"busy" in probe.recv(4096)
-
-    ref = node.claim("c", [("share", "gpu-2-mps-0")])  # before the wait: the prepare follows the probe at once
+    # The multi-user probe starts a daemon through the host right after the plugin started: until that is
+    # over it may hold a slot, which the prepare would then get without ever seeing the host busy.
+    wait_until(lambda: any(e.get("msg") == "MPS multi-user mode is not available" or (
+        e.get("msg") == "MPS control daemon stopped" and e.get("daemon_id") == "probe-multi-user") for e in node.log()),
+        what="the multi-user probe's daemon to come and go")
+    ref = node.claim("c", [("share", "gpu-2-mps-0")])
+    holder = SlotHolder(str(node.mps_host_socket), 16)
+    answers: dict[str, Any] = {}
+    preparing = threading.Thread(target=lambda: answers.update(node.prepare(ref)), daemon=True)
     try:
-        wait_until(busy, what="every slot of the host to be held")
-        answer = node.prepare(ref)[ref.uid]
-        assert answer.error is None, answer.error
-        wait_until(lambda: len(cut) == 16, timeout=30, what="the host to drop every connection that sent no request")
+        wait_until(holder.all_held, what="every slot of the host to be held")
+        preparing.start()
+        wait_until(lambda: not preparing.is_alive() or any(e.get("msg") == RETRY_LOGGED for e in node.log()),
+                   timeout=60, what="the plugin to find the host busy, or the prepare to end")
+        holder.keep.clear()  # from now on the host's request budget frees the slots, one by one
+        preparing.join(60)
+        assert not preparing.is_alive(), "the prepare did not end"
+        assert answers[ref.uid].error is None, answers[ref.uid].error
+        assert any(e.get("msg") == RETRY_LOGGED for e in node.log()), "the plugin never found the host busy"
+        assert holder.finished(30), "the host kept a connection that sent no request"
+        assert holder.dropped >= 16, "a connection that held a slot ended, but not by the host cutting it"
     finally:
-        stop.set()
-        for thread in held:
-            thread.join(5)
-    assert any(e.get("msg") == "the MPS host was busy or cut the connection; asking again" for e in node.log())
+        holder.stop.set()
+        holder.finished(5)
     assert node.unprepare(ref) == {ref.uid: None}
