@@ -37,7 +37,8 @@ from driver.gpu.migwatch import check_mig_instances
 from driver.gpu.modewatch import ComputeModeReports, check_compute_modes
 from driver.gpu.mps.hostcheck import default_tools
 from driver.gpu.mps.hostclient import MpsHostLauncher
-from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
+from driver.gpu.mps.launch import DaemonLauncher
+from driver.gpu.mps.locallauncher import LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.multiuser import MultiUserGate, MultiUserProbe, probe_gpu, single_user_gpus, supports_multi_user
 from driver.gpu.mps.shmmount import ShmTmpfs

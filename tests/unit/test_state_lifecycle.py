@@ -19,7 +19,7 @@ import pytest
 
 from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
-from driver.gpu.mps.launch import LocalLauncher
+from driver.gpu.mps.locallauncher import LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
 from driver.gpu.recovery import recover
