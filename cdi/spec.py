@@ -2,9 +2,10 @@
 
 containerd, CRI-O, podman and Docker all vendor the reference Go library, which ignores a whole
 file on any unknown key, bad name, bad env entry, bad device node, hook or mount, or a declared
-version older than the content needs. These models reject exactly those files, each problem named
-by its path in the file (``devices[2].containerEdits.env[0]: "FOO" is not KEY=VALUE``), so an
-invalid spec fails here instead of silently in a runtime at container creation.
+version older than the content needs. This model and its parts (``cdi/edits.py``) reject exactly
+those files, each problem named by its path in the file (``devices[2].containerEdits.env[0]: "FOO"
+is not KEY=VALUE``), so an invalid spec fails here instead of silently in a runtime at container
+creation.
 
 Python attributes are snake_case; the wire keys are the aliases, and files are parsed by alias only.
 """
@@ -43,8 +44,6 @@ class SpecError(ValueError):
         self.source = source
         self.problems = tuple(problems)
         super().__init__(f"invalid CDI spec {source}: " + "; ".join(problems))
-
-
 
 
 class Spec(WireModel):
