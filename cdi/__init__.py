@@ -6,15 +6,15 @@ and checks those files so that the runtimes accept them: :class:`Spec` and its p
 the loader rejects, :func:`with_minimum_version` declares exactly the version the content needs,
 and :func:`write_spec` replaces a file atomically so a runtime never reads half of one.
 
-Modules: ``spec`` (the models), ``names`` (kind, device name and qualified ID rules), ``version``
-(the minimum-version rule), ``store`` (spec files on disk), ``atomicfile`` (the one atomic file
-write, also used by the driver's checkpoint), ``yamlload`` (the one strict YAML loader).
+Modules: ``spec`` (the spec model), ``edits`` (its parts: container edits, devices), ``names``
+(kind, device name and qualified ID rules), ``version`` (the minimum-version rule), ``store`` (spec
+files on disk), ``atomicfile`` (the one atomic file write, also used by the driver's checkpoint),
+``yamlload`` (the one strict YAML loader).
 
 It has no GPU knowledge and can serve any CDI producer.
 """
 
-from cdi.names import check_device_name, parse_qualified_name, qualified_device_name, split_kind
-from cdi.spec import (
+from cdi.edits import (
     DEVICE_NODE_TYPES,
     HOOK_NAMES,
     ContainerEdits,
@@ -24,9 +24,15 @@ from cdi.spec import (
     IntelRdt,
     LinuxNetDevice,
     Mount,
+)
+from cdi.names import check_device_name, parse_qualified_name, qualified_device_name, split_kind
+from cdi.spec import (
     Spec,
     SpecError,
+    minimum_version,
+    minimum_version_reason,
     validation_problems,
+    with_minimum_version,
 )
 from cdi.store import (
     SPEC_EXTENSIONS,
@@ -43,11 +49,8 @@ from cdi.version import (
     LATEST_VERSION,
     VALID_VERSIONS,
     is_valid_version,
-    minimum_version,
-    minimum_version_reason,
     normalize_version,
     version_at_least,
-    with_minimum_version,
 )
 
 __all__ = [

@@ -2,16 +2,16 @@
 
 Runtimes ignore a whole spec file whose declared ``cdiVersion`` is unknown to them or older than
 the minimum its content needs, and a runtime vendoring an older CDI library rejects versions newer
-than it knows. So a producer should declare exactly the computed minimum: :func:`with_minimum_version`.
+than it knows. So a producer should declare exactly the computed minimum: ``cdi.spec.with_minimum_version``.
+The rule reads a spec's parts (:mod:`cdi.edits`), so the spec model (:mod:`cdi.spec`) can apply it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from cdi.spec import ContainerEdits, Spec
+from cdi.edits import ContainerEdits, Device
 
 # Oldest first. Library release tags (v0.5.4, v1.0.1, ...) are not spec versions.
 VALID_VERSIONS: tuple[str, ...] = (
@@ -49,33 +49,35 @@ def version_at_least(version: str, minimum: str) -> bool:
     return VALID_VERSIONS.index(bare) >= VALID_VERSIONS.index(bare_minimum)
 
 
-def minimum_version(spec: Spec) -> str:
-    """The oldest ``cdiVersion`` the loader accepts for this content (section 1.1 of the CDI reference)."""
-    return minimum_version_reason(spec)[0]
+@dataclass(frozen=True)
+class _Content:
+    """What a spec holds, apart from its declared version."""
+
+    kind: str
+    annotations: Mapping[str, str]
+    devices: Sequence[Device]
+    container_edits: ContainerEdits
 
 
-def minimum_version_reason(spec: Spec) -> tuple[str, str]:
-    """The minimum version and which part of the spec forces it, for error messages."""
+def content_minimum(*, kind: str, annotations: Mapping[str, str], devices: Sequence[Device],
+                    container_edits: ContainerEdits) -> tuple[str, str]:
+    """The oldest ``cdiVersion`` the loader accepts for this content (section 1.1 of the CDI reference), and
+    which part of it forces that version, for error messages."""
+    content = _Content(kind, annotations, devices, container_edits)
     for version, needs in _RULES:
-        reason = needs(spec)
+        reason = needs(content)
         if reason is not None:
             return version, reason
     return FLOOR_VERSION, f"{FLOOR_VERSION} is the oldest version the loader accepts"
 
 
-def with_minimum_version(spec: Spec) -> Spec:
-    """A copy of ``spec`` declaring exactly its minimum version; always what we write to disk."""
-    # No re-validation needed: the computed minimum is by definition valid for this content.
-    return spec.model_copy(update={"cdi_version": minimum_version(spec)})
+def _edits_with_paths(content: _Content) -> list[tuple[str, ContainerEdits]]:
+    spec_level = [("containerEdits", content.container_edits)]
+    return spec_level + [(f"devices[{i}].containerEdits", d.container_edits) for i, d in enumerate(content.devices)]
 
 
-def _edits_with_paths(spec: Spec) -> list[tuple[str, ContainerEdits]]:
-    spec_level = [("containerEdits", spec.container_edits)]
-    return spec_level + [(f"devices[{i}].containerEdits", d.container_edits) for i, d in enumerate(spec.devices)]
-
-
-def _needs_1_1_0(spec: Spec) -> str | None:
-    for where, edits in _edits_with_paths(spec):
+def _needs_1_1_0(content: _Content) -> str | None:
+    for where, edits in _edits_with_paths(content):
         if edits.net_devices:
             return f"{where}.netDevices is set"
         rdt = edits.intel_rdt
@@ -87,8 +89,8 @@ def _needs_1_1_0(spec: Spec) -> str | None:
     return None
 
 
-def _needs_0_7_0(spec: Spec) -> str | None:
-    for where, edits in _edits_with_paths(spec):
+def _needs_0_7_0(content: _Content) -> str | None:
+    for where, edits in _edits_with_paths(content):
         if edits.intel_rdt is not None:
             return f"{where}.intelRdt is present"
         if edits.additional_gids:
@@ -96,31 +98,31 @@ def _needs_0_7_0(spec: Spec) -> str | None:
     return None
 
 
-def _needs_0_6_0(spec: Spec) -> str | None:
-    if spec.annotations:
+def _needs_0_6_0(content: _Content) -> str | None:
+    if content.annotations:
         return "annotations is set"
-    for i, device in enumerate(spec.devices):
+    for i, device in enumerate(content.devices):
         if device.annotations:
             return f"devices[{i}].annotations is set"
-    if "." in spec.kind.partition("/")[2]:
-        return f'the class part of kind "{spec.kind}" contains "."'
+    if "." in content.kind.partition("/")[2]:
+        return f'the class part of kind "{content.kind}" contains "."'
     return None
 
 
-def _needs_0_5_0(spec: Spec) -> str | None:
-    for i, device in enumerate(spec.devices):
+def _needs_0_5_0(content: _Content) -> str | None:
+    for i, device in enumerate(content.devices):
         # ASCII digits only, exactly as the Go byte comparison.
         if device.name[:1] in tuple("0123456789"):
             return f'devices[{i}].name "{device.name}" starts with a digit'
-    for where, edits in _edits_with_paths(spec):
+    for where, edits in _edits_with_paths(content):
         for j, node in enumerate(edits.device_nodes):
             if node.host_path:
                 return f"{where}.deviceNodes[{j}].hostPath is set"
     return None
 
 
-def _needs_0_4_0(spec: Spec) -> str | None:
-    for where, edits in _edits_with_paths(spec):
+def _needs_0_4_0(content: _Content) -> str | None:
+    for where, edits in _edits_with_paths(content):
         for j, mount in enumerate(edits.mounts):
             if mount.type:
                 return f"{where}.mounts[{j}].type is set"
@@ -129,7 +131,7 @@ def _needs_0_4_0(spec: Spec) -> str | None:
 
 # Newest first: the first version whose predicate holds is the minimum. 0.8.0 and 1.0.0 changed
 # only the Go API, so nothing in a file forces them.
-_RULES: tuple[tuple[str, Callable[[Spec], str | None]], ...] = (
+_RULES: tuple[tuple[str, Callable[[_Content], str | None]], ...] = (
     ("1.1.0", _needs_1_1_0),
     ("0.7.0", _needs_0_7_0),
     ("0.6.0", _needs_0_6_0),

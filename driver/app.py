@@ -17,10 +17,10 @@ import time
 from functools import partial
 
 from driver import nodelayout
-from driver.config import Settings
+from driver.config import Settings, StartupError
 from driver.gpu.claimcdi.toolkit import toolkit_spec_changed
 from driver.gpu.claimstatus import STATUS_FILE, ClaimStatusSource
-from driver.gpu.daemonwatch import DaemonWatcher, MpsReports
+from driver.gpu.daemonwatch import DaemonWatcher, MpsReports, check_daemons
 from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import Discovery
 from driver.gpu.driver import GpuDriver
@@ -37,11 +37,13 @@ from driver.gpu.migwatch import check_mig_instances
 from driver.gpu.modewatch import ComputeModeReports, check_compute_modes
 from driver.gpu.mps.hostcheck import default_tools
 from driver.gpu.mps.hostclient import MpsHostLauncher
-from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
+from driver.gpu.mps.launch import DaemonLauncher
+from driver.gpu.mps.locallauncher import LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.multiuser import MultiUserGate, MultiUserProbe, probe_gpu, single_user_gpus, supports_multi_user
 from driver.gpu.mps.shmmount import ShmTmpfs
 from driver.gpu.ownership import OwnershipWatch, owned_view
+from driver.gpu.recovery import recover
 from driver.gpu.runtime.capnodes import MIG_CONFIG, capabilities_of, ensure_nodes_best_effort
 from driver.gpu.runtime.sharing import WATCH_CHECK_S
 from driver.gpu.runtime.timeslice import TimeSlicer
@@ -60,7 +62,6 @@ from driver.nodeevents import post_node_event
 from driver.plansource import CONSUMABLE_GATE as CONSUMABLE_GATE
 from driver.plansource import PARTITIONABLE_GATE as PARTITIONABLE_GATE
 from driver.plansource import PlanSource as PlanSource
-from driver.startup import StartupError
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ class DriverApp:
         # The shares' published limit statement follows (off the watcher's thread: it holds GPU locks).
         self.mps_reports.on_change = lambda: threading.Thread(
             target=self._publish_on_health_change, name="publish-limit-statement", daemon=True).start()
-        self.state.recover()
+        recover(self.state)
         own = own_instances(self.state.ledger.read())
         if own or self.state.mig.changes:
             # Dynamic MIG: instances of claims keep their GPU dynamic, and what recovery destroyed or re-created
@@ -229,7 +230,7 @@ class DriverApp:
         self.publish(view)
         # A daemon that died (with the MPS host, or with this container when daemons are our own
         # children) is restarted here with the same limits; live ones are only looked up in /proc.
-        self.state.check_daemons()
+        check_daemons(self.state)
 
     def follow_multi_user(self) -> None:
         """Start the multi-user probe once plan MPS shares could use it; once it answers yes, plan

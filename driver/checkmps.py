@@ -25,7 +25,7 @@ from driver.checkresult import CheckResult, fail, ok, skipped
 from driver.gpu.discovery.cudaprobe import CUDA_ERROR_NAMES, CUDA_ERROR_OUT_OF_MEMORY, ClientReport, bare_uuid
 from driver.gpu.discovery.cudarun import LIBCUDA, ProbeFailed, find_libcuda, probe_env, run_probe
 from driver.gpu.discovery.inventory import NodeInventory
-from driver.gpu.mps.launch import LocalLauncher
+from driver.gpu.mps.locallauncher import LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsError
 from driver.gpu.mps.proc import CONTROL_BINARY

@@ -153,6 +153,14 @@ class Settings(BaseModel):
         return self.state_dir / "mps-shm"
 
 
+class StartupError(Exception):
+    """Configuration or environment problem that must stop the driver with a clear message.
+
+    Raised while the driver initialises (:mod:`driver.app`), reported by the run that started it
+    (:mod:`driver.startup`); defined here, below both.
+    """
+
+
 class SettingsError(ValueError):
     """Settings that cannot be used: every (field, problem), so all of them are reported at once.
 

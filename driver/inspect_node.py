@@ -21,7 +21,8 @@ from driver.gpu.health.usagereport import USAGE_FILE, render_usage
 from driver.gpu.health.usagereport import add_to_inspect as add_usage_to_inspect
 from driver.gpu.mps.hostclient import MpsHostLauncher
 from driver.gpu.mps.identity import foreign_processes
-from driver.gpu.mps.launch import DaemonLauncher, LocalLauncher
+from driver.gpu.mps.launch import DaemonLauncher
+from driver.gpu.mps.locallauncher import LocalLauncher
 from driver.gpu.mps.proc import is_same_process
 from driver.gpu.planuse import PLAN_USE_FILE, render_plan
 from driver.gpu.planuse import add_to_inspect as add_plan_to_inspect

@@ -26,7 +26,7 @@ import time
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from driver.config import Settings
+from driver.config import Settings, StartupError
 from driver.kubeletplugin.healthservice import HealthBoard
 from driver.kubeletplugin.serving import HttpEndpoint, ServedPlugin, serve
 
@@ -42,10 +42,6 @@ INITIALISATION_STOP_WAIT_S = 10.0
 
 # How soon the main loop sees a signal the handler recorded (the handler itself may take no lock).
 SIGNAL_POLL_S = 0.1
-
-
-class StartupError(Exception):
-    """Configuration or environment problem that must stop the driver with a clear message."""
 
 
 class Startup:

@@ -16,6 +16,8 @@ echo "== ruff"
 .venv/bin/ruff check .
 echo "== mypy"
 .venv/bin/mypy
+echo "== import contracts (lint-imports; pyproject.toml [tool.importlinter])"
+.venv/bin/lint-imports
 echo "== NVIDIA's MPS daemon for the MPS tests (never fails the run)"
 bash scripts/fetch-nvidia-mps.sh
 echo "== pytest"

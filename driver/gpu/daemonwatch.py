@@ -16,19 +16,16 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from driver.gpu.checkpoint import ClaimPhase, ClaimRecord
 from driver.gpu.migclaims import dynamic_devices
 from driver.gpu.mps.limits import LimitDrift
 from driver.gpu.runtime.gpulocks import RESCAN_GPU_WAIT
 from driver.gpu.runtime.interfaces import ServedClaim
+from driver.gpu.state import DeviceState
 from driver.kubeletplugin.events import EventRecorder, EventSpec, ObjectRef
 from driver.kubeletplugin.telemetry import Telemetry
 from driver.kubeletplugin.types import ClaimRef
-
-if TYPE_CHECKING:
-    from driver.gpu.state import DeviceState
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +39,7 @@ _CLAIM_API = "resource.k8s.io/v1"
 
 
 class DaemonWatcher:
-    """A thread that runs ``state.check_daemons(limits=True)`` every ``interval`` seconds."""
+    """A thread that runs ``check_daemons(state, limits=True)`` every ``interval`` seconds."""
 
     def __init__(self, state: DeviceState, interval: float, also: Sequence[Callable[[], object]] = ()) -> None:
         """``also``: further checks run each round before the daemons' (compute modes: ``modewatch.py``)."""
@@ -72,7 +69,7 @@ class DaemonWatcher:
                 except Exception:
                     log.exception("a watch check failed; will retry")
             try:
-                self.state.check_daemons(limits=True)
+                check_daemons(self.state, limits=True)
             except Exception:
                 log.exception("checking the MPS daemons failed; will retry")
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import cdi
 from cdi.atomicswap import swap_name
@@ -23,10 +22,8 @@ from driver.gpu.checkpoint import Checkpoint, CheckpointCorrupt, ClaimPhase, cur
 from driver.gpu.devices import make_view
 from driver.gpu.mps.model import MpsDaemonRecord
 from driver.gpu.rebuild import daemon_specs, rebuild_checkpoint
+from driver.gpu.state import DeviceState
 from driver.gpu.targets import drop_unfit
-
-if TYPE_CHECKING:
-    from driver.gpu.state import DeviceState
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,6 @@ from driver.gpu.claimcdi.toolkit import ToolkitEdits
 from driver.gpu.claimconfig.api import ConfigError
 from driver.gpu.claimplan import ClaimPlan, plan_claim
 from driver.gpu.claimrecord import allocation_of, started_record
-from driver.gpu.daemonwatch import check_daemons
 from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
 from driver.gpu.healthgate import DeviceTaints, check_device_health
@@ -50,7 +49,6 @@ from driver.gpu.migclaims import check_placements_free, dynamic_devices, own_ins
 from driver.gpu.mps.model import MpsError
 from driver.gpu.mps.multiuser import MultiUserPending
 from driver.gpu.rebuild import rebuild_checkpoint
-from driver.gpu.recovery import RecoveryReport, recover
 from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.gpulocks import RESCAN_GPU_WAIT, GpuBusy, GpuLocks
 from driver.gpu.runtime.interfaces import ComputeModeControl, MpsDaemons, TimeSlices
@@ -379,17 +377,6 @@ class DeviceState:
         self.sharing.release_claim(record, deadline)
         self.mig.release_claim(record, deadline)
         cdi.remove_spec(self.paths.cdi_root, record.cdi_spec_file)
-
-    # ----------------------------------------------------------------------------- rescans
-
-    def check_daemons(self, limits: bool = False) -> list[str]:
-        """Restart MPS daemons that died since the last check; with ``limits`` also revert limits a client
-        changed (``daemonwatch.check_daemons``). Returns the daemons restarted."""
-        return check_daemons(self, limits)
-
-    def recover(self) -> RecoveryReport:
-        """Run once at start: finish or roll back what a crash or reboot interrupted (``recovery.py``)."""
-        return recover(self)
 
 
 def _complete(cp: Checkpoint, uid: str) -> None:

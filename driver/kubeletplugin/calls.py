@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # for the annotation only: the model is pydantic, imported where devices are made
-    from driver.kubeletplugin.types import PreparedDevice
+    from driver.kubeletplugin.prepared import PreparedDevice
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict
-
 from driver.kubeletplugin.calls import DEFAULT_PREPARE_DEADLINE as DEFAULT_PREPARE_DEADLINE
 from driver.kubeletplugin.calls import KUBELET_PREPARE_TIMEOUT as KUBELET_PREPARE_TIMEOUT
 from driver.kubeletplugin.calls import ClaimRef as ClaimRef
@@ -13,6 +11,7 @@ from driver.kubeletplugin.calls import Deadline as Deadline
 from driver.kubeletplugin.calls import DeadlineExceeded as DeadlineExceeded
 from driver.kubeletplugin.calls import PrepareResult as PrepareResult
 from driver.kubeletplugin.claimmodel import ResourceClaim
+from driver.kubeletplugin.prepared import PreparedDevice as PreparedDevice
 
 # Who will use a claim's devices: ``ResourceClaim.reserved_pods(timeout_s)`` reads the pods in its
 # ``status.reservedFor`` on first use (one GET per pod, RBAC ``get`` on pods), and
@@ -22,18 +21,6 @@ from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.reservedpods import Finding as Finding
 from driver.kubeletplugin.reservedpods import PodsUnreadable as PodsUnreadable
 from driver.kubeletplugin.reservedpods import ReservedPods as ReservedPods
-
-
-class PreparedDevice(BaseModel):
-    """One device of a prepared claim, as the kubelet will store it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    request_names: list[str]
-    pool_name: str
-    device_name: str
-    cdi_device_ids: list[str]
-    share_id: str | None = None
 
 
 class DRADriver(Protocol):

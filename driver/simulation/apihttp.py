@@ -14,7 +14,7 @@ import select
 import socket
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import parse_qs, urlsplit
 
 import yaml
@@ -29,9 +29,6 @@ from driver.simulation.apiobjects import (
     metadata_only,
 )
 
-if TYPE_CHECKING:
-    from driver.simulation.apiserver import FakeApiServer
-
 DEFAULT_WATCH_SECONDS = 1800
 APPLY_PATCH = "application/apply-patch+yaml"
 ROUTES = (
@@ -45,7 +42,35 @@ ROUTES = (
 )
 
 
-def handler_for(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
+class ApiStore(Protocol):
+    """What the HTTP side asks of the server double (``apiserver.FakeApiServer``): its objects and its request log."""
+
+    @property
+    def minor_version(self) -> int: ...
+
+    def record_request(self, verb: str, path: str, query: dict[str, str] | None = None) -> None: ...
+
+    def list_objects(self, plural: str, namespace: str | None, selector: Callable[[Obj], bool]) -> Obj: ...
+
+    def create_object(self, plural: str, namespace: str, body: Obj) -> Obj: ...
+
+    def get_object(self, plural: str, namespace: str, name: str) -> Obj: ...
+
+    def replace_object(self, plural: str, namespace: str, name: str, body: Obj, *, keep_status: bool,
+                       status_only: bool = False) -> Obj: ...
+
+    def delete_object(self, plural: str, namespace: str, name: str, preconditions: Obj, *,
+                      by_client: bool = True) -> Obj: ...
+
+    def apply_status(self, plural: str, namespace: str, name: str, patch: Obj, *, manager: str,
+                     force: bool) -> Obj: ...
+
+    def watch_objects(self, plural: str, namespace: str | None, selector: Callable[[Obj], bool],
+                      resource_version: str, timeout_s: float, write: Callable[[Obj], bool], *,
+                      bookmarks: bool = False, shape: Callable[[Obj], Obj] = ...) -> None: ...
+
+
+def handler_for(api: ApiStore) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         # Headers and body go out in separate writes; with Nagle on, the body waits for the

@@ -14,6 +14,7 @@ from driver.gpu.checkpoint import Checkpoint, CheckpointStore
 from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
 from driver.gpu.dynamicmigplan import DynamicMigEntry, dynamic_mig_form
+from driver.gpu.recovery import recover
 from driver.gpu.sharelayout import SharingLayout
 from driver.gpu.state import DeviceState
 from driver.simulation.discovery import SimulatedDiscovery
@@ -63,7 +64,7 @@ class DynamicMigNode:
                             mps=self.mps, timeslicer=self.timeslicer, compute_modes=self.modes,
                             view=make_view(self.inventory(), {}), lock_timeout=5,
                             mig=self.partitioner if with_partitioner else None)
-        state.recover()
+        recover(state)
         state.apply_layout(make_view(self.inventory(), {}), self.layout())
         return state
 

@@ -18,6 +18,7 @@ from driver.gpu.claimplan import plan_claim
 from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
 from driver.gpu.healthgate import check_device_health
+from driver.gpu.recovery import recover
 from driver.gpu.runtime.computemode import ComputeMode
 from driver.gpu.sharingplan import SharingPlans, resolve_layout
 from driver.gpu.state import DeviceState
@@ -210,7 +211,7 @@ def test_a_rebuilt_checkpoint_knows_admin_claims_and_gives_them_no_daemon(node: 
     [daemon_id] = node.mps.started()
     (node.paths.state_dir / "checkpoint.json").write_text("{garbage")
     restarted = node.state()
-    assert restarted.recover().rebuilt_from_cdi
+    assert recover(restarted).rebuilt_from_cdi
     records = {r.uid: r for r in restarted.prepared_claims()}
     assert records["adm"].devices[0].admin_access and not records["w"].devices[0].admin_access
     assert records["adm"].phase == ClaimPhase.PREPARE_COMPLETED
@@ -228,7 +229,7 @@ def test_recovery_rewrites_a_lost_admin_spec_as_it_was(node: Node) -> None:
     state.prepare(admin("adm", "gpu-2-mps-1"))
     written = node.spec_path("adm").read_text()
     node.spec_path("adm").unlink()
-    report = node.state().recover()
+    report = recover(node.state())
     assert report.cdi_recreated == ["adm"] and node.spec_path("adm").read_text() == written
     assert not [e for e in device_env(node.spec_json("adm")) if e.startswith("CUDA_MPS")]
 

@@ -18,6 +18,7 @@ from driver.gpu.consumable import (
 from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.errors import PrepareError
+from driver.gpu.recovery import recover
 from driver.gpu.sharelayout import Enforcement, GpuShares
 from driver.gpu.sharingplan import PlanError, SharingPlan, SharingPlans, resolve_layout
 from driver.kubeletplugin.claimmodel import ResourceClaim
@@ -132,7 +133,7 @@ def consumable_state(node: Node) -> Any:
 def restarted(node: Node) -> Any:
     """The driver after a restart: recovery publishes what the checkpoint says, then the plan applies."""
     state = node.state()
-    state.recover()
+    recover(state)
     state.apply_layout(state.view, resolve_layout(plan(), node.inventory, "p"))
     return state
 

@@ -11,7 +11,7 @@ import pytest
 
 from cdi import atomicfile, atomicswap
 from driver.gpu.checkpoint import Checkpoint, CheckpointCorrupt, CheckpointStore
-from driver.gpu.recovery import RecoveryReport
+from driver.gpu.recovery import RecoveryReport, recover
 from tests.support.statenode import Node, claim, gpu_config, ref
 
 
@@ -27,7 +27,7 @@ def test_a_kill_between_setting_aside_a_corrupt_checkpoint_and_saving_the_rebuil
     assert not (node.paths.state_dir / "checkpoint.json").exists()
 
     restarted = node.state()
-    report = restarted.recover()
+    report = recover(restarted)
     assert report.rebuilt_from_cdi, "the interrupted rebuild is done again"
     assert [r.uid for r in restarted.prepared_claims()] == ["u1"]
     assert node.spec_path("u1").exists(), "the running claim's spec is not an orphan"
@@ -43,7 +43,7 @@ def test_a_symlink_put_in_place_of_a_claims_spec_is_replaced_by_the_claims_own_s
     node.spec_path("u1").unlink()
     node.spec_path("u1").symlink_to(forged)
 
-    report = node.state().recover()
+    report = recover(node.state())
     assert report.cdi_recreated == ["u1"]
     assert not node.spec_path("u1").is_symlink(), "the link is not trusted as the claim's spec"
     assert node.spec_json("u1") == own
@@ -59,7 +59,7 @@ def test_a_fifo_in_place_of_a_claims_spec_does_not_hang_the_start(node: Node) ->
     reports: list[RecoveryReport] = []
 
     def start() -> None:
-        reports.append(node.state().recover())
+        reports.append(recover(node.state()))
         done.set()
 
     threading.Thread(target=start, daemon=True).start()
@@ -127,7 +127,7 @@ def test_the_checkpoints_own_companion_is_not_reported_or_removed_as_an_orphan(n
     state.unprepare(ref("u1"))  # durable writes go through the companion
     companion = atomicswap.swap_name(node.paths.state_dir / "checkpoint.json")
     assert companion.exists()
-    report = node.state().recover()
+    report = recover(node.state())
     assert not any("swap" in o for o in report.orphans_removed), report.orphans_removed
     assert companion.exists()
 
@@ -139,6 +139,6 @@ def test_a_claims_own_daemon_is_adopted_and_watched_again_after_a_rebuild(node: 
     [daemon_id] = node.mps.started()
     (node.paths.state_dir / "checkpoint.json").write_text("{garbage")
     restarted = node.state()
-    assert restarted.recover().rebuilt_from_cdi
+    assert recover(restarted).rebuilt_from_cdi
     assert daemon_id in restarted.ledger.read().mps_daemons, "the live daemon has a record again"
     assert node.mps.started() == [daemon_id], "adopted, not started again under its clients"

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from driver.gpu.daemonwatch import DAEMON_RESTARTED, LIMITS_REVERTED, DaemonWatcher, MpsReports
+from driver.gpu.daemonwatch import DAEMON_RESTARTED, LIMITS_REVERTED, DaemonWatcher, MpsReports, check_daemons
 from driver.gpu.devices import make_view
 from driver.gpu.mps.limits import LimitDrift
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonStopped, MpsNoAnswer
@@ -79,12 +79,12 @@ def test_a_prepare_that_reuses_a_daemon_reads_its_limits_back_and_reports_drift(
 def test_the_watcher_reverts_drift_and_restarts_a_stopped_daemon(node: Node) -> None:
     state, reports, daemon_id = _one_share(node)
     node.mps.drift[daemon_id] = DRIFT
-    assert state.check_daemons(limits=True) == []
+    assert check_daemons(state, limits=True) == []
     assert reports.drift == [(daemon_id, DRIFT, ["a"])]
     node.mps.running.pop(daemon_id)  # a client sent quit
-    assert state.check_daemons(limits=True) == [daemon_id]
+    assert check_daemons(state, limits=True) == [daemon_id]
     assert reports.restarts == [(daemon_id, ["a"])]
-    assert state.check_daemons() == [], "the rescan's check reads /proc only"
+    assert check_daemons(state) == [], "the rescan's check reads /proc only"
     assert node.mps.verified == [daemon_id], "a gone daemon is restarted, not asked"
 
 
@@ -116,13 +116,13 @@ def test_a_prepare_goes_on_when_a_client_holds_the_daemons_control_session(
     monkeypatch.setattr(node.mps, "verify_limits", silent)
     state.prepare(claim("b", "gpu-2-mps-1"))
     assert asked[0] is not None and asked[0] <= 1.5, "a prepare waits little for the read-back"
-    assert state.check_daemons(limits=True) == [], "the watcher reports it and tries again next round"
+    assert check_daemons(state, limits=True) == [], "the watcher reports it and tries again next round"
     assert asked[-1] is not None and asked[-1] <= WATCH_CHECK_S, "a watcher check holds the GPU's locks briefly"
     assert reports.drift == []
     # No watch interval here: unconfirmed at once, reported once, each claim told once.
     assert reports.unconfirmed == [(daemon_id, ["a", "b"], True)]
     monkeypatch.setattr(node.mps, "verify_limits", lambda record, timeout=None: [])
-    state.check_daemons(limits=True)
+    check_daemons(state, limits=True)
     assert reports.confirmed == [(daemon_id, ["a", "b"])]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from driver.gpu.daemonwatch import check_daemons
 from driver.gpu.state import DeviceState
 from tests.support.dynamicmignode import DynamicMigNode
 from tests.support.statenode import claim, ref
@@ -48,7 +49,7 @@ def reboot_and_lose_the_placement(node: DynamicMigNode) -> DeviceState:
 def test_a_claim_whose_instance_could_not_be_made_again_gets_neither_its_daemon_nor_its_spec_back(
         node: DynamicMigNode, limits: bool) -> None:
     state = reboot_and_lose_the_placement(node)
-    assert state.check_daemons(limits=limits) == []
+    assert check_daemons(state, limits=limits) == []
     assert node.mps.running == {}, "no daemon started on the MIG UUID of an instance the reboot took"
     assert not node.spec_path("u1").exists(), "the spec recovery removed stays removed"
     state.unprepare(ref("u1"))  # the kubelet's unprepare still cleans up

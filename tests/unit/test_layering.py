@@ -2,14 +2,17 @@
 
 The choice between real hardware and the simulated node is made where the app is wired
 (``driver/nodelayout.py``); code under ``driver/gpu`` sees only the ``Discovery`` it is given.
-The kubelet-plugin layer's own rule is checked in ``test_kubeletplugin_helper.py``. Every module
-also has its line in the map of docs/design.md.
+The kubelet-plugin layer's own rule is checked in ``test_kubeletplugin_helper.py``; the import
+contracts of pyproject.toml (``lint-imports``) check the layers. No two modules import each other,
+even through others, in an annotation or inside a function. Every module also has its line in the
+map of docs/design.md.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import driver.gpu
@@ -59,3 +62,91 @@ def test_every_module_has_its_line_in_the_design_map() -> None:
     missing = [str(p.relative_to(root)) for p in modules
                if not re.search(rf"(?<![\w.]){re.escape(p.name)}", code_map)]
     assert missing == [], "add a line for each to the map in docs/design.md"
+
+
+def _module_names(root: Path) -> dict[str, Path]:
+    """Dotted name -> file of every module of the project's packages under ``root`` (generated stubs aside)."""
+    names: dict[str, Path] = {}
+    for package in ("driver", "cdi"):
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if "api" in parts:
+                continue
+            names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def _imported_modules(path: Path, name: str, modules: Mapping[str, Path]) -> set[str]:
+    """The project modules ``path`` imports anywhere (module level, functions, TYPE_CHECKING blocks)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            targets.add(base)
+            targets.update(f"{base}.{alias.name}" for alias in node.names)
+    found = set()
+    for target in targets:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+    return found
+
+
+def _cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """Every group of modules that import each other, directly or through others (Tarjan's components)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in sorted(graph[module]):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            group = [stack.pop()]
+            while group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(groups)
+
+
+def _import_graph(root: Path) -> dict[str, set[str]]:
+    modules = _module_names(root)
+    return {name: _imported_modules(path, name, modules) for name, path in modules.items()}
+
+
+def test_no_modules_import_each_other() -> None:
+    graph = _import_graph(Path(driver.gpu.__file__).parents[2])
+    assert len(graph) > 150 and "driver.gpu.state" in graph["driver.gpu.recovery"]
+    assert _cycles(graph) == [], "move what both need into a module below them"
+
+
+def test_the_cycle_check_sees_imports_in_annotations_and_functions(tmp_path: Path) -> None:
+    package = tmp_path / "cdi"
+    package.mkdir()
+    (tmp_path / "driver").mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "spec.py").write_text("from cdi.version import minimum\n")
+    (package / "version.py").write_text("from typing import TYPE_CHECKING\n"
+                                        "if TYPE_CHECKING:\n    from cdi.names import Name\n")
+    (package / "names.py").write_text("def f() -> None:\n    from . import spec\n")
+    (package / "store.py").write_text("import cdi.spec\n")
+    assert _cycles(_import_graph(tmp_path)) == [["cdi.names", "cdi.spec", "cdi.version"]]

@@ -27,7 +27,8 @@ import pytest
 from pydantic import ValidationError
 
 from driver.gpu.mps.holders import held_connection
-from driver.gpu.mps.launch import DaemonLaunch, LaunchedDaemon, LocalLauncher
+from driver.gpu.mps.launch import DaemonLaunch, LaunchedDaemon
+from driver.gpu.mps.locallauncher import LocalLauncher
 from driver.gpu.mps.manager import _KILL_WAIT_S, _TERM_GRACE_S, MpsManager
 from driver.gpu.mps.model import (
     MpsBusy,

@@ -25,7 +25,8 @@ from driver.gpu.claimconfig.api import ConfigError, parse_config
 from driver.gpu.mps.hostcheck import HostConfig, HostError, check_config, default_tools
 from driver.gpu.mps.hostclient import HostReply, HostRequest, MpsHostLauncher, encode
 from driver.gpu.mps.hostcmd import HostMode
-from driver.gpu.mps.launch import LocalLauncher, MpsLaunchError
+from driver.gpu.mps.launch import MpsLaunchError
+from driver.gpu.mps.locallauncher import LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
 from driver.gpu.mps.shmmount import ShmTmpfs, is_mount_point, mount_tmpfs, unmount_all

@@ -227,7 +227,7 @@ def test_a_reply_the_client_cannot_read_is_a_clear_error(tmp_path: Path) -> None
 def test_the_plugin_uses_the_host_only_when_its_socket_is_configured() -> None:
     from driver.app import choose_launcher
     from driver.config import parse_settings
-    from driver.gpu.mps.launch import LocalLauncher
+    from driver.gpu.mps.locallauncher import LocalLauncher
 
     chosen = choose_launcher(parse_settings([], {"MPS_HOST_SOCKET": "/run/h.sock"}))
     assert isinstance(chosen, MpsHostLauncher) and chosen.socket_path == Path("/run/h.sock")

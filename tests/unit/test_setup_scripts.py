@@ -26,7 +26,7 @@ def _tree(tmp_path: Path, with_venv: bool) -> Path:
     if with_venv:
         bin_dir = root / ".venv" / "bin"
         bin_dir.mkdir(parents=True)
-        for tool in ("python", "ruff", "mypy"):
+        for tool in ("python", "ruff", "mypy", "lint-imports"):
             (bin_dir / tool).write_text(STUB)
             (bin_dir / tool).chmod(0o755)
     return root
@@ -55,5 +55,6 @@ def test_the_test_script_says_each_step(tmp_path: Path) -> None:
     steps = [line for line in done.stdout.splitlines() if line.startswith("== ")]
     assert steps[:2] == ["== upgrading pip in .venv",
                          "== installing Tessera with its test extras into .venv (pip; minutes the first time)"]
-    assert steps[2:] == ["== ruff", "== mypy", "== NVIDIA's MPS daemon for the MPS tests (never fails the run)",
-                         "== pytest"]
+    assert steps[2:] == ["== ruff", "== mypy", "== import contracts (lint-imports; pyproject.toml [tool.importlinter])",
+                         "== NVIDIA's MPS daemon for the MPS tests (never fails the run)", "== pytest"]
+    assert "lint-imports " in (root / "calls.log").read_text().splitlines()

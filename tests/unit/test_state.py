@@ -18,9 +18,11 @@ import pytest
 
 import cdi
 from driver.gpu.checkpoint import ClaimPhase
+from driver.gpu.daemonwatch import check_daemons
 from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsError
+from driver.gpu.recovery import recover
 from driver.gpu.runtime.timeslice import TimeSliceError
 from driver.gpu.sharelayout import TimeSliceInterval
 from driver.gpu.state import DeviceState
@@ -323,7 +325,7 @@ def test_recover_rolls_back_an_interrupted_prepare(node: Node) -> None:
     [daemon_id] = node.mps.started()
 
     restarted = node.state()
-    report = restarted.recover()
+    report = recover(restarted)
     assert report.rolled_back == ["u1"]
     assert node.mps.stopped_after_start(daemon_id) and daemon_id not in node.mps.running
     assert [r.uid for r in restarted.prepared_claims()] == ["u2"]
@@ -336,7 +338,7 @@ def test_recover_resets_the_time_slice_of_an_interrupted_prepare(node: Node) -> 
                                                                   timeSlicingConfig={"interval": "Medium"})]))
     assert node.timeslicer.intervals == {node.uuid(0): "Medium"}
     _mark_started(node, "u1")
-    report = node.state().recover()
+    report = recover(node.state())
     assert report.rolled_back == ["u1"]
     assert node.timeslicer.intervals == {}, "the GPU goes back to the default time slice"
     assert node.cdi_files() == []
@@ -357,7 +359,7 @@ def test_recover_recreates_a_missing_cdi_spec(node: Node) -> None:
     node.state().prepare(claim("u1", "gpu-1-mig-2g20gb-4"))
     before = node.spec_json("u1")
     node.spec_path("u1").unlink()  # e.g. /var/run/cdi is a tmpfs and the node rebooted
-    report = node.state().recover()
+    report = recover(node.state())
     assert report.cdi_recreated == ["u1"]
     assert report.rolled_back == []
     assert node.spec_json("u1") == before
@@ -369,7 +371,7 @@ def test_recover_removes_orphan_cdi_specs_only_of_this_driver(node: Node) -> Non
     orphan.write_text("{}")
     foreign = node.paths.cdi_root / "nvidia.com-gpu.yaml"
     foreign.write_text("kept: true\n")
-    report = node.state().recover()
+    report = recover(node.state())
     assert "cdi spec k8s.gpu.tessera.dev-claim_orphan.json" in report.orphans_removed
     assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u1.json", "nvidia.com-gpu.yaml"]
 
@@ -381,7 +383,7 @@ def test_recover_rewrites_a_spec_a_power_failure_tore(node: Node, torn: bytes) -
     node.state().prepare(claim("u1", "gpu-0"))
     before = node.spec_json("u1")
     node.spec_path("u1").write_bytes(torn)
-    report = node.state().recover()
+    report = recover(node.state())
     assert report.cdi_recreated == ["u1"]
     assert node.spec_json("u1") == before
 
@@ -390,7 +392,7 @@ def test_recover_restarts_a_dead_daemon_and_rewrites_the_spec(node: Node) -> Non
     node.state().prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
     [daemon_id] = node.mps.started()
     old_pid = node.mps.running.pop(daemon_id).pid  # the daemon died with the node
-    report = node.state().recover()
+    report = recover(node.state())
     assert report.daemons_restarted == [daemon_id]
     assert report.cdi_recreated == ["u1"]
     assert node.mps.running[daemon_id].pid != old_pid
@@ -399,7 +401,7 @@ def test_recover_restarts_a_dead_daemon_and_rewrites_the_spec(node: Node) -> Non
 
 def test_recover_adopts_a_live_daemon(node: Node) -> None:
     node.state().prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
-    report = node.state().recover()
+    report = recover(node.state())
     assert report.daemons_restarted == [] and report.cdi_recreated == []
     assert len(node.mps.started()) == 1
 
@@ -407,7 +409,7 @@ def test_recover_adopts_a_live_daemon(node: Node) -> None:
 def test_recover_stops_daemons_nobody_records(node: Node) -> None:
     node.state().prepare(claim("u1", "gpu-0"))
     node.mps.on_disk = ["claim-leftover-0"]
-    report = node.state().recover()
+    report = recover(node.state())
     assert "mps directory claim-leftover-0" in report.orphans_removed
     assert ("stop_by_id", "claim-leftover-0") in node.mps.calls
 
@@ -417,7 +419,7 @@ def test_recover_rebuilds_from_cdi_specs_when_the_checkpoint_is_corrupt(node: No
     node.state().prepare(claim("u2", "gpu-1-mig-1g10gb-6"))
     (node.paths.state_dir / "checkpoint.json").write_text("{garbage")
     restarted = node.state()
-    report = restarted.recover()
+    report = recover(restarted)
     assert report.rebuilt_from_cdi
     records = {r.uid: r for r in restarted.prepared_claims()}
     assert set(records) == {"u1", "u2"}
@@ -435,7 +437,7 @@ def test_recover_republishes_the_previous_layout(node: Node) -> None:
     first.prepare(claim("u1", "gpu-0-mps-0"))
     restarted = node.state()
     assert "gpu-0" in restarted.view.targets  # built with no layout
-    restarted.recover()
+    recover(restarted)
     assert "gpu-0-mps-0" in restarted.view.targets and "gpu-0" not in restarted.view.targets
     assert [r.uid for r in restarted.prepared_claims()] == ["u1"]
 
@@ -500,7 +502,7 @@ def test_after_a_reboot_time_slices_are_applied_again(node: Node) -> None:
     node.store.save(cp.model_copy(update={"boot_id": "an-earlier-boot"}))
     node.timeslicer.intervals.clear()  # a reboot forgets GPU settings
     restarted = node.state()
-    restarted.recover()
+    recover(restarted)
     assert node.timeslicer.intervals == {node.uuid(0): "Medium"}
     restarted.apply_layout(make_view(node.inventory, {}), {node.uuid(2): ts_shares(2)})
     assert node.timeslicer.intervals == {node.uuid(0): "Medium", node.uuid(2): "Long"}
@@ -530,7 +532,7 @@ def test_recovery_survives_a_daemon_that_cannot_be_stopped(node: Node, monkeypat
 
     monkeypatch.setattr(node.mps, "stop_by_id", stuck)
     state = node.state()
-    state.recover()  # does not raise: logged and retried at the next start
+    recover(state)  # does not raise: logged and retried at the next start
     state.prepare(claim("u1", "gpu-0"))
 
 
@@ -544,7 +546,7 @@ def test_a_rebuilt_checkpoint_keeps_shares_daemons_and_time_slices(node: Node) -
     (node.paths.state_dir / "checkpoint.json").write_text("{garbage")
 
     restarted = node.state()
-    report = restarted.recover()
+    report = recover(restarted)
     assert report.rebuilt_from_cdi
     assert daemon_id in node.mps.running, "the running workload keeps its MPS daemon"
     assert sorted(node.cdi_files()) == ["k8s.gpu.tessera.dev-claim_share.json", "k8s.gpu.tessera.dev-claim_ts.json"]
@@ -563,7 +565,7 @@ def test_installations_under_different_driver_names_leave_each_other_alone(node:
     other = DeviceState(driver_name="gpu.other.example", pool_name=POOL, paths=node.paths, toolkit=node.toolkit,
                         mps=node.mps, timeslicer=node.timeslicer, compute_modes=node.modes,
                         view=make_view(node.inventory, {}), lock_timeout=5)
-    other.recover()
+    recover(other)
     assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u1.json"]
 
 
@@ -573,9 +575,9 @@ def test_rescan_restarts_a_daemon_that_died(node: Node) -> None:
     state.prepare(claim("share", "gpu-2-mps-0"))
     [daemon_id] = node.mps.started()
     node.mps.running.pop(daemon_id)  # killed with an old plugin container
-    assert state.check_daemons() == [daemon_id]
+    assert check_daemons(state) == [daemon_id]
     assert daemon_id in node.mps.running
-    assert state.check_daemons() == []
+    assert check_daemons(state) == []
 
 
 def test_leftover_temporary_files_are_removed_at_start(node: Node) -> None:
@@ -584,7 +586,7 @@ def test_leftover_temporary_files_are_removed_at_start(node: Node) -> None:
     tmp.write_text("{")
     foreign = node.paths.cdi_root / ".nvidia.yaml.tmp"
     foreign.write_text("{")
-    node.state().recover()
+    recover(node.state())
     assert not tmp.exists() and foreign.exists()
 
 
@@ -610,7 +612,7 @@ def test_a_crash_after_the_spec_is_written_is_rolled_back_at_start(node: Node,
     assert saves == ["PrepareStarted", "PrepareCompleted"], "the reservation is durable before the spec is written"
     assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u1.json"], "written, never completed"
     restarted = node.state()
-    assert restarted.recover().rolled_back == ["u1"]
+    assert recover(restarted).rolled_back == ["u1"]
     assert node.cdi_files() == [] and restarted.prepared_claims() == []
     restarted.prepare(claim("u1", "gpu-0"))  # the kubelet's retry succeeds
     assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_u1.json"]
@@ -640,7 +642,7 @@ def test_a_shared_daemon_whose_record_was_lost_with_the_checkpoint_is_adopted_no
     pid = node.mps.running[daemon_id].pid
     (node.paths.state_dir / "checkpoint.json").write_text("{garbage")
     restarted = node.state()
-    assert restarted.recover().rebuilt_from_cdi
+    assert recover(restarted).rebuilt_from_cdi
     restarted.prepare(claim("u2", "gpu-0-mps-1"))  # the second share of the GPU the first one's daemon serves
     assert node.mps.started() == [daemon_id], "u1's clients keep their daemon"
     assert node.mps.running[daemon_id].pid == pid and not node.mps.stopped_after_start(daemon_id)

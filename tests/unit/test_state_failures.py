@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from driver.gpu.checkpoint import ClaimPhase
+from driver.gpu.daemonwatch import check_daemons
 from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
 from driver.gpu.mps.model import MpsDaemonRecord, MpsError
@@ -76,7 +77,7 @@ def test_a_rescan_does_not_revive_the_daemon_of_a_prepare_whose_rollback_is_pend
     node.store.save(cp)
     node.spec_path("u1").unlink()  # its spec removed, its daemon's stop failed and the daemon died since
     node.mps.running.pop(daemon_id)
-    assert state.check_daemons() == []
+    assert check_daemons(state) == []
     assert node.mps.running == {} and node.cdi_files() == []
 
 

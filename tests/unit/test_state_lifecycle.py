@@ -19,9 +19,10 @@ import pytest
 
 from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
-from driver.gpu.mps.launch import LocalLauncher
+from driver.gpu.mps.locallauncher import LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
+from driver.gpu.recovery import recover
 from driver.gpu.runtime.computemode import ComputeMode, NvmlComputeModes
 from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.state import DeviceState
@@ -116,7 +117,7 @@ def test_recovery_restores_a_mode_whose_last_daemon_went_during_a_crash(node: No
     cp = node.store.load()
     cp.claims.clear()  # as if the crash came after the claim was forgotten, before the mode was restored
     node.store.save(cp)
-    node.state().recover()
+    recover(node.state())
     assert node.modes.modes[gpu] == ComputeMode.DEFAULT
     assert node.store.load().compute_modes == {}
 
@@ -128,7 +129,7 @@ def test_after_a_reboot_exclusive_process_is_set_again(node: Node) -> None:
     cp = node.store.load()
     node.store.save(cp.model_copy(update={"boot_id": "an-earlier-boot"}))
     node.modes.modes.clear()  # a reboot resets every GPU to DEFAULT
-    node.state().recover()
+    recover(node.state())
     assert node.modes.modes[gpu] == ComputeMode.EXCLUSIVE_PROCESS
     assert node.store.load().compute_modes == {gpu: ComputeMode.DEFAULT}, "the pre-reboot mode is gone with the boot"
 
@@ -138,7 +139,7 @@ def test_a_rebuilt_checkpoint_still_restores_default_after_the_last_daemon(node:
     node.state().prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))
     (node.paths.state_dir / "checkpoint.json").write_text("{garbage")
     restarted = node.state()
-    assert restarted.recover().rebuilt_from_cdi
+    assert recover(restarted).rebuilt_from_cdi
     assert node.store.load().compute_modes == {gpu: ComputeMode.DEFAULT}
     restarted.unprepare(ref("u1"))
     assert node.modes.modes[gpu] == ComputeMode.DEFAULT
@@ -346,7 +347,7 @@ def test_turning_on_multi_user_mode_does_not_restart_a_shared_daemon_under_its_c
     state.prepare(claim("a", "gpu-0-mps-0"))
     upgraded = node.state()
     upgraded.mps_multi_user = True  # a newer driver on a node whose MPS has multi-user mode
-    upgraded.recover()
+    recover(upgraded)
     upgraded.prepare(claim("b", "gpu-0-mps-1"))
     [daemon_id] = node.mps.started()
     assert not node.mps.stopped_after_start(daemon_id)
@@ -410,7 +411,7 @@ def test_a_starting_pod_never_rolls_back_a_prepare_the_other_pod_is_still_doing(
 
     monkeypatch.setattr(new_pod.gpu_locks, "held", held_once_the_old_pod_may_go_on)
     reports: list[Any] = []
-    recovering = threading.Thread(target=lambda: reports.append(new_pod.recover()))
+    recovering = threading.Thread(target=lambda: reports.append(recover(new_pod)))
     recovering.start()
     thread.join()
     recovering.join()
