@@ -42,7 +42,7 @@ for unwanted in kubernetes/aio driver/simulation/bin pip setuptools aiohttp yarl
 done
 say "checking that every entry point imports without them"
 # Every entry point still imports without what was removed.
-"$venv/bin/python" -c 'import driver.app, driver.checknode, driver.cli, driver.inspect_node, driver.gpu.mps.hostserver'
+"$venv/bin/python" -c 'import driver.commands.run.app, driver.commands.checknode.checks, driver.cli, driver.commands.inspect, driver.gpu.mps.hostserver'
 # Bytecode now: the plugin runs with a read-only root filesystem and PYTHONDONTWRITEBYTECODE.
 say "compiling bytecode"
 "$venv/bin/python" -m compileall -q "$venv/lib"

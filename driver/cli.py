@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from driver.cliparser import USAGE_ERROR, CliParser
+from driver.commands.mpshost import add_host_arguments, main_host
 from driver.config import (
     CHECK_NODE_FIELDS,
     INSPECT_FIELDS,
@@ -18,7 +19,6 @@ from driver.config import (
     settings_problems,
 )
 from driver.kubeletplugin.logfmt import configure_logging
-from driver.mpshostcli import add_host_arguments, main_host
 
 INSPECT_DESCRIPTION = ("Show what is prepared on this node: claims, their devices and CDI specs, MPS daemons, "
                        "compute modes, the sharing plan in use, device health. Read-only and lock-free: safe next to "
@@ -51,7 +51,7 @@ def _parser(command: str | None) -> tuple[argparse.ArgumentParser, dict[str, arg
                              description=INSPECT_DESCRIPTION)
     add_settings_arguments(inspect, INSPECT_FIELDS)
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
-    # Listed for --help only: main() hands `demo ...` to driver.demo, whose parser lists the layouts.
+    # Listed for --help only: main() hands `demo ...` to driver.commands.demo.scenario, whose parser lists the layouts.
     sub.add_parser("demo", help="SIMULATION: run a simulated node end to end, no cluster or GPU needed "
                                 "(python -m driver demo --help)", add_help=False)
     check = sub.add_parser("check-node", help="check that this node can serve GPU claims: a table, exit status 1 on "
@@ -67,14 +67,14 @@ def _parser(command: str | None) -> tuple[argparse.ArgumentParser, dict[str, arg
                           help="check a sharing plans file offline; with --simulate, show what each GPU of a simulated "
                                "node would publish")
     if command in ("check-plan", None):
-        from driver.checkplan import add_arguments as add_plan_arguments
+        from driver.commands.checkplan import add_arguments as add_plan_arguments
 
         add_plan_arguments(plan)
     convert = sub.add_parser("convert-plan", help="print an NVIDIA device plugin sharing config (or the GPU Operator's "
                                                   "ConfigMap of them) as a sharing plans file (docs/migration.md)")
     if command in ("convert-plan", None):
-        from driver.convertplan import DESCRIPTION as CONVERT_DESCRIPTION
-        from driver.convertplan import add_arguments as add_convert_arguments
+        from driver.commands.convertplan import DESCRIPTION as CONVERT_DESCRIPTION
+        from driver.commands.convertplan import add_arguments as add_convert_arguments
 
         convert.description = CONVERT_DESCRIPTION
         add_convert_arguments(convert)
@@ -111,18 +111,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "the production image leaves them out. Run the demo from a source checkout: bash scripts/demo.sh",
                   file=sys.stderr)
             return USAGE_ERROR
-        from driver.demo import main as demo_main
+        from driver.commands.demo.scenario import main as demo_main
 
         return demo_main(argv[1:])
     args = _parse(argv)
     if args.command == "mps-host":
         return main_host(args)
     if args.command == "check-plan":
-        from driver.checkplan import main as main_plan
+        from driver.commands.checkplan import main as main_plan
 
         return main_plan(args)
     if args.command == "convert-plan":
-        from driver.convertplan import main as main_convert
+        from driver.commands.convertplan import main as main_convert
 
         return main_convert(args)
     prog = f"python -m driver {args.command}"
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return USAGE_ERROR
     if args.command == "inspect":
-        from driver.inspect_node import inspect_status
+        from driver.commands.inspect import inspect_status
 
         # Its report carries every problem it finds; a log line on stderr as well would only be noise
         # (with --json, text that no parser of the output sees).
@@ -154,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(output)
         return status
     if args.command == "check-node":
-        from driver.checknode import UnknownMpsDevice, run_check_node
+        from driver.commands.checknode.checks import UnknownMpsDevice, run_check_node
         from driver.reaper import Interrupted, Reaper
 
         configure_logging("debug" if args.verbose else "critical", "text")
@@ -172,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(output)
         return status
     configure_logging(settings.log_level, settings.log_format)
-    from driver.startup import run
+    from driver.commands.run.startup import run
 
     return run(settings)
 

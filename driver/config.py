@@ -156,8 +156,8 @@ class Settings(BaseModel):
 class StartupError(Exception):
     """Configuration or environment problem that must stop the driver with a clear message.
 
-    Raised while the driver initialises (:mod:`driver.app`), reported by the run that started it
-    (:mod:`driver.startup`); defined here, below both.
+    Raised while the driver initialises (:mod:`driver.commands.run.app`), reported by the run that started it
+    (:mod:`driver.commands.run.startup`); defined here, below both.
     """
 
 

@@ -29,8 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from driver.commands.demo.table import print_slices
 from driver.config import DEFAULT_DRIVER_NAME
-from driver.demotable import print_slices
 from driver.gpu.claimcdi.edits import CdiNames
 from driver.kubeletplugin.types import ClaimRef
 from driver.simulation.allocator import allocate, claim_from_template

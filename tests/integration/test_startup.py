@@ -1,5 +1,5 @@
-"""Registration first, initialisation behind the open sockets (driver/startup.py): a prepare the kubelet sends
-before the driver is ready waits for it and then succeeds, and /readyz says not ready until then.
+"""Registration first, initialisation behind the open sockets (driver/commands/run/startup.py): a prepare the
+kubelet sends before the driver is ready waits for it and then succeeds, and /readyz says not ready until then.
 
 The driver's initialisation is held up the way a slow API server holds it up in production: with a
 sharing plans file it reads its Node to choose the plan, and that read waits in front of the API

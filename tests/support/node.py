@@ -266,7 +266,8 @@ class SimulatedNode:
 
     def start(self, *extra: str, env: dict[str, str] | None = None, register: bool = True) -> None:
         """Start the driver; with ``register``, return once the kubelet stand-in registered it and the
-        driver finished initialising behind its sockets (recovery done, claims served: driver/startup.py)."""
+        driver finished initialising behind its sockets (recovery done, claims served:
+        driver/commands/run/startup.py)."""
         assert self.proc is None or self.proc.poll() is not None, "driver already running"
         self.env = self._environment(env)
         started_before = self._initialised_count()

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from driver.checkmps import (
+from driver.commands.checknode.checks import classify_compute_mode
+from driver.commands.checknode.mps import (
     CHECK_MEMORY,
     CHECK_SMS,
     PINNED_LIMIT_MIB,
     choose_target,
     classify_client,
 )
-from driver.checknode import classify_compute_mode
-from driver.checkresult import NodeReport, exit_status, fail, ok, render_json, render_table, skipped
+from driver.commands.checknode.result import NodeReport, exit_status, fail, ok, render_json, render_table, skipped
 from driver.gpu.discovery.cudaprobe import ClientReport
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.runtime.computemode import ComputeMode
@@ -153,7 +153,7 @@ def test_simulated_node_runs_what_it_can_and_says_what_needs_a_gpu() -> None:
 
 def test_one_simulated_layout_has_the_same_gpu_uuids_in_check_node_inspect_check_plan_and_the_demo(
         tmp_path: Path) -> None:
-    from driver.demo import NODE
+    from driver.commands.demo.scenario import NODE
     from driver.simulation.discovery import SimulatedDiscovery
 
     expected = [g.uuid for g in SimulatedDiscovery("demo", NODE).discover().gpus]

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from driver.cli import main
+from driver.commands.run.plansource import PlanSource
 from driver.config import Settings
 from driver.gpu.planuse import PLAN_USE_FILE, plan_use, write_plan_use
 from driver.gpu.sharingplan import load_plans, resolve_layout
 from driver.nodelayout import SIMULATED_NODE_NAME
-from driver.plansource import PlanSource
 from driver.simulation.discovery import SimulatedDiscovery
 
 PLAN = """\
@@ -149,7 +149,7 @@ def test_the_plan_in_use_is_logged_at_start_and_shown_by_inspect(
                       ("elsewhere", "node label gpu.tessera.dev/sharing-plan=elsewhere")):
         plan = loaded.plans[name]
         use = plan_use(plan, name, plans, how, inventory, resolve_layout(plan, inventory, name))
-        with caplog.at_level(logging.INFO, logger="driver.plansource"):
+        with caplog.at_level(logging.INFO, logger="driver.commands.run.plansource"):
             source._record(use)
     messages = [r.getMessage() for r in caplog.records]
     assert f"sharing plan in use: plan 'l4-mps' from {plans} (node label gpu.tessera.dev/sharing-plan=l4-mps)" \

@@ -137,7 +137,7 @@ def test_booleans_are_read_as_before(text: str, value: bool) -> None:
 
 def test_reading_the_default_settings_needs_no_gpu_modules() -> None:
     # `run` validates its settings (pydantic) before it registers with the kubelet, and imports the GPU
-    # side only after (driver/startup.py).
+    # side only after (driver/commands/run/startup.py).
     code = ("import sys; from driver.config import parse_settings; parse_settings([], {}); "
             "print(sorted(m for m in sys.modules if m.startswith('driver.gpu')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

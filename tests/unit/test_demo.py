@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from driver import demo
-from driver.config import DEFAULT_DRIVER_NAME
-from driver.demoargs import (
+from driver.commands.demo import scenario
+from driver.commands.demo.args import (
     DEFAULT_EXAMPLES,
     EXAMPLES_DIR,
     DemoArgsError,
@@ -29,6 +28,7 @@ from driver.demoargs import (
     parse_options,
     share_mode,
 )
+from driver.config import DEFAULT_DRIVER_NAME
 from driver.gpu.devices import make_view
 from driver.gpu.sharingplan import load_plans, resolve_layout
 from driver.reaper import processes_with_env, stop_processes
@@ -62,7 +62,7 @@ def test_unknown_layout_is_one_line_listing_the_layouts() -> None:
 
 
 def test_unknown_layout_exits_2_with_one_line_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
-    assert demo.main(["--layout", "nope"]) == 2
+    assert scenario.main(["--layout", "nope"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert len(captured.err.strip().splitlines()) == 1
@@ -194,9 +194,9 @@ def test_sigterm_and_ctrl_c_end_the_demo_with_the_signal_status(monkeypatch: pyt
             finally:
                 cleaned.append(True)
 
-        monkeypatch.setattr(demo, "run_demo", fake_run)
+        monkeypatch.setattr(scenario, "run_demo", fake_run)
         before = signal.getsignal(signum)
-        assert demo.main([]) == 128 + signum
+        assert scenario.main([]) == 128 + signum
         assert cleaned == [True]
         assert signal.getsignal(signum) is before  # restored for the caller
         out = capsys.readouterr().out
@@ -222,7 +222,7 @@ def test_detached_processes_are_found_by_their_environment_and_stopped() -> None
 
 
 def test_a_rerun_clears_only_what_an_earlier_run_wrote(tmp_path: Path) -> None:
-    from driver.demoargs import WORKDIR_ENTRIES, DemoArgsError, clear_previous_run
+    from driver.commands.demo.args import WORKDIR_ENTRIES, DemoArgsError, clear_previous_run
 
     (tmp_path / "plugins" / "gpu.tessera.dev").mkdir(parents=True)
     (tmp_path / "driver.log").write_text("old run\n")
@@ -238,7 +238,7 @@ def test_a_rerun_clears_only_what_an_earlier_run_wrote(tmp_path: Path) -> None:
 
 
 def test_the_device_table_uses_one_memory_unit_and_says_what_each_row_is() -> None:
-    from driver.demotable import details, mebibytes
+    from driver.commands.demo.table import details, mebibytes
 
     assert [mebibytes(q) for q in ("16Gi", "33024Mi", "81559Mi", "")] == ["16384Mi", "33024Mi", "81559Mi", ""]
 
@@ -260,7 +260,7 @@ def test_the_device_table_uses_one_memory_unit_and_says_what_each_row_is() -> No
 
 
 def test_a_slice_of_counter_sets_alone_says_what_it_holds_instead_of_an_empty_table() -> None:
-    from driver.demotable import print_slices
+    from driver.commands.demo.table import print_slices
 
     said: list[str] = []
     counters = {"name": "gpu-0-counter-set", "counters": {"multiprocessors": {"value": "132"},

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from driver.demoargs import parse_options
-from driver.demohealth import devices_of, failing_gpu, http_port
+from driver.commands.demo.args import parse_options
+from driver.commands.demo.health import devices_of, failing_gpu, http_port
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.simulation.discovery import available_layouts
 
@@ -34,9 +34,9 @@ def test_the_demo_fails_its_shared_gpu_and_every_device_using_it(demo: NodeInven
 
 def test_metrics_port_comes_from_the_driver_started_line(tmp_path: Path) -> None:
     log = tmp_path / "driver.log"
-    log.write_text('2026-11-23T17:00:00Z INFO    driver.app: driver started driver="gpu.tessera.dev" '
+    log.write_text('2026-11-23T17:00:00Z INFO    driver.commands.run.app: driver started driver="gpu.tessera.dev" '
                    'http_port=38211 dra_socket="/x"\n')
     assert http_port(log, timeout=1) == 38211
-    log.write_text("2026-11-23T17:00:00Z INFO    driver.app: registering\n")
+    log.write_text("2026-11-23T17:00:00Z INFO    driver.commands.run.app: registering\n")
     with pytest.raises(TimeoutError, match="driver started"):
         http_port(log, timeout=0.2)

@@ -10,7 +10,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
 from deploy.render import render_objects
-from driver.mpshostcli import add_host_arguments
+from driver.commands.mpshost import add_host_arguments
 from tests.unit.test_deploy import KUBE_VERSIONS, Obj, daemonset, env_value, plugin_container, pod_spec
 
 DATA_DIR = "/var/lib/kubelet/plugins/gpu.tessera.dev"

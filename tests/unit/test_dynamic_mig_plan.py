@@ -12,12 +12,12 @@ import pytest
 import yaml
 
 from driver.cli import main
+from driver.commands.run.plansource import PlanSource
 from driver.config import Settings
 from driver.gpu.discovery.inventory import GpuInfo
 from driver.gpu.planuse import plan_use, render_plan
 from driver.gpu.sharelayout import DynamicMigPolicy
 from driver.gpu.sharingplan import PlanError, SharingPlan, SharingPlans, load_plans, resolve_plan
-from driver.plansource import PlanSource
 from tests.support.mig import h100, instance, l4, node
 
 ALL_H100 = ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")  # table order
@@ -161,7 +161,7 @@ def test_the_reason_is_logged_once_per_gpu(caplog: pytest.LogCaptureFixture) -> 
     resolved = resolve_plan(plan, gpus, "p")
     use = plan_use(plan, "p", Path("plans.yaml"), "test", gpus, resolved.layout, resolved.notes)
     source = PlanSource(Settings(), api=None)  # type: ignore[arg-type]  # _record never calls the API
-    with caplog.at_level(logging.INFO, logger="driver.plansource"):
+    with caplog.at_level(logging.INFO, logger="driver.commands.run.plansource"):
         source._record(use)
         source._record(use)  # a rescan that changes nothing logs nothing
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from driver.checkmig import dynamic_mig_checks
+from driver.commands.checknode.mig import dynamic_mig_checks
+from driver.commands.inspect import build_report, render_text
 from driver.config import Settings
 from driver.gpu.rebuild import rebuild_checkpoint
 from driver.gpu.runtime.mig import MigCreateError
-from driver.inspect_node import build_report, render_text
 from driver.kubeletplugin.types import Deadline
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import build_host_root, capability_minors

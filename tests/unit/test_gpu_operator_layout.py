@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import cdi
+from driver.commands.inspect import inspect
 from driver.config import Settings
 from driver.gpu.checkpoint import ClaimPhase, ClaimRecord, PreparedDeviceRecord
 from driver.gpu.claimcdi.edits import CdiNames, CdiSources, claim_spec
@@ -26,7 +27,6 @@ from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.errors import PrepareError
 from driver.gpu.runtime.binaries import find_binary
 from driver.gpu.runtime.computemode import ComputeMode
-from driver.inspect_node import inspect
 from driver.kubeletplugin.types import PreparedDevice
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.gpus import SimulationError

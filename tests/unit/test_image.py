@@ -106,7 +106,7 @@ def test_the_context_holds_what_the_build_copies_and_no_stand_ins(context: set[s
     assert {"pyproject.toml", "README.md", "driver", "cdi", "deploy/build-venv.sh"} <= set(copied)
     for source in copied:
         assert any(f == source or f.startswith(source.rstrip("/") + "/") for f in context), f"{source} not sent"
-    assert "driver/app.py" in context and "cdi/__init__.py" in context
+    assert "driver/commands/run/app.py" in context and "cdi/__init__.py" in context
     assert "driver/simulation/discovery.py" in context  # the chart's `simulate` value needs the simulated GPUs
     assert not [f for f in context if f.startswith("driver/simulation/bin/")], "stand-ins must stay out"
     assert not [f for f in context if f.split("/")[0] in ("tests", "scripts", "examples", "docs")]
@@ -160,6 +160,6 @@ def test_run_without_simulate_imports_no_simulation_code(image_tree: Path) -> No
     finally:
         shutil.rmtree(tmp_path, ignore_errors=True)
     imported = {line.split("|")[-1].strip() for line in stderr.splitlines() if line.startswith("import time:")}
-    assert "driver.app" in imported and "driver.gpu.state" in imported, "the run path was imported"
-    assert not [m for m in imported if m.startswith("driver.simulation") or m.startswith("driver.demo")]
+    assert "driver.commands.run.app" in imported and "driver.gpu.state" in imported, "the run path was imported"
+    assert not [m for m in imported if m.startswith("driver.simulation") or m.startswith("driver.commands.demo")]
     assert not [m for m in imported if m.startswith(("kubernetes.aio", "aiohttp"))]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import cdi
+from driver.commands.inspect import collect, inspect, render_text
 from driver.config import Settings
 from driver.gpu.checkpoint import (
     Checkpoint,
@@ -23,7 +24,6 @@ from driver.gpu.devices import make_view
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
 from driver.gpu.runtime.computemode import ComputeMode
 from driver.gpu.state import DeviceState, StatePaths
-from driver.inspect_node import collect, inspect, render_text
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import PreparedDevice
 from driver.simulation.discovery import SimulatedDiscovery

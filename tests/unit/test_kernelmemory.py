@@ -130,14 +130,14 @@ def test_without_kernel_limits_the_spec_has_no_hook_and_no_memory_variables(node
 
 
 def test_the_plugin_detects_at_start_and_again_at_each_rescan(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from driver.commands.run.plansource import PlanSource
     from driver.config import Settings
-    from driver.plansource import PlanSource
 
     inventory, spec = simulated("kernel-memory", tmp_path / "host")
     settings = Settings(node_name="node-a", plugins_dir=tmp_path / "plugins", cdi_root=tmp_path / "cdi",
                         host_root=tmp_path / "host", nvidia_cdi_spec=spec)
     source = PlanSource(settings, api=None)  # type: ignore[arg-type]  # detection never calls the API server
-    with caplog.at_level("INFO", logger="driver.plansource"):
+    with caplog.at_level("INFO", logger="driver.commands.run.plansource"):
         assert source.detect_kernel_memory(inventory).available
         assert source.detect_kernel_memory(inventory).available  # a rescan, unchanged: no second log line
         controllers = tmp_path / "host" / "sys/fs/cgroup/cgroup.controllers"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from driver.commands.inspect import inspect_status
 from driver.config import Settings
 from driver.gpu.claimplan import plan_daemon_id, share_daemon_id
 from driver.gpu.mps import proc
@@ -31,7 +32,6 @@ from driver.gpu.mps.hostclient import MpsHostLauncher, read_line
 from driver.gpu.mps.hostcmd import HostMode
 from driver.gpu.mps.hostserver import MpsHost, open_listener
 from driver.gpu.mps.manager import MpsManager
-from driver.inspect_node import inspect_status
 from tests.support.lookalikes import NOBODY, look_alikes
 from tests.support.mpsdaemons import STANDIN, MpsDaemonKind, daemon_params
 from tests.support.mpshost import launch_request, make_dirs, serving

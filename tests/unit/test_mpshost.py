@@ -225,7 +225,7 @@ def test_a_reply_the_client_cannot_read_is_a_clear_error(tmp_path: Path) -> None
 
 
 def test_the_plugin_uses_the_host_only_when_its_socket_is_configured() -> None:
-    from driver.app import choose_launcher
+    from driver.commands.run.app import choose_launcher
     from driver.config import parse_settings
     from driver.gpu.mps.locallauncher import LocalLauncher
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import signal
 import threading
 
+from driver.commands.run.startup import Startup
 from driver.config import Settings
-from driver.startup import Startup
 
 
 def test_a_signal_while_the_stop_events_lock_is_held_records_it_without_waiting() -> None:

@@ -9,7 +9,7 @@ failure: static MIG and whole GPUs are served as before.
 
 from __future__ import annotations
 
-from driver.checkresult import CheckResult, ok
+from driver.commands.checknode.result import CheckResult, ok
 from driver.config import Settings
 from driver.gpu.checkpoint import CheckpointStore
 from driver.gpu.discovery.inventory import NodeInventory

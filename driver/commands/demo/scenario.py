@@ -29,8 +29,7 @@ from typing import Any
 
 import yaml
 
-from driver.config import DEFAULT_DRIVER_NAME, DEFAULT_PLAN_LABEL
-from driver.demoargs import (
+from driver.commands.demo.args import (
     EXAMPLES_DIR,
     DemoArgsError,
     DemoOptions,
@@ -43,10 +42,11 @@ from driver.demoargs import (
     pods_using,
     share_mode,
 )
-from driver.demohealth import show_failure_and_recovery
-from driver.demolock import WorkdirBusy, workdir_lock
-from driver.demomig import FULL, dynamic_mig_plan, prepare_mix, show_full_gpu_fits
-from driver.demotable import print_slices
+from driver.commands.demo.health import show_failure_and_recovery
+from driver.commands.demo.lock import WorkdirBusy, workdir_lock
+from driver.commands.demo.mig import FULL, dynamic_mig_plan, prepare_mix, show_full_gpu_fits
+from driver.commands.demo.table import print_slices
+from driver.config import DEFAULT_DRIVER_NAME, DEFAULT_PLAN_LABEL
 from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.kubeletplugin.types import ClaimRef

@@ -17,6 +17,11 @@ import time
 from functools import partial
 
 from driver import nodelayout
+from driver.commands.run.healthsource import open_health_source, open_process_source
+from driver.commands.run.nodeevents import post_node_event
+from driver.commands.run.plansource import CONSUMABLE_GATE as CONSUMABLE_GATE
+from driver.commands.run.plansource import PARTITIONABLE_GATE as PARTITIONABLE_GATE
+from driver.commands.run.plansource import PlanSource as PlanSource
 from driver.config import Settings, StartupError
 from driver.gpu.claimcdi.toolkit import toolkit_spec_changed
 from driver.gpu.claimstatus import STATUS_FILE, ClaimStatusSource
@@ -50,7 +55,6 @@ from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.sharingplan import PlanError
 from driver.gpu.state import DeviceState, StatePaths
 from driver.gpu.targets import NodeView
-from driver.healthsource import open_health_source, open_process_source
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.events import EventRecorder
 from driver.kubeletplugin.healthservice import HealthBoard
@@ -58,10 +62,6 @@ from driver.kubeletplugin.helper import Helper, TelemetryNames
 from driver.kubeletplugin.kubeclient import KubeApiError, KubeConfigError, load_api_client
 from driver.kubeletplugin.nodewatch import NodeMeta, NodeWatch
 from driver.kubeletplugin.types import ClaimRef
-from driver.nodeevents import post_node_event
-from driver.plansource import CONSUMABLE_GATE as CONSUMABLE_GATE
-from driver.plansource import PARTITIONABLE_GATE as PARTITIONABLE_GATE
-from driver.plansource import PlanSource as PlanSource
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from driver.demoargs import DYNAMIC_MIG_EXAMPLE, EXAMPLES_DIR, PLAN_NAME, claim_documents
+from driver.commands.demo.args import DYNAMIC_MIG_EXAMPLE, EXAMPLES_DIR, PLAN_NAME, claim_documents
 from driver.gpu.checkpoint import CheckpointStore
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.kubeletplugin.types import ClaimRef
@@ -28,7 +28,7 @@ FULL = "7g.80gb"
 
 Say = Callable[[str], None]
 # Allocates and prepares one claim document through the kubelet stand-in, showing what the container gets
-# (demo.py's ``_prepare_document``, bound to the demo's API server, kubelet and directories).
+# (scenario.py's ``_prepare_document``, bound to the demo's API server, kubelet and directories).
 PrepareDocument = Callable[[dict[str, Any], str], ClaimRef | None]
 
 

@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from driver.checkresult import CheckResult, fail, ok, skipped
+from driver.commands.checknode.result import CheckResult, fail, ok, skipped
 from driver.gpu.discovery.cudaprobe import CUDA_ERROR_NAMES, CUDA_ERROR_OUT_OF_MEMORY, ClientReport, bare_uuid
 from driver.gpu.discovery.cudarun import LIBCUDA, ProbeFailed, find_libcuda, probe_env, run_probe
 from driver.gpu.discovery.inventory import NodeInventory

@@ -20,9 +20,9 @@ from cdi.yamlload import load_yaml_documents
 from driver.cliparser import CliParser
 from driver.gpu.discovery.inventory import NodeInventory
 
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "resourceclaims"
+EXAMPLES_DIR = Path(__file__).resolve().parents[3] / "examples" / "resourceclaims"
 DEFAULT_EXAMPLES = ("gpu-mps-per-claim.yaml", "mig-by-profile.yaml", "mps-share-from-plan.yaml")
-DYNAMIC_MIG_EXAMPLE = "mig-dynamic.yaml"  # --dynamic-mig: its template, at several sizes (driver/demomig.py)
+DYNAMIC_MIG_EXAMPLE = "mig-dynamic.yaml"  # --dynamic-mig: its template, at several sizes (driver/commands/demo/mig.py)
 DYNAMIC_MIG_LAYOUT = "dynamic-mig"
 # Examples that only a particular simulated node can serve, and that node: the hint when one is not allocated.
 EXAMPLE_LAYOUTS = {"consumable-share-kernel-memory.yaml": "kernel-memory"}
@@ -31,7 +31,7 @@ SHARES = 4
 ShareMode = Literal["mps", "timeSlicing", "consumable"]
 
 
-# Everything a demo run writes in its working directory (driver/demo.py): what a rerun may remove.
+# Everything a demo run writes in its working directory (driver/commands/demo/scenario.py): what a rerun may remove.
 WORKDIR_ENTRIES = frozenset({".demo.lock", "cdi", "driver.log", "health-events.jsonl", "host", "kubeconfig",
                              "nvidia-smi-calls.jsonl", "nvml-calls.jsonl", "plugins", "plugins_registry",
                              "sharing-plans.yaml", "tmp"})
@@ -203,7 +203,7 @@ def clear_previous_run(workdir: Path) -> list[str]:
     if foreign:
         raise DemoArgsError(f"--workdir {workdir}: holds files the demo did not write ({', '.join(foreign[:5])}"
                             f"{', ...' if len(foreign) > 5 else ''}); give an empty or new directory")
-    # The lock is held by this run (driver/demolock.py): removing it would let a second run in.
+    # The lock is held by this run (driver/commands/demo/lock.py): removing it would let a second run in.
     found = [name for name in found if name != ".demo.lock"]
     for name in found:
         path = workdir / name

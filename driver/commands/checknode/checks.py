@@ -2,11 +2,11 @@
 
 Run it first on a new node, in the plugin pod (``docs/operations.md``, "Checking a new node").
 It takes the same settings as ``run`` and checks, in order: NVML and every GPU and MIG device;
-the device root and the device nodes; which MIG GPUs dynamic MIG can serve (``driver/checkmig.py``); what
-the health source cannot read on each GPU (``driver/checkhealth.py``); the
+the device root and the device nodes; which MIG GPUs dynamic MIG can serve (``driver/commands/checknode/mig.py``); what
+the health source cannot read on each GPU (``driver/commands/checknode/health.py``); the
 NVIDIA Container Toolkit's CDI spec and ``libcuda`` in it; ``libcuda`` under the driver root;
 ``nvidia-smi``; each GPU's compute mode (read through NVML, as the driver does; the check changes
-nothing on any GPU); and MPS end to end (``driver/checkmps.py``). The exit status
+nothing on any GPU); and MPS end to end (``driver/commands/checknode/mps.py``). The exit status
 is 1 if any check failed. A check that cannot run here is SKIPPED with the reason.
 
 With ``--simulate`` and no host root of its own, it builds a throwaway simulated host tree
@@ -25,10 +25,19 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from driver import nodelayout
-from driver.checkhealth import health_watch_checks
-from driver.checkmig import dynamic_mig_checks
-from driver.checkmps import mps_checks
-from driver.checkresult import CheckResult, NodeReport, exit_status, fail, ok, render_json, render_table, skipped
+from driver.commands.checknode.health import health_watch_checks
+from driver.commands.checknode.mig import dynamic_mig_checks
+from driver.commands.checknode.mps import mps_checks
+from driver.commands.checknode.result import (
+    CheckResult,
+    NodeReport,
+    exit_status,
+    fail,
+    ok,
+    render_json,
+    render_table,
+    skipped,
+)
 from driver.config import Settings
 from driver.gpu.claimcdi.hostfs import (
     HostFsError,

@@ -5,7 +5,7 @@ no pod on the node that needs it can start, so registration comes first: the DRA
 sockets and the HTTP port need only grpc, the generated stubs and ``http.server``
 (:mod:`driver.kubeletplugin.serving`). Everything prepare needs (the ``kubernetes`` API client, NVML or
 the simulated node, the OpenTelemetry SDK, discovery, the sharing plan, recovery of interrupted prepares)
-is imported and built on a thread behind them (:class:`driver.app.DriverApp`). Until that finishes:
+is imported and built on a thread behind them (:class:`driver.commands.run.app.DriverApp`). Until that finishes:
 
 * a prepare or unprepare waits for it, bounded by its deadline (:mod:`driver.kubeletplugin.startgate`),
   and the kubelet's health stream waits for the first device list;
@@ -31,7 +31,7 @@ from driver.kubeletplugin.healthservice import HealthBoard
 from driver.kubeletplugin.serving import HttpEndpoint, ServedPlugin, serve
 
 if TYPE_CHECKING:  # imported on the initialisation thread (run_initialisation), never before registration
-    from driver.app import DriverApp
+    from driver.commands.run.app import DriverApp
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Startup:
         try:
             # Imported here, on this thread: these modules are most of what a start costs, and nothing
             # before registration needs them (docs/benchmarks.md, "Start-up").
-            from driver.app import DriverApp
+            from driver.commands.run.app import DriverApp
             from driver.kubeletplugin.helper import Helper
 
             app = DriverApp(self.settings, board)

@@ -8,7 +8,7 @@ GPU is served, some faults are only seen through their XIDs there (docs/operatio
 
 from __future__ import annotations
 
-from driver.checkresult import CheckResult, ok
+from driver.commands.checknode.result import CheckResult, ok
 from driver.config import Settings
 from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.health.conditions import REMAP_ON_MIG, ROW_REMAPPING, remap_unreadable_on

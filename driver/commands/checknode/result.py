@@ -1,6 +1,6 @@
 """The results of ``check-node``: one line per check, the exit status, and their text and JSON forms.
 
-Pure functions only; the checks themselves are in ``driver/checknode.py`` and ``driver/checkmps.py``.
+Pure functions only; the checks themselves are in ``checks.py`` and ``mps.py`` beside this module.
 """
 
 from __future__ import annotations
