@@ -149,7 +149,7 @@ class Settings(BaseModel):
 
     @property
     def mps_shm_dir(self) -> Path:
-        # Beside, never inside, the MPS daemon directory: tenants write here (issue 6, point 11).
+        # Beside, never inside, the MPS daemon directory: tenants write here.
         return self.state_dir / "mps-shm"
 
 

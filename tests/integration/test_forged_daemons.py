@@ -1,4 +1,4 @@
-"""A hostile tenant forging MPS daemons (issue 12, "Done when" (a)), through the real driver process.
+"""A hostile tenant forging MPS daemons, through the real driver process.
 
 An unprivileged process (UID 65534: no GPU, no mounts) keeps 20 processes alive that look like the
 plan daemon of GPU 0 to anyone reading /proc: command line ``nvidia-cuda-mps-control ... -f``,

@@ -1,6 +1,6 @@
 """MPS daemons outlive the plugin: they run under the MPS host, and a restarted plugin adopts them.
 
-Issue 6, point 8. As root the host also gives each daemon its own /dev/shm (``--private-shm``).
+As root the host also gives each daemon its own /dev/shm (``--private-shm``).
 """
 
 from __future__ import annotations

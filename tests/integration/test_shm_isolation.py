@@ -1,4 +1,4 @@
-"""Issue 12 (e): one tenant filling its /dev/shm changes nothing for another tenant or for the driver.
+"""One tenant filling its /dev/shm changes nothing for another tenant or for the driver.
 
 The real driver process with ``--mps-shm-tmpfs`` (each MPS daemon gets a tmpfs of its own as
 /dev/shm), or with the MPS host and its ``--shm-tmpfs``; the kubelet stand-in over the real sockets,

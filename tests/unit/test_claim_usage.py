@@ -256,7 +256,7 @@ def test_a_consumable_share_is_entitled_to_what_it_consumed_and_as_its_limits_ar
     assert u.over_memory and u.over_entitlement == ["memory"]
 
 
-# Issue 13 item 7: what NVML cannot attribute is unknown, never zero; admin-access devices hold no share.
+# What NVML cannot attribute is unknown, never zero; admin-access devices hold no share.
 POD_MPS_HOST = "22222222-3333-4444-8555-666666666666"
 
 

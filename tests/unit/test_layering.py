@@ -151,3 +151,13 @@ def test_the_cycle_check_sees_imports_in_annotations_and_functions(tmp_path: Pat
     (package / "names.py").write_text("def f() -> None:\n    from . import spec\n")
     (package / "store.py").write_text("import cdi.spec\n")
     assert _cycles(_import_graph(tmp_path)) == [["cdi.names", "cdi.spec", "cdi.version"]]
+
+
+def test_no_code_or_test_names_an_issue_or_an_acceptance_letter() -> None:
+    # An issue's number and its lettered points mean nothing to a reader of the code: say what the code is for.
+    root = Path(__file__).resolve().parents[2]
+    cited = re.compile(r"\b[Ii]ssues? #?\d+\b|^def test_[b-z]_", re.MULTILINE)
+    found = [f"{path.relative_to(root)}: {match.group(0)}"
+             for top in ("driver", "cdi", "tests", "scripts") for path in sorted((root / top).rglob("*.py"))
+             for match in cited.finditer(path.read_text()) if path.name != "test_layering.py"]
+    assert found == []

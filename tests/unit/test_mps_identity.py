@@ -1,4 +1,4 @@
-"""Daemons are known by how they were started, never by how a process looks (issue 12, points 1 and 6).
+"""Daemons are known by how they were started, never by how a process looks.
 
 A tenant of any UID can keep processes whose command line is ``nvidia-cuda-mps-control ... -f`` and
 whose environment names a daemon's pipe directory (``tests/support/lookalikes.py``). The driver must

@@ -1,6 +1,6 @@
 """Who may share an MPS daemon: the pod-security rules, the ``clients`` settings, and how limits are published.
 
-Issue 12, "What must work" 3 and 7. The control protocol part runs against the stand-in and
+The control protocol part runs against the stand-in and
 NVIDIA's own daemons: a non-root UID is refused by 550 and obeyed by 535, which is what
 ``mps_control_guarded`` (and so ``mps-per-process``) rests on.
 """

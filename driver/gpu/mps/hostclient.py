@@ -2,7 +2,7 @@
 
 The MPS host (``python -m driver mps-host``, :mod:`driver.gpu.mps.hostserver`) runs in its own
 DaemonSet and owns the MPS control daemon processes, so restarting, upgrading or OOM-killing the
-plugin leaves them and their clients' CUDA contexts alone (issue 6, point 8). The plugin asks it to
+plugin leaves them and their clients' CUDA contexts alone. The plugin asks it to
 start a daemon over a local Unix socket; everything else (limits, health checks, adoption after a
 restart, ``quit``) the plugin still does itself through the daemon's pipe directory and /proc.
 

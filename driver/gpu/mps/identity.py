@@ -4,8 +4,8 @@ Any user can run a process whose command line names ``nvidia-cuda-mps-control -f
 environment names a daemon's pipe directory (a plan daemon's is predictable from the GPU UUID).
 Such a process cannot serve that directory (it is root's, 0755, and read-only for clients), but a
 driver that took it for the daemon would wait for it, signal it and refuse to start beside it:
-twenty of them ignoring SIGTERM held another tenant's prepare past the kubelet's deadline
-(issue 12). So a process is one of the driver's daemons only if, besides looking like one
+twenty of them ignoring SIGTERM held another tenant's prepare past the kubelet's deadline.
+So a process is one of the driver's daemons only if, besides looking like one
 (``proc.py``: the control binary with ``-f``/``-d``, the pipe directory in its environment):
 
 * it runs as the driver's UID, real and effective, and

@@ -1,6 +1,6 @@
 """A ``/dev/shm`` of its own for each MPS daemon: a tmpfs of the daemon's size at ``<mps dir>/<id>/shm``.
 
-Why (issue 12): with one tmpfs under every daemon, a tenant who filled its ``/dev/shm`` made the
+Why: with one tmpfs under every daemon, a tenant who filled its ``/dev/shm`` made the
 other tenants' shm writes, the driver's restart record and new prepares fail. A tmpfs per daemon
 has its own size limit, and nothing of the driver's (pipe and log directories, ``restarts.json``)
 is on it: those stay on the MPS directory's own file system, which tenants cannot write.
