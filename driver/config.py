@@ -59,8 +59,9 @@ class Settings(BaseModel):
     sharing_plans: Path | None = None
     sharing_plan_label: str = DEFAULT_PLAN_LABEL
     mps_host_socket: Path | None = None
-    # Each MPS daemon's own /dev/shm tmpfs (docs/sharing.md, "/dev/shm"): the size where the plan or
-    # the claim names none, and whether the plugin's own launcher mounts one (the MPS host has --shm-tmpfs).
+    # Each MPS daemon's own /dev/shm tmpfs (docs/sharing.md, "The pipe directory and /dev/shm"): the size
+    # where the plan or the claim names none, and whether the plugin's own launcher mounts one (the MPS host
+    # has --shm-tmpfs).
     mps_shm_size: int = GIB  # driver.gpu.mps.model.DEFAULT_SHM_SIZE (tests/unit/test_config.py checks they agree)
     mps_shm_tmpfs: bool = False
     simulate: str | None = None

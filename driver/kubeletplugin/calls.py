@@ -1,7 +1,8 @@
 """What a kubelet call carries and when it must end: claim references, deadlines, per-claim results.
 
-Kept free of pydantic and of the claim model: the registration path (``driver/start.py``) imports the
-DRA services, which need these, and must not pay for the rest before the plugin is registered.
+Kept free of pydantic and of the claim model: the registration path
+(``driver/commands/run/startup.py``) imports the DRA services, which need these, and must not pay
+for the rest before the plugin is registered.
 :mod:`driver.kubeletplugin.types` re-exports all of it as part of the driver contract.
 """
 

@@ -1,7 +1,7 @@
 """Limits are watched: drift found by a prepare or the watcher is reported (log, metrics, Events), restarts too.
 
 The daemons are FakeMps records (tests/support/statenode.py); test_mps.py covers the read-back
-against real daemons, tests/integration/test_mps_tenants.py the whole path.
+against real daemons, tests/integration/test_mps_limit_watch.py the whole path.
 """
 
 from __future__ import annotations

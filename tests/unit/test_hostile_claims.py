@@ -1,7 +1,7 @@
 """Claims written by a hostile tenant, within the API server's own limits, against the claim decoding path.
 
 The API server lets a claim carry 32 configs of up to 10 KiB of opaque ``parameters`` each, naming up to
-32 requests of up to 63 characters (shared/reference/resource-api.md, "Other limits"). Whatever a config
+32 requests of up to 63 characters (shared/reference/resource-api.md 2.3, its "Other limits"). Whatever a config
 holds, the claim's error must stay a short message: it is built in the driver process (which serves every
 claim on the node), logged, and sent to the kubelet, whose gRPC client takes at most 4 MiB per answer.
 """

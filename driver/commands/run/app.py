@@ -1,6 +1,6 @@
 """The driver's initialisation and running: wire the GPU side (discovery, state, devices) to the plugin helper.
 
-``driver/start.py`` serves the sockets and registers first, then builds :class:`DriverApp` on a
+``driver/commands/run/startup.py`` serves the sockets and registers first, then builds :class:`DriverApp` on a
 thread: its construction is the initialisation (API client, discovery, the sharing plan, recovery of
 interrupted work), :meth:`DriverApp.start_serving` hands the claims to it and publishes the devices.
 Recovery therefore finishes before any prepare is served (prepares that arrived earlier wait), and

@@ -27,7 +27,7 @@ _DEVICE_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")
 _DISPLAYED_LIMIT = re.compile(r"^(\d+)([MG])$")
 
 
-# Each daemon's own /dev/shm tmpfs (docs/sharing.md, "/dev/shm"). The floor is the 64 MiB that
+# Each daemon's own /dev/shm tmpfs (docs/sharing.md, "The pipe directory and /dev/shm"). The floor is the 64 MiB that
 # container runtimes give a container's /dev/shm by default, which CUDA workloads are known to run
 # with; the ceiling only catches typos (a tmpfs takes memory as it is written, not at mount).
 SHM_SIZE_MIN = 64 * MIB

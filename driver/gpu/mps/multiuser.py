@@ -5,8 +5,8 @@ start one with the flag (:func:`supports_multi_user`; 535.x and 550.x do not kno
 That costs a daemon start, so it runs in a background thread once the plugin is registered; until
 it answers, and where it answers no, the node publishes ``mpsMultiUser: false``. A plan daemon
 started single-user stays so while claims use it: a client of a second Linux UID then waits until
-the first UID's clients are done (nvidia-cuda-mps-control(1); docs/sharing.md, "One Linux user per
-MPS server"). So a prepare that would start one waits for the answer first (:class:`MultiUserGate`),
+the first UID's clients are done (nvidia-cuda-mps-control(1); docs/sharing.md, "Several
+UIDs on one daemon"). So a prepare that would start one waits for the answer first (:class:`MultiUserGate`),
 bounded by its deadline.
 
 The pure functions decide which GPU to probe with and which GPUs' plan shares stay single-user;
