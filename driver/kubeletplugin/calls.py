@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # for the annotation only: the model is pydantic, imported where devices are made
@@ -47,22 +47,27 @@ def _always_active() -> bool:
 
 @dataclass(frozen=True)
 class Deadline:
-    """When a call's work must be finished, and whether its caller still waits for it.
+    """When a call's work must be finished, whether its caller still waits for it, and how to name it.
 
     Made by the plugin machinery from the kubelet's gRPC deadline, capped by the driver's own
     limit, so every step of a call can bound its waits with :meth:`remaining` and stop work the
-    kubelet has given up on (:meth:`check`) instead of finishing it for nobody.
+    kubelet has given up on (:meth:`check`) instead of finishing it for nobody. Steps with a limit
+    of their own (an MPS daemon's start, one control command) make one :meth:`after` with a
+    ``purpose``, or a shorter one inside it with :meth:`capped`.
     """
 
     at: float  # time.monotonic() value
     is_active: Callable[[], bool] = _always_active
+    what: str = "the call's deadline"  # in errors, e.g. "the 10s start deadline"
 
     @classmethod
-    def after(cls, seconds: float, is_active: Callable[[], bool] = _always_active) -> Deadline:
-        return cls(time.monotonic() + seconds, is_active)
+    def after(cls, seconds: float, is_active: Callable[[], bool] = _always_active,
+              purpose: str | None = None) -> Deadline:
+        what = "the call's deadline" if purpose is None else f"the {seconds:g}s {purpose} deadline"
+        return cls(time.monotonic() + seconds, is_active, what)
 
     def remaining(self) -> float:
-        """Seconds left, never negative."""
+        """Seconds left, never negative: a deadline that passed has 0 left."""
         return max(0.0, self.at - time.monotonic())
 
     def expired(self) -> bool:
@@ -73,11 +78,15 @@ class Deadline:
         if not self.is_active():
             raise DeadlineExceeded(f"the kubelet gave up on the call (cancelled or timed out) before {before}")
         if self.remaining() <= 0:
-            raise DeadlineExceeded(f"the call's deadline passed before {before}")
+            raise DeadlineExceeded(f"{self.what} passed before {before}")
 
     def bound(self, seconds: float) -> float:
         """``seconds`` shortened to what is left (for timeouts of individual steps)."""
         return min(seconds, self.remaining())
+
+    def capped(self, seconds: float) -> Deadline:
+        """This deadline, or ``seconds`` from now if that comes first (one step's share), same name."""
+        return replace(self, at=min(self.at, time.monotonic() + seconds))
 
 
 @dataclass

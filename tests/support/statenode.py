@@ -51,7 +51,7 @@ class FakeMps:
         self.verified: list[str] = []
         self._next_pid = 1000
 
-    def start(self, spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
+    def start(self, spec: MpsDaemonSpec, deadline: Deadline | None = None) -> MpsDaemonRecord:
         self.calls.append(("start", spec.daemon_id))
         if self.fail_start:
             raise MpsError(f"starting MPS control daemon {spec.daemon_id} failed: simulated")
@@ -66,7 +66,7 @@ class FakeMps:
         current = self.running.get(record.spec.daemon_id)
         return current is not None and current.pid == record.pid
 
-    def ensure_running(self, record: MpsDaemonRecord, timeout: float | None = None,
+    def ensure_running(self, record: MpsDaemonRecord, deadline: Deadline | None = None,
                        retry_stopped: bool = False) -> MpsDaemonRecord:
         self.calls.append(("ensure_running", record.spec.daemon_id))
         if self.process_running(record):
@@ -74,22 +74,22 @@ class FakeMps:
         self.running.pop(record.spec.daemon_id, None)
         return self.start(record.spec)
 
-    def verify_limits(self, record: MpsDaemonRecord, timeout: float | None = None) -> list[LimitDrift]:
+    def verify_limits(self, record: MpsDaemonRecord, deadline: Deadline | None = None) -> list[LimitDrift]:
         """The drift a test put in ``drift`` for this daemon (once); reads are counted in ``verified``."""
         self.verified.append(record.spec.daemon_id)
         return self.drift.pop(record.spec.daemon_id, [])
 
-    def adopt(self, spec: MpsDaemonSpec, timeout: float | None = None,
+    def adopt(self, spec: MpsDaemonSpec, deadline: Deadline | None = None,
               restore: bool = False) -> MpsDaemonRecord | None:
         self.calls.append(("adopt", spec.daemon_id))
         running = self.running.get(spec.daemon_id)
         return running if running is not None and (restore or running.spec == spec) else None
 
-    def stop(self, record: MpsDaemonRecord, timeout: float | None = None) -> None:
+    def stop(self, record: MpsDaemonRecord, deadline: Deadline | None = None) -> None:
         self.calls.append(("stop", record.spec.daemon_id))
         self.running.pop(record.spec.daemon_id, None)
 
-    def stop_by_id(self, daemon_id: str, timeout: float | None = None) -> None:
+    def stop_by_id(self, daemon_id: str, deadline: Deadline | None = None) -> None:
         self.calls.append(("stop_by_id", daemon_id))
         self.running.pop(daemon_id, None)
 

@@ -271,6 +271,17 @@ def test_a_deadline_bounds_steps_and_tells_why_it_stopped() -> None:
     Deadline.after(100).check("starting")
 
 
+def test_a_passed_deadline_has_nothing_left_and_a_step_inside_it_ends_no_later() -> None:
+    passed = Deadline.after(-5, purpose="start")
+    assert passed.remaining() == 0 and passed.expired()
+    assert passed.capped(10).at == passed.at, "a step's share never outlasts the deadline it is part of"
+    with pytest.raises(DeadlineExceeded, match="the -5s start deadline passed before starting"):
+        passed.capped(10).check("starting")
+    wide = Deadline.after(100, purpose="start")
+    step = wide.capped(2)
+    assert 0 < step.remaining() <= 2 and step.what == "the 100s start deadline"
+
+
 def test_a_gpu_lock_held_elsewhere_is_reported_busy_and_other_gpus_stay_free(tmp_path: Path) -> None:
     gpu_b = "GPU-99999999-2222-3333-4444-555555555555"
     locks, other_process = GpuLocks(tmp_path), GpuLocks(tmp_path)  # two plugin pods on one state directory

@@ -10,10 +10,11 @@ from typing import cast
 import pytest
 
 from driver.gpu.errors import PrepareError
-from driver.gpu.mps.control import Deadline, MpsControl
+from driver.gpu.mps.control import MpsControl
 from driver.gpu.mps.limits import verify_limits
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
 from driver.kubeletplugin.claimmodel import ResourceClaim
+from driver.kubeletplugin.types import Deadline
 from driver.units import GIB
 from tests.support.statenode import DRIVER, POOL, Node
 from tests.unit.test_consumable import consumable_state
@@ -95,7 +96,7 @@ def test_a_pinned_limit_raised_within_its_displayed_gib_is_set_back(tmp_path: Pa
     (tmp_path / "log").mkdir()
     daemon = DisplayingDaemon()
     control = cast(MpsControl, daemon)
-    deadline = Deadline.after(5.0, "test")
+    deadline = Deadline.after(5.0, purpose="test")
     daemon.send(record.pipe_dir, record.log_dir, "set_default_device_pinned_mem_limit 0 10240M\n"
                                                  "set_default_active_thread_percentage 25")
     daemon.send(record.pipe_dir, record.log_dir, "set_default_device_pinned_mem_limit 0 11263M")  # the tenant

@@ -23,6 +23,7 @@ from driver.gpu.state import DeviceState
 from driver.kubeletplugin.events import EventRecorder, EventSpec, ObjectRef
 from driver.kubeletplugin.kubeclient import KubeApiError, plain_client, request_json
 from driver.kubeletplugin.telemetry import Telemetry
+from driver.kubeletplugin.types import Deadline
 from driver.simulation.apiserver import FakeApiServer
 from tests.support.statenode import Node, claim, mps_shares
 
@@ -92,9 +93,9 @@ def test_a_prepare_goes_on_when_a_client_keeps_stopping_the_daemon(node: Node, m
     state, reports, daemon_id = _one_share(node)
     node.mps.running.pop(daemon_id)  # the tenant's quit
 
-    def stopped_again(record: MpsDaemonRecord, timeout: float | None = None,
+    def stopped_again(record: MpsDaemonRecord, deadline: Deadline | None = None,
                       retry_stopped: bool = False) -> MpsDaemonRecord:
-        assert retry_stopped and timeout is not None, "a prepare retries within its deadline"
+        assert retry_stopped and deadline is not None, "a prepare retries within its deadline"
         raise MpsDaemonStopped("starting it failed: the daemon exited before it became ready")
 
     monkeypatch.setattr(node.mps, "ensure_running", stopped_again)
@@ -109,8 +110,8 @@ def test_a_prepare_goes_on_when_a_client_holds_the_daemons_control_session(
     state, reports, daemon_id = _one_share(node)
     asked: list[float | None] = []
 
-    def silent(record: MpsDaemonRecord, timeout: float | None = None) -> list[LimitDrift]:
-        asked.append(timeout)
+    def silent(record: MpsDaemonRecord, deadline: Deadline | None = None) -> list[LimitDrift]:
+        asked.append(None if deadline is None else deadline.remaining())
         raise MpsNoAnswer("control command 'get_default_active_thread_percentage' got no answer within 5s")
 
     monkeypatch.setattr(node.mps, "verify_limits", silent)
@@ -121,7 +122,7 @@ def test_a_prepare_goes_on_when_a_client_holds_the_daemons_control_session(
     assert reports.drift == []
     # No watch interval here: unconfirmed at once, reported once, each claim told once.
     assert reports.unconfirmed == [(daemon_id, ["a", "b"], True)]
-    monkeypatch.setattr(node.mps, "verify_limits", lambda record, timeout=None: [])
+    monkeypatch.setattr(node.mps, "verify_limits", lambda record, deadline=None: [])
     check_daemons(state, limits=True)
     assert reports.confirmed == [(daemon_id, ["a", "b"])]
 

@@ -42,6 +42,7 @@ from driver.gpu.mps.model import (
     pinned_limit_taken,
 )
 from driver.gpu.mps.multiuser import supports_multi_user
+from driver.kubeletplugin.types import Deadline
 from driver.units import MIB
 from tests.support.mpsdaemons import STANDIN, MpsDaemonKind, daemon_params
 from tests.support.processes import poll_until, processes_mentioning, standin_sandbox
@@ -265,8 +266,8 @@ def test_hanging_daemon_fails_readiness_within_bound_and_is_killed(sim: Sim, mon
 
 def test_start_takes_the_callers_shorter_deadline(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TESSERA_SIM_MPS_FAIL", "hang")
-    with pytest.raises(MpsError, match=r"did not become ready before the 0\.5s start deadline"):
-        sim.manager(ready=20.0, command=0.3, stop=0.3).start(PLAIN, timeout=0.5)
+    with pytest.raises(MpsError, match=r"did not become ready before the 0\.\d+s start deadline"):
+        sim.manager(ready=20.0, command=0.3, stop=0.3).start(PLAIN, Deadline.after(0.5))
     _assert_nothing_left(sim, PLAN_ID)
 
 
@@ -513,7 +514,7 @@ def _stopping_manager(sim: Sim, how: str, times: int = 1) -> tuple[MpsManager, S
 
 def test_a_daemon_quit_while_it_starts_is_started_again_within_the_deadline(anyd: Sim) -> None:
     manager, launcher = _stopping_manager(anyd, "quit")
-    record = manager.start(LIMITED, timeout=20.0)
+    record = manager.start(LIMITED, Deadline.after(20.0))
     assert launcher.stopped and record.pid not in launcher.stopped
     assert _tenant(anyd, record, "get_default_active_thread_percentage") == "40.0"
     manager.stop(record)
@@ -526,7 +527,7 @@ def test_a_restart_a_client_keeps_quitting_is_reported_stopped_not_failed(sim: S
     poll_until(lambda: _gone(record.pid), "the daemon to quit")
     launcher.times = 100
     with pytest.raises(MpsDaemonStopped, match="exited before it became ready"):
-        manager.ensure_running(record, timeout=20.0, retry_stopped=True)
+        manager.ensure_running(record, Deadline.after(20.0), retry_stopped=True)
     assert len(launcher.stopped) >= 2, "started again after the first quit"
     assert not (sim.base / PLAN_ID / "restarts.json").exists(), "a client's quit is no failed start"
     launcher.times = 0
@@ -542,7 +543,7 @@ def test_a_daemon_that_exits_by_itself_while_it_starts_failed_to_start(sim: Sim)
     poll_until(lambda: _gone(record.pid), "the daemon to die")
     launcher.times = 1
     with pytest.raises(MpsError) as caught:
-        manager.ensure_running(record, timeout=20.0, retry_stopped=True)
+        manager.ensure_running(record, Deadline.after(20.0), retry_stopped=True)
     assert not isinstance(caught.value, MpsDaemonStopped)
     assert len(launcher.stopped) == 1, "no second attempt"
     assert json.loads((sim.base / PLAN_ID / "restarts.json").read_text())["count"] == 1
@@ -582,7 +583,7 @@ def test_a_client_holding_the_control_socket_silent_is_let_go_and_the_limits_rea
         assert held.recv(64), "the daemon's greeting: it accepted the connection"
         poll_until(lambda: held_connection(record.pid) is not None, "the daemon to wait on the silent connection")
         held.settimeout(30)
-        assert manager.verify_limits(record, timeout=10.0) == []
+        assert manager.verify_limits(record, Deadline.after(10.0)) == []
         assert held.recv(64) == b"", "the daemon's end of the silent connection was shut down"
     assert manager.process_running(record), "nobody was signalled"
     manager.stop(record)
@@ -603,7 +604,7 @@ def test_a_client_holding_the_control_session_makes_a_read_back_say_the_socket_i
         holder.stdin.flush()
         poll_until(lambda: _control_log(record).count("NEW UI") > sessions, "the holder's session to open", limit=30)
         with pytest.raises(MpsBusy, match=f"another client held the daemon's control socket {record.pipe_dir}/control"):
-            manager.verify_limits(record, timeout=1.0)
+            manager.verify_limits(record, Deadline.after(1.0))
     finally:
         holder.communicate(timeout=30)
     assert manager.verify_limits(record) == []

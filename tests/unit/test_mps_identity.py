@@ -32,6 +32,7 @@ from driver.gpu.mps.hostclient import MpsHostLauncher, read_line
 from driver.gpu.mps.hostcmd import HostMode
 from driver.gpu.mps.hostserver import MpsHost, open_listener
 from driver.gpu.mps.manager import MpsManager
+from driver.kubeletplugin.types import Deadline
 from tests.support.lookalikes import NOBODY, look_alikes
 from tests.support.mpsdaemons import STANDIN, MpsDaemonKind, daemon_params
 from tests.support.mpshost import launch_request, make_dirs, serving
@@ -133,7 +134,7 @@ def test_a_stop_is_bounded_by_the_callers_time_and_still_ends_the_daemon(sim: Si
     record = sim.manager().start(PLAIN)
     os.kill(record.pid, signal.SIGSTOP)  # answers no quit and defers SIGTERM: only SIGKILL ends it
     began = time.monotonic()
-    sim.manager(command=5.0, stop=8.0).stop(record, timeout=timeout)
+    sim.manager(command=5.0, stop=8.0).stop(record, Deadline.after(timeout))
     # At most the time given plus the wait for SIGKILL (1 s), not the 8 s + 2 s + 3 s of a full stop.
     assert time.monotonic() - began < timeout + 2.5
     assert _gone(record.pid)

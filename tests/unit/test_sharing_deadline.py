@@ -15,14 +15,14 @@ from tests.support.statenode import Node, claim, gpu_config, mps_shares
 
 
 def _timeout_given_to(node: Node, monkeypatch: pytest.MonkeyPatch, method: str, shared: bool) -> float | None:
-    """Prepare a plan share (``shared``) or a per-claim MPS claim under a 7 s deadline; the timeout
-    ``node.mps.<method>`` was called with."""
+    """Prepare a plan share (``shared``) or a per-claim MPS claim under a 7 s deadline; the seconds left
+    of the deadline ``node.mps.<method>`` was called with, when it was called."""
     timeouts: list[float | None] = []
     real = getattr(node.mps, method)
 
-    def recording(first: Any, timeout: float | None = None) -> Any:
-        timeouts.append(timeout)
-        return real(first, timeout)
+    def recording(first: Any, deadline: Deadline | None = None) -> Any:
+        timeouts.append(None if deadline is None else deadline.remaining())
+        return real(first, deadline)
 
     monkeypatch.setattr(node.mps, method, recording)
     state = node.state()
@@ -58,13 +58,13 @@ def test_a_prepare_that_runs_out_is_rolled_back_within_a_budget_of_its_own(node:
     stop_timeouts: list[float | None] = []
     real_start, real_stop = node.mps.start, node.mps.stop
 
-    def start(spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
+    def start(spec: MpsDaemonSpec, deadline: Deadline | None = None) -> MpsDaemonRecord:
         started.append(spec.daemon_id)
-        return real_start(spec, timeout)
+        return real_start(spec, deadline)
 
-    def stop(record: MpsDaemonRecord, timeout: float | None = None) -> None:
-        stop_timeouts.append(timeout)
-        real_stop(record, timeout)
+    def stop(record: MpsDaemonRecord, deadline: Deadline | None = None) -> None:
+        stop_timeouts.append(None if deadline is None else deadline.remaining())
+        real_stop(record, deadline)
 
     monkeypatch.setattr(node.mps, "start", start)
     monkeypatch.setattr(node.mps, "stop", stop)

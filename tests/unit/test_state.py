@@ -27,6 +27,7 @@ from driver.gpu.runtime.timeslice import TimeSliceError
 from driver.gpu.sharelayout import TimeSliceInterval
 from driver.gpu.state import DeviceState
 from driver.kubeletplugin.claimmodel import ResourceClaim
+from driver.kubeletplugin.types import Deadline
 from driver.units import GIB
 from tests.support.statenode import (
     DRIVER,
@@ -527,7 +528,7 @@ def test_one_gpu_refusing_a_plan_time_slice_does_not_block_the_others(node: Node
 def test_recovery_survives_a_daemon_that_cannot_be_stopped(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     node.mps.on_disk.append("claim-stuck-0")
 
-    def stuck(daemon_id: str, timeout: float | None = None) -> None:
+    def stuck(daemon_id: str, deadline: Deadline | None = None) -> None:
         raise MpsError(f"MPS control daemon {daemon_id} still running after SIGKILL")
 
     monkeypatch.setattr(node.mps, "stop_by_id", stuck)
@@ -624,9 +625,9 @@ def test_a_claim_with_an_mps_daemon_records_its_intent_before_starting_it(node: 
     phases: list[str] = []
     real_start = node.mps.start
 
-    def start(spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
+    def start(spec: MpsDaemonSpec, deadline: Deadline | None = None) -> MpsDaemonRecord:
         phases.append(node.store.load().claims["u1"].phase.value)
-        return real_start(spec, timeout)
+        return real_start(spec, deadline)
 
     monkeypatch.setattr(node.mps, "start", start)
     state.prepare(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS")]))

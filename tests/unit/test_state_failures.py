@@ -16,6 +16,7 @@ from driver.gpu.errors import PrepareError
 from driver.gpu.mps.model import MpsDaemonRecord, MpsError
 from driver.gpu.runtime.computemode import ComputeMode
 from driver.gpu.runtime.timeslice import TimeSliceError
+from driver.kubeletplugin.types import Deadline
 from tests.support.statenode import Node, claim, gpu_config, mps_shares, ref, ts_shares
 
 
@@ -27,7 +28,7 @@ def test_a_failing_rollback_of_an_interrupted_prepare_is_the_claims_error(node: 
     cp.claims["u1"].phase = ClaimPhase.PREPARE_STARTED  # what a crash before PrepareCompleted leaves
     node.store.save(cp)
 
-    def stuck(record: MpsDaemonRecord, timeout: float | None = None) -> None:
+    def stuck(record: MpsDaemonRecord, deadline: Deadline | None = None) -> None:
         raise MpsError(f"MPS control daemon {record.spec.daemon_id} still running after SIGKILL")
 
     monkeypatch.setattr(node.mps, "stop", stuck)

@@ -79,9 +79,9 @@ def test_the_previous_mode_is_recorded_before_the_mode_changes_and_before_the_da
         seen.append(("set", dict(node.store.load().compute_modes)))
         real_set(uuid, mode, deadline)
 
-    def recording_start(spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
+    def recording_start(spec: MpsDaemonSpec, deadline: Deadline | None = None) -> MpsDaemonRecord:
         seen.append(("start", dict(node.store.load().compute_modes)))
-        return real_start(spec, timeout)
+        return real_start(spec, deadline)
 
     monkeypatch.setattr(node.modes, "set", recording_set)
     monkeypatch.setattr(node.mps, "start", recording_start)
@@ -178,8 +178,8 @@ def test_work_the_kubelet_gave_up_on_is_rolled_back_not_completed(node: Node,
     kubelet_waiting.set()
     real_start = node.mps.start
 
-    def start_then_kubelet_gives_up(spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
-        record = real_start(spec, timeout)
+    def start_then_kubelet_gives_up(spec: MpsDaemonSpec, deadline: Deadline | None = None) -> MpsDaemonRecord:
+        record = real_start(spec, deadline)
         kubelet_waiting.clear()  # the kubelet's call timed out while the daemon was starting
         return record
 
@@ -212,11 +212,11 @@ class BlockingStart:
         self.entered, self.release = threading.Event(), threading.Event()
         self.real_start = node.mps.start
 
-    def __call__(self, spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
+    def __call__(self, spec: MpsDaemonSpec, deadline: Deadline | None = None) -> MpsDaemonRecord:
         if set(spec.gpu_uuids) & self.blocked:
             self.entered.set()
             wait_for(self.release, "the test releasing the blocked daemon start")
-        return self.real_start(spec, timeout)
+        return self.real_start(spec, deadline)
 
 
 def prepare_in_thread(state: DeviceState, c: Any) -> tuple[threading.Thread, list[object]]:

@@ -13,7 +13,6 @@ import re
 import stat
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from driver.gpu.mps.model import MpsBusy, MpsError, MpsNoAnswer
@@ -26,6 +25,7 @@ from driver.gpu.runtime.binaries import (
     find_binary,
     run_binary,
 )
+from driver.kubeletplugin.types import Deadline
 
 CONTROL_SOCKET_NAME = "control"
 # The socket NVIDIA's front-end client uses when run as root (measured: 0755, beside the 0666 control).
@@ -45,21 +45,6 @@ SENTINEL = "get_default_active_thread_percentage"
 # looping clients do not keep taking the turn in lockstep with the driver.
 _BUSY_PAUSE_FIRST_S = 0.005
 _BUSY_PAUSE_MAX_S = 0.1
-
-
-@dataclass(frozen=True)
-class Deadline:
-    """A point on the monotonic clock that several steps share, and how to name it in errors."""
-
-    at: float
-    what: str  # e.g. "the 10s start deadline"
-
-    @classmethod
-    def after(cls, seconds: float, purpose: str) -> Deadline:
-        return cls(time.monotonic() + seconds, f"the {seconds:g}s {purpose} deadline")
-
-    def remaining(self) -> float:
-        return self.at - time.monotonic()
 
 
 class MpsControl:

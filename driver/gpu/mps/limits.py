@@ -13,12 +13,11 @@ docs/sharing.md, "NVIDIA's daemon, as measured".
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from driver.gpu.mps.control import Deadline, MpsControl
+from driver.gpu.mps.control import MpsControl
 from driver.gpu.mps.dirs import trim_log
 from driver.gpu.mps.holders import held_connection, release
 from driver.gpu.mps.launch import CONTROL_LOG_NAME
@@ -33,6 +32,7 @@ from driver.gpu.mps.model import (
 )
 from driver.gpu.mps.proc import wait_for_exit
 from driver.gpu.mps.restarts import STOPPED_EXIT_WAIT_S
+from driver.kubeletplugin.types import Deadline
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def verify_limits(control: MpsControl, record: MpsDaemonRecord, deadline: Deadli
             return _verify(control, record, deadline)
         # Already waiting on a connection: a short first try (a read-back takes milliseconds), the rest of the
         # time for one after letting the connection go.
-        first = Deadline(time.monotonic() + min(_FIRST_TRY_S, deadline.remaining() / 2), deadline.what)
+        first = deadline.capped(min(_FIRST_TRY_S, deadline.remaining() / 2))
         try:
             return _verify(control, record, first)
         except MpsNoAnswer:

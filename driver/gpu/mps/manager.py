@@ -25,7 +25,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from driver.gpu.mps.control import CONTROL_SOCKET_NAME, Deadline, MpsControl
+from driver.gpu.mps.control import CONTROL_SOCKET_NAME, MpsControl
 from driver.gpu.mps.dirs import (
     DaemonDirError,
     clear_dir,
@@ -55,6 +55,7 @@ from driver.gpu.mps.proc import (
 from driver.gpu.mps.restarts import STOPPED_EXIT_WAIT_S, STOPPED_RETRY_S, RestartBackoff, stopped_by_quit
 from driver.gpu.mps.shmmount import release_daemon_shm
 from driver.gpu.mps.stopping import stop_processes
+from driver.kubeletplugin.types import Deadline
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +110,14 @@ class MpsManager:
     def daemon_dir(self, daemon_id: str) -> Path:
         return self.base_dir / check_daemon_id(daemon_id)
 
-    def start(self, spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
+    def start(self, spec: MpsDaemonSpec, deadline: Deadline | None = None) -> MpsDaemonRecord:
         """Start a daemon for ``spec``, wait until it answers and apply its limits, within ``ready_timeout``
-        or ``timeout`` if that is less (what is left of the caller's deadline).
+        or before the caller's ``deadline`` if that comes first.
 
         An existing pipe directory is kept (emptied), so mounts of it stay valid. On failure nothing
         is left running, the directories are gone, and the :class:`MpsError` carries the daemon's log.
         """
-        return self._start_again_if_stopped(spec, False, timeout)
+        return self._start_again_if_stopped(spec, False, deadline)
 
     def process_running(self, record: MpsDaemonRecord) -> bool:
         """True if ``record.pid`` is still this record's daemon (PID and process start time) serving its spec's
@@ -141,19 +142,19 @@ class MpsManager:
             return False
         return True
 
-    def ensure_running(self, record: MpsDaemonRecord, timeout: float | None = None,
+    def ensure_running(self, record: MpsDaemonRecord, deadline: Deadline | None = None,
                        retry_stopped: bool = False) -> MpsDaemonRecord:
         """Adopt the recorded daemon if /proc shows it running; otherwise restart it in the same directories
-        with the same limits, within ``timeout`` (or ``ready_timeout``): at once, unless it failed to start
+        with the same limits, before ``deadline`` (or within ``ready_timeout``): at once, unless it failed to start
         before (``restarts.py``). Stopped by a client while it starts: :class:`MpsDaemonStopped`, or with
         ``retry_stopped`` (a prepare) started again in time; a background check leaves it to its next round."""
         if self.process_running(record):
             return record
         daemon_id = record.spec.daemon_id
         daemon_dir = self.daemon_dir(daemon_id)
-        deadline = Deadline.after(self.ready_timeout if timeout is None else max(timeout, 0.0), "restart")
+        restart = Deadline.after(self.ready_timeout if deadline is None else deadline.remaining(), purpose="restart")
         backoff = RestartBackoff(self.restart_backoff, self.restart_backoff_cap)
-        state = backoff.wait_turn(daemon_id, daemon_dir, deadline)
+        state = backoff.wait_turn(daemon_id, daemon_dir, restart)
         try:
             self.base_dir.mkdir(parents=True, exist_ok=True)
             ensure_real_dir(daemon_dir, 0o755)
@@ -162,11 +163,11 @@ class MpsManager:
         log.warning("MPS control daemon is gone (or serves devices its record no longer names); restarting it in "
                     "the same pipe directory", extra={"daemon_id": daemon_id, "pid": record.pid,
                                                       "failed_starts": state.count, "gpu_uuids": record.spec.gpu_uuids})
-        self._stop_process(record.pipe_dir, record.log_dir, self._alive(record), deadline.remaining())
+        self._stop_process(record.pipe_dir, record.log_dir, self._alive(record), restart)
         try:
-            left = None if timeout is None else deadline.remaining()
+            left = None if deadline is None else restart
             restarted = (self._start_again_if_stopped(record.spec, True, left) if retry_stopped
-                         else self._start(record.spec, keep_dirs_on_failure=True, timeout=left))
+                         else self._start(record.spec, keep_dirs_on_failure=True, deadline=left))
         except MpsDaemonStopped:
             raise  # a client's doing, not a failure to start: no backoff
         except MpsError:
@@ -175,13 +176,13 @@ class MpsManager:
         backoff.done(daemon_dir, state, started=True)
         return restarted
 
-    def verify_limits(self, record: MpsDaemonRecord, timeout: float | None = None) -> list[LimitDrift]:
+    def verify_limits(self, record: MpsDaemonRecord, deadline: Deadline | None = None) -> list[LimitDrift]:
         """Read the running daemon's limits back and set again any that a client changed; returns what was
         found changed (empty: all as the spec says). :class:`MpsDaemonStopped` if the daemon exited
         meanwhile (restart it), MpsError if it does not answer or does not take a limit back."""
-        return verify_limits(self.control, record, Deadline.after(self._within_ready(timeout), "limit check"))
+        return verify_limits(self.control, record, self._within_ready(deadline, "limit check"))
 
-    def adopt(self, spec: MpsDaemonSpec, timeout: float | None = None,
+    def adopt(self, spec: MpsDaemonSpec, deadline: Deadline | None = None,
               restore: bool = False) -> MpsDaemonRecord | None:
         """A record for the one live daemon in ``spec``'s directory if its limits read back as ``spec``'s,
         else None. For daemons whose record was lost with the checkpoint: their clients keep their daemon
@@ -196,12 +197,12 @@ class MpsManager:
                                  started_at=datetime.now(UTC).isoformat(timespec="seconds"),
                                  process_start_time=running[0][1],
                                  shm_dir=shm if shm.is_dir() and not shm.is_symlink() else self.shm_dir)
-        deadline, drift = Deadline.after(self._within_ready(timeout), "adoption"), []
+        adoption, drift = self._within_ready(deadline, "adoption"), []
         try:
             if restore:
-                drift = verify_limits(self.control, record, deadline)
+                drift = verify_limits(self.control, record, adoption)
             else:
-                check_limits(self.control, spec, record.pipe_dir, record.log_dir, deadline)
+                check_limits(self.control, spec, record.pipe_dir, record.log_dir, adoption)
         except MpsError as exc:
             log.info("found a daemon without a record but not with the expected limits; not adopting it",
                      extra={"daemon_id": spec.daemon_id, "reason": str(exc)})
@@ -210,27 +211,27 @@ class MpsManager:
             "daemon_id": spec.daemon_id, "pid": record.pid, "limits_restored": [d.describe() for d in drift]})
         return record
 
-    def stop(self, record: MpsDaemonRecord, timeout: float | None = None) -> None:
-        """Quit the daemon, fall back to SIGTERM then SIGKILL, and remove its directories, within
-        ``timeout`` seconds if given (what is left of a prepare's deadline; SIGKILL is still sent at 0).
+    def stop(self, record: MpsDaemonRecord, deadline: Deadline | None = None) -> None:
+        """Quit the daemon, fall back to SIGTERM then SIGKILL, and remove its directories, before
+        ``deadline`` if given (a prepare's; SIGKILL is still sent once it has passed).
 
         A daemon that is already gone is fine. Signals only go to a process /proc shows to be this
         daemon, so a process that reused the PID is never touched.
         """
         # The recorded process, also one serving devices its record no longer names: it is still ours to stop.
-        self._stop_process(record.pipe_dir, record.log_dir, self._alive(record), timeout)
+        self._stop_process(record.pipe_dir, record.log_dir, self._alive(record), deadline)
         self._remove(record.pipe_dir.parent)
         log.info("MPS control daemon stopped", extra={"daemon_id": record.spec.daemon_id, "pid": record.pid})
 
-    def stop_by_id(self, daemon_id: str, timeout: float | None = None) -> None:
+    def stop_by_id(self, daemon_id: str, deadline: Deadline | None = None) -> None:
         """Stop the driver's daemon serving ``base_dir/<daemon_id>/pipe`` (found in /proc) and remove the
-        directory, within ``timeout`` seconds if given.
+        directory, before ``deadline`` if given.
 
         For a daemon that has no record: its starter crashed before checkpointing the one
         :meth:`start` returned. Only a daemon the launcher started counts (``identity.py``).
         """
         daemon_dir = self.daemon_dir(daemon_id)
-        self._stop_process(daemon_dir / "pipe", daemon_dir / "log", None, timeout)
+        self._stop_process(daemon_dir / "pipe", daemon_dir / "log", None, deadline)
         self._remove(daemon_dir)
 
     def daemon_ids_on_disk(self) -> list[str]:
@@ -238,29 +239,31 @@ class MpsManager:
         the checkpoint does not know."""
         return driver_daemon_ids(self.base_dir)
 
-    def _within_ready(self, timeout: float | None) -> float:
-        """``ready_timeout``, or what is left of a caller's deadline if that is less (never negative)."""
-        return self.ready_timeout if timeout is None else max(min(self.ready_timeout, timeout), 0.0)
+    def _within_ready(self, deadline: Deadline | None, purpose: str) -> Deadline:
+        """``ready_timeout`` from now, or what is left of a caller's deadline if that is less."""
+        seconds = self.ready_timeout if deadline is None else deadline.bound(self.ready_timeout)
+        return Deadline.after(seconds, purpose=purpose)
 
     # -- starting -------------------------------------------------------------------------------
 
-    def _start_again_if_stopped(self, spec: MpsDaemonSpec, keep_dirs: bool, timeout: float | None) -> MpsDaemonRecord:
+    def _start_again_if_stopped(self, spec: MpsDaemonSpec, keep_dirs: bool,
+                                deadline: Deadline | None) -> MpsDaemonRecord:
         # A client of the pipe dir can `quit` the daemon between its launch and its limits: that is
         # not a failure to start, and another start right away is expected to work.
-        deadline = Deadline.after(self.ready_timeout if timeout is None else max(timeout, 0.0), "start")
+        starts = Deadline.after(self.ready_timeout if deadline is None else deadline.remaining(), purpose="start")
         retry_until: float | None = None
         while True:
             try:
-                return self._start(spec, keep_dirs_on_failure=keep_dirs, timeout=timeout)
+                return self._start(spec, keep_dirs_on_failure=keep_dirs, deadline=deadline)
             except MpsDaemonStopped as exc:
                 retry_until = retry_until or time.monotonic() + STOPPED_RETRY_S
-                timeout = deadline.remaining()
-                if timeout <= STOPPED_EXIT_WAIT_S or time.monotonic() >= retry_until:
+                deadline = starts
+                if starts.remaining() <= STOPPED_EXIT_WAIT_S or time.monotonic() >= retry_until:
                     raise
                 log.warning("MPS control daemon was stopped while it started (a client sent quit?); starting it "
                             "again", extra={"daemon_id": spec.daemon_id, "reason": str(exc).splitlines()[0]})
 
-    def _start(self, spec: MpsDaemonSpec, keep_dirs_on_failure: bool, timeout: float | None) -> MpsDaemonRecord:
+    def _start(self, spec: MpsDaemonSpec, keep_dirs_on_failure: bool, deadline: Deadline | None) -> MpsDaemonRecord:
         daemon_dir = self.daemon_dir(spec.daemon_id)
         pipe_dir, log_dir = daemon_dir / "pipe", daemon_dir / "log"
         socket_path_bytes = len(os.fsencode(pipe_dir / CONTROL_SOCKET_NAME))
@@ -275,7 +278,7 @@ class MpsManager:
                 f"an MPS control daemon (pid {running[0][0]}) already runs in {pipe_dir}; "
                 "it must stop before another can start there"
             )
-        deadline = Deadline.after(self._within_ready(timeout), "start")
+        start = self._within_ready(deadline, "start")
         started: tuple[int, int] | None = None
         launched_pid: int | None = None
         try:
@@ -285,25 +288,25 @@ class MpsManager:
                                    shm_dir=daemon_dir / "shm", shm_size=spec.shm_size,
                                    capabilities=(self.capabilities(spec.gpu_uuids) if self.capabilities else [])
                                    or None)
-            launched = self.launcher.launch(request, deadline.remaining())
+            launched = self.launcher.launch(request, start.remaining())
             launched_pid = launched.pid
             if launched.shm_dir not in (None, request.shm_dir):
                 # Clients get this directory read-write at /dev/shm: only the one asked for will do.
                 raise MpsError(f"the launcher answered with /dev/shm {launched.shm_dir}, not the requested "
                                f"{request.shm_dir} or none")
-            started = self._identify(launched.pid, pipe_dir, deadline)
-            self._wait_until_ready(pipe_dir, log_dir, started, deadline)
-            apply_limits(self.control, spec, pipe_dir, log_dir, deadline)
+            started = self._identify(launched.pid, pipe_dir, start)
+            self._wait_until_ready(pipe_dir, log_dir, started, start)
+            apply_limits(self.control, spec, pipe_dir, log_dir, start)
         except (MpsError, MpsLaunchError, DaemonDirError, OSError) as exc:
             stopped = stopped_by_quit(log_dir, launched_pid, started)
             tail = log_tail(log_dir / CONTROL_LOG_NAME, LOG_TAIL_LINES)
-            problem = self._cleanup_after_failure(daemon_dir, started, keep_dirs_on_failure, deadline.remaining())
+            problem = self._cleanup_after_failure(daemon_dir, started, keep_dirs_on_failure, start)
             served = ",".join(spec.gpu_uuids)
             raise (MpsDaemonStopped if stopped else MpsError)(
                 f"starting MPS control daemon {spec.daemon_id} for {served} failed: {exc}{problem}{tail}"
             ) from exc
         except BaseException:
-            self._cleanup_after_failure(daemon_dir, started, keep_dirs_on_failure, deadline.remaining())
+            self._cleanup_after_failure(daemon_dir, started, keep_dirs_on_failure, start)
             raise
         if launched.shm_dir is None:
             _remove_unused_dir(daemon_dir / "shm")
@@ -357,11 +360,11 @@ class MpsManager:
     # -- stopping -------------------------------------------------------------------------------
 
     def _cleanup_after_failure(self, daemon_dir: Path, started: tuple[int, int] | None, keep_dirs: bool,
-                               timeout: float) -> str:
+                               deadline: Deadline) -> str:
         """Stop a half-started daemon within what is left of the start's deadline (at 0 it is killed at
         once: it serves nobody yet); returns a note for the error message if that failed too."""
         try:
-            self._stop_process(daemon_dir / "pipe", daemon_dir / "log", started, timeout)
+            self._stop_process(daemon_dir / "pipe", daemon_dir / "log", started, deadline)
             if not keep_dirs:
                 self._remove(daemon_dir)
         except MpsError as exc:
@@ -369,13 +372,14 @@ class MpsManager:
         return ""
 
     def _stop_process(self, pipe_dir: Path, log_dir: Path, known: tuple[int, int] | None,
-                      timeout: float | None = None) -> None:
+                      deadline: Deadline | None = None) -> None:
         # Besides the recorded one, any daemon of this driver's launcher that /proc shows serving this
         # pipe dir (one started by a driver that crashed before checkpointing it); never a look-alike,
         # never a PID read from the pipe dir.
         targets = sorted({*([known] if known else []), *self.identity.unrecorded(pipe_dir)})
         full = StopPlan(quit_s=self.stop_timeout, term_s=min(self.stop_timeout, _TERM_GRACE_S), kill_s=_KILL_WAIT_S)
-        stop_processes(self.control, pipe_dir, log_dir, targets, full if timeout is None else full.within(timeout))
+        plan = full if deadline is None else full.within(deadline.remaining())
+        stop_processes(self.control, pipe_dir, log_dir, targets, plan)
 
     def _remove(self, daemon_dir: Path) -> None:
         release_daemon_shm(self.launcher, daemon_dir)  # the launcher's tmpfs on shm/, if any

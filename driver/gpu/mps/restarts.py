@@ -16,11 +16,11 @@ import re
 import time
 from pathlib import Path
 
-from driver.gpu.mps.control import Deadline
 from driver.gpu.mps.dirs import RestartState, next_restart_state, read_restart_state, restart_delay, write_restart_state
 from driver.gpu.mps.launch import CONTROL_LOG_NAME
 from driver.gpu.mps.model import MpsError
 from driver.gpu.mps.proc import read_proc_stat, wait_for_exit
+from driver.kubeletplugin.types import Deadline
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class RestartBackoff:
         saying when the next start is due. Returns the state to pass to :meth:`done`."""
         state = read_restart_state(daemon_dir)
         delay = restart_delay(state, self.base, self.cap, time.time())
-        if delay > min(MAX_BACKOFF_WAIT_S, deadline.remaining()):
+        if deadline.expired() or delay > min(MAX_BACKOFF_WAIT_S, deadline.remaining()):
             raise MpsError(f"MPS control daemon {daemon_id} is not running; it failed to start {state.count} time(s) "
                            f"in a row, so the next start is deferred for {delay:.0f}s")
         time.sleep(delay)

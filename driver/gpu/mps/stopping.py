@@ -12,13 +12,13 @@ SIGTERM ends the daemon within milliseconds even while it is held (measured).
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
-from driver.gpu.mps.control import Deadline, MpsControl
+from driver.gpu.mps.control import MpsControl
 from driver.gpu.mps.holders import held_connection, release
 from driver.gpu.mps.model import MpsError
 from driver.gpu.mps.proc import StopPlan, end_processes, wait_for_exit
+from driver.kubeletplugin.types import Deadline
 
 log = logging.getLogger(__name__)
 
@@ -37,19 +37,18 @@ def stop_processes(control: MpsControl, pipe_dir: Path, log_dir: Path, targets: 
         held = held_connection(pid)
         if held is not None:
             release(held)
-    deadline = Deadline.after(plan.quit_s, "stop")
+    deadline = Deadline.after(plan.quit_s, purpose="stop")
     quit_until: float | None = None
     pid, start_time = targets[0]
     while deadline.remaining() > 0:
         try:
-            control.send(pipe_dir, log_dir, "quit",
-                         Deadline(min(deadline.at, time.monotonic() + QUIT_ANSWER_S), deadline.what))
+            control.send(pipe_dir, log_dir, "quit", deadline.capped(QUIT_ANSWER_S))
         except MpsError as exc:
             log.info("MPS quit not delivered; will signal the daemon", extra={"pipe_dir": str(pipe_dir),
                                                                                "reason": str(exc)})
             break
         quit_until = deadline.at
-        if wait_for_exit(pid, start_time, min(_QUIT_TAKEN_S, max(deadline.remaining(), 0.0))):
+        if wait_for_exit(pid, start_time, deadline.bound(_QUIT_TAKEN_S)):
             break
     left = end_processes(targets, quit_until, plan)
     if left:

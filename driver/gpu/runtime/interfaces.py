@@ -20,39 +20,39 @@ from driver.kubeletplugin.types import Deadline
 class MpsDaemons(Protocol):
     """Starts, checks and stops MPS control daemons; raises ``MpsError`` with the daemon's story."""
 
-    def start(self, spec: MpsDaemonSpec, timeout: float | None = None) -> MpsDaemonRecord:
-        """A running daemon for ``spec`` with its limits applied, within ``timeout`` seconds."""
+    def start(self, spec: MpsDaemonSpec, deadline: Deadline | None = None) -> MpsDaemonRecord:
+        """A running daemon for ``spec`` with its limits applied, before ``deadline`` if given."""
         ...
 
     def process_running(self, record: MpsDaemonRecord) -> bool:
         """Whether the recorded daemon's process still runs (/proc only, never the control socket)."""
         ...
 
-    def ensure_running(self, record: MpsDaemonRecord, timeout: float | None = None,
+    def ensure_running(self, record: MpsDaemonRecord, deadline: Deadline | None = None,
                        retry_stopped: bool = False) -> MpsDaemonRecord:
         """The recorded daemon if it runs, else a restarted one with the same limits (with ``retry_stopped``,
-        started again within ``timeout`` if a client stops it while it starts)."""
+        started again before ``deadline`` if a client stops it while it starts)."""
         ...
 
-    def verify_limits(self, record: MpsDaemonRecord, timeout: float | None = None) -> list[LimitDrift]:
+    def verify_limits(self, record: MpsDaemonRecord, deadline: Deadline | None = None) -> list[LimitDrift]:
         """Read the running daemon's limits back and set again those a client changed; the drift found.
         ``MpsDaemonStopped`` if the daemon exited meanwhile."""
         ...
 
-    def adopt(self, spec: MpsDaemonSpec, timeout: float | None = None,
+    def adopt(self, spec: MpsDaemonSpec, deadline: Deadline | None = None,
               restore: bool = False) -> MpsDaemonRecord | None:
         """A record for a live daemon of ``spec`` that has none (lost with the checkpoint), if its limits
         read back as ``spec``'s."""
         ...
 
-    def stop(self, record: MpsDaemonRecord, timeout: float | None = None) -> None:
-        """Stop the daemon and remove its directories, within ``timeout`` seconds if given; a daemon
+    def stop(self, record: MpsDaemonRecord, deadline: Deadline | None = None) -> None:
+        """Stop the daemon and remove its directories, before ``deadline`` if given; a daemon
         already gone is fine."""
         ...
 
-    def stop_by_id(self, daemon_id: str, timeout: float | None = None) -> None:
+    def stop_by_id(self, daemon_id: str, deadline: Deadline | None = None) -> None:
         """Stop the driver's daemon serving ``daemon_id``'s directory (one started but never recorded),
-        within ``timeout`` seconds if given; processes that only look like one are left alone."""
+        before ``deadline`` if given; processes that only look like one are left alone."""
         ...
 
     def daemon_ids_on_disk(self) -> list[str]:

@@ -67,10 +67,6 @@ def _same_limits(running: MpsDaemonSpec, wanted: MpsDaemonSpec) -> bool:
     return running.model_copy(update={"multi_user": wanted.multi_user, "shm_size": wanted.shm_size}) == wanted
 
 
-def _left(deadline: Deadline | None) -> float | None:
-    return None if deadline is None else deadline.remaining()
-
-
 def _forget_daemon(cp: Checkpoint, daemon_id: str) -> None:
     cp.mps_daemons.pop(daemon_id, None)
     cp.mps_limits_unconfirmed.pop(daemon_id, None)
@@ -156,15 +152,15 @@ class SharingRuntime:
             # A client may have changed its limits since (a tenant root in its container can): read them
             # back, a few milliseconds with NVIDIA's binary. Stopped by a client: restarted at once.
             return self._keep_running(existing, deadline, limits=True)
-        if existing is None and not fresh and (adopted := self.mps.adopt(spec, _left(deadline))) is not None:
+        if existing is None and not fresh and (adopted := self.mps.adopt(spec, deadline)) is not None:
             record = adopted  # its record was lost with a corrupt checkpoint: its clients keep it
         else:
             if existing is not None:
-                self.mps.stop(existing, _left(deadline))
+                self.mps.stop(existing, deadline)
             else:
                 # A daemon left by a crash between its start and its record.
-                self.mps.stop_by_id(spec.daemon_id, _left(deadline))
-            record = self.mps.start(spec, _left(deadline))
+                self.mps.stop_by_id(spec.daemon_id, deadline)
+            record = self.mps.start(spec, deadline)
             self.confirmations.confirmed(spec.daemon_id)
             if not fresh and not spec.multi_user:
                 log.warning("MPS daemon for plan shares started single-user: it serves one Linux UID at a time, "
@@ -179,11 +175,11 @@ class SharingRuntime:
         """Stop what only this claim needed; every step is idempotent. Daemon stops share ``deadline``
         (a rollback's budget), each still ending its daemon with SIGKILL once it has passed."""
         for daemon_id in record.owned_mps_daemons:
-            self.stop_daemon(daemon_id, _left(deadline))
+            self.stop_daemon(daemon_id, deadline)
         for daemon_id in record.shared_mps_daemons:
             cp = self._ledger.read()
             if not any(c.uid != record.uid and daemon_id in c.shared_mps_daemons for c in cp.claims.values()):
-                self.stop_daemon(daemon_id, _left(deadline))
+                self.stop_daemon(daemon_id, deadline)
         if record.timeslice is not None:
             self.timeslicer.reset(record.timeslice.gpu_uuids)
         for uuid in record.exclusive_gpus:
@@ -199,12 +195,12 @@ class SharingRuntime:
             log.info("compute mode restored", extra={"gpu_uuid": uuid, "mode": previous.value})
         self._ledger.commit(partial(_forget_mode, uuid=uuid))
 
-    def stop_daemon(self, daemon_id: str, timeout: float | None = None) -> None:
+    def stop_daemon(self, daemon_id: str, deadline: Deadline | None = None) -> None:
         daemon = self._ledger.read().mps_daemons.get(daemon_id)
         if daemon is None:
-            self.mps.stop_by_id(daemon_id, timeout)
+            self.mps.stop_by_id(daemon_id, deadline)
             return
-        self.mps.stop(daemon, timeout)
+        self.mps.stop(daemon, deadline)
         self.confirmations.forget(daemon_id)
         self._ledger.commit(partial(_forget_daemon, daemon_id=daemon_id))
 
@@ -240,7 +236,7 @@ class SharingRuntime:
                 # A prepare gives the read-back little time: it takes milliseconds unless a client holds the
                 # daemon's one control session, which must not fail the claim (its limits are watched).
                 watch = _WATCH_RECHECK_S if self.confirmations.failing(daemon_id) else WATCH_CHECK_S
-                bound = watch if deadline is None else deadline.bound(_READ_BACK_S)
+                bound = Deadline.after(watch) if deadline is None else deadline.capped(_READ_BACK_S)
                 drift = self.mps.verify_limits(daemon, bound)
             except MpsDaemonStopped as exc:  # a client stopped it after the /proc check: restart it below
                 log.warning("MPS daemon stopped while its limits were read back; restarting it",
@@ -270,7 +266,7 @@ class SharingRuntime:
         try:
             # A prepare (with a deadline) starts it again, for a while, if a client stops it while it
             # starts; a background check leaves that to its next round rather than hold the GPU's lock.
-            running = self.mps.ensure_running(daemon, _left(deadline), retry_stopped=deadline is not None)
+            running = self.mps.ensure_running(daemon, deadline, retry_stopped=deadline is not None)
         except MpsDaemonStopped as exc:
             # A client keeps stopping it (a tenant root in its container): no reason to fail or stall
             # another claim. Its record stays; the watcher and the next prepare start it again.
