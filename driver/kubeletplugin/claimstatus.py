@@ -6,14 +6,16 @@ writes a driver's entries with server-side apply (``PATCH .../status`` as ``appl
 under the driver's own field manager), so the allocation and other drivers' entries are never touched,
 and applying nothing removes exactly what this driver wrote before.
 
-A prepare only marks its claim (:meth:`ClaimStatusWriter.mark`) and never waits: one worker thread
-writes, asking the driver for the claim's entries when the write is made, so marks that arrive before it
-runs coalesce into one write carrying the latest state, and a claim has at most one write in flight. The
-queue of marked claims is bounded; a failed write (no answer, 429, 5xx) is retried with exponential
-backoff. A server that refuses the writes (403: RBAC or the node authorizer; 404: the claim is gone; 409:
-it was replaced; 422) or drops the field (its DRAResourceClaimDeviceStatus gate is off) is logged once and
-left alone. A condition keeps its ``lastTransitionTime`` while its status stays the same, and a write that
-would change nothing is not sent.
+A prepare only marks its claim (:meth:`ClaimStatusWriter.mark`) and never waits: one worker thread writes,
+asking the driver for the claim's entries when the write is made, so marks that arrive before it runs
+coalesce into one write carrying the latest state, and a claim has at most one write in flight. Writes wait
+until no claim was marked for a moment (0.2 s), at most 5 s: a burst of prepares (a kubelet starting many
+pods) is then never slowed by writes between them, and a claim prepared and unprepared within the burst is
+written once. The queue of marked claims is bounded; a failed write (no answer, 429, 5xx) is retried with
+exponential backoff. A server that refuses the writes (403: RBAC or the node authorizer; 404: the claim is
+gone; 409: it was replaced; 422) or drops the field (its DRAResourceClaimDeviceStatus gate is off) is logged
+once and left alone. A condition keeps its ``lastTransitionTime`` while its status stays the same, and a
+write that would change nothing is not sent.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 MAX_CONDITIONS = 8
 MAX_DATA_BYTES = 10 * 1024
 DEFAULT_MAX_PENDING = 1024
+DEFAULT_QUIET_S = 0.2
+DEFAULT_MAX_DELAY_S = 5.0
 _REQUEST_TIMEOUT_S = 10.0
 # Answers that will not change by asking again: the claim, the server or its rules are as they are.
 _REFUSED = (400, 403, 404, 405, 409, 415, 422)
@@ -124,7 +128,8 @@ def dropped_by_server(sent: Sequence[Obj], stored: Obj) -> bool:
 @dataclass
 class _Pending:
     ref: ClaimRef
-    due: float = 0.0
+    due: float = 0.0  # not before: a retry's backoff
+    marked: float = 0.0  # the first mark not yet written
     attempts: int = 0
 
 
@@ -133,6 +138,7 @@ class ClaimStatusWriter:
 
     def __init__(self, api: KubeClient, driver_name: str, field_manager: str, source: StatusSource, *,
                  max_pending: int = DEFAULT_MAX_PENDING, initial_backoff: float = 0.5, max_backoff: float = 60.0,
+                 quiet: float = DEFAULT_QUIET_S, max_delay: float = DEFAULT_MAX_DELAY_S,
                  clock: Callable[[], str] | None = None):
         self._api = api
         self._driver = driver_name
@@ -141,6 +147,9 @@ class ClaimStatusWriter:
         self._max_pending = max_pending
         self._initial_backoff = initial_backoff
         self._max_backoff = max_backoff
+        self._quiet = quiet
+        self._max_delay = max_delay
+        self._last_mark = 0.0
         self._clock = clock or (lambda: datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
         self._cond = threading.Condition()
         self._pending: dict[str, _Pending] = {}
@@ -165,9 +174,11 @@ class ClaimStatusWriter:
         with self._cond:
             if self._disabled is not None or self._stopping:
                 return
+            now = time.monotonic()
+            self._last_mark = now
             pending = self._pending.get(ref.uid)
             if pending is not None:
-                pending.ref, pending.due = ref, min(pending.due, time.monotonic())
+                pending.ref, pending.due = ref, min(pending.due, now)
             elif len(self._pending) >= self._max_pending:
                 if not self._overflowed:
                     log.warning("claim status queue full (%d claims): dropping status writes until it drains",
@@ -175,7 +186,7 @@ class ClaimStatusWriter:
                 self._overflowed = True
                 return
             else:
-                self._pending[ref.uid] = _Pending(ref, due=time.monotonic())
+                self._pending[ref.uid] = _Pending(ref, due=now, marked=now)
             self._cond.notify_all()
 
     def start(self) -> None:
@@ -234,8 +245,8 @@ class ClaimStatusWriter:
             if self._disabled is not None:
                 self._pending.clear()
             if self._pending:
-                item = min(self._pending.values(), key=lambda p: p.due)
-                wait = item.due - time.monotonic()
+                item = min(self._pending.values(), key=self._when)
+                wait = self._when(item) - time.monotonic()
                 if wait <= 0:
                     return self._pending.pop(item.ref.uid)
                 self._cond.notify_all()
@@ -244,6 +255,12 @@ class ClaimStatusWriter:
                 self._cond.notify_all()
                 self._cond.wait()
         return None
+
+    def _when(self, item: _Pending) -> float:
+        """When ``item`` may be written: after its backoff, once no claim was marked for ``quiet`` seconds (a
+        burst of prepares is not slowed by writes between them, whose GIL time it would wait for), and at the
+        latest ``max_delay`` after its first mark. Caller holds ``_cond``."""
+        return max(item.due, min(self._last_mark + self._quiet, item.marked + self._max_delay))
 
     def _write(self, ref: ClaimRef) -> bool:
         """One apply; True when it should be tried again later."""

@@ -277,3 +277,32 @@ def test_a_conditions_since_is_used_only_when_nothing_earlier_is_known() -> None
                            conditions=(Condition("Ready", False, "Gone", since="2026-01-01T00:00:00Z"),))
     [second] = device_entries(DRIVER, [flipped], [first], "2026-02-02T00:00:00Z")
     assert second["conditions"][0]["lastTransitionTime"] == "2026-02-02T00:00:00Z"
+
+
+def test_a_burst_of_marks_is_written_once_the_node_is_quiet_each_claim_once(
+        server: FakeApiServer, source: Source, writers: list[ClaimStatusWriter]) -> None:
+    # A kubelet preparing many pods at once: the writes wait for a quiet moment instead of taking GIL time between
+    # the prepares, and a claim marked several times in the burst is written once, with its latest state.
+    first, second = put_claim(server, "a"), put_claim(server, "b")
+    source.answers = {first.uid: [ready("gpu-0")], second.uid: [ready("gpu-1")]}
+    writer = start_writer(server, source, writers, quiet=2.0, max_delay=60.0)
+    for _ in range(10):
+        writer.mark(first)
+        writer.mark(second)
+        assert patches(server) == [], "nothing is written while marks keep coming"
+        threading.Event().wait(0.02)
+    assert writer.wait_idle(30)
+    assert len(patches(server)) == 2
+    assert status_of(server, first)["devices"][0]["device"] == "gpu-0"
+
+
+def test_marks_that_never_stop_still_get_each_claim_written_within_the_longest_delay(
+        server: FakeApiServer, source: Source, writers: list[ClaimStatusWriter]) -> None:
+    ref, busy = put_claim(server, "a"), put_claim(server, "b")
+    source.answers = {ref.uid: [ready("gpu-0")]}
+    writer = start_writer(server, source, writers, quiet=60.0, max_delay=0.3)
+    writer.mark(ref)
+    while not patches(server):  # another claim keeps the node busy; the first is written all the same
+        writer.mark(busy)
+        threading.Event().wait(0.02)
+    assert status_of(server, ref)["devices"][0]["device"] == "gpu-0"
