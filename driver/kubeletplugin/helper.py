@@ -13,7 +13,7 @@ registration, HTTP; nothing of this module is imported for it), initialises, the
 between waited for that.
 
 Nothing in this package knows about GPUs or the simulation: it could be lifted out as its own
-package (tests/unit/test_kubeletplugin_helper.py checks its imports).
+package (tests/unit/kubeletplugin/test_kubeletplugin_helper.py checks its imports).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``python -m driver demo`` run as a user runs it: kept claims readable afterwards, and SIGTERM mid-run.
 
 Kept lean: one full run and one run stopped early; the demo's choices are unit-tested in
-tests/unit/test_demo.py.
+tests/unit/commands/test_demo.py.
 """
 
 from __future__ import annotations

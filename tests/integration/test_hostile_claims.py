@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.support.node import DRIVER, SimulatedNode
-from tests.unit.test_hostile_claims import CONFIGS_MAX, ERROR_MAX_BYTES, REQUESTS, unknown_fields_config
+from tests.unit.gpu.claimconfig.test_hostile_claims import CONFIGS_MAX, ERROR_MAX_BYTES, REQUESTS, unknown_fields_config
 
 
 def hostile_config() -> dict[str, Any]:

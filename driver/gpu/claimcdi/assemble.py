@@ -67,7 +67,7 @@ def build_claim_spec_file(
     The wire form is validated once by the strict models (exactly the data that is then written,
     only ``cdiVersion`` lowered to the minimum the validated content needs) and written as it is:
     no model dump and no second parse on the prepare path. It loads as the same spec as the
-    model's own ``to_json`` (tests/unit/test_claimcdi_assemble.py checks both).
+    model's own ``to_json`` (tests/unit/gpu/claimcdi/test_claimcdi_assemble.py checks both).
 
     ``common_edits`` is the toolkit spec's spec-level ``containerEdits`` in wire form, or None
     when the node has no toolkit spec; ``control_nodes`` are CDI device nodes (``path``, and

@@ -18,7 +18,7 @@ from driver.kubeletplugin.api import (
     pluginregistration_v1_pb2,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 API_DIR = REPO / "driver" / "kubeletplugin" / "api"
 
 

@@ -236,7 +236,7 @@ def test_shm_tmpfs_needs_private_shm(tmp_path: Path) -> None:
 def test_a_bad_host_shm_size_is_one_line_naming_the_flag(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "driver", "mps-host", "--socket", str(tmp_path / "s"),
                            "--mps-dir", str(tmp_path), "--shm-tmpfs", "--shm-size", "1Mi"], capture_output=True,
-                          text=True, timeout=30, cwd=Path(__file__).parents[2])
+                          text=True, timeout=30, cwd=Path(__file__).parents[4])
     assert done.returncode == 2
     assert done.stderr.strip() == ("tessera mps-host: --shm-size '1Mi': 1048576 bytes is out of range; "
                                    "expected a quantity from 64Mi to 1Ti")

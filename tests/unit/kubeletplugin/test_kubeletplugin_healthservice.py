@@ -14,7 +14,7 @@ from driver.kubeletplugin.plugin import KubeletPlugin
 from driver.kubeletplugin.telemetry import Telemetry
 from driver.simulation.kubelet import KubeletEmulator
 from tests.support.kubeletplugin import DRIVER, Dirs
-from tests.unit.test_kubeletplugin_plugin import EchoDriver, Rejections, StaticClaims
+from tests.unit.kubeletplugin.test_kubeletplugin_plugin import EchoDriver, Rejections, StaticClaims
 
 HEALTHY = DeviceHealthStatus("node-1", "gpu-0", Health.HEALTHY, "", 100.0)
 BROKEN = DeviceHealthStatus("node-1", "gpu-0", Health.UNHEALTHY, "xid-79: XID 79 (GPU has fallen off the bus)", 200.0)

@@ -14,7 +14,7 @@ from driver.gpu.discovery.inventory import GpuInfo, MigProfileInfo
 from driver.gpu.discovery.nvml import NvmlDiscovery
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.units import MIB
-from tests.unit.test_nvml_discovery import FakeGpu, FakeNvml, NVMLError_NotSupported, h100_mig, l4
+from tests.unit.gpu.discovery.test_nvml_discovery import FakeGpu, FakeNvml, NVMLError_NotSupported, h100_mig, l4
 
 # GI profile id -> possible placement starts and their size, as an H100 80GB lists them (reference table).
 H100_PLACEMENTS = {19: ((0, 1, 2, 3, 4, 5, 6), 1), 20: ((0, 1, 2, 3, 4, 5, 6), 1), 15: ((0, 2, 4, 6), 2),

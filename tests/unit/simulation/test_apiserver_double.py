@@ -390,7 +390,7 @@ def test_request_errors_carry_status_reason_and_message(server: FakeApiServer) -
 
 def test_runnable_as_a_module_for_manual_use() -> None:
     command = [sys.executable, "-m", "driver.simulation.apiserverrun", "--port", "0", "--node", "node-1"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[3])
     try:
         assert process.stdout is not None
         line = process.stdout.readline()

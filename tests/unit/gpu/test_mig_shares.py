@@ -27,7 +27,7 @@ from driver.units import MIB
 from tests.support.statenode import DRIVER, POOL, claim
 
 INVENTORY = SimulatedDiscovery("demo", POOL).discover()
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharing-plans.yaml"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "sharing-plans.yaml"
 H100, MIG_GPU, L4 = INVENTORY.gpus
 THREE_G, TWO_G, ONE_G = sorted(MIG_GPU.mig_instances, key=lambda m: m.placement_start)
 MIXED = {"gpus": [{"match": {"migProfile": "1g.10gb"}, "timeSlicing": {"shares": 2}},

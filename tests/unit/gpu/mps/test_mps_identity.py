@@ -37,7 +37,7 @@ from tests.support.lookalikes import NOBODY, look_alikes
 from tests.support.mpsdaemons import STANDIN, MpsDaemonKind, daemon_params
 from tests.support.mpshost import launch_request, make_dirs, serving
 from tests.support.processes import poll_until, standin_sandbox
-from tests.unit.test_mps import LIMITED, PLAIN, PLAN_ID, Sim, _gone, _sandbox
+from tests.unit.gpu.mps.test_mps import LIMITED, PLAIN, PLAN_ID, Sim, _gone, _sandbox
 
 GPU = "GPU-11111111-2222-3333-4444-555555555555"
 

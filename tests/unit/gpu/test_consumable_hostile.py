@@ -17,7 +17,7 @@ from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import Deadline
 from driver.units import GIB
 from tests.support.statenode import DRIVER, POOL, Node
-from tests.unit.test_consumable import consumable_state
+from tests.unit.gpu.test_consumable import consumable_state
 
 GPU = "GPU-192ee73f-f0c4-5207-b5c2-78bdcf4fae4d"
 

@@ -31,9 +31,9 @@ from driver.gpu.discovery.cudarun import CudaSmCounts, ProbeFailed, SmLookup, pr
 from driver.gpu.discovery.nvml import NvmlDiscovery
 from driver.units import MIB
 from tests.support.processes import processes_mentioning
-from tests.unit.test_nvml_discovery import FakeNvml, h100_mig, l4
+from tests.unit.gpu.discovery.test_nvml_discovery import FakeNvml, h100_mig, l4
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[4]
 H100_BYTES = bytes.fromhex("a338e955d4a55fe1a1d969aa948b59b7")
 L4_BYTES = bytes.fromhex("bbbbbbbb000000000000000000000000")
 

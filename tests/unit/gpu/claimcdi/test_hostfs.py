@@ -28,7 +28,7 @@ from driver.simulation.hostroot import (
     capability_minors,
 )
 
-SIMULATION_BIN = Path(__file__).resolve().parents[2] / "driver" / "simulation" / "bin"
+SIMULATION_BIN = Path(__file__).resolve().parents[4] / "driver" / "simulation" / "bin"
 
 
 def demo_inventory() -> NodeInventory:

@@ -17,7 +17,7 @@ from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import build_host_root
 from driver.units import GIB
 from tests.support.statenode import DRIVER, POOL, Node, device_env
-from tests.unit.test_consumable import shares_claim
+from tests.unit.gpu.test_consumable import shares_claim
 
 HOOK = "/usr/bin/nvidia-cdi-hook"
 R615 = "615.10.01"

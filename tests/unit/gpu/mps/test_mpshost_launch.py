@@ -135,7 +135,7 @@ def test_chroot_runs_the_daemon_inside_the_driver_root_for_real(top: Path) -> No
     # The host's own mount namespace stands in for its pod, where the chart mounts the driver root.
     host = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
                              f"{chroot_setup_script(root)}\nexec {host_command}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[4])
     pid = None
     try:
         poll_until(lambda: socket_path.is_socket() or host.poll() is not None, "the chrooting host's socket")
@@ -169,7 +169,7 @@ def test_stopping_the_host_ends_its_daemons_and_removes_its_socket(top: Path) ->
     socket_path = top / "run" / "host.sock"
     host = subprocess.Popen([sys.executable, "-m", "driver", "mps-host", "--socket", str(socket_path),
                              "--mps-dir", str(base), "--driver-root", str(top / "root"), "--log-format", "text"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[2])
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=Path(__file__).parents[4])
     poll_until(lambda: socket_path.is_socket() or host.poll() is not None, "the host's socket")
     pid = MpsHostLauncher(socket_path).launch(request).pid
     host.terminate()
@@ -181,7 +181,7 @@ def test_stopping_the_host_ends_its_daemons_and_removes_its_socket(top: Path) ->
 def test_a_bad_flag_is_one_line_naming_it(top: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "driver", "mps-host", "--socket", str(top / "s"),
                            "--mps-dir", "relative/mps"], capture_output=True, text=True, timeout=30,
-                          cwd=Path(__file__).parents[2])
+                          cwd=Path(__file__).parents[4])
     assert done.returncode == 1
     assert done.stderr.strip() == "tessera mps-host: --mps-dir relative/mps must be an absolute path"
 

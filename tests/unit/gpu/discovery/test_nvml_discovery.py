@@ -648,7 +648,7 @@ def test_pynvmls_load_by_soname_gets_the_driver_roots_library(tmp_path: Path) ->
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
     done = subprocess.run(
         [sys.executable, "-c", _SONAME_PROBE, str(tmp_path / "root")],
-        capture_output=True, text=True, timeout=60, check=False, env=env, cwd=Path(__file__).resolve().parents[2],
+        capture_output=True, text=True, timeout=60, check=False, env=env, cwd=Path(__file__).resolve().parents[4],
     )
     assert (done.returncode, done.stdout.strip()) == (0, "42"), done.stderr
 

@@ -27,7 +27,7 @@ from driver.gpu.runtime.computemode import ComputeMode
 from driver.units import MIB
 from tests.support.processes import processes_mentioning
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TARGET = "GPU-a338e955-d4a5-5fe1-a1d9-69aa948b59b7"
 
 

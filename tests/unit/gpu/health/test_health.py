@@ -581,7 +581,7 @@ def test_the_health_probe_reports_what_a_node_tells_and_what_the_source_cannot_r
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("health_probe", Path(__file__).parents[2] / "scripts/health-probe.py")
+    spec = importlib.util.spec_from_file_location("health_probe", Path(__file__).parents[4] / "scripts/health-probe.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

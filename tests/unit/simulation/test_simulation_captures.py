@@ -14,7 +14,7 @@ from driver.simulation.discovery import mig_profile_infos
 from driver.simulation.gpus import gpu_model
 from driver.units import MIB
 
-CAPTURE = Path(__file__).resolve().parents[1] / "support" / "captures" / "h200-580.159.04-mig-profiles.json"
+CAPTURE = Path(__file__).resolve().parents[2] / "support" / "captures" / "h200-580.159.04-mig-profiles.json"
 
 
 def test_simulated_h200_profiles_are_the_captured_ones() -> None:
