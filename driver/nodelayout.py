@@ -18,7 +18,7 @@ from typing import Any
 from driver.config import Settings
 from driver.gpu.claimcdi.hostfs import DeviceRoot, driver_root_host_path, find_device_root
 from driver.gpu.claimcdi.toolkit import ToolkitEdits, load_toolkit_edits, toolkit_spec_candidates
-from driver.gpu.discovery.inventory import Discovery
+from driver.gpu.discovery.inventory import Discovery, NodeInventory
 from driver.gpu.runtime.computemode import NvmlComputeModes
 from driver.gpu.runtime.mig import MigPartitioner
 
@@ -45,6 +45,15 @@ def open_discovery(settings: Settings, node_name: str) -> Discovery:
     from driver.gpu.discovery.nvml import NvmlDiscovery
 
     return NvmlDiscovery(driver_root=settings.driver_root)
+
+
+def discover_once(settings: Settings) -> NodeInventory:
+    """What the node has now, its discovery session closed again (``inspect`` and ``check-node`` look once)."""
+    discovery = open_discovery(settings, settings.node_name or SIMULATED_NODE_NAME)
+    try:
+        return discovery.discover()
+    finally:
+        discovery.close()
 
 
 def open_compute_modes(settings: Settings, driver_root: Path | None = None) -> NvmlComputeModes:

@@ -248,11 +248,7 @@ def discovered_gpus(settings: Settings, cp: Checkpoint | None = None) -> tuple[l
     """The GPUs discovery sees now, each with its SM count or why it has none (never silently missing), and
     its MIG instances, each with the claim Tessera created it for (dynamic MIG; from ``cp``) or none."""
     try:
-        discovery = nodelayout.open_discovery(settings, settings.node_name or nodelayout.SIMULATED_NODE_NAME)
-        try:
-            inventory = discovery.discover()
-        finally:
-            discovery.close()
+        inventory = nodelayout.discover_once(settings)
     except (RuntimeError, ValueError, ImportError, OSError) as exc:
         return [], f"GPU discovery failed: {exc}"
     owners = {(d.gpu_uuid, d.mig_gi_id): f"{r.namespace}/{r.name}" for r in (cp.claims.values() if cp else ())

@@ -37,6 +37,15 @@ def telemetry(spans: InMemorySpanExporter) -> Iterator[Telemetry]:
 
 
 @pytest.fixture
+def server() -> Iterator[FakeApiServer]:
+    """An API server double of Kubernetes 1.36, empty."""
+    fake = FakeApiServer(minor_version=36)
+    fake.start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
 def node_apiserver() -> Iterator[FakeApiServer]:
     """An API server double of Kubernetes 1.36 that knows the Node ``tests.support.kubeletplugin.NODE``."""
     fake = FakeApiServer(minor_version=36)

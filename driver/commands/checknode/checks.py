@@ -121,11 +121,7 @@ def discover(settings: Settings) -> tuple[NodeInventory | None, list[CheckResult
     """NVML (or the simulated node) and one line per GPU and MIG device."""
     name = "NVML" if settings.simulate is None else "NVML (SIMULATED)"
     try:
-        discovery = nodelayout.open_discovery(settings, settings.node_name or nodelayout.SIMULATED_NODE_NAME)
-        try:
-            inventory = discovery.discover()
-        finally:
-            discovery.close()
+        inventory = nodelayout.discover_once(settings)
     except (RuntimeError, ValueError, ImportError, OSError) as exc:
         return None, [fail(name, str(exc))]
     where = f"simulated layout {settings.simulate!r}" if settings.simulate else "NVML"

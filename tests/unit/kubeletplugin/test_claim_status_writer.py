@@ -44,14 +44,6 @@ def ready(device: str, healthy: bool = True, **data: Any) -> DeviceStatus:
 
 
 @pytest.fixture
-def server() -> Iterator[FakeApiServer]:
-    fake = FakeApiServer(minor_version=36)
-    fake.start()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture
 def source() -> Source:
     return Source()
 

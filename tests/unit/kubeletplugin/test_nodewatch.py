@@ -18,14 +18,6 @@ NODES = "/api/v1/nodes"
 
 
 @pytest.fixture
-def server() -> Iterator[FakeApiServer]:
-    fake = FakeApiServer(minor_version=36)
-    fake.start()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture
 def watches() -> Iterator[list[NodeWatch]]:
     started: list[NodeWatch] = []
     yield started

@@ -7,7 +7,6 @@ import json
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +26,6 @@ from driver.simulation.apiserver import FakeApiServer
 
 DRIVER = "gpu.tessera.dev"
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
-
-
-@pytest.fixture
-def server() -> Iterator[FakeApiServer]:
-    fake = FakeApiServer(minor_version=36)
-    fake.start()
-    yield fake
-    fake.stop()
 
 
 @pytest.fixture
