@@ -62,7 +62,7 @@ class Settings(BaseModel):
     # Each MPS daemon's own /dev/shm tmpfs (docs/sharing.md, "The pipe directory and /dev/shm"): the size
     # where the plan or the claim names none, and whether the plugin's own launcher mounts one (the MPS host
     # has --shm-tmpfs).
-    mps_shm_size: int = GIB  # driver.gpu.mps.model.DEFAULT_SHM_SIZE (tests/unit/test_config.py checks they agree)
+    mps_shm_size: int = GIB  # driver.gpu.claimconfig.quantity.DEFAULT_SHM_SIZE (tests/unit/test_config.py checks they agree)
     mps_shm_tmpfs: bool = False
     simulate: str | None = None
     http_port: int = Field(default=8080, ge=0, le=65535)

@@ -15,6 +15,7 @@ from driver.gpu.checkpoint import Checkpoint, CheckpointStore, PreparedDeviceRec
 from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.claimstatus import STATUS_FILE, render_lines
 from driver.gpu.claimstatus import add_to_inspect as add_status_to_inspect
+from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.health.report import HEALTH_FILE, render_health
 from driver.gpu.health.report import add_to_inspect as add_health_to_inspect
 from driver.gpu.health.usagereport import USAGE_FILE, render_usage
@@ -26,7 +27,6 @@ from driver.gpu.mps.locallauncher import LocalLauncher
 from driver.gpu.mps.proc import is_same_process
 from driver.gpu.planuse import PLAN_USE_FILE, render_plan
 from driver.gpu.planuse import add_to_inspect as add_plan_to_inspect
-from driver.gpu.runtime.computemode import ComputeMode
 from driver.units import GIB
 
 

@@ -23,10 +23,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cdi.atomicswap import SwappedFile
+from driver.gpu.claimconfig.choices import MpsClients, TimeSliceInterval
+from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.migrecord import DynamicMigRecord
 from driver.gpu.mps.model import MpsDaemonRecord
-from driver.gpu.runtime.computemode import ComputeMode
-from driver.gpu.sharelayout import Enforcement, GpuShares, MpsClients, TimeSliceInterval
+from driver.gpu.sharelayout import Enforcement, GpuShares
 from driver.kubeletplugin.types import PreparedDevice
 
 log = logging.getLogger(__name__)

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 from driver.gpu.claimcdi.edits import MPS_CONTAINER_PIPE_DIR
 from driver.gpu.claimconfig.api import ConfigError, DeviceConfig, Sharing, resolve_mps_limits
+from driver.gpu.claimconfig.choices import MpsClients, TimeSliceInterval
 from driver.gpu.claimconfig.precedence import group_by_config, resolve_configs
 from driver.gpu.consumable import ConsumedShare, consumed_share
+from driver.gpu.discovery.inventory import multi_user_capable
 from driver.gpu.errors import PrepareError
-from driver.gpu.mps.model import MpsDaemonSpec, multi_user_capable
+from driver.gpu.mps.model import MpsDaemonSpec
 from driver.gpu.runtime.computemode import exclusive_gpus
-from driver.gpu.sharelayout import MpsClients, TimeSliceInterval
 from driver.gpu.targets import DeviceTarget, NodeView
 from driver.kubeletplugin.claimmodel import DeviceRequestAllocationResult, ResourceClaim
 

@@ -21,7 +21,7 @@ from driver.gpu.devicenames import (
     mig_share_device_name,
     share_device_name,
 )
-from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
+from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory, multi_user_capable
 from driver.gpu.migplacement import (
     MEMORY,
     MigPlacement,
@@ -33,7 +33,6 @@ from driver.gpu.migplacement import (
     placement_consumption,
     placements,
 )
-from driver.gpu.mps.model import multi_user_capable
 from driver.gpu.sharelayout import ConsumablePolicy, DynamicMigPolicy, GpuShares, SharingLayout
 from driver.gpu.targets import DeviceTarget, NodeView
 from driver.kubeletplugin.slicelimits import MAX_ATTRIBUTES_AND_CAPACITIES, MAX_STRING_ATTRIBUTE_BYTES

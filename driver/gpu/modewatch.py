@@ -24,7 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from driver.gpu.checkpoint import ClaimPhase, ClaimRecord
-from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
+from driver.gpu.discovery.inventory import ComputeMode
+from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.gpulocks import RESCAN_GPU_WAIT
 from driver.kubeletplugin.events import EventRecorder, EventSpec, ObjectRef
 from driver.kubeletplugin.telemetry import Telemetry

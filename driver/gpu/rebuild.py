@@ -21,9 +21,9 @@ import cdi
 from driver.gpu.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord, TimeSliceRecord
 from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.claimplan import is_plan_daemon
+from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.migrecord import DynamicMigRecord
 from driver.gpu.mps.model import MpsDaemonSpec
-from driver.gpu.runtime.computemode import ComputeMode
 from driver.gpu.sharelayout import GpuShares
 from driver.kubeletplugin.types import PreparedDevice
 

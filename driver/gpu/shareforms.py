@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from driver.gpu.claimconfig.api import ByteQuantity, ShmSize
-from driver.gpu.sharelayout import GpuShares, MpsClients, TimeSliceInterval
+from driver.gpu.claimconfig.choices import MpsClients, TimeSliceInterval
+from driver.gpu.sharelayout import GpuShares
 from driver.units import MIB
 
 # MPS serves at most 48 clients per GPU on Volta and newer (NVIDIA MPS documentation); a plan never

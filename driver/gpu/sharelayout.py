@@ -16,10 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-TimeSliceInterval = Literal["Default", "Short", "Medium", "Long"]
-
-# nvidia-smi compute-policy --set-timeslice values.
-TIMESLICE_VALUES: dict[str, int] = {"Default": 0, "Short": 1, "Medium": 2, "Long": 3}
+from driver.gpu.claimconfig.choices import MpsClients, TimeSliceInterval
 
 
 class Enforcement(StrEnum):
@@ -39,12 +36,6 @@ class Enforcement(StrEnum):
     # watch interval (a client holds the control socket): they may have been changed (limitstatement.py).
     MPS_UNCONFIRMED = "mps-unconfirmed"
 
-
-# Who may be a client of an MPS daemon (plan entry ``mps.clients``, per-claim ``mpsConfig.clients``):
-# ``nonRoot``: only claims all of whose consumers are pods that meet Pod Security "baseline" and cannot run
-# as root or group root (checked at prepare, ``driver/gpu/tenancy.py``); ``any``: every claim, whose root
-# processes can then change or stop the daemon, so its limits are advisory.
-MpsClients = Literal["nonRoot", "any"]
 
 # The first driver branch whose MPS control daemon refuses settings from UIDs other than root and
 # the user who started it. Measured with NVIDIA's binaries (docs/sharing.md "NVIDIA's daemon, as

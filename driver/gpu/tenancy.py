@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import logging
 
+from driver.gpu.claimconfig.choices import MpsClients
 from driver.gpu.claimplan import ClaimPlan, PlannedDaemon
 from driver.gpu.devicenames import gpu_device_name, mig_device_name
 from driver.gpu.errors import PrepareError
-from driver.gpu.sharelayout import Enforcement, MpsClients, mps_enforcement
+from driver.gpu.sharelayout import Enforcement, mps_enforcement
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import Deadline, PodsUnreadable
 

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from driver.config import DEFAULT_DRIVER_NAME, Settings, SettingsError, parse_settings, settings_from_values
-from driver.gpu.mps.model import DEFAULT_SHM_SIZE
+from driver.gpu.claimconfig.quantity import DEFAULT_SHM_SIZE
 
 
 def _error_fields(exc: SettingsError) -> set[str]:

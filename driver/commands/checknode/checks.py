@@ -48,7 +48,7 @@ from driver.gpu.claimcdi.hostfs import (
 )
 from driver.gpu.claimcdi.toolkit import load_toolkit_edits, toolkit_spec_candidates
 from driver.gpu.discovery.cudarun import LIBCUDA, find_libcuda
-from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.discovery.inventory import ComputeMode, NodeInventory
 from driver.gpu.dynamicmigplan import pending_mig_mode
 from driver.gpu.ownership import GpuOwnership, find_other_allocators, parse_owned_gpus
 from driver.gpu.runtime.binaries import (
@@ -59,7 +59,7 @@ from driver.gpu.runtime.binaries import (
     library_link_dir,
     run_binary,
 )
-from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
+from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.sharingplan import PlanError, load_plans, resolve_layout
 from driver.reaper import no_cleanup
 from driver.units import GIB

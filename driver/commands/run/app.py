@@ -49,7 +49,8 @@ from driver.gpu.mps.multiuser import MultiUserGate, MultiUserProbe, probe_gpu, s
 from driver.gpu.mps.shmmount import ShmTmpfs
 from driver.gpu.ownership import OwnershipWatch, owned_view
 from driver.gpu.recovery import recover
-from driver.gpu.runtime.capnodes import MIG_CONFIG, capabilities_of, ensure_nodes_best_effort
+from driver.gpu.runtime.capnodes import MIG_CONFIG, ensure_nodes_best_effort
+from driver.gpu.runtime.mig import capabilities_of
 from driver.gpu.runtime.sharing import WATCH_CHECK_S
 from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.sharingplan import PlanError

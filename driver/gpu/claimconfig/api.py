@@ -29,10 +29,9 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from driver.gpu.claimconfig.choices import MpsClients, TimeSliceInterval
 from driver.gpu.claimconfig.echo import show, show_path_part
-from driver.gpu.claimconfig.quantity import parse_quantity
-from driver.gpu.mps.model import check_shm_size
-from driver.gpu.sharelayout import MpsClients, TimeSliceInterval
+from driver.gpu.claimconfig.quantity import check_shm_size, parse_quantity
 from driver.units import MIB
 
 API_VERSION: Final = "gpu.tessera.dev/v1alpha1"

@@ -15,7 +15,7 @@ from decimal import Decimal
 from fractions import Fraction
 
 from driver.gpu.claimconfig.echo import show
-from driver.units import MIB
+from driver.units import GIB, MIB, TIB
 
 # Kubernetes' limit: a quantity must fit in a signed 64-bit integer.
 _MAX_BYTES = 2**63 - 1
@@ -30,6 +30,21 @@ _DECIMAL_POWERS = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "
 
 # Any quantity that fits in int64 bytes is far shorter; the bound keeps exact arithmetic cheap.
 _MAX_TEXT_CHARS = 64
+
+# Each daemon's own /dev/shm tmpfs (docs/sharing.md, "The pipe directory and /dev/shm"). The floor is the 64 MiB that
+# container runtimes give a container's /dev/shm by default, which CUDA workloads are known to run
+# with; the ceiling only catches typos (a tmpfs takes memory as it is written, not at mount).
+SHM_SIZE_MIN = 64 * MIB
+SHM_SIZE_MAX = TIB
+DEFAULT_SHM_SIZE = GIB
+
+
+def check_shm_size(value: int) -> int:
+    """``value`` (bytes) if it is a usable size for a daemon's /dev/shm, else ValueError saying the range."""
+    if not SHM_SIZE_MIN <= value <= SHM_SIZE_MAX:
+        raise ValueError(f"{value} bytes is out of range; expected a quantity from 64Mi to 1Ti")
+    return value
+
 
 _EXAMPLE = 'a quantity such as "10Gi", "512Mi", "1.5G" or 1073741824'
 

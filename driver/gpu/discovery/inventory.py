@@ -8,9 +8,32 @@ NVML feature becomes a missing attribute rather than a crash.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
+
+# MPS multi-user mode needs Volta or newer (dra-driver-nvidia-gpu PR #1153, ensureCapability "7.0").
+MULTI_USER_MIN_COMPUTE_CAPABILITY = (7, 0)
+
+
+class ComputeMode(StrEnum):
+    """The modes the driver reads and sets, by the names nvidia-smi and the checkpoint use."""
+
+    DEFAULT = "DEFAULT"
+    EXCLUSIVE_PROCESS = "EXCLUSIVE_PROCESS"
+    PROHIBITED = "PROHIBITED"
+
+
+def multi_user_capable(cuda_compute_capability: str | None) -> bool:
+    """Whether a GPU of this compute capability ("9.0") can run an MPS daemon in multi-user mode."""
+    if cuda_compute_capability is None:
+        return False
+    major, _, minor = cuda_compute_capability.partition(".")
+    try:
+        return (int(major), int(minor or 0)) >= MULTI_USER_MIN_COMPUTE_CAPABILITY
+    except ValueError:
+        return False
 
 
 class MigEngines(BaseModel):

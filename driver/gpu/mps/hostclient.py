@@ -33,8 +33,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from driver.gpu.claimconfig.quantity import DEFAULT_SHM_SIZE
 from driver.gpu.mps.launch import DaemonLaunch, LaunchedDaemon, MpsLaunchError
-from driver.gpu.mps.model import DEFAULT_SHM_SIZE
 from driver.gpu.mps.proc import is_same_process, read_proc_stat, tied_to
 
 log = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from driver.gpu.claimconfig.quantity import DEFAULT_SHM_SIZE
 from driver.gpu.mps.launch import DaemonLaunch, control_args, control_env
-from driver.gpu.mps.model import DEFAULT_SHM_SIZE
 
 # PATH inside the driver root, where the container's PATH means nothing.
 ROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -14,10 +14,7 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from driver.units import GIB, MIB, TIB
-
-# MPS multi-user mode needs Volta or newer (dra-driver-nvidia-gpu PR #1153, ensureCapability "7.0").
-MULTI_USER_MIN_COMPUTE_CAPABILITY = (7, 0)
+from driver.units import MIB
 
 _DAEMON_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 # GPU-<uuid>, MIG-<uuid>, and the older MIG-GPU-<uuid>/<gi>/<ci>; commas would split CUDA_VISIBLE_DEVICES.
@@ -25,21 +22,6 @@ _DEVICE_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")
 # get_default_device_pinned_mem_limit prints "<n>M" below 1 GiB and "<n>G", rounded down, from 1 GiB
 # up (measured: 1023M -> "1023M", 1025M -> "1G", 3840M -> "3G", 20389M -> "19G"; docs/sharing.md).
 _DISPLAYED_LIMIT = re.compile(r"^(\d+)([MG])$")
-
-
-# Each daemon's own /dev/shm tmpfs (docs/sharing.md, "The pipe directory and /dev/shm"). The floor is the 64 MiB that
-# container runtimes give a container's /dev/shm by default, which CUDA workloads are known to run
-# with; the ceiling only catches typos (a tmpfs takes memory as it is written, not at mount).
-SHM_SIZE_MIN = 64 * MIB
-SHM_SIZE_MAX = TIB
-DEFAULT_SHM_SIZE = GIB
-
-
-def check_shm_size(value: int) -> int:
-    """``value`` (bytes) if it is a usable size for a daemon's /dev/shm, else ValueError saying the range."""
-    if not SHM_SIZE_MIN <= value <= SHM_SIZE_MAX:
-        raise ValueError(f"{value} bytes is out of range; expected a quantity from 64Mi to 1Ti")
-    return value
 
 
 class MpsError(Exception):
@@ -72,17 +54,6 @@ def check_daemon_id(value: str) -> str:
             "starting with a letter or digit"
         )
     return value
-
-
-def multi_user_capable(cuda_compute_capability: str | None) -> bool:
-    """Whether a GPU of this compute capability ("9.0") can run an MPS daemon in multi-user mode."""
-    if cuda_compute_capability is None:
-        return False
-    major, _, minor = cuda_compute_capability.partition(".")
-    try:
-        return (int(major), int(minor or 0)) >= MULTI_USER_MIN_COMPUTE_CAPABILITY
-    except ValueError:
-        return False
 
 
 def pinned_limit_taken(answer: str, mib: int) -> bool:

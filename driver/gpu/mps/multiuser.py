@@ -20,9 +20,9 @@ import threading
 from collections.abc import Callable
 
 from driver.gpu.claimplan import ClaimPlan
-from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.discovery.inventory import NodeInventory, multi_user_capable
 from driver.gpu.mps.manager import MpsManager
-from driver.gpu.mps.model import MpsDaemonSpec, MpsError, multi_user_capable
+from driver.gpu.mps.model import MpsDaemonSpec, MpsError
 from driver.gpu.sharelayout import SharingLayout
 
 log = logging.getLogger(__name__)

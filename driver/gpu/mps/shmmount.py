@@ -34,12 +34,12 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from driver.gpu.claimconfig.quantity import parse_quantity
+from driver.gpu.claimconfig.quantity import check_shm_size, parse_quantity
 from driver.gpu.mps.dirs import daemon_base, open_dir_below
 from driver.gpu.mps.hostclient import HostReply, ShmRelease
 from driver.gpu.mps.hostcmd import HostMode, Tools, daemon_argv
 from driver.gpu.mps.launch import DaemonLaunch, DaemonLauncher, MpsLaunchError
-from driver.gpu.mps.model import check_daemon_id, check_shm_size
+from driver.gpu.mps.model import check_daemon_id
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-from driver.gpu.checkpoint import Checkpoint
 from driver.gpu.claimcdi.hostfs import HostFsError, mig_driver_capability_node
 
 log = logging.getLogger(__name__)
@@ -47,19 +46,6 @@ class CapabilityNodeError(Exception):
 def instance_capabilities(gpu_minor: int, gi_id: int, ci_id: int) -> list[str]:
     """The GI and CI access capabilities a process needs to open one MIG device."""
     return [f"gpu{gpu_minor}/mig/gi{gi_id}/access", f"gpu{gpu_minor}/mig/gi{gi_id}/ci{ci_id}/access"]
-
-
-def capabilities_of(cp: Checkpoint, device_uuids: Iterable[str]) -> list[str]:
-    """The capabilities of the MIG devices among ``device_uuids``, as the checkpoint's claims record them (static
-    MIG devices and instances created for claims alike); whole GPUs need none."""
-    wanted = {u for u in device_uuids if u.startswith("MIG-")}
-    found: list[str] = []
-    for record in cp.claims.values():
-        for dev in record.devices:
-            if dev.mig_uuid in wanted and dev.mig_gi_id is not None and dev.mig_ci_id is not None:
-                found += [c for c in instance_capabilities(dev.gpu_minor, dev.mig_gi_id, dev.mig_ci_id)
-                          if c not in found]
-    return found
 
 
 def ensure_nodes(proc_root: Path, dev_root: Path, capabilities: Iterable[str]) -> list[str]:

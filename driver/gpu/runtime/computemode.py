@@ -29,20 +29,11 @@ The bounding and the session are ``nvmlbounded.py``'s, shared with the MIG parti
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from enum import StrEnum
 from typing import Any
 
+from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.runtime.nvmlbounded import BoundedNvml, NvmlCallError, no_library_to_load
 from driver.kubeletplugin.types import Deadline
-
-
-class ComputeMode(StrEnum):
-    """The modes the driver reads and sets, by the names nvidia-smi and the checkpoint use."""
-
-    DEFAULT = "DEFAULT"
-    EXCLUSIVE_PROCESS = "EXCLUSIVE_PROCESS"
-    PROHIBITED = "PROHIBITED"
-
 
 # nvml.h nvmlComputeMode_t (nvidia-ml-py: NVML_COMPUTEMODE_*); EXCLUSIVE_THREAD (1) is "Support Removed".
 NVML_COMPUTE_MODES = {ComputeMode.DEFAULT: 0, ComputeMode.PROHIBITED: 2, ComputeMode.EXCLUSIVE_PROCESS: 3}

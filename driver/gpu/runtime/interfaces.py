@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from driver.gpu.claimconfig.choices import TimeSliceInterval
+from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.mps.limits import LimitDrift
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
-from driver.gpu.runtime.computemode import ComputeMode
-from driver.gpu.sharelayout import TimeSliceInterval
 from driver.kubeletplugin.types import Deadline
 
 

@@ -23,11 +23,14 @@ Return codes (nvml.h, ``nvmlDeviceCreateGpuInstanceWithPlacement``; nvidia-gpu r
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
+from driver.gpu.checkpoint import Checkpoint
 from driver.gpu.discovery.inventory import MigProfileInfo
+from driver.gpu.runtime.capnodes import instance_capabilities
 from driver.kubeletplugin.types import Deadline
 
 # nvml.h nvmlReturn_t values (nvidia-ml-py: NVML_ERROR_*) this module reads.
@@ -145,3 +148,16 @@ def describe_refusal(reason: MigRefusal) -> str:
         "not-mig-mode": "MIG mode is not enabled on the GPU",
         "failed": "NVML failed",
     }[reason]
+
+
+def capabilities_of(cp: Checkpoint, device_uuids: Iterable[str]) -> list[str]:
+    """The capabilities of the MIG devices among ``device_uuids``, as the checkpoint's claims record them (static
+    MIG devices and instances created for claims alike); whole GPUs need none."""
+    wanted = {u for u in device_uuids if u.startswith("MIG-")}
+    found: list[str] = []
+    for record in cp.claims.values():
+        for dev in record.devices:
+            if dev.mig_uuid in wanted and dev.mig_gi_id is not None and dev.mig_ci_id is not None:
+                found += [c for c in instance_capabilities(dev.gpu_minor, dev.mig_gi_id, dev.mig_ci_id)
+                          if c not in found]
+    return found

@@ -17,10 +17,11 @@ from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
+from driver.gpu.claimconfig.choices import TIMESLICE_VALUES, TimeSliceInterval
+from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
-from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
+from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.interfaces import ComputeModeControl
-from driver.gpu.sharelayout import TIMESLICE_VALUES, TimeSliceInterval
 from driver.kubeletplugin.types import Deadline
 
 log = logging.getLogger(__name__)

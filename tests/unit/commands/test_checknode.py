@@ -22,8 +22,7 @@ from driver.commands.checknode.mps import (
 )
 from driver.commands.checknode.result import NodeReport, exit_status, fail, ok, render_json, render_table, skipped
 from driver.gpu.discovery.cudaprobe import ClientReport
-from driver.gpu.discovery.inventory import NodeInventory
-from driver.gpu.runtime.computemode import ComputeMode
+from driver.gpu.discovery.inventory import ComputeMode, NodeInventory
 from driver.units import MIB
 from tests.support.processes import processes_mentioning
 

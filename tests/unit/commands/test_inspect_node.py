@@ -21,8 +21,8 @@ from driver.gpu.checkpoint import (
 )
 from driver.gpu.claimcdi.toolkit import load_toolkit_edits
 from driver.gpu.devices import make_view
+from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
-from driver.gpu.runtime.computemode import ComputeMode
 from driver.gpu.state import DeviceState, StatePaths
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import PreparedDevice

@@ -16,10 +16,10 @@ import pytest
 from driver.gpu.checkpoint import Checkpoint, CheckpointStore, ClaimPhase
 from driver.gpu.claimplan import plan_claim
 from driver.gpu.devices import make_view
+from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.errors import PrepareError
 from driver.gpu.healthgate import check_device_health
 from driver.gpu.recovery import recover
-from driver.gpu.runtime.computemode import ComputeMode
 from driver.gpu.sharingplan import SharingPlans, resolve_layout
 from driver.gpu.state import DeviceState
 from driver.kubeletplugin.claimmodel import DeviceToleration, ResourceClaim

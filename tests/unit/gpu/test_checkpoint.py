@@ -22,7 +22,7 @@ from driver.gpu.checkpoint import (
     ClaimRecord,
     PreparedDeviceRecord,
 )
-from driver.gpu.runtime.computemode import ComputeMode
+from driver.gpu.discovery.inventory import ComputeMode
 from driver.kubeletplugin.types import PreparedDevice
 
 GPU = "GPU-11111111-2222-3333-4444-555555555555"

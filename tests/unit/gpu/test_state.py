@@ -18,13 +18,13 @@ import pytest
 
 import cdi
 from driver.gpu.checkpoint import ClaimPhase
+from driver.gpu.claimconfig.choices import TimeSliceInterval
 from driver.gpu.daemonwatch import check_daemons
 from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsError
 from driver.gpu.recovery import recover
 from driver.gpu.runtime.timeslice import TimeSliceError
-from driver.gpu.sharelayout import TimeSliceInterval
 from driver.gpu.state import DeviceState
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import Deadline

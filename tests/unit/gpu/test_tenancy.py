@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 
 from driver.gpu.claimconfig.api import ConfigError, parse_config
+from driver.gpu.claimconfig.choices import MpsClients
 from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
 from driver.gpu.errors import PrepareError
-from driver.gpu.sharelayout import Enforcement, GpuShares, MpsClients, mps_control_guarded, mps_enforcement
+from driver.gpu.sharelayout import Enforcement, GpuShares, mps_control_guarded, mps_enforcement
 from driver.gpu.sharingplan import PlanError, SharingPlans, load_plans, resolve_layout, select_plan
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.podfetch import PodFetcher

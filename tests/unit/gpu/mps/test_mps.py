@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from driver.gpu.discovery.inventory import multi_user_capable
 from driver.gpu.mps.holders import held_connection
 from driver.gpu.mps.launch import DaemonLaunch, LaunchedDaemon
 from driver.gpu.mps.locallauncher import LocalLauncher
@@ -38,7 +39,6 @@ from driver.gpu.mps.model import (
     MpsError,
     MpsMount,
     client_edits,
-    multi_user_capable,
     pinned_limit_taken,
 )
 from driver.gpu.mps.multiuser import supports_multi_user

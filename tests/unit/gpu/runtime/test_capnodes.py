@@ -10,13 +10,8 @@ from pathlib import Path
 import pytest
 
 from driver.gpu.checkpoint import Checkpoint
-from driver.gpu.runtime.capnodes import (
-    MIG_CONFIG,
-    CapabilityNodeError,
-    capabilities_of,
-    ensure_nodes,
-    instance_capabilities,
-)
+from driver.gpu.runtime.capnodes import MIG_CONFIG, CapabilityNodeError, ensure_nodes, instance_capabilities
+from driver.gpu.runtime.mig import capabilities_of
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import build_host_root, capability_minors
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from driver.gpu.runtime.computemode import ComputeMode, ComputeModeError
+from driver.gpu.claimconfig.choices import TIMESLICE_VALUES, TimeSliceInterval
+from driver.gpu.discovery.inventory import ComputeMode
+from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.timeslice import TimeSliceError, TimeSlicer
-from driver.gpu.sharelayout import TIMESLICE_VALUES, TimeSliceInterval
 from driver.kubeletplugin.types import Deadline
 from tests.support.processes import install_standin
 

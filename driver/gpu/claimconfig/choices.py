@@ -1,0 +1,18 @@
+"""The enumerated values users choose from in claims and in the node sharing plan: time-slice intervals and
+who may be an MPS client."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+TimeSliceInterval = Literal["Default", "Short", "Medium", "Long"]
+
+# nvidia-smi compute-policy --set-timeslice values.
+TIMESLICE_VALUES: dict[str, int] = {"Default": 0, "Short": 1, "Medium": 2, "Long": 3}
+
+
+# Who may be a client of an MPS daemon (plan entry ``mps.clients``, per-claim ``mpsConfig.clients``):
+# ``nonRoot``: only claims all of whose consumers are pods that meet Pod Security "baseline" and cannot run
+# as root or group root (checked at prepare, ``driver/gpu/tenancy.py``); ``any``: every claim, whose root
+# processes can then change or stop the daemon, so its limits are advisory.
+MpsClients = Literal["nonRoot", "any"]
