@@ -44,7 +44,7 @@ class Settings(BaseModel):
     # Where device plugins (NVIDIA's among them) put their sockets: another GPU allocator is looked for there.
     device_plugins_dir: Path = Path("/var/lib/kubelet/device-plugins")
     # The GPUs this driver owns (minors and GPU UUIDs, comma-separated) where another allocator shares the
-    # node; empty: every GPU, or none while another allocator is found (driver.gpu.ownership).
+    # node; empty: every GPU, or none while another allocator is found (driver.gpu.published.ownership).
     owned_gpus: str = ""
     plugins_dir: Path = Path("/var/lib/kubelet/plugins")
     cdi_root: Path = Path("/var/run/cdi")
@@ -53,7 +53,7 @@ class Settings(BaseModel):
     # The root whose dev/ this process (and the MPS daemons it starts) opens devices through; None: its own /
     # (the simulated node's host tree when simulating). MIG capability nodes are made there (runtime/capnodes.py).
     own_dev_root: Path | None = None
-    driver_root_on_host: Path | None = None  # None: derived (driver.gpu.claimcdi.hostfs.driver_root_host_path)
+    driver_root_on_host: Path | None = None  # None: derived (driver.gpu.host.hostfs.driver_root_host_path)
     driver_libraries_required: bool = True
     nvidia_cdi_spec: Path | None = None
     sharing_plans: Path | None = None
@@ -62,7 +62,8 @@ class Settings(BaseModel):
     # Each MPS daemon's own /dev/shm tmpfs (docs/sharing.md, "The pipe directory and /dev/shm"): the size
     # where the plan or the claim names none, and whether the plugin's own launcher mounts one (the MPS host
     # has --shm-tmpfs).
-    mps_shm_size: int = GIB  # driver.gpu.claimconfig.quantity.DEFAULT_SHM_SIZE (tests/unit/test_config.py checks they agree)
+    # driver.gpu.claimconfig.quantity.DEFAULT_SHM_SIZE (tests/unit/test_config.py checks they agree)
+    mps_shm_size: int = GIB
     mps_shm_tmpfs: bool = False
     simulate: str | None = None
     http_port: int = Field(default=8080, ge=0, le=65535)
@@ -91,7 +92,7 @@ class Settings(BaseModel):
     @field_validator("owned_gpus")
     @classmethod
     def _owned_gpu_list(cls, value: str) -> str:
-        from driver.gpu.ownership import parse_owned_gpus  # as above: only when given
+        from driver.gpu.published.ownership import parse_owned_gpus  # as above: only when given
 
         parse_owned_gpus(value)  # raises ValueError naming the bad entry
         return value

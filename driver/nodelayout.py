@@ -16,9 +16,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from driver.config import Settings
-from driver.gpu.claimcdi.hostfs import DeviceRoot, driver_root_host_path, find_device_root
 from driver.gpu.claimcdi.toolkit import ToolkitEdits, load_toolkit_edits, toolkit_spec_candidates
 from driver.gpu.discovery.inventory import Discovery, NodeInventory
+from driver.gpu.host.hostfs import DeviceRoot, driver_root_host_path, find_device_root
 from driver.gpu.runtime.computemode import NvmlComputeModes
 from driver.gpu.runtime.mig import MigPartitioner
 

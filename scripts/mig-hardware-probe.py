@@ -13,7 +13,7 @@ MIG instance (someone's); on the first GPU in MIG mode without instances it:
    field 230 again;
 5. runs the CUDA probe (``driver/gpu/discovery/cudaprobe.py``) restricted to the instance in a mount namespace
    whose /dev is a tmpfs holding only the nodes of step 2 (the MPS host's copy): once as it is, once after
-   Tessera made the instance's capability nodes there (``driver/gpu/runtime/capnodes.py``);
+   Tessera made the instance's capability nodes there (``driver/gpu/host/capnodes.py``);
 6. destroys it and creates the same profile at the same placement again: are the GI/CI ids and the MIG UUID
    the same (docs/sharing.md, "Whose MIG instance")?
 7. destroys it, and checks the GPU holds no instance, as it was found.
@@ -120,7 +120,7 @@ def cuda_in_dev_copy(snapshot: Path, mig_uuid: str, libcuda: str, capabilities: 
 def in_dev_copy(snapshot: Path, libcuda: str, capabilities: list[str]) -> int:
     """Inside the namespace: /dev from the snapshot, the capability nodes if asked, then the CUDA probe."""
     from driver.gpu.discovery.cudaprobe import main as probe
-    from driver.gpu.runtime.capnodes import ensure_nodes
+    from driver.gpu.host.capnodes import ensure_nodes
 
     for node in json.loads(snapshot.read_text()):
         path = Path("/dev") / node["name"]
@@ -132,7 +132,7 @@ def in_dev_copy(snapshot: Path, libcuda: str, capabilities: list[str]) -> int:
 
 
 def probe_gpu(nvml: Any, partitioner: Any, gpu: Any, snapshot: Path, libcuda: str | None) -> dict[str, Any]:
-    from driver.gpu.runtime.capnodes import instance_capabilities
+    from driver.gpu.host.capnodes import instance_capabilities
 
     handle = nvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
     report: dict[str, Any] = {"gpu": gpu.uuid, "name": gpu.product_name, "minor": gpu.minor,

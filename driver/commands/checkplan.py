@@ -16,8 +16,8 @@ from pathlib import Path
 
 from driver.cliparser import USAGE_ERROR
 from driver.config import DEFAULT_PLAN_LABEL
-from driver.gpu.planuse import chosen_how, gpu_lines, plan_use
-from driver.gpu.sharingplan import PlanError, SharingPlan, SharingPlans, load_plans, resolve_plan, select_plan
+from driver.gpu.published.planuse import chosen_how, gpu_lines, plan_use
+from driver.gpu.published.sharingplan import PlanError, SharingPlan, SharingPlans, load_plans, resolve_plan, select_plan
 from driver.nodelayout import SIMULATED_NODE_NAME
 
 PROG = "python -m driver check-plan"

@@ -1,5 +1,5 @@
 """``python -m driver convert-plan FILE [--default KEY]``: an NVIDIA device plugin sharing config, or the GPU
-Operator's ConfigMap of them, printed as a Tessera sharing plans file (``driver.gpu.planconvert``).
+Operator's ConfigMap of them, printed as a Tessera sharing plans file (``driver.gpu.published.planconvert``).
 
 The plans go to stdout, what the plans cannot carry or carry differently to stderr, one line each.
 Exit status: 0 converted as the device plugin had it, 1 converted but nodes on some plan would
@@ -18,8 +18,8 @@ import yaml
 
 from driver.cliparser import USAGE_ERROR
 from driver.config import DEFAULT_PLAN_LABEL
-from driver.gpu.deviceplugincfg import DevicePluginConfig, DevicePluginConfigError, parse_configs
-from driver.gpu.planconvert import convert
+from driver.gpu.published.deviceplugincfg import DevicePluginConfig, DevicePluginConfigError, parse_configs
+from driver.gpu.published.planconvert import convert
 
 PROG = "python -m driver convert-plan"
 DESCRIPTION = ("Print an NVIDIA device plugin sharing config (version v1), or a ConfigMap of them as the GPU Operator "

@@ -11,7 +11,6 @@ from typing import Any
 import cdi
 from driver import nodelayout
 from driver.config import Settings
-from driver.gpu.checkpoint import Checkpoint, CheckpointStore, PreparedDeviceRecord
 from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.claimstatus import STATUS_FILE, render_lines
 from driver.gpu.claimstatus import add_to_inspect as add_status_to_inspect
@@ -25,8 +24,9 @@ from driver.gpu.mps.identity import foreign_processes
 from driver.gpu.mps.launch import DaemonLauncher
 from driver.gpu.mps.locallauncher import LocalLauncher
 from driver.gpu.mps.proc import is_same_process
-from driver.gpu.planuse import PLAN_USE_FILE, render_plan
-from driver.gpu.planuse import add_to_inspect as add_plan_to_inspect
+from driver.gpu.published.planuse import PLAN_USE_FILE, render_plan
+from driver.gpu.published.planuse import add_to_inspect as add_plan_to_inspect
+from driver.gpu.record.checkpoint import Checkpoint, CheckpointStore, PreparedDeviceRecord
 from driver.units import GIB
 
 

@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from cdi.atomicfile import write_atomic
-from driver.gpu.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord
-from driver.gpu.devices import quantity_from_bytes
 from driver.gpu.health.published import DeviceCondition
 from driver.gpu.mps.model import MpsDaemonRecord
-from driver.gpu.sharelayout import Enforcement
-from driver.gpu.targets import NodeView
+from driver.gpu.published.devices import quantity_from_bytes
+from driver.gpu.published.sharelayout import Enforcement
+from driver.gpu.published.targets import NodeView
+from driver.gpu.record.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord
 from driver.kubeletplugin.claimstatus import Condition, DeviceStatus
 from driver.kubeletplugin.types import ClaimRef
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import cdi
 from cdi.atomicswap import swap_name
-from driver.gpu.checkpoint import Checkpoint, CheckpointCorrupt, ClaimPhase, current_boot_id
-from driver.gpu.devices import make_view
+from driver.gpu.claim.rebuild import daemon_specs, rebuild_checkpoint
 from driver.gpu.mps.model import MpsDaemonRecord
-from driver.gpu.rebuild import daemon_specs, rebuild_checkpoint
+from driver.gpu.published.devices import make_view
+from driver.gpu.published.targets import drop_unfit
+from driver.gpu.record.checkpoint import Checkpoint, CheckpointCorrupt, ClaimPhase, current_boot_id
 from driver.gpu.state import DeviceState
-from driver.gpu.targets import drop_unfit
 
 log = logging.getLogger(__name__)
 

@@ -28,38 +28,38 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 
 import cdi
-from driver.gpu.checkpoint import (
+from driver.gpu.claim.claimplan import ClaimPlan, plan_claim
+from driver.gpu.claim.claimrecord import allocation_of, started_record
+from driver.gpu.claim.healthgate import DeviceTaints, check_device_health
+from driver.gpu.claim.rebuild import rebuild_checkpoint
+from driver.gpu.claim.sharecheck import check_no_overlap, check_shares_fit
+from driver.gpu.claim.tenancy import check_clients, client_rules
+from driver.gpu.claimcdi.edits import CdiNames, CdiSources, claim_spec_file
+from driver.gpu.claimcdi.kernelmemory import warn_if_shared_pod
+from driver.gpu.claimcdi.toolkit import ToolkitEdits
+from driver.gpu.claimconfig.api import ConfigError
+from driver.gpu.errors import PrepareError
+from driver.gpu.host.hostfs import HostFsError
+from driver.gpu.mps.model import MpsError
+from driver.gpu.published.devices import make_view
+from driver.gpu.published.sharelayout import SharingLayout, plan_timeslices
+from driver.gpu.published.targets import NodeView, drop_unfit, merge_layout
+from driver.gpu.record.checkpoint import (
     Checkpoint,
     CheckpointStore,
     ClaimPhase,
     ClaimRecord,
 )
-from driver.gpu.claimcdi.edits import CdiNames, CdiSources, claim_spec_file
-from driver.gpu.claimcdi.hostfs import HostFsError
-from driver.gpu.claimcdi.toolkit import ToolkitEdits
-from driver.gpu.claimconfig.api import ConfigError
-from driver.gpu.claimplan import ClaimPlan, plan_claim
-from driver.gpu.claimrecord import allocation_of, started_record
-from driver.gpu.devices import make_view
-from driver.gpu.errors import PrepareError
-from driver.gpu.healthgate import DeviceTaints, check_device_health
-from driver.gpu.kernelmemory import warn_if_shared_pod
-from driver.gpu.ledger import UNCHANGED, NodeLedger
-from driver.gpu.migclaims import check_placements_free, dynamic_devices, own_instances
-from driver.gpu.mps.model import MpsError
-from driver.gpu.mps.multiuser import MultiUserPending
-from driver.gpu.rebuild import rebuild_checkpoint
+from driver.gpu.record.ledger import UNCHANGED, NodeLedger
 from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.gpulocks import RESCAN_GPU_WAIT, GpuBusy, GpuLocks
 from driver.gpu.runtime.interfaces import ComputeModeControl, MpsDaemons, TimeSlices
 from driver.gpu.runtime.mig import MigPartitioner
+from driver.gpu.runtime.migclaims import check_placements_free, dynamic_devices, own_instances
 from driver.gpu.runtime.migruntime import MigRuntime
+from driver.gpu.runtime.multiuser import MultiUserPending
 from driver.gpu.runtime.sharing import SharingRuntime
 from driver.gpu.runtime.timeslice import TimeSliceError
-from driver.gpu.sharecheck import check_no_overlap, check_shares_fit
-from driver.gpu.sharelayout import SharingLayout, plan_timeslices
-from driver.gpu.targets import NodeView, drop_unfit, merge_layout
-from driver.gpu.tenancy import check_clients, client_rules
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.nodelock import LockTimeout, NodeLock
 from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, ClaimRef, Deadline, DeadlineExceeded, PreparedDevice

@@ -1,6 +1,6 @@
 """SIMULATION: build the host tree (/dev, /proc, the toolkit's CDI spec, driver binaries) for a simulated node.
 
-The driver reads the host through a configurable host root (``driver.gpu.claimcdi.hostfs``); on the
+The driver reads the host through a configurable host root (``driver.gpu.host.hostfs``); on the
 simulated node that root is a directory built here from the simulated inventory. Device nodes
 are regular files standing in for character devices; ``/proc`` files follow the real formats.
 A ``SIMULATED`` note at the root says so, and guards against building over a real tree.
@@ -26,8 +26,8 @@ from typing import Any, Literal
 
 import yaml
 
-from driver.gpu.claimcdi.hostfs import CAPABILITIES_DIR
 from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.host.hostfs import CAPABILITIES_DIR
 
 MARKER_FILE = "SIMULATED"
 SIM_GPUS_FILE = "var/lib/tessera-sim-gpus.json"  # under the driver root; read by driver/simulation/bin/nvidia-smi

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from driver.gpu.planuse import PLAN_USE_FILE
+from driver.gpu.published.planuse import PLAN_USE_FILE
 from tests.support.node import NO_ESCALATION, NODE, NON_ROOT, PLAN_LABEL, SimulatedNode, pod, wait_until
 
 PLANS: dict[str, Any] = {"plans": {

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from driver.gpu.devices import quantity_from_bytes
+from driver.gpu.published.devices import quantity_from_bytes
 from driver.units import MIB
 from tests.support.node import NODE, SimulatedNode
 

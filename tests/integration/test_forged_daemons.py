@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from driver.gpu.claimplan import plan_daemon_id
+from driver.gpu.claim.claimplan import plan_daemon_id
 from driver.kubeletplugin.types import ClaimRef
 from tests.support.lookalikes import NOBODY, look_alikes
 from tests.support.mpsdaemons import STANDIN, MpsDaemonKind, daemon_params

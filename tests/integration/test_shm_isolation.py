@@ -119,7 +119,7 @@ def test_a_link_planted_at_a_daemon_directory_makes_the_driver_touch_nothing_beh
     # Someone with write access to the MPS directory plants <mps dir>/<daemon id> -> a directory whose shm/ is
     # a mount holding files, before the daemon's first prepare. The driver used to follow the link: it
     # unmounted and emptied that shm/ and the prepare and unprepare then failed for good.
-    from driver.gpu.claimplan import plan_daemon_id
+    from driver.gpu.claim.claimplan import plan_daemon_id
     from driver.gpu.mps.shmmount import mount_tmpfs
 
     node = SimulatedNode("demo", plans=MPS_PLANS, plan="mps")

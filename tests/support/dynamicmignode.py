@@ -10,12 +10,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from driver.gpu.checkpoint import Checkpoint, CheckpointStore
-from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
-from driver.gpu.dynamicmigplan import DynamicMigEntry, dynamic_mig_form
+from driver.gpu.published.devices import make_view
+from driver.gpu.published.dynamicmigplan import DynamicMigEntry, dynamic_mig_form
+from driver.gpu.published.sharelayout import SharingLayout
+from driver.gpu.record.checkpoint import Checkpoint, CheckpointStore
 from driver.gpu.recovery import recover
-from driver.gpu.sharelayout import SharingLayout
 from driver.gpu.state import DeviceState
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import build_host_root

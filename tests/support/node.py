@@ -178,7 +178,7 @@ class SimulatedNode:
 
     def journal(self, probes: bool = False) -> list[dict[str, Any]]:
         """The MPS stand-ins' journal; without ``probes``, less the driver's multi-user probe daemon
-        (a throwaway daemon the driver starts once after registration, driver/gpu/mps/multiuser.py)."""
+        (a throwaway daemon the driver starts once after registration, driver/gpu/runtime/multiuser.py)."""
         if not self.mps_journal.exists():
             return []
         entries = [json.loads(line) for line in self.mps_journal.read_text().splitlines() if line.strip()]

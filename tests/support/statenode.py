@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from driver.gpu.checkpoint import CheckpointStore
 from driver.gpu.claimcdi.toolkit import ToolkitEdits, load_toolkit_edits
 from driver.gpu.claimconfig.choices import TimeSliceInterval
-from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import ComputeMode, NodeInventory
 from driver.gpu.mps.limits import LimitDrift
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsError
+from driver.gpu.published.devices import make_view
+from driver.gpu.published.sharelayout import GpuShares
+from driver.gpu.record.checkpoint import CheckpointStore
 from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.timeslice import TimeSliceError
-from driver.gpu.sharelayout import GpuShares
 from driver.gpu.state import DeviceState, StatePaths
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import ClaimRef, Deadline

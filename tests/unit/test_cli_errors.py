@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from driver.cli import main
-from driver.gpu.checkpoint import Checkpoint, CheckpointStore, ClaimPhase, ClaimRecord, PreparedDeviceRecord
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
+from driver.gpu.record.checkpoint import Checkpoint, CheckpointStore, ClaimPhase, ClaimRecord, PreparedDeviceRecord
 from driver.kubeletplugin.types import PreparedDevice
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import build_host_root

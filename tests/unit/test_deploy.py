@@ -382,7 +382,7 @@ def test_the_consumable_capacity_gate_reaches_the_plans_file() -> None:
 
 
 def test_rendered_plans_load_in_the_plugin(tmp_path: Path, custom_objects: list[Obj]) -> None:
-    sharingplan = pytest.importorskip("driver.gpu.sharingplan")
+    sharingplan = pytest.importorskip("driver.gpu.published.sharingplan")
     path = tmp_path / "sharing-plans.yaml"
     path.write_text(only(custom_objects, "ConfigMap")["data"]["plans.yaml"])
     plans = sharingplan.load_plans(path)

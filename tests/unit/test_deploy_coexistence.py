@@ -16,7 +16,7 @@ import yaml
 
 from deploy.render import render_objects
 from driver.config import settings_from_values
-from driver.gpu.sharingplan import load_plans, select_plan
+from driver.gpu.published.sharingplan import load_plans, select_plan
 from tests.unit.test_deploy import (
     Obj,
     daemonset,

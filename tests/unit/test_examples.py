@@ -343,10 +343,10 @@ def test_device_classes_of_another_driver_name_select_only_that_drivers_devices(
 
 def published_devices() -> dict[str, Obj]:
     """What the driver itself publishes for a simulated node, converted to the CEL `device` shape."""
-    from driver.gpu import kernelmemory
-    from driver.gpu.devices import make_view
-    from driver.gpu.sharelayout import GpuShares
-    from driver.gpu.sharingplan import SharingPlans, resolve_layout
+    from driver.gpu.claimcdi import kernelmemory
+    from driver.gpu.published.devices import make_view
+    from driver.gpu.published.sharelayout import GpuShares
+    from driver.gpu.published.sharingplan import SharingPlans, resolve_layout
     from driver.simulation.discovery import SimulatedNode, build_inventory
 
     node = SimulatedNode.model_validate(
@@ -428,7 +428,7 @@ def test_opaque_configs_are_accepted_by_the_driver(name: str) -> None:
 
 
 def test_sharing_plans_example_loads_in_the_driver() -> None:
-    from driver.gpu.sharingplan import load_plans
+    from driver.gpu.published.sharingplan import load_plans
 
     plans = load_plans(SHARING_PLANS_EXAMPLE)
     assert plans.defaultPlan == "whole"
@@ -441,8 +441,8 @@ def test_sharing_plans_example_loads_in_the_driver() -> None:
 
 
 def test_the_mig_sharing_example_splits_instances_of_the_demo_node() -> None:
-    from driver.gpu.devices import make_view
-    from driver.gpu.sharingplan import load_plans, resolve_layout
+    from driver.gpu.published.devices import make_view
+    from driver.gpu.published.sharingplan import load_plans, resolve_layout
     from driver.simulation.discovery import SimulatedDiscovery
 
     inventory = SimulatedDiscovery("demo", "node-a").discover()

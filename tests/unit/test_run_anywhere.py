@@ -17,7 +17,7 @@ import pytest
 
 import cdi
 import driver
-from driver.gpu.checkpoint import Checkpoint, CheckpointStore
+from driver.gpu.record.checkpoint import Checkpoint, CheckpointStore
 
 
 def _installed() -> bool:

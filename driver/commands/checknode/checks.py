@@ -39,19 +39,10 @@ from driver.commands.checknode.result import (
     skipped,
 )
 from driver.config import Settings
-from driver.gpu.claimcdi.hostfs import (
-    HostFsError,
-    driver_root_host_path,
-    find_device_root,
-    mig_capability_nodes,
-    missing_paths,
-)
 from driver.gpu.claimcdi.toolkit import load_toolkit_edits, toolkit_spec_candidates
 from driver.gpu.discovery.cudarun import LIBCUDA, find_libcuda
 from driver.gpu.discovery.inventory import ComputeMode, NodeInventory
-from driver.gpu.dynamicmigplan import pending_mig_mode
-from driver.gpu.ownership import GpuOwnership, find_other_allocators, parse_owned_gpus
-from driver.gpu.runtime.binaries import (
+from driver.gpu.host.binaries import (
     BinaryFailed,
     BinaryNotFound,
     driver_env,
@@ -59,8 +50,17 @@ from driver.gpu.runtime.binaries import (
     library_link_dir,
     run_binary,
 )
+from driver.gpu.host.hostfs import (
+    HostFsError,
+    driver_root_host_path,
+    find_device_root,
+    mig_capability_nodes,
+    missing_paths,
+)
+from driver.gpu.published.dynamicmigplan import pending_mig_mode
+from driver.gpu.published.ownership import GpuOwnership, find_other_allocators, parse_owned_gpus
+from driver.gpu.published.sharingplan import PlanError, load_plans, resolve_layout
 from driver.gpu.runtime.computemode import ComputeModeError
-from driver.gpu.sharingplan import PlanError, load_plans, resolve_layout
 from driver.reaper import no_cleanup
 from driver.units import GIB
 
@@ -272,7 +272,8 @@ def compute_mode_checks(settings: Settings, roots: NodeRoots,
 
 
 def allocators_check(settings: Settings, inventory: NodeInventory | None) -> list[CheckResult]:
-    """Another GPU allocator on the node (driver/gpu/ownership.py): a failure while it keeps every GPU back."""
+    """Another GPU allocator on the node (driver/gpu/published/ownership.py): a failure while it keeps every GPU
+    back."""
     ownership = GpuOwnership(parse_owned_gpus(settings.owned_gpus), find_other_allocators(
         settings.device_plugins_dir, settings.registrar_dir, settings.driver_name))
     line = ownership.summary(inventory or NodeInventory())

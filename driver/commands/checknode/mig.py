@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from driver.commands.checknode.result import CheckResult, ok
 from driver.config import Settings
-from driver.gpu.checkpoint import CheckpointStore
 from driver.gpu.discovery.inventory import NodeInventory
-from driver.gpu.dynamicmigplan import pending_mig_mode, unavailable_reason
-from driver.gpu.migclaims import own_instances
+from driver.gpu.published.dynamicmigplan import pending_mig_mode, unavailable_reason
+from driver.gpu.record.checkpoint import CheckpointStore
+from driver.gpu.runtime.migclaims import own_instances
 
 
 def dynamic_mig_checks(settings: Settings, inventory: NodeInventory | None) -> list[CheckResult]:

@@ -25,11 +25,11 @@ from driver.commands.checknode.result import CheckResult, fail, ok, skipped
 from driver.gpu.discovery.cudaprobe import CUDA_ERROR_NAMES, CUDA_ERROR_OUT_OF_MEMORY, ClientReport, bare_uuid
 from driver.gpu.discovery.cudarun import LIBCUDA, ProbeFailed, find_libcuda, probe_env, run_probe
 from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.host.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
 from driver.gpu.mps.locallauncher import LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsError
 from driver.gpu.mps.proc import CONTROL_BINARY
-from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
 from driver.reaper import no_cleanup
 from driver.units import MIB
 

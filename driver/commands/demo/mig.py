@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from driver.commands.demo.args import DYNAMIC_MIG_EXAMPLE, EXAMPLES_DIR, PLAN_NAME, claim_documents
-from driver.gpu.checkpoint import CheckpointStore
 from driver.gpu.discovery.inventory import NodeInventory
+from driver.gpu.record.checkpoint import CheckpointStore
 from driver.kubeletplugin.types import ClaimRef
 from driver.simulation.allocator import AllocationError, allocate, claim_from_template
 

@@ -385,8 +385,8 @@ def _closing(work: Path, cdi_dir: Path, node_args: list[str], keep: bool, kept_p
 
 
 def _expected_devices(plans_file: Path, inventory: NodeInventory) -> int:
-    from driver.gpu.devices import make_view
-    from driver.gpu.sharingplan import load_plans, resolve_layout
+    from driver.gpu.published.devices import make_view
+    from driver.gpu.published.sharingplan import load_plans, resolve_layout
 
     plan = load_plans(plans_file).plans["demo"]
     return len(make_view(inventory, resolve_layout(plan, inventory, "demo")).devices)

@@ -23,10 +23,9 @@ from driver.commands.run.plansource import CONSUMABLE_GATE as CONSUMABLE_GATE
 from driver.commands.run.plansource import PARTITIONABLE_GATE as PARTITIONABLE_GATE
 from driver.commands.run.plansource import PlanSource as PlanSource
 from driver.config import Settings, StartupError
+from driver.gpu.claim.limitstatement import unconfirmed_gpus, with_unconfirmed_limits
 from driver.gpu.claimcdi.toolkit import toolkit_spec_changed
 from driver.gpu.claimstatus import STATUS_FILE, ClaimStatusSource
-from driver.gpu.daemonwatch import DaemonWatcher, MpsReports, check_daemons
-from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import Discovery
 from driver.gpu.driver import GpuDriver
 from driver.gpu.health.monitor import HealthMonitor
@@ -36,26 +35,27 @@ from driver.gpu.health.report import HEALTH_FILE
 from driver.gpu.health.usagereport import USAGE_FILE
 from driver.gpu.health.usagewatch import ClaimUsageWatch
 from driver.gpu.health.xids import parse_ignored_xids
-from driver.gpu.limitstatement import unconfirmed_gpus, with_unconfirmed_limits
-from driver.gpu.migclaims import own_instances
-from driver.gpu.migwatch import check_mig_instances
-from driver.gpu.modewatch import ComputeModeReports, check_compute_modes
+from driver.gpu.host.capnodes import MIG_CONFIG, ensure_nodes_best_effort
 from driver.gpu.mps.hostcheck import default_tools
 from driver.gpu.mps.hostclient import MpsHostLauncher
 from driver.gpu.mps.launch import DaemonLauncher
 from driver.gpu.mps.locallauncher import LocalLauncher
 from driver.gpu.mps.manager import MpsManager
-from driver.gpu.mps.multiuser import MultiUserGate, MultiUserProbe, probe_gpu, single_user_gpus, supports_multi_user
 from driver.gpu.mps.shmmount import ShmTmpfs
-from driver.gpu.ownership import OwnershipWatch, owned_view
+from driver.gpu.published.devices import make_view
+from driver.gpu.published.ownership import OwnershipWatch, owned_view
+from driver.gpu.published.sharingplan import PlanError
+from driver.gpu.published.targets import NodeView
 from driver.gpu.recovery import recover
-from driver.gpu.runtime.capnodes import MIG_CONFIG, ensure_nodes_best_effort
 from driver.gpu.runtime.mig import capabilities_of
+from driver.gpu.runtime.migclaims import own_instances
+from driver.gpu.runtime.multiuser import MultiUserGate, MultiUserProbe, probe_gpu, single_user_gpus, supports_multi_user
 from driver.gpu.runtime.sharing import WATCH_CHECK_S
 from driver.gpu.runtime.timeslice import TimeSlicer
-from driver.gpu.sharingplan import PlanError
 from driver.gpu.state import DeviceState, StatePaths
-from driver.gpu.targets import NodeView
+from driver.gpu.watch.daemonwatch import DaemonWatcher, MpsReports, check_daemons
+from driver.gpu.watch.migwatch import check_mig_instances
+from driver.gpu.watch.modewatch import ComputeModeReports, check_compute_modes
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.events import EventRecorder
 from driver.kubeletplugin.healthservice import HealthBoard
@@ -142,7 +142,8 @@ class DriverApp:
         # as an Event (posted from the recorder's thread, never inside a prepare).
         self.events = EventRecorder(self.api, controller=f"{settings.driver_name}/kubelet-plugin",
                                     instance=settings.node_name)
-        # Another GPU allocator on the node keeps the GPUs it may hand out unpublished (driver/gpu/ownership.py).
+        # Another GPU allocator on the node keeps the GPUs it may hand out unpublished
+        # (driver/gpu/published/ownership.py).
         self.ownership = OwnershipWatch(settings.device_plugins_dir, settings.registrar_dir, settings.driver_name,
                                         settings.owned_gpus, partial(post_node_event, self.events, self.api,
                                                                      settings.node_name, "OtherGpuAllocator",

@@ -9,13 +9,13 @@ from pathlib import Path
 
 from driver import nodelayout
 from driver.config import Settings
-from driver.gpu import kernelmemory
-from driver.gpu.consumable import KernelMemoryLimits, consumable_supported
+from driver.gpu.claimcdi import kernelmemory
 from driver.gpu.discovery.inventory import NodeInventory
-from driver.gpu.migplacement import OwnInstances, partitionable_supported
-from driver.gpu.planuse import PLAN_USE_FILE, PlanUse, chosen_how, gpu_lines, plan_use, write_plan_use
-from driver.gpu.sharelayout import SharingLayout
-from driver.gpu.sharingplan import SharingPlan, load_plans, resolve_plan, select_plan
+from driver.gpu.discovery.migplacement import OwnInstances, partitionable_supported
+from driver.gpu.published.consumable import KernelMemoryLimits, consumable_supported
+from driver.gpu.published.planuse import PLAN_USE_FILE, PlanUse, chosen_how, gpu_lines, plan_use, write_plan_use
+from driver.gpu.published.sharelayout import SharingLayout
+from driver.gpu.published.sharingplan import SharingPlan, load_plans, resolve_plan, select_plan
 from driver.kubeletplugin.kubeclient import KubeApiError, KubeClient, server_minor_version
 
 log = logging.getLogger(__name__)

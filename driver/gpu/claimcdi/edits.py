@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import cdi
-from driver.gpu.checkpoint import ClaimRecord, PreparedDeviceRecord
 from driver.gpu.claimcdi import assemble
-from driver.gpu.claimcdi.hostfs import (
+from driver.gpu.claimcdi.kernelmemory import hook_edits
+from driver.gpu.claimcdi.toolkit import ToolkitEdits
+from driver.gpu.errors import PrepareError
+from driver.gpu.host.hostfs import (
     MIG_MONITOR,
     NODE_ROOT,
     DeviceRoot,
@@ -30,11 +32,9 @@ from driver.gpu.claimcdi.hostfs import (
     mig_capability_nodes,
     mig_driver_capability_node,
 )
-from driver.gpu.claimcdi.toolkit import ToolkitEdits
-from driver.gpu.errors import PrepareError
-from driver.gpu.kernelmemory import hook_edits
 from driver.gpu.mps.model import MpsDaemonRecord, client_edits
-from driver.gpu.sharelayout import GpuShares
+from driver.gpu.published.sharelayout import GpuShares
+from driver.gpu.record.checkpoint import ClaimRecord, PreparedDeviceRecord
 
 CDI_CLASS = "claim"
 MPS_CONTAINER_PIPE_DIR = "/tmp/nvidia-mps"

@@ -13,6 +13,6 @@ TIMESLICE_VALUES: dict[str, int] = {"Default": 0, "Short": 1, "Medium": 2, "Long
 
 # Who may be a client of an MPS daemon (plan entry ``mps.clients``, per-claim ``mpsConfig.clients``):
 # ``nonRoot``: only claims all of whose consumers are pods that meet Pod Security "baseline" and cannot run
-# as root or group root (checked at prepare, ``driver/gpu/tenancy.py``); ``any``: every claim, whose root
+# as root or group root (checked at prepare, ``driver/gpu/claim/tenancy.py``); ``any``: every claim, whose root
 # processes can then change or stop the daemon, so its limits are advisory.
 MpsClients = Literal["nonRoot", "any"]

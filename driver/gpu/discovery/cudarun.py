@@ -25,7 +25,7 @@ from typing import Protocol
 import driver
 from driver.gpu.discovery.cudaprobe import SmCounts, bare_uuid
 from driver.gpu.discovery.inventory import GpuInfo
-from driver.gpu.runtime.binaries import BinaryFailed, driver_env, find_driver_library
+from driver.gpu.host.binaries import BinaryFailed, driver_env, find_driver_library
 
 log = logging.getLogger(__name__)
 

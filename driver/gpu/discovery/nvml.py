@@ -41,7 +41,7 @@ from driver.gpu.discovery.nvmlvalues import (
     normalise_pci_bus_id,
     pcie_root_from_link,
 )
-from driver.gpu.runtime.binaries import LIB_DIRS, find_driver_library
+from driver.gpu.host.binaries import LIB_DIRS, find_driver_library
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from driver.gpu.health.published import (
 )
 from driver.gpu.health.report import write_report
 from driver.gpu.health.sampling import DeviceSampler
-from driver.gpu.targets import NodeView
+from driver.gpu.published.targets import NodeView
 from driver.kubeletplugin.healthservice import DeviceHealthStatus, Health, HealthBoard
 from driver.kubeletplugin.slicemodel import Device, DeviceTaint
 from driver.kubeletplugin.telemetry import Telemetry

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from driver.gpu.health.model import Health
-from driver.gpu.targets import DeviceTarget
+from driver.gpu.published.targets import DeviceTarget
 from driver.kubeletplugin.slicemodel import Device, DeviceTaint
 
 TaintEffect = Literal["NoSchedule", "NoExecute"]

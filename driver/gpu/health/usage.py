@@ -24,9 +24,9 @@ import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-from driver.gpu.checkpoint import ClaimRecord, PreparedDeviceRecord
-from driver.gpu.sharelayout import Enforcement, GpuShares
-from driver.gpu.targets import DeviceTarget
+from driver.gpu.published.sharelayout import Enforcement, GpuShares
+from driver.gpu.published.targets import DeviceTarget
+from driver.gpu.record.checkpoint import ClaimRecord, PreparedDeviceRecord
 
 # A pod's cgroup path names its UID: cgroupfs "/kubepods/burstable/pod<uid>/<container>", the systemd
 # driver "kubepods-burstable-pod<uid with '_' for '-'>.slice" (kubelet cgroup_manager_linux.go naming).

@@ -10,11 +10,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from driver.gpu.checkpoint import Checkpoint
 from driver.gpu.health.processes import ProcessSource
 from driver.gpu.health.usage import ClaimDeviceUsage, claim_usage
 from driver.gpu.health.usagereport import write_usage_report
-from driver.gpu.targets import NodeView
+from driver.gpu.published.targets import NodeView
+from driver.gpu.record.checkpoint import Checkpoint
 from driver.kubeletplugin.telemetry import Telemetry
 
 log = logging.getLogger(__name__)

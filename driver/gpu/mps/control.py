@@ -15,9 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from driver.gpu.mps.model import MpsBusy, MpsError, MpsNoAnswer
-from driver.gpu.mps.proc import CONTROL_BINARY
-from driver.gpu.runtime.binaries import (
+from driver.gpu.host.binaries import (
     BinaryFailed,
     BinaryNotFound,
     BinaryTimedOut,
@@ -25,6 +23,8 @@ from driver.gpu.runtime.binaries import (
     find_binary,
     run_binary,
 )
+from driver.gpu.mps.model import MpsBusy, MpsError, MpsNoAnswer
+from driver.gpu.mps.proc import CONTROL_BINARY
 from driver.kubeletplugin.types import Deadline
 
 CONTROL_SOCKET_NAME = "control"

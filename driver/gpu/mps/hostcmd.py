@@ -3,7 +3,7 @@
 Three shapes, depending on how the host is configured:
 
 * plain: ``<driver root>/usr/bin/nvidia-cuda-mps-control -f`` with the driver root's binaries and
-  NVIDIA libraries on PATH/LD_LIBRARY_PATH (as the plugin runs its tools; driver/gpu/runtime/binaries.py).
+  NVIDIA libraries on PATH/LD_LIBRARY_PATH (as the plugin runs its tools; driver/gpu/host/binaries.py).
 * ``--chroot``: ``chroot <driver root> /usr/bin/nvidia-cuda-mps-control -f``, so the daemon and the
   ``nvidia-cuda-mps-server`` it spawns see that root's ``/dev`` (the GPU Operator puts the device
   nodes under ``/run/nvidia/driver/dev``), its libraries and its libc, as NVIDIA's MPS daemon pods

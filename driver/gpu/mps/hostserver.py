@@ -35,6 +35,7 @@ from types import FrameType
 
 from pydantic import ValidationError
 
+from driver.gpu.host.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary
 from driver.gpu.mps.hostcheck import (
     HostConfig,
     HostError,
@@ -58,7 +59,6 @@ from driver.gpu.mps.hostcmd import daemon_argv, daemon_dev_root, daemon_env, rep
 from driver.gpu.mps.launch import CONTROL_LOG_NAME, DaemonLaunch, LaunchedDaemon, MpsLaunchError, make_capability_nodes
 from driver.gpu.mps.proc import CONTROL_BINARY
 from driver.gpu.mps.shmmount import ShmTmpfs, answer_release
-from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from driver.gpu.claimconfig.quantity import check_shm_size
-from driver.gpu.runtime.capnodes import CAPABILITY, CapabilityNodeError, ensure_nodes
+from driver.gpu.host.capnodes import CAPABILITY, CapabilityNodeError, ensure_nodes
 
 # With -f the daemon writes its log to standard output, not to <log dir>/control.log as -d does
 # (measured, docs/sharing.md); the launcher sends that output to the file -d would have written.

@@ -12,6 +12,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+from driver.gpu.host.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary
 from driver.gpu.mps.launch import (
     CONTROL_LOG_NAME,
     DaemonLaunch,
@@ -23,7 +24,6 @@ from driver.gpu.mps.launch import (
 )
 from driver.gpu.mps.proc import CONTROL_BINARY, tied_to
 from driver.gpu.mps.shmmount import ShmTmpfs, release_shm
-from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary
 
 
 class LocalLauncher:

@@ -15,7 +15,8 @@ EXCLUSIVE_THREAD 1 ("Support Removed"), PROHIBITED 2, EXCLUSIVE_PROCESS 3.
 
 MIG: on MIG-enabled GPUs the compute mode is DEFAULT and cannot be changed (NVIDIA MIG User Guide; NVML answers
 NOT_SUPPORTED). NVIDIA's DRA driver sets the mode only on full GPUs (``PreparedDevices.GpuUUIDs()`` leaves MIG
-devices out); this driver does the same, see :func:`exclusive_gpus`. docs/sharing.md, "Compute mode".
+devices out); this driver does the same, see
+:func:`driver.gpu.claim.claimplan.exclusive_gpus`. docs/sharing.md, "Compute mode".
 
 A hung call: NVML calls cannot be interrupted, and on a GPU that fell off the bus or a wedged kernel driver one can
 block for minutes inside the driver's ioctl. Each call therefore runs on a daemon thread of its own and the caller
@@ -28,7 +29,7 @@ The bounding and the session are ``nvmlbounded.py``'s, shared with the MIG parti
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from driver.gpu.discovery.inventory import ComputeMode
@@ -46,14 +47,6 @@ _HINTS = {3: "; MIG-enabled GPUs keep compute mode DEFAULT", 4: "; setting a com
 
 class ComputeModeError(Exception):
     """Reading or setting a compute mode failed; the message has the GPU, the NVML call and NVML's error."""
-
-
-def exclusive_gpus(cuda_uuids: Iterable[str]) -> list[str]:
-    """The GPUs whose compute mode an MPS daemon serving ``cuda_uuids`` makes EXCLUSIVE_PROCESS.
-
-    Whole GPUs only: a MIG device's parent stays in DEFAULT, the only mode MIG allows.
-    """
-    return sorted({u for u in cuda_uuids if u.startswith("GPU-")})
 
 
 class NvmlComputeModes:

@@ -28,9 +28,9 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
-from driver.gpu.checkpoint import Checkpoint
 from driver.gpu.discovery.inventory import MigProfileInfo
-from driver.gpu.runtime.capnodes import instance_capabilities
+from driver.gpu.host.capnodes import instance_capabilities
+from driver.gpu.record.checkpoint import Checkpoint
 from driver.kubeletplugin.types import Deadline
 
 # nvml.h nvmlReturn_t values (nvidia-ml-py: NVML_ERROR_*) this module reads.

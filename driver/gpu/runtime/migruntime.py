@@ -26,11 +26,13 @@ import logging
 import threading
 from collections.abc import Callable
 
-from driver.gpu.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord
-from driver.gpu.claimplan import ClaimPlan
+from driver.gpu.claim.claimplan import ClaimPlan
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
 from driver.gpu.errors import PrepareError
-from driver.gpu.migclaims import (
+from driver.gpu.record.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord
+from driver.gpu.record.migrecord import DynamicMigRecord
+from driver.gpu.runtime.mig import CreatedMig, MigCreateError, MigError, MigGpuInstance, MigPartitioner
+from driver.gpu.runtime.migclaims import (
     at_placement,
     describe_instance,
     dynamic_devices,
@@ -39,8 +41,6 @@ from driver.gpu.migclaims import (
     plan_on_instances,
     spec_on_instance,
 )
-from driver.gpu.migrecord import DynamicMigRecord
-from driver.gpu.runtime.mig import CreatedMig, MigCreateError, MigError, MigGpuInstance, MigPartitioner
 from driver.gpu.runtime.sharing import Ledger
 from driver.kubeletplugin.types import Deadline
 

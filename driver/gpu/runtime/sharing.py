@@ -22,12 +22,12 @@ from datetime import UTC, datetime
 from functools import partial
 from typing import Protocol
 
-from driver.gpu.checkpoint import Checkpoint, ClaimRecord
+from driver.gpu.claim.claimplan import ClaimPlan
 from driver.gpu.claimconfig.choices import TimeSliceInterval
-from driver.gpu.claimplan import ClaimPlan
 from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.mps.limits import DriftNotRestored, LimitDrift
 from driver.gpu.mps.model import MpsBusy, MpsDaemonRecord, MpsDaemonSpec, MpsDaemonStopped, MpsNoAnswer
+from driver.gpu.record.checkpoint import Checkpoint, ClaimRecord
 from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.interfaces import ComputeModeControl, DaemonReports, MpsDaemons, ServedClaim, TimeSlices
 from driver.gpu.runtime.limitconfirm import LimitConfirmations

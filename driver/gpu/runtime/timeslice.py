@@ -19,7 +19,7 @@ from pathlib import Path
 
 from driver.gpu.claimconfig.choices import TIMESLICE_VALUES, TimeSliceInterval
 from driver.gpu.discovery.inventory import ComputeMode
-from driver.gpu.runtime.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
+from driver.gpu.host.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
 from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.interfaces import ComputeModeControl
 from driver.kubeletplugin.types import Deadline

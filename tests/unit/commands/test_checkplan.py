@@ -12,8 +12,8 @@ import pytest
 from driver.cli import main
 from driver.commands.run.plansource import PlanSource
 from driver.config import Settings
-from driver.gpu.planuse import PLAN_USE_FILE, plan_use, write_plan_use
-from driver.gpu.sharingplan import load_plans, resolve_layout
+from driver.gpu.published.planuse import PLAN_USE_FILE, plan_use, write_plan_use
+from driver.gpu.published.sharingplan import load_plans, resolve_layout
 from driver.nodelayout import SIMULATED_NODE_NAME
 from driver.simulation.discovery import SimulatedDiscovery
 

@@ -29,8 +29,8 @@ from driver.commands.demo.args import (
     share_mode,
 )
 from driver.config import DEFAULT_DRIVER_NAME
-from driver.gpu.devices import make_view
-from driver.gpu.sharingplan import load_plans, resolve_layout
+from driver.gpu.published.devices import make_view
+from driver.gpu.published.sharingplan import load_plans, resolve_layout
 from driver.reaper import processes_with_env, stop_processes
 from driver.simulation.allocator import AllocationError, allocate, claim_from_template
 from driver.simulation.discovery import SimulatedDiscovery, available_layouts

@@ -11,8 +11,8 @@ import pytest
 from driver.commands.demo.args import EXAMPLES_DIR, parse_options
 from driver.commands.demo.mig import FULL, MIX, claim_for, dynamic_mig_plan, template
 from driver.config import DEFAULT_DRIVER_NAME
-from driver.gpu.devices import make_view
-from driver.gpu.sharingplan import SharingPlans, resolve_layout
+from driver.gpu.published.devices import make_view
+from driver.gpu.published.sharingplan import SharingPlans, resolve_layout
 from driver.simulation.allocator import AllocationError, allocate, claim_from_template
 from driver.simulation.discovery import SimulatedDiscovery, available_layouts
 

@@ -11,7 +11,11 @@ import pytest
 import cdi
 from driver.commands.inspect import collect, inspect, render_text
 from driver.config import Settings
-from driver.gpu.checkpoint import (
+from driver.gpu.claimcdi.toolkit import load_toolkit_edits
+from driver.gpu.discovery.inventory import ComputeMode
+from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
+from driver.gpu.published.devices import make_view
+from driver.gpu.record.checkpoint import (
     Checkpoint,
     CheckpointStore,
     ClaimPhase,
@@ -19,10 +23,6 @@ from driver.gpu.checkpoint import (
     PreparedDeviceRecord,
     TimeSliceRecord,
 )
-from driver.gpu.claimcdi.toolkit import load_toolkit_edits
-from driver.gpu.devices import make_view
-from driver.gpu.discovery.inventory import ComputeMode
-from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
 from driver.gpu.state import DeviceState, StatePaths
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import PreparedDevice

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from driver.gpu.checkpoint import Checkpoint, CheckpointStore, ClaimPhase
-from driver.gpu.claimplan import plan_claim
-from driver.gpu.devices import make_view
+from driver.gpu.claim.claimplan import plan_claim
+from driver.gpu.claim.healthgate import check_device_health
 from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.errors import PrepareError
-from driver.gpu.healthgate import check_device_health
+from driver.gpu.published.devices import make_view
+from driver.gpu.published.sharingplan import SharingPlans, resolve_layout
+from driver.gpu.record.checkpoint import Checkpoint, CheckpointStore, ClaimPhase
 from driver.gpu.recovery import recover
-from driver.gpu.sharingplan import SharingPlans, resolve_layout
 from driver.gpu.state import DeviceState
 from driver.kubeletplugin.claimmodel import DeviceToleration, ResourceClaim
 from driver.kubeletplugin.slicemodel import DeviceTaint
@@ -271,9 +271,9 @@ def test_a_tolerating_claim_is_admitted_with_a_log_line_and_others_are_refused(
         return plan_claim(allocated("u", *results), driver_name=DRIVER, pool_name=POOL, view=view)
 
     exists = [{"key": TAINT.key, "operator": "Exists"}]
-    with caplog.at_level(logging.INFO, logger="driver.gpu.healthgate"):
+    with caplog.at_level(logging.INFO, logger="driver.gpu.claim.healthgate"):
         check_device_health(plan(result("gpu-0", tolerations=exists)), problems, taints)
-    [line] = [r for r in caplog.records if r.name == "driver.gpu.healthgate"]
+    [line] = [r for r in caplog.records if r.name == "driver.gpu.claim.healthgate"]
     assert line.levelno == logging.INFO and "tolerates" in line.getMessage()
     assert line.__dict__["device"] == "gpu-0" and line.__dict__["tolerated"] == [f"{TAINT.key}=xid-79:NoSchedule"]
     # Tolerating xid-79 only: gpu-2's ECC taint is not tolerated.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cdi import atomicfile, atomicswap
-from driver.gpu.checkpoint import Checkpoint, CheckpointCorrupt, CheckpointStore
+from driver.gpu.record.checkpoint import Checkpoint, CheckpointCorrupt, CheckpointStore
 from driver.gpu.recovery import RecoveryReport, recover
 from tests.support.statenode import Node, claim, gpu_config, ref
 

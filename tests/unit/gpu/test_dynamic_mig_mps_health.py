@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from driver.gpu.daemonwatch import check_daemons
 from driver.gpu.state import DeviceState
+from driver.gpu.watch.daemonwatch import check_daemons
 from tests.support.dynamicmignode import DynamicMigNode
 from tests.support.statenode import claim, ref
 

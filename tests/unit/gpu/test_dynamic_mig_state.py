@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from driver.gpu.checkpoint import ClaimPhase
-from driver.gpu.claimplan import plan_claim
-from driver.gpu.claimrecord import started_record
-from driver.gpu.devices import make_view
+from driver.gpu.claim.claimplan import plan_claim
+from driver.gpu.claim.claimrecord import started_record
 from driver.gpu.discovery.inventory import MigProfileInfo
 from driver.gpu.errors import PrepareError
-from driver.gpu.migclaims import own_instances
+from driver.gpu.published.devices import make_view
+from driver.gpu.record.checkpoint import ClaimPhase
 from driver.gpu.runtime.mig import CreatedMig, MigCreateError, MigError
+from driver.gpu.runtime.migclaims import own_instances
 from driver.gpu.state import DeviceState
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import Deadline

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
+from driver.gpu.published.devices import make_view
 from driver.gpu.state import ROLLBACK_BUDGET_S
 from driver.kubeletplugin.types import Deadline
 from tests.support.statenode import Node, claim, gpu_config, mps_shares

@@ -17,15 +17,15 @@ from typing import Any
 import pytest
 
 import cdi
-from driver.gpu.checkpoint import ClaimPhase
 from driver.gpu.claimconfig.choices import TimeSliceInterval
-from driver.gpu.daemonwatch import check_daemons
-from driver.gpu.devices import make_view
 from driver.gpu.errors import PrepareError
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsError
+from driver.gpu.published.devices import make_view
+from driver.gpu.record.checkpoint import ClaimPhase
 from driver.gpu.recovery import recover
 from driver.gpu.runtime.timeslice import TimeSliceError
 from driver.gpu.state import DeviceState
+from driver.gpu.watch.daemonwatch import check_daemons
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import Deadline
 from driver.units import GIB

@@ -9,13 +9,13 @@ from collections.abc import Sequence
 
 import pytest
 
-from driver.gpu.checkpoint import ClaimPhase
-from driver.gpu.daemonwatch import check_daemons
-from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.errors import PrepareError
 from driver.gpu.mps.model import MpsDaemonRecord, MpsError
+from driver.gpu.published.devices import make_view
+from driver.gpu.record.checkpoint import ClaimPhase
 from driver.gpu.runtime.timeslice import TimeSliceError
+from driver.gpu.watch.daemonwatch import check_daemons
 from driver.kubeletplugin.types import Deadline
 from tests.support.statenode import Node, claim, gpu_config, mps_shares, ref, ts_shares
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.errors import PrepareError
 from driver.gpu.mps.locallauncher import LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
+from driver.gpu.published.devices import make_view
 from driver.gpu.recovery import recover
 from driver.gpu.runtime.computemode import NvmlComputeModes
 from driver.gpu.runtime.timeslice import TimeSlicer

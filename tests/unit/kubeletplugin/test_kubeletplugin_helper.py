@@ -227,7 +227,7 @@ def test_the_layer_imports_nothing_of_the_driver_outside_itself() -> None:
 
 def test_the_import_check_sees_a_leak(tmp_path: Path) -> None:
     leaky = tmp_path / "leaky.py"
-    leaky.write_text("from driver.gpu.devices import make_view\nimport driver.simulation.apiserver\n"
+    leaky.write_text("from driver.gpu.published.devices import make_view\nimport driver.simulation.apiserver\n"
                      "def f() -> None:\n    from driver import commands\n")
-    assert {"driver.gpu.devices", "driver.simulation.apiserver", "driver",
+    assert {"driver.gpu.published.devices", "driver.simulation.apiserver", "driver",
             "driver.commands"} <= _imported_modules(leaky)

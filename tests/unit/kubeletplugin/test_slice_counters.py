@@ -9,9 +9,9 @@ from typing import Any
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
-from driver.gpu.devices import make_view
-from driver.gpu.sharelayout import DynamicMigPolicy, GpuShares
-from driver.gpu.targets import NodeView
+from driver.gpu.published.devices import make_view
+from driver.gpu.published.sharelayout import DynamicMigPolicy, GpuShares
+from driver.gpu.published.targets import NodeView
 from driver.kubeletplugin.slicelimits import limits_for
 from driver.kubeletplugin.slicemodel import CounterSet, Device, DeviceCounterConsumption, PlannedSlice, counters
 from driver.kubeletplugin.sliceplanner import InvalidDevices, canonical_spec, plan_slices, plan_sync

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from driver.gpu.devices import make_view
-from driver.gpu.sharelayout import DynamicMigPolicy, GpuShares
+from driver.gpu.published.devices import make_view
+from driver.gpu.published.sharelayout import DynamicMigPolicy, GpuShares
 from driver.kubeletplugin.slicelimits import limits_for
 from driver.kubeletplugin.sliceplanner import plan_slices, plan_sync
 from driver.simulation.allocator import AllocationError, allocate

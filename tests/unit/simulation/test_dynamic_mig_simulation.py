@@ -14,7 +14,7 @@ import pytest
 from driver.commands.checknode.mig import dynamic_mig_checks
 from driver.commands.inspect import build_report, render_text
 from driver.config import Settings
-from driver.gpu.rebuild import rebuild_checkpoint
+from driver.gpu.claim.rebuild import rebuild_checkpoint
 from driver.gpu.runtime.mig import MigCreateError
 from driver.kubeletplugin.types import Deadline
 from driver.simulation.discovery import SimulatedDiscovery

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from driver.gpu.devices import make_view
 from driver.gpu.discovery.migprofiles import profile_name
+from driver.gpu.published.devices import make_view
 from driver.simulation.discovery import (
     SIMULATED_CUDA_DRIVER_VERSION,
     SIMULATED_DRIVER_VERSION,

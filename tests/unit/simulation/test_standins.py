@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from driver.gpu.runtime.binaries import (
+from driver.gpu.host.binaries import (
     BIN_DIRS,
     LIBRARY_LINK_DIR_PREFIX,
     BinaryFailed,

@@ -18,14 +18,14 @@ import pytest
 import cdi
 from driver.commands.inspect import inspect
 from driver.config import Settings
-from driver.gpu.checkpoint import ClaimPhase, ClaimRecord, PreparedDeviceRecord
 from driver.gpu.claimcdi.edits import CdiNames, CdiSources, claim_spec
-from driver.gpu.claimcdi.hostfs import driver_root_host_path, find_device_root
 from driver.gpu.claimcdi.toolkit import ToolkitEdits, load_toolkit_edits, toolkit_spec_candidates, toolkit_spec_changed
-from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import ComputeMode, NodeInventory
 from driver.gpu.errors import PrepareError
-from driver.gpu.runtime.binaries import find_binary
+from driver.gpu.host.binaries import find_binary
+from driver.gpu.host.hostfs import driver_root_host_path, find_device_root
+from driver.gpu.published.devices import make_view
+from driver.gpu.record.checkpoint import ClaimPhase, ClaimRecord, PreparedDeviceRecord
 from driver.kubeletplugin.types import PreparedDevice
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.gpus import SimulationError

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from driver.config import Settings
-from driver.gpu.devices import make_view
 from driver.gpu.discovery.inventory import MigInstance
 from driver.gpu.discovery.nvml import NvmlDiscovery, NvmlDiscoveryError
 from driver.gpu.discovery.nvmlvalues import (
@@ -30,7 +29,8 @@ from driver.gpu.discovery.nvmlvalues import (
     normalise_pci_bus_id,
     pcie_root_from_link,
 )
-from driver.gpu.runtime.binaries import LIB_DIRS
+from driver.gpu.host.binaries import LIB_DIRS
+from driver.gpu.published.devices import make_view
 from driver.nodelayout import open_discovery
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.units import MIB

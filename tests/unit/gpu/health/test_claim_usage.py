@@ -11,8 +11,6 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from driver.gpu.checkpoint import ClaimRecord, PreparedDeviceRecord
-from driver.gpu.devices import make_view
 from driver.gpu.health.processes import NvmlProcesses, read_pod_uid
 from driver.gpu.health.usage import (
     SM_UNKNOWN_MIG,
@@ -24,7 +22,9 @@ from driver.gpu.health.usage import (
 )
 from driver.gpu.health.usagereport import USAGE_FILE, add_to_inspect, render_usage, write_usage_report
 from driver.gpu.health.usagewatch import ClaimUsageWatch
-from driver.gpu.targets import DeviceTarget, NodeView
+from driver.gpu.published.devices import make_view
+from driver.gpu.published.targets import DeviceTarget, NodeView
+from driver.gpu.record.checkpoint import ClaimRecord, PreparedDeviceRecord
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.telemetry import Telemetry
 from driver.kubeletplugin.types import PreparedDevice

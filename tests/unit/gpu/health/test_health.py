@@ -9,15 +9,15 @@ from typing import Any
 
 import pytest
 
-from driver.gpu.devices import make_view
+from driver.gpu.claim.healthgate import check_device_health
 from driver.gpu.errors import PrepareError
 from driver.gpu.health.model import EventKind, HealthEvent, apply_event
 from driver.gpu.health.monitor import HealthMonitor
 from driver.gpu.health.nvmlsource import NO_INSTANCE, NvmlHealthSource
 from driver.gpu.health.published import taint_key, taints_decision, unhealthy_devices, with_taints
 from driver.gpu.health.xids import XID_TABLE, XidImpact, classify_xid, parse_ignored_xids
-from driver.gpu.healthgate import check_device_health
-from driver.gpu.sharelayout import GpuShares
+from driver.gpu.published.devices import make_view
+from driver.gpu.published.sharelayout import GpuShares
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.healthevents import SimulatedHealthEvents, parse_line
 

@@ -41,7 +41,7 @@ from driver.gpu.mps.model import (
     client_edits,
     pinned_limit_taken,
 )
-from driver.gpu.mps.multiuser import supports_multi_user
+from driver.gpu.runtime.multiuser import supports_multi_user
 from driver.kubeletplugin.types import Deadline
 from driver.units import MIB
 from tests.support.mpsdaemons import STANDIN, MpsDaemonKind, daemon_params

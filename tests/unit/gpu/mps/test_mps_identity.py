@@ -24,7 +24,7 @@ import pytest
 
 from driver.commands.inspect import inspect_status
 from driver.config import Settings
-from driver.gpu.claimplan import plan_daemon_id, share_daemon_id
+from driver.gpu.claim.claimplan import plan_daemon_id, share_daemon_id
 from driver.gpu.mps import proc
 from driver.gpu.mps.dirs import DRIVER_DAEMON_DIR_NAME, driver_daemon_ids
 from driver.gpu.mps.hostcheck import HostConfig, LaunchRefused, check_launch, default_tools

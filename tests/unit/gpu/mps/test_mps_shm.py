@@ -30,9 +30,9 @@ from driver.gpu.mps.locallauncher import LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
 from driver.gpu.mps.shmmount import ShmTmpfs, is_mount_point, mount_tmpfs, unmount_all
+from driver.gpu.published.sharelayout import GpuShares
+from driver.gpu.published.sharingplan import PlanError, load_plans
 from driver.gpu.runtime.sharing import _same_limits
-from driver.gpu.sharelayout import GpuShares
-from driver.gpu.sharingplan import PlanError, load_plans
 from driver.units import GIB, MIB
 from tests.support.mpshost import GPU, launch_request, make_dirs, serving
 from tests.support.processes import poll_until, standin_sandbox

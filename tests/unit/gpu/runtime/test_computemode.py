@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from driver.gpu.claim.claimplan import exclusive_gpus
 from driver.gpu.discovery.inventory import ComputeMode
-from driver.gpu.runtime.computemode import ComputeModeError, NvmlComputeModes, exclusive_gpus
+from driver.gpu.runtime.computemode import ComputeModeError, NvmlComputeModes
 from driver.gpu.runtime.gpulocks import GpuBusy, GpuLocks
 from driver.kubeletplugin.types import Deadline, DeadlineExceeded
 from driver.simulation.nvmlcompute import SimulatedNvml
