@@ -51,7 +51,7 @@ class Settings(BaseModel):
     driver_root: Path = Path("/")
     host_root: Path = Path("/")
     # The root whose dev/ this process (and the MPS daemons it starts) opens devices through; None: its own /
-    # (the simulated node's host tree when simulating). MIG capability nodes are made there (runtime/capnodes.py).
+    # (the simulated node's host tree when simulating). MIG capability nodes are made there (host/capnodes.py).
     own_dev_root: Path | None = None
     driver_root_on_host: Path | None = None  # None: derived (driver.gpu.host.hostfs.driver_root_host_path)
     driver_libraries_required: bool = True

@@ -2,7 +2,7 @@
 
 A prepare runs in three steps:
 
-1. **Plan** (``claimplan.py``, pure): resolve the devices and configs, derive the daemons, time
+1. **Plan** (``claim/claimplan.py``, pure): resolve the devices and configs, derive the daemons, time
    slice and compute modes, refuse what cannot work. Nothing has happened yet.
 2. **Reserve** under the claim's per-GPU locks, then briefly the node lock: re-plan against the
    view in force, check no other claim holds the devices, and write the ``PrepareStarted``
@@ -98,7 +98,7 @@ class DeviceState:
         """``mps_multi_user``: the node's MPS supports multi-user mode (plan daemons then use it); ``mig``
         opens the MIG partitioner of dynamic MIG claims (at the first; None: none can be prepared)."""
         self.mps_multi_user = mps_multi_user
-        # True: multi-user mode turned out available while it waited (plan again); the app's (multiuser.py).
+        # True: multi-user mode turned out available while it waited (plan again); the app's (runtime/multiuser.py).
         self.multi_user_gate: Callable[[ClaimPlan, float], bool] = lambda _plan, _seconds: False
         # Published device name -> why it is unhealthy; new claims on those are refused (set by the app).
         self.device_problems: Callable[[], Mapping[str, str]] = dict

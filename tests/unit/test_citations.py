@@ -10,6 +10,11 @@ Forms checked (strictly; other forms are not read):
   ``docs/`` or ``proto/`` followed by a path, backticked or bare, names a file or folder of the
   repository. A path inside another path or a URL (``/var/run/cdi/...``, ``https://.../docs/x``)
   is not a citation; neither is a pattern (``tests/unit/<package>/...``, ``test_*.py``).
+- A module by its path inside the packages (``claim/tenancy.py``, ``gpu/mps/model.py``: the first
+  folder one of the project's own, not a top folder): some module's path ends with it, so a module
+  that moved to another package is not cited where it was.
+- A module by its bare name in docs/ and README.md (``sharingplan.py``): some module has that name;
+  the benchmark log may name the modules it says are gone (``GONE_MODULES``).
 - A markdown link ``[text](path)`` or ``[text](path#anchor)`` in docs/ and README.md: the path,
   relative to the linking file, exists, and the anchor is one of the target's headings by GitHub's
   rule (lowercase, punctuation dropped, spaces to ``-``).
@@ -56,6 +61,11 @@ _BY_NUMBER = re.compile(
     r"(?<![\w\-])((?:docs/|reference/)?[\w\-]+)\.md,?[ ]"
     r"(?:section[ ]([A-Z])\b|([A-Z])[.:][ ]|(?:section[ ]|§)?(\d+(?:\.\d+)*)(?![\d.]\d))"
 )
+_PACKAGE_PATH = re.compile(r"(?<![\w/.\-~$@:])((?:[a-z_]\w*/)+[a-z_]\w*\.py)\b")
+_BARE_MODULE = re.compile(r"(?<![\w/.\-~$@:])([a-z_]\w*\.py)\b")
+_TOP_FOLDERS = {"driver", "cdi", "scripts", "tests", "deploy", "examples", "docs", "proto"}
+# Modules the benchmark log names as they were when it measured them, and says are gone since.
+GONE_MODULES = {"docs/benchmarks.md": {"httpconn.py", "kubeconfig.py", "metrics.py", "settingvalues.py"}}
 _HEADING = re.compile(r"#{1,6}\s+(.*?)\s*#*\s*$")
 _BOLD_LEAD = re.compile(r"(?:[-*]\s+)?\*\*(.+?)\*\*")
 _HEADING_NUMBER = re.compile(r"^(?:[A-Z]\.|\d+(?:\.\d+)*\.?)\s+")
@@ -166,6 +176,42 @@ def test_every_cited_repository_path_exists() -> None:
         if not _PATTERN_CHARS & set(cited) and not (ROOT / cited).exists()
     ]
     assert not missing, "cited paths that do not exist:\n" + "\n".join(missing)
+
+
+def _module_paths() -> list[str]:
+    return [str(p.relative_to(ROOT)) for top in sorted(_TOP_FOLDERS) for p in sorted((ROOT / top).rglob("*.py"))
+            if "__pycache__" not in p.parts]
+
+
+def _unknown_modules(path: Path, text: str, modules: list[str], folders: set[str]) -> Iterator[str]:
+    """The modules ``text`` (from ``path``) names by package path, or by bare name in the docs, that do not exist."""
+    gone = GONE_MODULES.get(str(path.relative_to(ROOT)), set())
+    names = {m.rsplit("/", 1)[-1] for m in modules}
+    for match in _PACKAGE_PATH.finditer(text):
+        cited = match.group(1)
+        first = cited.split("/", 1)[0]
+        if first in folders and first not in _TOP_FOLDERS and cited.rsplit("/", 1)[-1] not in gone \
+                and not any(m.endswith("/" + cited) for m in modules):
+            yield f"{cited} in {_where(path, text, match.start())}"
+    if path.suffix == ".md":
+        for match in _BARE_MODULE.finditer(text):
+            if match.group(1) not in names and match.group(1) not in gone:
+                yield f"{match.group(1)} in {_where(path, text, match.start())}"
+
+
+def test_every_module_cited_by_package_path_or_bare_name_exists() -> None:
+    modules = _module_paths()
+    folders = {part for m in modules for part in m.split("/")[:-1]}
+    missing = [found for path in _scanned_files() for found in _unknown_modules(path, _joined(path), modules, folders)]
+    assert not missing, "cited modules that do not exist (moved to another package?):\n" + "\n".join(missing)
+
+
+def test_the_module_check_sees_a_module_cited_where_it_was() -> None:
+    modules = ["driver/gpu/claim/tenancy.py", "driver/gpu/mps/model.py"]
+    folders = {"driver", "gpu", "claim", "mps"}
+    text = "see ``claim/tenancy.py``, gpu/mps/model.py, gpu/tenancy.py, mps/tenancy.py, driver/x.py and ghost.py"
+    found = [f.split(" in ")[0] for f in _unknown_modules(ROOT / "docs" / "x.md", text, modules, folders)]
+    assert found == ["gpu/tenancy.py", "mps/tenancy.py", "ghost.py"]
 
 
 def test_every_markdown_link_names_an_existing_file_and_heading() -> None:

@@ -135,7 +135,7 @@ def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[st
         env.extend(edits.env)
         mounts.extend({"hostPath": str(h), "containerPath": c, "options": list(o)} for h, c, o in edits.mounts)
         annotations[names.annotation("mps-daemon")] = dev.mps_daemon_id
-        # What the daemon was started with: a checkpoint rebuilt from the specs can adopt it again (rebuild.py).
+        # What the daemon was started with: a checkpoint rebuilt from the specs can adopt it again (claim/rebuild.py).
         annotations[names.annotation("mps-daemon-spec")] = daemon.spec.model_dump_json()
     hooks: list[dict[str, object]] = []
     policy = shares.consumable if shares is not None else None

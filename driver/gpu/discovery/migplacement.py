@@ -5,7 +5,7 @@ A GPU in MIG mode with no instances is published as one counter set (its engines
 one counter per memory slice) and one device per placement of each allowed profile, each consuming
 its profile's amounts and the memory slices it covers (KEP-4815 partitionable devices; resource-api
 reference, section 3). The instance is created only when a claim for the placement is prepared.
-Pure functions, no I/O; ``devices.py`` turns the results into published devices.
+Pure functions, no I/O; ``published/devices.py`` turns the results into published devices.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def _entitlement(claim: ClaimRecord, record: PreparedDeviceRecord, target: Devic
 
     Enforced means it holds against the clients the share admitted: a whole GPU or MIG device, or an
     MPS share whose daemon none of them can retune or bypass (``mps-per-process``, recorded at
-    prepare by tenancy.py). An advisory MPS limit (clients any, a driver branch whose daemon takes
+    prepare by claim/tenancy.py). An advisory MPS limit (clients any, a driver branch whose daemon takes
     settings from any UID, a consumable share's GPU in DEFAULT mode) and an entitlement are not.
     An admin-access device has none: its claim holds no share of the device (docs/sharing.md).
     """

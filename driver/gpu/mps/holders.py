@@ -13,7 +13,7 @@ end of that connection with ``pidfd_getfd(2)`` and shuts it down: the daemon log
 send valid credentials" and goes on with the next client (measured: the waiting command was
 answered 2-9 ms later, the daemon kept running). No signal, no restart, and the holder's process is
 left alone. What cannot be ended this way (an open control session: the daemon waits in ``poll()``)
-is reported as unconfirmed limits instead (``daemonwatch.py``).
+is reported as unconfirmed limits instead (``watch/daemonwatch.py``).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class DaemonLaunch(BaseModel):
     # Bytes of that /dev/shm where the launcher mounts a tmpfs there; None: the launcher's default.
     shm_size: int | None = None
     # The MIG capabilities (paths under /proc/driver/nvidia/capabilities) of the MIG devices served: their nodes
-    # are made in the daemon's /dev before it starts (runtime/capnodes.py). Never numbers: the launcher reads those.
+    # are made in the daemon's /dev before it starts (host/capnodes.py). Never numbers: the launcher reads those.
     # None (not []) when there are none: an MPS host older than this field refuses any field it does not know.
     capabilities: list[str] | None = Field(default=None, min_length=1, max_length=64)
 
@@ -121,7 +121,7 @@ def control_env(request: DaemonLaunch) -> dict[str, str]:
 
 
 def make_capability_nodes(request: DaemonLaunch, proc_root: Path, dev_root: Path) -> None:
-    """The capability nodes of the MIG devices ``request`` serves, in the daemon's /dev (``runtime/capnodes.py``)."""
+    """The capability nodes of the MIG devices ``request`` serves, in the daemon's /dev (``host/capnodes.py``)."""
     if not request.capabilities:
         return
     try:

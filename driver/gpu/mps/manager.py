@@ -97,7 +97,7 @@ class MpsManager:
         self.launcher = launcher
         self.identity = DaemonIdentity(launcher)
         self.shm_dir = shm_dir
-        # Device UUIDs -> the MIG capabilities their daemon's /dev needs (runtime/capnodes.py); the app's reads
+        # Device UUIDs -> the MIG capabilities their daemon's /dev needs (host/capnodes.py); the app's reads
         # the checkpoint. None: asked for none.
         self.capabilities: Callable[[list[str]], list[str]] | None = None
         self.ready_timeout = ready_timeout

@@ -3,7 +3,7 @@
 ``dynamicMig: {profiles: [1g.10gb, 3g.40gb], alsoWholeGpu: true}`` publishes a GPU that is in MIG
 mode with no instances of anyone else's as every placement of the allowed profiles (default: all
 the GPU offers) plus, unless ``alsoWholeGpu: false``, its whole device, all consuming the GPU's
-counters (``migplacement.py``). A GPU that cannot be published so (no MIG, MIG mode off, someone
+counters (``discovery/migplacement.py``). A GPU that cannot be published so (no MIG, MIG mode off, someone
 else's instances, no profiles from NVML, an API server without partitionable devices) is published
 as it would be without the entry, and the reason is returned for the log. Tessera never changes a
 GPU's MIG mode. Pure functions, no I/O.

@@ -33,7 +33,7 @@ class Enforcement(StrEnum):
     # dmem controller). Published only where detection found it; see driver/gpu/claimcdi/kernelmemory.py.
     KERNEL = "kernel"
     # Published for an MPS share while its daemon's limits could not be read back for longer than the
-    # watch interval (a client holds the control socket): they may have been changed (limitstatement.py).
+    # watch interval (a client holds the control socket): they may have been changed (claim/limitstatement.py).
     MPS_UNCONFIRMED = "mps-unconfirmed"
 
 
@@ -86,7 +86,7 @@ class ConsumablePolicy(BaseModel):
     multiprocessors_max: int = Field(gt=0)
     multiprocessors_default: int = Field(gt=0)
     memory_enforcement: Enforcement = Enforcement.MPS_ADVISORY
-    # With kernel enforcement: the toolkit's nvidia-cdi-hook that sets each claim's limit (kernelmemory.py).
+    # With kernel enforcement: the toolkit's nvidia-cdi-hook that sets each claim's limit (claimcdi/kernelmemory.py).
     memory_limit_hook: str | None = None
 
 

@@ -99,7 +99,7 @@ class ClaimRecord(_Record):
     # The pods the claim was reserved for at prepare (status.reservedFor): their processes' GPU
     # usage is this claim's. Empty in checkpoints written before it was recorded.
     pod_uids: list[str] = Field(default_factory=list)
-    # Who the claim's MPS daemon admitted at prepare, and how its limits hold for them (tenancy.py).
+    # Who the claim's MPS daemon admitted at prepare, and how its limits hold for them (claim/tenancy.py).
     # None: the claim has no MPS daemon, or the checkpoint was written before clients were checked.
     mps_clients: MpsClients | None = None
     mps_enforcement: Enforcement | None = None

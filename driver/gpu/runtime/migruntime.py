@@ -4,7 +4,7 @@ Callers hold the per-GPU lock of every GPU they touch (``gpulocks.py``), never t
 runs under the GPU's lock only, so creating on one GPU never waits for another. What must survive a
 crash is in the checkpoint before NVML is asked:
 
-1. the claim's ``PrepareStarted`` record names the profile and placement (``migrecord.py``);
+1. the claim's ``PrepareStarted`` record names the profile and placement (``record/migrecord.py``);
 2. the placement is checked free of instances Tessera did not create (listed through NVML) and of other
    claims' instances; only then is ``create_started`` committed, durably;
 3. NVML creates the GPU instance and the compute instance spanning it (the partitioner destroys its GPU
@@ -62,7 +62,7 @@ class MigRuntime:
         # Instances this process created or destroyed: after recovery, a non-zero count means discovery's
         # inventory is stale (the app discovers again before publishing).
         self.changes = 0
-        # Run before each NVML create: the capability nodes this process's create opens (runtime/capnodes.py).
+        # Run before each NVML create: the capability nodes this process's create opens (host/capnodes.py).
         self.before_create: Callable[[], object] = lambda: None
 
     @property
