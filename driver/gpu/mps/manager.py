@@ -121,7 +121,7 @@ class MpsManager:
 
     def process_running(self, record: MpsDaemonRecord) -> bool:
         """True if ``record.pid`` is still this record's daemon (PID and process start time) serving its spec's
-        devices: a dynamic MIG instance made again moves the record onto its new MIG UUID (``migruntime.py``),
+        devices: a dynamic MIG instance made again moves the record onto its new MIG UUID (``runtime/migruntime.py``),
         and a daemon left on the old one serves nothing. Only /proc is read: a tenant cannot make this hang."""
         found = recorded_daemon(record.pid, record.pipe_dir)
         return (found is not None and found.start_time == record.process_start_time
