@@ -5,12 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from driver.gpu.errors import PrepareError
-from driver.gpu.mps.model import MpsError
-from driver.gpu.runtime.computemode import ComputeModeError
-from driver.gpu.runtime.gpulocks import GpuBusy
-from driver.gpu.runtime.mig import MigError
-from driver.gpu.runtime.timeslice import TimeSliceError
+from driver.gpu.errors import DriverError
 from driver.gpu.state import DeviceState
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.nodelock import LockTimeout
@@ -33,12 +28,12 @@ class GpuDriver:
             return PrepareResult(error=refusal)
         try:
             return PrepareResult(devices=self.state.prepare(claim, deadline))
-        except (PrepareError, LockTimeout) as exc:
+        except (DriverError, LockTimeout) as exc:
             return PrepareResult(error=str(exc))
 
     def unprepare_claim(self, claim: ClaimRef) -> str | None:
         try:
             self.state.unprepare(claim)
-        except (MpsError, TimeSliceError, ComputeModeError, MigError, GpuBusy, LockTimeout, OSError) as exc:
+        except (DriverError, LockTimeout, OSError) as exc:  # OSError: the claim's files (CDI spec, checkpoint)
             return f"unprepare of {claim} failed and will be retried by the kubelet: {exc}"
         return None

@@ -37,10 +37,7 @@ from driver.gpu.claim.tenancy import check_clients, client_rules
 from driver.gpu.claimcdi.edits import CdiNames, CdiSources, claim_spec_file
 from driver.gpu.claimcdi.kernelmemory import warn_if_shared_pod
 from driver.gpu.claimcdi.toolkit import ToolkitEdits
-from driver.gpu.claimconfig.api import ConfigError
-from driver.gpu.errors import PrepareError
-from driver.gpu.host.hostfs import HostFsError
-from driver.gpu.mps.model import MpsError
+from driver.gpu.errors import DriverError, NodeBusy, PrepareError
 from driver.gpu.published.devices import make_view
 from driver.gpu.published.sharelayout import SharingLayout, plan_timeslices
 from driver.gpu.published.targets import NodeView, drop_unfit, merge_layout
@@ -51,15 +48,12 @@ from driver.gpu.record.checkpoint import (
     ClaimRecord,
 )
 from driver.gpu.record.ledger import UNCHANGED, NodeLedger
-from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.gpulocks import RESCAN_GPU_WAIT, GpuBusy, GpuLocks
 from driver.gpu.runtime.interfaces import ComputeModeControl, MpsDaemons, TimeSlices
 from driver.gpu.runtime.mig import MigPartitioner
 from driver.gpu.runtime.migclaims import check_placements_free, dynamic_devices, own_instances
 from driver.gpu.runtime.migruntime import MigRuntime
-from driver.gpu.runtime.multiuser import MultiUserPending
 from driver.gpu.runtime.sharing import SharingRuntime
-from driver.gpu.runtime.timeslice import TimeSliceError
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.nodelock import LockTimeout, NodeLock
 from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, ClaimRef, Deadline, DeadlineExceeded, PreparedDevice
@@ -213,7 +207,7 @@ class DeviceState:
                     devices = self._prepare_holding(claim, gpus, deadline, (view, plan))
                 if devices is not None:
                     return devices
-        except (GpuBusy, LockTimeout, DeadlineExceeded, MultiUserPending) as exc:
+        except (NodeBusy, LockTimeout, DeadlineExceeded) as exc:
             raise PrepareError(f"{exc}; nothing was left prepared, the kubelet will retry") from exc
         raise PrepareError("the claim's devices changed form while it was being prepared; the kubelet will retry")
 
@@ -386,12 +380,11 @@ def _complete(cp: Checkpoint, uid: str) -> None:
 
 
 def _user_error(exc: Exception) -> Exception:
-    """The error the kubelet shows the user: known failures keep their own message."""
+    """The error the kubelet shows the user: expected failures keep their own message."""
     if isinstance(exc, PrepareError):
         return exc
     if isinstance(exc, DeadlineExceeded):
         return PrepareError(f"{exc}; the claim's work was rolled back, the kubelet will retry")
-    if isinstance(exc, MpsError | TimeSliceError | ComputeModeError | HostFsError | ConfigError | LockTimeout
-                  | GpuBusy | OSError):
+    if isinstance(exc, DriverError | LockTimeout | OSError):
         return PrepareError(str(exc))
     return exc

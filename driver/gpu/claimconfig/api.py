@@ -32,6 +32,7 @@ from pydantic_core import ErrorDetails
 from driver.gpu.claimconfig.choices import MpsClients, TimeSliceInterval
 from driver.gpu.claimconfig.echo import show, show_path_part
 from driver.gpu.claimconfig.quantity import check_shm_size, parse_quantity
+from driver.gpu.errors import DriverError
 from driver.units import MIB
 
 API_VERSION: Final = "gpu.tessera.dev/v1alpha1"
@@ -40,7 +41,7 @@ API_VERSION: Final = "gpu.tessera.dev/v1alpha1"
 _NVIDIA_API_VERSION = "resource.nvidia.com/v1beta1"
 
 
-class ConfigError(ValueError):
+class ConfigError(DriverError, ValueError):
     """An opaque config the driver cannot use; the message is shown to the user as is."""
 
 

@@ -25,6 +25,7 @@ from typing import Protocol
 import driver
 from driver.gpu.discovery.cudaprobe import SmCounts, bare_uuid
 from driver.gpu.discovery.inventory import GpuInfo
+from driver.gpu.errors import DriverError
 from driver.gpu.host.binaries import BinaryFailed, driver_env, find_driver_library
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ _CLIENT_VARIABLES = ("CUDA_VISIBLE_DEVICES", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MP
 ProbeRunner = Callable[[Sequence[str], Mapping[str, str], float], str]
 
 
-class ProbeFailed(Exception):
+class ProbeFailed(DriverError):
     """A probe could not run, crashed, timed out or printed no JSON; the message says which."""
 
 

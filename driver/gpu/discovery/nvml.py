@@ -41,6 +41,7 @@ from driver.gpu.discovery.nvmlvalues import (
     normalise_pci_bus_id,
     pcie_root_from_link,
 )
+from driver.gpu.errors import DriverError
 from driver.gpu.host.binaries import LIB_DIRS, find_driver_library
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ def end_nvml_session(nvml: Any) -> None:
         log.warning("NVML shutdown failed", extra={"error": str(err)})
 
 
-class NvmlDiscoveryError(RuntimeError):
+class NvmlDiscoveryError(DriverError, RuntimeError):
     """NVML cannot be used at all (not installed, driver not loaded, device count unavailable)."""
 
 

@@ -21,6 +21,8 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from driver.gpu.errors import DriverError
+
 # Where driver installers put executables, relative to the driver root, in search order.
 BIN_DIRS: tuple[str, ...] = ("usr/bin", "usr/local/nvidia/bin", "bin", "usr/sbin")
 # Where they put libnvidia-ml and friends, relative to the driver root, in search order.
@@ -39,11 +41,11 @@ LIBRARY_LINK_DIR_PREFIX = "tessera-nvidia-libs-"
 _MAX_SYMLINK_HOPS = 40
 
 
-class BinaryNotFound(Exception):
+class BinaryNotFound(DriverError):
     """A driver executable is not under the configured driver root."""
 
 
-class BinaryFailed(Exception):
+class BinaryFailed(DriverError):
     """A driver executable could not start or exited non-zero; the message has the command and its output."""
 
 

@@ -28,6 +28,7 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from driver.gpu.errors import DriverError
 from driver.gpu.host.hostfs import HostFsError, mig_driver_capability_node
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ MIG_CONFIG = "mig/config"
 CAPS_DIR = "dev/nvidia-caps"
 
 
-class CapabilityNodeError(Exception):
+class CapabilityNodeError(DriverError):
     """A capability could not be read from /proc; the message names the file."""
 
 

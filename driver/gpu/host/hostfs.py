@@ -19,13 +19,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from driver.gpu.errors import DriverError
+
 CONTROL_DEVICE_PATHS = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
 NVIDIA_CAPS_DEVICE_NAME = "nvidia-caps"
 CAPABILITIES_DIR = "proc/driver/nvidia/capabilities"
 NODE_ROOT = PurePosixPath("/")  # the node's own root, as a host path
 
 
-class HostFsError(Exception):
+class HostFsError(DriverError):
     """A host file the driver needs is missing or not in the expected format."""
 
 

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from driver.gpu.mps.model import MpsError
+
 # The names the driver gives its daemons (driver/gpu/claim/claimplan.py: plan_daemon_id,
 # claim_daemon_id, share_daemon_id; the multi-user probe's in manager.py). Anything else under the
 # base directory is not the driver's to stop or remove.
@@ -73,7 +75,7 @@ def open_below_base(path: Path, flags: int, mode: int = 0o600) -> int:
         os.close(parent)
 
 
-class DaemonDirError(Exception):
+class DaemonDirError(MpsError):
     """A daemon directory could not be prepared or removed; the message says which and why."""
 
 

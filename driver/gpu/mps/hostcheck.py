@@ -15,6 +15,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from driver.gpu.errors import DriverError
 from driver.gpu.mps.hostcmd import HostMode, Tools, inside_root
 from driver.gpu.mps.launch import DaemonLaunch
 from driver.gpu.mps.model import check_daemon_id
@@ -24,11 +25,11 @@ MAX_SOCKET_PATH_BYTES = 107
 _DEVICE_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")
 
 
-class HostError(Exception):
+class HostError(DriverError):
     """The host cannot start as configured; the message names the flag or path."""
 
 
-class LaunchRefused(ValueError):
+class LaunchRefused(DriverError, ValueError):
     """A request the host will not act on; the message says which field and why."""
 
 

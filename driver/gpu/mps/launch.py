@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from driver.gpu.claimconfig.quantity import check_shm_size
 from driver.gpu.host.capnodes import CAPABILITY, CapabilityNodeError, ensure_nodes
+from driver.gpu.mps.model import MpsError
 
 # With -f the daemon writes its log to standard output, not to <log dir>/control.log as -d does
 # (measured, docs/sharing.md); the launcher sends that output to the file -d would have written.
@@ -35,7 +36,7 @@ CONTROL_LOG_NAME = "control.log"
 MULTI_USER_FLAG = "-M"
 
 
-class MpsLaunchError(Exception):
+class MpsLaunchError(MpsError):
     """The daemon process could not be started; the message says why."""
 
 

@@ -27,7 +27,6 @@ from pathlib import Path
 
 from driver.gpu.mps.control import CONTROL_SOCKET_NAME, MpsControl
 from driver.gpu.mps.dirs import (
-    DaemonDirError,
     clear_dir,
     driver_daemon_ids,
     ensure_real_dir,
@@ -35,7 +34,7 @@ from driver.gpu.mps.dirs import (
     remove_daemon_dir,
 )
 from driver.gpu.mps.identity import DaemonIdentity
-from driver.gpu.mps.launch import CONTROL_LOG_NAME, DaemonLaunch, DaemonLauncher, MpsLaunchError
+from driver.gpu.mps.launch import CONTROL_LOG_NAME, DaemonLaunch, DaemonLauncher
 from driver.gpu.mps.limits import LimitDrift, apply_limits, check_limits, verify_limits
 from driver.gpu.mps.model import (
     MpsDaemonRecord,
@@ -297,7 +296,7 @@ class MpsManager:
             started = self._identify(launched.pid, pipe_dir, start)
             self._wait_until_ready(pipe_dir, log_dir, started, start)
             apply_limits(self.control, spec, pipe_dir, log_dir, start)
-        except (MpsError, MpsLaunchError, DaemonDirError, OSError) as exc:
+        except (MpsError, OSError) as exc:
             stopped = stopped_by_quit(log_dir, launched_pid, started)
             tail = log_tail(log_dir / CONTROL_LOG_NAME, LOG_TAIL_LINES)
             problem = self._cleanup_after_failure(daemon_dir, started, keep_dirs_on_failure, start)
@@ -383,10 +382,7 @@ class MpsManager:
 
     def _remove(self, daemon_dir: Path) -> None:
         release_daemon_shm(self.launcher, daemon_dir)  # the launcher's tmpfs on shm/, if any
-        try:
-            remove_daemon_dir(daemon_dir)
-        except DaemonDirError as exc:
-            raise MpsError(str(exc)) from exc
+        remove_daemon_dir(daemon_dir)  # DaemonDirError is an MpsError
 
 
 def _remove_unused_dir(path: Path) -> None:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from driver.gpu.errors import DriverError
 from driver.units import MIB
 
 _DAEMON_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -24,7 +25,7 @@ _DEVICE_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")
 _DISPLAYED_LIMIT = re.compile(r"^(\d+)([MG])$")
 
 
-class MpsError(Exception):
+class MpsError(DriverError):
     """An MPS daemon could not be started, checked or stopped; the message says what and why."""
 
 

@@ -18,11 +18,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from cdi.yamlload import load_yaml
 from driver.gpu.claimconfig.api import describe_validation_error
+from driver.gpu.errors import DriverError
 
 MigStrategy = Literal["none", "single", "mixed"]
 
 
-class DevicePluginConfigError(ValueError):
+class DevicePluginConfigError(DriverError, ValueError):
     """A config file that cannot be read as device plugin configs; one line per problem."""
 
 

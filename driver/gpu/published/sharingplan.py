@@ -25,6 +25,7 @@ from cdi.yamlload import load_yaml
 from driver.gpu.claimconfig.api import ByteQuantity, ShmSize, describe_validation_error
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.discovery.migplacement import OwnInstances
+from driver.gpu.errors import DriverError
 from driver.gpu.published.consumable import UNDETECTED, KernelMemoryLimits, build_policy
 from driver.gpu.published.dynamicmigplan import DynamicMigEntry, dynamic_mig_form
 from driver.gpu.published.migshareplan import check_instance_entry, instance_shares, named_instances
@@ -48,7 +49,7 @@ _LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 log = logging.getLogger(__name__)
 
 
-class PlanError(ValueError):
+class PlanError(DriverError, ValueError):
     """A sharing plan that cannot be used; the message says where and what to fix."""
 
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from driver.gpu.discovery.inventory import ComputeMode
+from driver.gpu.errors import DriverError
 from driver.gpu.runtime.nvmlbounded import BoundedNvml, NvmlCallError, no_library_to_load
 from driver.kubeletplugin.types import Deadline
 
@@ -45,7 +46,7 @@ _HINTS = {3: "; MIG-enabled GPUs keep compute mode DEFAULT", 4: "; setting a com
           6: "; no GPU with this UUID (gone since discovery?)", 15: "; the GPU fell off the bus"}
 
 
-class ComputeModeError(Exception):
+class ComputeModeError(DriverError):
     """Reading or setting a compute mode failed; the message has the GPU, the NVML call and NVML's error."""
 
 

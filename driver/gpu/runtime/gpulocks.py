@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+from driver.gpu.errors import NodeBusy
 from driver.kubeletplugin.nodelock import LockFile
 
 _LOCK_NAME = re.compile(r"^GPU-[A-Za-z0-9-]{1,80}$")
@@ -26,7 +27,7 @@ _LOCK_NAME = re.compile(r"^GPU-[A-Za-z0-9-]{1,80}$")
 RESCAN_GPU_WAIT = 1.0
 
 
-class GpuBusy(Exception):
+class GpuBusy(NodeBusy):
     """A GPU's lock was not free within the time allowed; the message names the GPU."""
 
 

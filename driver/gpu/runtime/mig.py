@@ -29,6 +29,7 @@ from typing import Literal, Protocol
 from pydantic import BaseModel, ConfigDict
 
 from driver.gpu.discovery.inventory import MigProfileInfo
+from driver.gpu.errors import DriverError
 from driver.gpu.host.capnodes import instance_capabilities
 from driver.gpu.record.checkpoint import Checkpoint
 from driver.kubeletplugin.types import Deadline
@@ -63,7 +64,7 @@ class CreatedMig(MigGpuInstance):
     ci_id: int
 
 
-class MigError(Exception):
+class MigError(DriverError):
     """A MIG operation failed; the message names the GPU and what was asked."""
 
 

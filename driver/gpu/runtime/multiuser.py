@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from driver.gpu.claim.claimplan import ClaimPlan
 from driver.gpu.discovery.inventory import NodeInventory, multi_user_capable
+from driver.gpu.errors import NodeBusy
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.model import MpsDaemonSpec, MpsError
 from driver.gpu.published.sharelayout import SharingLayout
@@ -159,5 +160,5 @@ class MultiUserGate:
         return answer
 
 
-class MultiUserPending(Exception):
+class MultiUserPending(NodeBusy):
     """The probe had no answer within a prepare's deadline; the message says so."""

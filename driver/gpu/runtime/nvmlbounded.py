@@ -20,13 +20,14 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from driver.gpu.discovery.nvml import end_nvml_session
+from driver.gpu.errors import DriverError
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class NvmlCallError(Exception):
+class NvmlCallError(DriverError):
     """The call was not made or not waited for: no time left, its GPU fenced, overran, or NVML cannot start."""
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from driver.gpu.claimconfig.choices import TIMESLICE_VALUES, TimeSliceInterval
 from driver.gpu.discovery.inventory import ComputeMode
+from driver.gpu.errors import DriverError
 from driver.gpu.host.binaries import BinaryFailed, BinaryNotFound, driver_env, find_binary, run_binary
 from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.interfaces import ComputeModeControl
@@ -30,7 +31,7 @@ NVIDIA_SMI = "nvidia-smi"
 _GPU_UUID = re.compile(r"^GPU-[A-Za-z0-9-]+$")
 
 
-class TimeSliceError(Exception):
+class TimeSliceError(DriverError):
     """A time-slice or compute-mode change failed; the message has the command, exit code and stderr."""
 
 
