@@ -4,7 +4,7 @@ A prepare runs in three steps:
 
 1. **Plan** (``claimplan.py``, pure): resolve the devices and configs, derive the daemons, time
    slice and compute modes, refuse what cannot work. Nothing has happened yet.
-2. **Reserve** under the claim's per-GPU locks, then briefly the node lock: re-plan against the
+2. **Reserve** (``reservation.py``) under the claim's per-GPU locks, then briefly the node lock: re-plan against the
    view in force, check no other claim holds the devices, and write the ``PrepareStarted``
    record naming the devices, the daemons it will start or share, the time slice and the GPUs
    it needs in EXCLUSIVE_PROCESS. A rescan cannot re-publish a GPU with such a record.
