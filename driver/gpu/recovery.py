@@ -19,9 +19,9 @@ from pathlib import Path
 import cdi
 from cdi.atomicswap import swap_name
 from driver.gpu.claim.rebuild import daemon_specs, rebuild_checkpoint
-from driver.gpu.mps.model import MpsDaemonRecord
 from driver.gpu.published.devices import make_view
 from driver.gpu.published.targets import drop_unfit
+from driver.gpu.record.changes import forget_claim, record_boot, record_daemon
 from driver.gpu.record.checkpoint import Checkpoint, CheckpointCorrupt, ClaimPhase, current_boot_id
 from driver.gpu.state import DeviceState
 
@@ -87,7 +87,7 @@ def _recover_holding(state: DeviceState, report: RecoveryReport) -> None:
             log.exception("rolling back an interrupted prepare failed; retried at the next start",
                           extra={"claim_uid": record.uid})
             continue
-        ledger.commit(partial(_forget_claim, uid=record.uid))
+        ledger.commit(partial(forget_claim, uid=record.uid))
         report.rolled_back.append(record.uid)
     if report.rebuilt_from_cdi:
         _adopt_daemons(state)
@@ -106,11 +106,7 @@ def _recover_holding(state: DeviceState, report: RecoveryReport) -> None:
     report.orphans_removed.extend(state.sharing.sweep_orphans())
     state.sharing.reconcile_compute_modes(rebuilt=report.rebuilt_from_cdi)
     report.orphans_removed.extend(_remove_orphan_files(state))
-
-    def stamp(c: Checkpoint) -> None:
-        c.boot_id = boot_id
-
-    ledger.commit(stamp)
+    ledger.commit(partial(record_boot, boot_id=boot_id))
 
 
 def _rebuild_interrupted(path: Path) -> bool:
@@ -140,15 +136,7 @@ def _adopt_daemons(state: DeviceState) -> None:
             log.exception("adopting an MPS daemon after the rebuild failed", extra={"daemon_id": spec.daemon_id})
             continue
         if record is not None:
-            state.ledger.commit(partial(_record_daemon, record=record))
-
-
-def _record_daemon(cp: Checkpoint, record: MpsDaemonRecord) -> None:
-    cp.mps_daemons[record.spec.daemon_id] = record
-
-
-def _forget_claim(cp: Checkpoint, uid: str) -> None:
-    cp.claims.pop(uid, None)
+            state.ledger.commit(partial(record_daemon, daemon_id=record.spec.daemon_id, record=record))
 
 
 def _remove_orphan_files(state: DeviceState) -> list[str]:

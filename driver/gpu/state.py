@@ -4,7 +4,7 @@ A prepare runs in three steps:
 
 1. **Plan** (``claim/claimplan.py``, pure): resolve the devices and configs, derive the daemons, time
    slice and compute modes, refuse what cannot work. Nothing has happened yet.
-2. **Reserve** under the claim's per-GPU locks, then briefly the node lock: re-plan against the
+2. **Reserve** (``reservation.py``) under the claim's per-GPU locks, then briefly the node lock: re-plan against the
    view in force, check no other claim holds the devices, and write the ``PrepareStarted``
    record naming the devices, the daemons it will start or share, the time slice and the GPUs
    it needs in EXCLUSIVE_PROCESS. A rescan cannot re-publish a GPU with such a record.
@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path, PurePosixPath
 
 import cdi
@@ -32,26 +33,21 @@ from driver.gpu.claim.claimplan import ClaimPlan, plan_claim
 from driver.gpu.claim.claimrecord import allocation_of, started_record
 from driver.gpu.claim.healthgate import DeviceTaints, check_device_health
 from driver.gpu.claim.rebuild import rebuild_checkpoint
-from driver.gpu.claim.sharecheck import check_no_overlap, check_shares_fit
-from driver.gpu.claim.tenancy import check_clients, client_rules
+from driver.gpu.claim.tenancy import check_clients
 from driver.gpu.claimcdi.edits import CdiNames, CdiSources, claim_spec_file
-from driver.gpu.claimcdi.kernelmemory import warn_if_shared_pod
 from driver.gpu.claimcdi.toolkit import ToolkitEdits
 from driver.gpu.errors import DriverError, NodeBusy, PrepareError
 from driver.gpu.published.devices import make_view
 from driver.gpu.published.sharelayout import SharingLayout, plan_timeslices
 from driver.gpu.published.targets import NodeView, drop_unfit, merge_layout
-from driver.gpu.record.checkpoint import (
-    Checkpoint,
-    CheckpointStore,
-    ClaimPhase,
-    ClaimRecord,
-)
-from driver.gpu.record.ledger import UNCHANGED, NodeLedger
+from driver.gpu.record.changes import forget_claim
+from driver.gpu.record.checkpoint import Checkpoint, CheckpointStore, ClaimPhase, ClaimRecord
+from driver.gpu.record.ledger import NodeLedger
+from driver.gpu.reservation import Interrupted, Prepared, Replan, Reservation, Reserved, reserve
 from driver.gpu.runtime.gpulocks import RESCAN_GPU_WAIT, GpuBusy, GpuLocks
 from driver.gpu.runtime.interfaces import ComputeModeControl, MpsDaemons, TimeSlices
 from driver.gpu.runtime.mig import MigPartitioner
-from driver.gpu.runtime.migclaims import check_placements_free, dynamic_devices, own_instances
+from driver.gpu.runtime.migclaims import dynamic_devices, own_instances
 from driver.gpu.runtime.migruntime import MigRuntime
 from driver.gpu.runtime.sharing import SharingRuntime
 from driver.kubeletplugin.claimmodel import ResourceClaim
@@ -226,73 +222,56 @@ class DeviceState:
         """Prepare with ``gpus`` locked; None if the plan no longer matches them (the caller plans again).
 
         ``planned``: the plan made before the locks were taken, and the view it was made against."""
-        uid = claim.metadata.uid
         deadline.check("reserving the claim's devices")
-        view, planned_plan = planned
-        plan: ClaimPlan | None = planned_plan
-        existing: ClaimRecord | None = None
-        record: ClaimRecord | None = None
-        replan = False
+        reservation = self.ledger.commit(partial(self._reserve, claim=claim, gpus=gpus, planned=planned),
+                                         durable=False)  # why not durable: reservation.py
+        match reservation:
+            case Replan():
+                return None
+            case Prepared(record, plan):
+                return self._serve_prepared(claim, record, plan)
+            case Interrupted(record):
+                self._roll_back_interrupted(record, deadline)
+                return None
+            case Reserved(plan, record):
+                return self._run_reserved(plan, record, deadline)
 
-        def reserve(cp: Checkpoint) -> object:
-            # Planned and reserved in one node-lock section: a rescan changes the published form of
-            # a GPU under the same lock, so a device cannot change form between the two. Views are
-            # replaced, never changed, so the same view object means the earlier plan still holds.
-            nonlocal plan, existing, record, replan
-            if self.view is not view:
-                plan = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name, view=self.view,
-                                  multi_user=self.mps_multi_user)
-            existing = cp.claims.get(uid)
-            if plan is None or sorted(set(plan.gpu_uuids) | (existing.gpu_uuids if existing else set())) != gpus:
-                replan = True
-                return UNCHANGED
-            if client_rules(plan) != client_rules(planned_plan):
-                replan = True  # the plan's clients setting changed since the pods were checked: check again
-                return UNCHANGED
-            if existing is not None:
-                return UNCHANGED
-            check_device_health(plan, self.device_problems(), self.device_taints())
-            check_no_overlap(cp, plan)
-            check_placements_free(cp, plan)  # dynamic MIG placements of other claims
-            check_shares_fit(cp, plan)
-            record = started_record(plan, self.names, self.pool_name, self.view.inventory.driver_version,
-                                    now())
-            warn_if_shared_pod(record, cp)  # kernel memory limits: one value per container (kernelmemory.py)
-            cp.claims[uid] = record
-            # Written before commit() returns, in one write with the changes of other claims that arrived
-            # together: visible at once (to rescans and to the other pod of a rolling update, which read
-            # the file under the node lock), whole (its data synced before the rename), but not durable
-            # unless another change of the group is, so a power failure may undo it. Nothing recovery
-            # needs is lost then: daemons, compute modes and time slices do not outlive the reboot, the
-            # compute-mode record is a durable commit made before the mode changes (carrying this record
-            # too), and a CDI spec written before PrepareCompleted is an orphan that recovery removes;
-            # the kubelet got no answer and retries. kill -9 loses nothing (the page cache holds it).
-            return None
+    def _reserve(self, cp: Checkpoint, claim: ResourceClaim, gpus: list[str],
+                 planned: tuple[NodeView, ClaimPlan]) -> Reservation:
+        # Planned and reserved in one node-lock section: a rescan changes the published form of
+        # a GPU under the same lock, so a device cannot change form between the two. Views are
+        # replaced, never changed, so the same view object means the earlier plan still holds.
+        view, checked = planned
+        plan: ClaimPlan | None = checked
+        if self.view is not view:
+            plan = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name, view=self.view,
+                              multi_user=self.mps_multi_user)
+        return reserve(cp, claim.metadata.uid, plan, checked=checked, gpus=gpus,
+                       check_health=lambda p: check_device_health(p, self.device_problems(), self.device_taints()),
+                       started=lambda p: started_record(p, self.names, self.pool_name,
+                                                        self.view.inventory.driver_version, now()))
 
-        self.ledger.commit(reserve, durable=False)
-        if replan:
-            return None
-        if existing is not None and existing.phase == ClaimPhase.PREPARE_COMPLETED:
-            assert plan is not None  # reserve() planned before it found the record
-            if allocation_of(existing) != allocation_of(started_record(plan, self.names, self.pool_name, None, "")):
-                # Served as recorded, the pod would get the old devices and limits, not what the scheduler counted.
-                raise PrepareError(f"claim {claim.metadata.namespace}/{claim.metadata.name} ({uid}) is already "
-                                   "prepared with another allocation; delete the pod so it is unprepared first")
-            try:
-                self.ensure_claim_runtime(existing)
-            except Exception as exc:
-                raise _user_error(exc) from exc
-            return [d.device for d in existing.devices]
-        if existing is not None:
-            log.info("rolling back an interrupted prepare before retrying it", extra={"claim_uid": uid})
-            try:
-                self.undo(existing, deadline)
-                self.ledger.commit(lambda c: c.claims.pop(uid, None))
-            except Exception as exc:
-                # The record stays: the next retry or the next start rolls back again.
-                raise _user_error(exc) from exc
-            return None
-        assert record is not None and plan is not None  # reserve() made the record from the plan
+    def _serve_prepared(self, claim: ResourceClaim, record: ClaimRecord, plan: ClaimPlan) -> list[PreparedDevice]:
+        if allocation_of(record) != allocation_of(started_record(plan, self.names, self.pool_name, None, "")):
+            # Served as recorded, the pod would get the old devices and limits, not what the scheduler counted.
+            raise PrepareError(f"claim {claim.metadata.namespace}/{claim.metadata.name} ({claim.metadata.uid}) is "
+                               "already prepared with another allocation; delete the pod so it is unprepared first")
+        try:
+            self.ensure_claim_runtime(record)
+        except Exception as exc:
+            raise _user_error(exc) from exc
+        return [d.device for d in record.devices]
+
+    def _roll_back_interrupted(self, record: ClaimRecord, deadline: Deadline) -> None:
+        log.info("rolling back an interrupted prepare before retrying it", extra={"claim_uid": record.uid})
+        try:
+            self.undo(record, deadline)
+            self.ledger.commit(partial(forget_claim, uid=record.uid))
+        except Exception as exc:
+            # The record stays: the next retry or the next start rolls back again.
+            raise _user_error(exc) from exc
+
+    def _run_reserved(self, plan: ClaimPlan, record: ClaimRecord, deadline: Deadline) -> list[PreparedDevice]:
         try:
             # Dynamic MIG instances first: the plan's MPS daemons serve them (migruntime.py).
             plan, record = self.mig.create_for_claim(plan, record, deadline)
@@ -300,7 +279,7 @@ class DeviceState:
             deadline.check("writing the CDI spec")
             self.write_cdi(record, self.ledger.read())
             deadline.check("recording the prepared claim")
-            self.ledger.commit(lambda c: _complete(c, uid))
+            self.ledger.commit(partial(_complete, uid=record.uid))
         except Exception as exc:
             self._roll_back_failed_prepare(record)
             raise _user_error(exc) from exc
@@ -316,7 +295,7 @@ class DeviceState:
                           extra={"claim_uid": record.uid})
             return
         try:
-            self.ledger.commit(lambda c: c.claims.pop(record.uid, None))
+            self.ledger.commit(partial(forget_claim, uid=record.uid))
         except Exception:  # the record left is handled by the next prepare or start; the user gets the cause
             log.exception("forgetting a rolled-back prepare failed", extra={"claim_uid": record.uid})
 
@@ -363,7 +342,7 @@ class DeviceState:
             if current is None:
                 return
             self.undo(current)
-            self.ledger.commit(lambda c: c.claims.pop(ref.uid, None))
+            self.ledger.commit(partial(forget_claim, uid=ref.uid))
 
     def undo(self, record: ClaimRecord, deadline: Deadline | None = None) -> None:
         """Reverse everything ``record`` may have done (stops within ``deadline``); idempotent. GPU locks held.

@@ -18,15 +18,16 @@ from functools import partial
 
 from driver import nodelayout
 from driver.commands.run.healthsource import open_health_source, open_process_source
+from driver.commands.run.initsteps import api_client, desired_layout, discover, recover_and_lay_out
 from driver.commands.run.nodeevents import post_node_event
 from driver.commands.run.plansource import CONSUMABLE_GATE as CONSUMABLE_GATE
 from driver.commands.run.plansource import PARTITIONABLE_GATE as PARTITIONABLE_GATE
 from driver.commands.run.plansource import PlanSource as PlanSource
-from driver.config import Settings, StartupError
+from driver.config import Settings
 from driver.gpu.claim.limitstatement import unconfirmed_gpus, with_unconfirmed_limits
 from driver.gpu.claimcdi.toolkit import toolkit_spec_changed
 from driver.gpu.claimstatus import STATUS_FILE, ClaimStatusSource
-from driver.gpu.discovery.inventory import Discovery
+from driver.gpu.discovery.inventory import NodeInventory
 from driver.gpu.driver import GpuDriver
 from driver.gpu.health.monitor import HealthMonitor
 from driver.gpu.health.node import NodeHealth
@@ -46,7 +47,6 @@ from driver.gpu.published.devices import make_view
 from driver.gpu.published.ownership import OwnershipWatch, owned_view
 from driver.gpu.published.sharingplan import PlanError
 from driver.gpu.published.targets import NodeView
-from driver.gpu.recovery import recover
 from driver.gpu.runtime.mig import capabilities_of
 from driver.gpu.runtime.migclaims import own_instances
 from driver.gpu.runtime.multiuser import MultiUserGate, MultiUserProbe, probe_gpu, single_user_gpus, supports_multi_user
@@ -60,7 +60,7 @@ from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.events import EventRecorder
 from driver.kubeletplugin.healthservice import HealthBoard
 from driver.kubeletplugin.helper import Helper, TelemetryNames
-from driver.kubeletplugin.kubeclient import KubeApiError, KubeConfigError, load_api_client
+from driver.kubeletplugin.kubeclient import KubeApiError
 from driver.kubeletplugin.nodewatch import NodeMeta, NodeWatch
 from driver.kubeletplugin.types import ClaimRef
 
@@ -89,32 +89,14 @@ class DriverApp:
 
     def __init__(self, settings: Settings, health_board: HealthBoard):
         """``health_board``: the board the plugin already serves the kubelet's health stream from."""
-        if not settings.node_name:
-            raise StartupError("the node name is required: set --node-name or NODE_NAME (downward API spec.nodeName)")
         self.settings = settings
-        try:
-            self.api = load_api_client(settings.kubeconfig)
-        except KubeConfigError as exc:
-            raise StartupError(str(exc)) from exc
-        try:
-            self.discovery: Discovery = nodelayout.open_discovery(settings, settings.node_name)
-            inventory = self.discovery.discover()
-        except (RuntimeError, ValueError, ImportError, OSError) as exc:  # no NVML/driver, or a bad simulated layout
-            raise StartupError(f"GPU discovery failed: {exc}") from exc
-        # The Node's labels (the sharing plan) and UID (the slices' owner): listed once, then watched.
-        self.node = NodeWatch(self.api, settings.node_name)
-        try:
-            self.node.sync()
-        except KubeApiError as exc:
-            log.warning("cannot read Node %s yet, will retry: %s", settings.node_name, exc)
+        # What the cluster and the node have: the API, the GPUs, the Node and the sharing plan it wants.
+        self.api = api_client(settings)
+        self.discovery, inventory = discover(settings)
+        self.node = self._watch_node()
         self.plans = PlanSource(settings, self.api, node_labels=lambda: self.node.meta().labels)
-        try:
-            desired = self.plans.desired_layout(inventory)
-        except PlanError as exc:
-            raise StartupError(f"invalid sharing plan: {exc}") from exc
-        except KubeApiError as exc:
-            raise StartupError(f"cannot read Node {settings.node_name!r} to choose its sharing plan "
-                               f"(label {settings.sharing_plan_label}): {exc}") from exc
+        desired = desired_layout(settings, self.plans, inventory)
+        # The moving parts, wired before recovery sets any of them going.
         self._helper: Helper | None = None
         self._node_uid: str | None = None
         self._next_scan = 0.0
@@ -128,72 +110,91 @@ class DriverApp:
         self.multi_user = MultiUserProbe(partial(supports_multi_user, self.mps))
         self._multi_user_published = False
         self._single_user_gpus: tuple[str, ...] = ()
-        compute_modes = nodelayout.open_compute_modes(settings)  # NVML (or its simulation double), once
-        self.state = DeviceState(
-            driver_name=settings.driver_name, pool_name=settings.node_name, paths=paths,
-            toolkit=nodelayout.load_toolkit(settings), mps=self.mps,
-            timeslicer=TimeSlicer(settings.driver_root, compute_modes), compute_modes=compute_modes,
-            view=make_view(inventory, {}), mps_multi_user=False,
-            mig=partial(nodelayout.open_mig_partitioner, settings))  # opened at the first dynamic MIG claim
-        # A plan daemon started before the probe answered would stay single-user while claims use it.
-        self.state.multi_user_gate = MultiUserGate(self.multi_user, lambda: self.state.view.inventory,
-                                                   self._use_multi_user).wait
+        self.state = self._device_state(paths, inventory)
         # Tenants that change or stop a shared MPS daemon: counted, logged and told to each claim's owner
         # as an Event (posted from the recorder's thread, never inside a prepare).
         self.events = EventRecorder(self.api, controller=f"{settings.driver_name}/kubelet-plugin",
                                     instance=settings.node_name)
-        # Another GPU allocator on the node keeps the GPUs it may hand out unpublished
-        # (driver/gpu/published/ownership.py).
-        self.ownership = OwnershipWatch(settings.device_plugins_dir, settings.registrar_dir, settings.driver_name,
-                                        settings.owned_gpus, partial(post_node_event, self.events, self.api,
-                                                                     settings.node_name, "OtherGpuAllocator",
-                                                                     "WithholdGpus"))
-        self.ownership.refresh(inventory)
+        self.ownership = self._ownership(inventory)
         self.mps_reports = MpsReports(self.events)
-        self.state.sharing.reports = self.mps_reports
         self.claim_status = ClaimStatusSource(self.state.ledger.read, lambda: self.state.view,
                                               lambda view: self.health.unhealthy(view),
                                               report_path=settings.state_dir / STATUS_FILE)
-        self.mps_reports.restored = self._limits_restored
-        # Before a daemon or an NVML create opens a MIG instance, its capability nodes are made in this process's
-        # /dev (and the MPS host's, told by the request), from the claims the checkpoint records.
-        self.mps.capabilities = lambda uuids: capabilities_of(self.state.ledger.read(), uuids)
-        self.state.mig.before_create = partial(ensure_nodes_best_effort, settings.host_root,
-                                               nodelayout.own_dev_root(settings), [MIG_CONFIG])
         self.mode_reports = ComputeModeReports(self.events)
         self.daemon_watch = DaemonWatcher(self.state, settings.mps_limit_check_interval,
                                           also=[partial(check_compute_modes, self.state, self.mode_reports),
                                                 partial(check_mig_instances, self.state, self.events)])
-        # A prepare joins a daemon whose limits the watcher confirmed this recently without a control command.
-        self.state.sharing.confirmations.fresh_for = settings.mps_limit_check_interval
-        self.state.sharing.confirmations.round_s = WATCH_CHECK_S
-        # The shares' published limit statement follows (off the watcher's thread: it holds GPU locks).
-        self.mps_reports.on_change = lambda: threading.Thread(
-            target=self._publish_on_health_change, name="publish-limit-statement", daemon=True).start()
-        recover(self.state)
-        own = own_instances(self.state.ledger.read())
-        if own or self.state.mig.changes:
-            # Dynamic MIG: instances of claims keep their GPU dynamic, and what recovery destroyed or re-created
-            # (an interrupted prepare's, a reboot's) is seen again before anything is published or prepared.
-            inventory = self.discovery.discover()
-            desired = self.plans.desired_layout(inventory, own)
-        view, _deferred = self.state.apply_layout(make_view(inventory, {}), desired)
-        self.plans.save(settings.state_dir)
-
-        self.devices = view.devices
+        self._wire_runtime()
+        # Recovery, then the plan in force: what is published first; then health and the claims' usage.
+        self.devices = recover_and_lay_out(self.state, self.discovery, self.plans, inventory, desired,
+                                           settings.state_dir).devices
         self.health = NodeHealth(HealthMonitor(parse_ignored_xids(settings.ignored_xids)), health_board,
                                  driver_name=settings.driver_name, pool_name=settings.node_name,
                                  taint_effect=settings.health_taint_effect,
                                  report_path=settings.state_dir / HEALTH_FILE)
         self.health_source = open_health_source(settings, lambda: self.state.view.inventory, os.environ,
                                                 self.discovery.discover)
-        self.health.not_watched = self.health_source.not_watched
-        self.state.device_problems = lambda: self.health.problems(self.state.view)
-        self.state.device_taints = lambda: self.health.taints(self.state.view)
+        self._wire_health()
         self.usage = ClaimUsageWatch(open_process_source(settings, lambda: self.state.view.inventory, os.environ),
                                      self.state.ledger.read, lambda: self.state.view,
                                      report_path=settings.state_dir / USAGE_FILE)
         self._publish_lock = threading.Lock()
+
+    def _watch_node(self) -> NodeWatch:
+        """The Node's labels (the sharing plan) and UID (the slices' owner): listed once, then watched."""
+        node = NodeWatch(self.api, self.settings.node_name)
+        try:
+            node.sync()
+        except KubeApiError as exc:
+            log.warning("cannot read Node %s yet, will retry: %s", self.settings.node_name, exc)
+        return node
+
+    def _ownership(self, inventory: NodeInventory) -> OwnershipWatch:
+        """Another GPU allocator on the node keeps the GPUs it may hand out unpublished
+        (driver/gpu/published/ownership.py)."""
+        settings = self.settings
+        withheld = partial(post_node_event, self.events, self.api, settings.node_name, "OtherGpuAllocator",
+                           "WithholdGpus")
+        ownership = OwnershipWatch(settings.device_plugins_dir, settings.registrar_dir, settings.driver_name,
+                                   settings.owned_gpus, withheld)
+        ownership.refresh(inventory)
+        return ownership
+
+    def _device_state(self, paths: StatePaths, inventory: NodeInventory) -> DeviceState:
+        settings = self.settings
+        compute_modes = nodelayout.open_compute_modes(settings)  # NVML (or its simulation double), once
+        state = DeviceState(
+            driver_name=settings.driver_name, pool_name=settings.node_name, paths=paths,
+            toolkit=nodelayout.load_toolkit(settings), mps=self.mps,
+            timeslicer=TimeSlicer(settings.driver_root, compute_modes), compute_modes=compute_modes,
+            view=make_view(inventory, {}), mps_multi_user=False,
+            mig=partial(nodelayout.open_mig_partitioner, settings))  # opened at the first dynamic MIG claim
+        # A plan daemon started before the probe answered would stay single-user while claims use it.
+        state.multi_user_gate = MultiUserGate(self.multi_user, lambda: state.view.inventory, self._use_multi_user).wait
+        return state
+
+    def _wire_runtime(self) -> None:
+        """The runtime's reports and hooks, before recovery starts daemons or makes MIG instances again."""
+        settings = self.settings
+        self.state.sharing.reports = self.mps_reports
+        self.mps_reports.restored = self._limits_restored
+        # Before a daemon or an NVML create opens a MIG instance, its capability nodes are made in this process's
+        # /dev (and the MPS host's, told by the request), from the claims the checkpoint records.
+        self.mps.capabilities = lambda uuids: capabilities_of(self.state.ledger.read(), uuids)
+        self.state.mig.before_create = partial(ensure_nodes_best_effort, settings.host_root,
+                                               nodelayout.own_dev_root(settings), [MIG_CONFIG])
+        # A prepare joins a daemon whose limits the watcher confirmed this recently without a control command.
+        self.state.sharing.confirmations.fresh_for = settings.mps_limit_check_interval
+        self.state.sharing.confirmations.round_s = WATCH_CHECK_S
+        # The shares' published limit statement follows (off the watcher's thread: it holds GPU locks).
+        self.mps_reports.on_change = lambda: threading.Thread(
+            target=self._publish_on_health_change, name="publish-limit-statement", daemon=True).start()
+
+    def _wire_health(self) -> None:
+        """New claims on unhealthy devices are refused, unless they tolerate the devices' taints."""
+        self.health.not_watched = self.health_source.not_watched
+        self.state.device_problems = lambda: self.health.problems(self.state.view)
+        self.state.device_taints = lambda: self.health.taints(self.state.view)
 
     @property
     def helper(self) -> Helper:

@@ -12,6 +12,11 @@ The file is always current under the node lock (the leader renames it into place
 it), so the other plugin pod of a rolling update, which reads it under the same lock, never misses a
 change; the directory fsync that makes the rename durable follows outside the lock, before any caller
 of the group returns.
+
+A change is a function of the checkpoint, named and at module level, its other arguments bound by keyword:
+``ledger.commit(partial(forget_claim, uid=uid))``. The common ones are in ``changes.py``; one that needs
+a layer's knowledge lives beside that layer's code. It returns what the caller needs to know, as an
+:class:`Unchanged` when it looked and changed nothing.
 """
 
 from __future__ import annotations
@@ -19,21 +24,25 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 from driver.gpu.record.checkpoint import Checkpoint, CheckpointCorrupt, CheckpointStore
 from driver.kubeletplugin.nodelock import NodeLock
 
-# What a change returns when it looked and changed nothing: a group of such changes writes nothing.
-UNCHANGED = object()
+R = TypeVar("R")
+
+
+class Unchanged:
+    """The base of what a change returns when it looked and changed nothing: a group of such changes writes nothing."""
 
 
 @dataclass
-class _Pending:
-    change: Callable[[Checkpoint], object]
+class _Pending(Generic[R]):
+    change: Callable[[Checkpoint], R]
     durable: bool
     done: bool = False
     error: BaseException | None = None
-    result: Checkpoint | None = field(default=None, repr=False)
+    outcome: R = field(init=False, repr=False)  # set once the change ran
 
 
 class NodeLedger:
@@ -43,7 +52,7 @@ class NodeLedger:
         self.store = store
         self.lock = lock
         self._rebuild = rebuild
-        self._queue: list[_Pending] = []
+        self._queue: list[_Pending[Any]] = []
         self._queue_lock = threading.Lock()
         self._writer = threading.Lock()  # held by the leader of one group write
 
@@ -69,12 +78,12 @@ class NodeLedger:
         with self.lock.held():
             return self.load_locked(shared=True)
 
-    def commit(self, change: Callable[[Checkpoint], object], durable: bool = True) -> Checkpoint:
-        """Apply ``change`` and return once it is written (and durable, unless ``durable=False``); the
-        checkpoint as written (read it only).
+    def commit(self, change: Callable[[Checkpoint], R], durable: bool = True) -> R:
+        """Apply ``change`` and return what it returned once it is written (and durable, unless
+        ``durable=False``).
 
         ``change`` runs under the node lock, with the changes of the other callers that arrived
-        together; it may check the checkpoint and raise, and returns :data:`UNCHANGED` if it changed
+        together; it may check the checkpoint and raise, and returns an :class:`Unchanged` if it changed
         nothing. An exception from ``change`` itself is raised to its caller only; the other changes of
         the group are still written. A failed write is raised to every caller of the group.
 
@@ -91,10 +100,9 @@ class NodeLedger:
                 self._write_group(group)
         if mine.error is not None:
             raise mine.error
-        assert mine.result is not None
-        return mine.result
+        return mine.outcome
 
-    def _write_group(self, group: list[_Pending]) -> None:
+    def _write_group(self, group: list[_Pending[Any]]) -> None:
         try:
             changed = False
             durable = any(pending.durable for pending in group)
@@ -102,7 +110,8 @@ class NodeLedger:
                 cp = self.load_locked()
                 for pending in group:
                     try:
-                        changed = pending.change(cp) is not UNCHANGED or changed
+                        pending.outcome = pending.change(cp)
+                        changed = not isinstance(pending.outcome, Unchanged) or changed
                     except Exception as exc:
                         pending.error = exc
                 if changed:
@@ -121,5 +130,4 @@ class NodeLedger:
                 pending.done = True
             raise
         for pending in group:
-            pending.result = cp
             pending.done = True

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from functools import partial
 
 from driver.gpu.claim.claimplan import ClaimPlan
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
@@ -103,7 +104,7 @@ class MigRuntime:
     def _create(self, uid: str, index: int, dev: PreparedDeviceRecord, intent: DynamicMigRecord,
                 deadline: Deadline | None) -> CreatedMig:
         """Commit ``create_started`` (durably), create, commit what was created; the claim's daemons follow it."""
-        self._ledger.commit(lambda cp: _change_device(cp, uid, index, _started))
+        self._ledger.commit(partial(_change_device, uid=uid, index=index, change=_started))
         self.before_create()
         try:
             made = self.partitioner.create(dev.gpu_uuid, intent.profile_info(), intent.placement_start, deadline)
@@ -115,7 +116,8 @@ class MigRuntime:
                 self._forget(uid, index)
             raise
         self.changes += 1
-        self._ledger.commit(lambda cp: _change_device(cp, uid, index, lambda d: _created(d, made), move_daemon=True))
+        self._ledger.commit(partial(_change_device, uid=uid, index=index, change=partial(_created, made=made),
+                                    move_daemon=True))
         log.info("MIG device created for a claim", extra={
             "claim_uid": uid, "device": dev.device.device_name, "gpu_uuid": dev.gpu_uuid, "profile": intent.profile,
             "placement_start": intent.placement_start, "gi_id": made.gi_id, "ci_id": made.ci_id,
@@ -221,11 +223,7 @@ class MigRuntime:
     def after_reboot(self) -> None:
         """No MIG instance survives a reboot: forget every recorded id (ids NVML hands out again are someone
         else's until a claim's instance is created again) and every create in progress."""
-        def forget(cp: Checkpoint) -> None:
-            for record in cp.claims.values():
-                for _, dev, _ in dynamic_devices(record):
-                    _forgotten(dev)
-        self._ledger.commit(forget)
+        self._ledger.commit(_forget_instances)
 
     # ----------------------------------------------------------------------------- helpers
 
@@ -233,7 +231,7 @@ class MigRuntime:
         return next((g for g in self._inventory().gpus if g.uuid == uuid), None)
 
     def _forget(self, uid: str, index: int) -> None:
-        self._ledger.commit(lambda cp: _change_device(cp, uid, index, _forgotten))
+        self._ledger.commit(partial(_change_device, uid=uid, index=index, change=_forgotten))
 
     def _listed(self, gpu_uuid: str, deadline: Deadline | None) -> list[MigGpuInstance]:
         """Every GPU instance on the GPU: MIG devices and bare GPU instances (a create cut short, another tool's)."""
@@ -286,6 +284,12 @@ def _change_device(cp: Checkpoint, uid: str, index: int, change: Callable[[Prepa
     if move_daemon and daemon is not None and dev.mig_uuid is not None:
         cp.mps_daemons[daemon.spec.daemon_id] = daemon.model_copy(
             update={"spec": spec_on_instance(daemon.spec, dev.mig_uuid)})
+
+
+def _forget_instances(cp: Checkpoint) -> None:
+    for record in cp.claims.values():
+        for _, dev, _ in dynamic_devices(record):
+            _forgotten(dev)
 
 
 def _started(dev: PreparedDeviceRecord) -> None:

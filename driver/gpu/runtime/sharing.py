@@ -27,6 +27,17 @@ from driver.gpu.claimconfig.choices import TimeSliceInterval
 from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.mps.limits import DriftNotRestored, LimitDrift
 from driver.gpu.mps.model import MpsBusy, MpsDaemonRecord, MpsDaemonSpec, MpsDaemonStopped, MpsNoAnswer
+from driver.gpu.record.changes import (
+    forget_daemon,
+    forget_gpu_settings,
+    forget_mode,
+    forget_plan_timeslice,
+    limits_confirmed,
+    limits_unconfirmed,
+    record_daemon,
+    record_plan_timeslice,
+    remember_mode,
+)
 from driver.gpu.record.checkpoint import Checkpoint, ClaimRecord
 from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.interfaces import ComputeModeControl, DaemonReports, MpsDaemons, ServedClaim, TimeSlices
@@ -52,13 +63,9 @@ class Ledger(Protocol):
         """The current checkpoint, for reading only (it is the ledger's cached copy)."""
         ...
 
-    def commit(self, change: Callable[[Checkpoint], object]) -> Checkpoint:
-        """Apply ``change`` to the current checkpoint under the node lock, save it, return it."""
+    def commit(self, change: Callable[[Checkpoint], None]) -> None:
+        """Apply ``change`` (a change as ``record/ledger.py`` says) under the node lock and save it."""
         ...
-
-
-def _remember_mode(cp: Checkpoint, uuid: str, mode: ComputeMode) -> None:
-    cp.compute_modes.setdefault(uuid, mode)
 
 
 def _same_limits(running: MpsDaemonSpec, wanted: MpsDaemonSpec) -> bool:
@@ -66,15 +73,6 @@ def _same_limits(running: MpsDaemonSpec, wanted: MpsDaemonSpec) -> bool:
     upgrade) or /dev/shm size (its tmpfs is sized once, when mounted) is not worth restarting it under
     the claims it serves; it applies from its next start."""
     return running.model_copy(update={"multi_user": wanted.multi_user, "shm_size": wanted.shm_size}) == wanted
-
-
-def _forget_daemon(cp: Checkpoint, daemon_id: str) -> None:
-    cp.mps_daemons.pop(daemon_id, None)
-    cp.mps_limits_unconfirmed.pop(daemon_id, None)
-
-
-def _forget_mode(cp: Checkpoint, uuid: str) -> None:
-    cp.compute_modes.pop(uuid, None)
 
 
 def _exclusive_users(cp: Checkpoint, gpu_uuid: str, other_than: str) -> list[str]:
@@ -128,7 +126,7 @@ class SharingRuntime:
             if deadline is not None:
                 deadline.check(f"setting the compute mode of {uuid}")
             previous = self.compute_modes.get(uuid, deadline)
-            self._ledger.commit(partial(_remember_mode, uuid=uuid, mode=previous))
+            self._ledger.commit(partial(remember_mode, uuid=uuid, mode=previous))
             if previous == ComputeMode.EXCLUSIVE_PROCESS:
                 continue
             try:
@@ -138,7 +136,7 @@ class SharingRuntime:
                 # not set it again for nothing. If the mode cannot even be read, keep it.
                 with suppress(ComputeModeError):
                     if self.compute_modes.get(uuid) == previous:
-                        self._ledger.commit(partial(_forget_mode, uuid=uuid))
+                        self._ledger.commit(partial(forget_mode, uuid=uuid))
                 raise
             log.info("compute mode set for MPS", extra={"gpu_uuid": uuid, "previous": previous.value})
 
@@ -167,7 +165,7 @@ class SharingRuntime:
                 log.warning("MPS daemon for plan shares started single-user: it serves one Linux UID at a time, "
                             "a client of another UID waits until the first UID's clients finish (mpsMultiUser=false)",
                             extra={"daemon_id": spec.daemon_id, "gpu_uuids": spec.gpu_uuids})
-        self._ledger.commit(lambda cp: cp.mps_daemons.__setitem__(spec.daemon_id, record))
+        self._ledger.commit(partial(record_daemon, daemon_id=spec.daemon_id, record=record))
         return record
 
     # ----------------------------------------------------------------------------- unprepare
@@ -194,7 +192,7 @@ class SharingRuntime:
         if previous != ComputeMode.EXCLUSIVE_PROCESS:
             self.compute_modes.set(uuid, previous)
             log.info("compute mode restored", extra={"gpu_uuid": uuid, "mode": previous.value})
-        self._ledger.commit(partial(_forget_mode, uuid=uuid))
+        self._ledger.commit(partial(forget_mode, uuid=uuid))
 
     def stop_daemon(self, daemon_id: str, deadline: Deadline | None = None) -> None:
         daemon = self._ledger.read().mps_daemons.get(daemon_id)
@@ -203,7 +201,7 @@ class SharingRuntime:
             return
         self.mps.stop(daemon, deadline)
         self.confirmations.forget(daemon_id)
-        self._ledger.commit(partial(_forget_daemon, daemon_id=daemon_id))
+        self._ledger.commit(partial(forget_daemon, daemon_id=daemon_id))
 
     # ----------------------------------------------------------------------------- recovery and rescans
 
@@ -261,7 +259,7 @@ class SharingRuntime:
                 if drift:
                     self._report(partial(self.reports.limits_reverted, daemon_id, drift, self._served_by(daemon_id)))
                 if self.confirmations.confirmed(daemon_id):
-                    self._ledger.commit(lambda cp: cp.mps_limits_unconfirmed.pop(daemon_id, None))
+                    self._ledger.commit(partial(limits_confirmed, daemon_id=daemon_id))
                     self._report(partial(self.reports.limits_confirmed, daemon_id, self._served_by(daemon_id)))
                 return daemon
         try:
@@ -277,9 +275,9 @@ class SharingRuntime:
         if running == daemon:
             return daemon
         if self.confirmations.confirmed(daemon_id):  # restarted: its limits were set and read back
-            self._ledger.commit(lambda cp: cp.mps_limits_unconfirmed.pop(daemon_id, None))
+            self._ledger.commit(partial(limits_confirmed, daemon_id=daemon_id))
             self._report(partial(self.reports.limits_confirmed, daemon_id, self._served_by(daemon_id)))
-        self._ledger.commit(lambda cp: cp.mps_daemons.__setitem__(daemon_id, running))
+        self._ledger.commit(partial(record_daemon, daemon_id=daemon_id, record=running))
         self._report(partial(self.reports.daemon_restarted, daemon_id, self._served_by(daemon_id)))
         return running
 
@@ -289,7 +287,7 @@ class SharingRuntime:
         reason = self.confirmations.drifted(daemon_id) or ""
         if first:
             since = datetime.now(UTC).isoformat(timespec="seconds")
-            self._ledger.commit(lambda cp: cp.mps_limits_unconfirmed.__setitem__(daemon_id, f"since {since}: {reason}"))
+            self._ledger.commit(partial(limits_unconfirmed, daemon_id=daemon_id, why=f"since {since}: {reason}"))
         served = self._served_by(daemon_id)
         new = set(self.confirmations.not_yet_told(daemon_id, [c.uid for c in served]))
         self._report(partial(self.reports.limits_unconfirmed, daemon_id, reason,
@@ -341,19 +339,15 @@ class SharingRuntime:
         current = self.compute_modes.get(uuid)
         if uuid not in self._ledger.read().compute_modes:
             previous = ComputeMode.DEFAULT if rebuilt and current == ComputeMode.EXCLUSIVE_PROCESS else current
-            self._ledger.commit(lambda cp: cp.compute_modes.setdefault(uuid, previous))
+            self._ledger.commit(partial(remember_mode, uuid=uuid, mode=previous))
         if current != ComputeMode.EXCLUSIVE_PROCESS:
             self.compute_modes.set(uuid, ComputeMode.EXCLUSIVE_PROCESS)
 
     def after_reboot(self) -> None:
         """GPU settings do not survive a reboot (NVML: the compute mode "always resets to Default"):
         forget the plan's time slices and the modes recorded before it, re-apply each claim's time slice."""
-        def forget(cp: Checkpoint) -> None:
-            cp.plan_timeslices.clear()
-            for uuid in cp.compute_modes:
-                cp.compute_modes[uuid] = ComputeMode.DEFAULT
-        cp = self._ledger.commit(forget)
-        for record in cp.claims.values():
+        self._ledger.commit(forget_gpu_settings)
+        for record in self._ledger.read().claims.values():
             if record.timeslice is not None:
                 ts = record.timeslice
                 self._best_effort(f"re-applying the time slice of claim {record.uid}",
@@ -366,16 +360,16 @@ class SharingRuntime:
                    for r in self._ledger.read().claims.values()):
                 # A claim on the GPU, published whole again, set its own time slice (a reset left to
                 # a later rescan comes after it): keep the claim's, forget only the plan's record.
-                self._ledger.commit(lambda cp: cp.plan_timeslices.pop(uuid, None))
+                self._ledger.commit(partial(forget_plan_timeslice, uuid=uuid))
                 return True
             done = self._best_effort(f"resetting the time slice of GPU {uuid}", partial(self.timeslicer.reset, [uuid]))
             if done:
-                self._ledger.commit(lambda cp: cp.plan_timeslices.pop(uuid, None))
+                self._ledger.commit(partial(forget_plan_timeslice, uuid=uuid))
             return done
         done = self._best_effort(f"setting the plan's time slice on GPU {uuid}",
                                  partial(self.timeslicer.apply, [uuid], interval))
         if done:
-            self._ledger.commit(lambda cp: cp.plan_timeslices.__setitem__(uuid, interval))
+            self._ledger.commit(partial(record_plan_timeslice, uuid=uuid, interval=interval))
         return done
 
     @staticmethod

@@ -9,6 +9,7 @@ The node is ``tests/support/dynamicmignode.py``: the ``dynamic-mig`` layout with
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from driver.gpu.claim.claimrecord import started_record
 from driver.gpu.discovery.inventory import MigProfileInfo
 from driver.gpu.errors import PrepareError
 from driver.gpu.published.devices import make_view
-from driver.gpu.record.checkpoint import ClaimPhase
+from driver.gpu.record.checkpoint import Checkpoint, ClaimPhase, ClaimRecord
 from driver.gpu.runtime.mig import CreatedMig, MigCreateError, MigError
 from driver.gpu.runtime.migclaims import own_instances
 from driver.gpu.state import DeviceState
@@ -174,6 +175,10 @@ def test_a_failed_daemon_start_destroys_the_instance_it_was_for(node: DynamicMig
 # ----------------------------------------------------------------------------- crashes, restarts and reboots
 
 
+def _put_claim(cp: Checkpoint, record: ClaimRecord) -> None:
+    cp.claims[record.uid] = record
+
+
 def _crash_mid_create(node: DynamicMigNode, state: DeviceState, *, create_started: bool, bare: bool = False) -> None:
     """Leave what a kill -9 inside the create leaves: the PrepareStarted record (``create_started`` as given) and
     the GPU instance NVML had made (with ``bare``, without its compute instance: the engine is told to fail the
@@ -183,7 +188,7 @@ def _crash_mid_create(node: DynamicMigNode, state: DeviceState, *, create_starte
     record = started_record(plan, state.names, "node-a", None, "now")
     assert record.devices[0].dynamic_mig is not None
     record.devices[0].dynamic_mig.create_started = create_started
-    state.ledger.commit(lambda cp: cp.claims.__setitem__("u1", record))
+    state.ledger.commit(partial(_put_claim, record=record))
     three_g = {p.name: p for p in node.gpu().mig_profiles}["3g.40gb"]
     if bare:
         node.engine.inject_failure("create-ci", placement=4)

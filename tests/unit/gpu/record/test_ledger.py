@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
 
+from driver.gpu.record.changes import record_plan_timeslice
 from driver.gpu.record.checkpoint import Checkpoint, CheckpointStore
-from driver.gpu.record.ledger import NodeLedger
+from driver.gpu.record.ledger import NodeLedger, Unchanged
 from driver.kubeletplugin.nodelock import NodeLock
 
 
@@ -41,15 +44,31 @@ def _ledger(tmp_path: Path) -> tuple[NodeLedger, CountingStore]:
 
 
 def _mark(key: str) -> Callable[[Checkpoint], None]:
-    return lambda cp: cp.plan_timeslices.__setitem__(key, "Short")
+    return partial(record_plan_timeslice, uuid=key, interval="Short")
+
+
+@dataclass(frozen=True)
+class _Found(Unchanged):
+    keys: list[str]
+
+
+def _look(cp: Checkpoint) -> _Found:
+    return _Found(sorted(cp.plan_timeslices))
 
 
 def test_one_commit_is_written_and_on_disk_when_it_returns(tmp_path: Path) -> None:
     ledger, store = _ledger(tmp_path)
-    written = ledger.commit(_mark("GPU-a"))
+    ledger.commit(_mark("GPU-a"))
     assert store.saves == [{"GPU-a"}]
-    assert set(written.plan_timeslices) == {"GPU-a"}
+    assert set(ledger.read().plan_timeslices) == {"GPU-a"}
     assert set(CheckpointStore(store.path).load().plan_timeslices) == {"GPU-a"}, "read back by another reader"
+
+
+def test_a_change_that_changed_nothing_returns_what_it_found_and_writes_nothing(tmp_path: Path) -> None:
+    ledger, store = _ledger(tmp_path)
+    ledger.commit(_mark("GPU-a"))
+    assert ledger.commit(_look) == _Found(["GPU-a"])
+    assert store.saves == [{"GPU-a"}], "no second write"
 
 
 def test_changes_that_arrive_during_a_write_share_the_next_write(tmp_path: Path) -> None:
