@@ -133,7 +133,7 @@ def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[st
                 "claim's unprepare had begun); the kubelet's retried unprepare finishes it")
         edits = client_edits(daemon, MPS_CONTAINER_PIPE_DIR, src.mps_shm_dir)
         env.extend(edits.env)
-        mounts.extend({"hostPath": str(h), "containerPath": c, "options": list(o)} for h, c, o in edits.mounts)
+        mounts.extend(m.model_dump(mode="json", by_alias=True, exclude_defaults=True) for m in edits.mounts)
         annotations[names.annotation("mps-daemon")] = dev.mps_daemon_id
         # What the daemon was started with: a checkpoint rebuilt from the specs can adopt it again (rebuild.py).
         annotations[names.annotation("mps-daemon-spec")] = daemon.spec.model_dump_json()
