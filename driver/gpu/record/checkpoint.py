@@ -109,6 +109,10 @@ class ClaimRecord(_Record):
         return {d.gpu_uuid for d in self.devices}
 
     @property
+    def mps_daemon_ids(self) -> list[str]:
+        return [*self.owned_mps_daemons, *self.shared_mps_daemons]
+
+    @property
     def held_layout_keys(self) -> set[str]:
         """GPUs and MIG instances whose published form the claim depends on (layout keys): its admin-access
         devices depend on none (their CDI edits are the device nodes only), so a monitoring claim never pins a
@@ -132,6 +136,10 @@ class Checkpoint(_Record):
     # MPS daemons whose limits could not be read back for longer than the watch interval (a client holds
     # the control socket), with since when and why: `inspect` shows them; removed once confirmed again.
     mps_limits_unconfirmed: dict[str, str] = Field(default_factory=dict)
+
+    def claims_using(self, daemon_id: str) -> list[ClaimRecord]:
+        """The claims the MPS daemon serves: those that started it for themselves or hold a reference on it."""
+        return [c for c in self.claims.values() if daemon_id in c.mps_daemon_ids]
 
 
 def _working_copy(checkpoint: Checkpoint) -> Checkpoint:

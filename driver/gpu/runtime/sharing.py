@@ -179,7 +179,7 @@ class SharingRuntime:
             self.stop_daemon(daemon_id, deadline)
         for daemon_id in record.shared_mps_daemons:
             cp = self._ledger.read()
-            if not any(c.uid != record.uid and daemon_id in c.shared_mps_daemons for c in cp.claims.values()):
+            if not any(c.uid != record.uid for c in cp.claims_using(daemon_id)):
                 self.stop_daemon(daemon_id, deadline)
         if record.timeslice is not None:
             self.timeslicer.reset(record.timeslice.gpu_uuids)
@@ -210,7 +210,7 @@ class SharingRuntime:
     def ensure_claim_daemons(self, record: ClaimRecord) -> list[str]:
         """Adopt the claim's live daemons, restart dead ones. Returns the restarted ids."""
         restarted: list[str] = []
-        for daemon_id in [*record.owned_mps_daemons, *record.shared_mps_daemons]:
+        for daemon_id in record.mps_daemon_ids:
             if self.check_daemon(daemon_id):
                 restarted.append(daemon_id)
         return restarted
@@ -296,8 +296,7 @@ class SharingRuntime:
                              [c for c in served if c.uid in new], first))
 
     def _served_by(self, daemon_id: str) -> list[ClaimRecord]:
-        return [c for c in self._ledger.read().claims.values()
-                if daemon_id in (*c.owned_mps_daemons, *c.shared_mps_daemons)]
+        return self._ledger.read().claims_using(daemon_id)
 
     @staticmethod
     def _report(report: Callable[[], None]) -> None:
@@ -311,7 +310,7 @@ class SharingRuntime:
         """Stop daemons no claim refers to, recorded or only left on disk."""
         removed: list[str] = []
         cp = self._ledger.read()
-        referenced = {d for r in cp.claims.values() for d in (*r.owned_mps_daemons, *r.shared_mps_daemons)}
+        referenced = {d for r in cp.claims.values() for d in r.mps_daemon_ids}
         for daemon_id in sorted(set(cp.mps_daemons) - referenced):
             if self._best_effort(f"stopping orphan MPS daemon {daemon_id}", partial(self.stop_daemon, daemon_id)):
                 removed.append(f"mps daemon {daemon_id}")

@@ -263,6 +263,17 @@ def test_claim_record_lists_its_gpus() -> None:
     assert _claim().gpu_uuids == {GPU}
 
 
+def test_a_daemons_claims_are_those_that_started_it_or_share_it() -> None:
+    cp = _checkpoint("own", "share-a", "share-b", "none")
+    cp.claims["own"].owned_mps_daemons.append("claim-1")
+    cp.claims["share-a"].shared_mps_daemons.append("plan-1")
+    cp.claims["share-b"].shared_mps_daemons.append("plan-1")
+    assert cp.claims["own"].mps_daemon_ids == ["claim-1"]
+    assert [c.uid for c in cp.claims_using("claim-1")] == ["own"]
+    assert [c.uid for c in cp.claims_using("plan-1")] == ["share-a", "share-b"]
+    assert cp.claims_using("plan-2") == []
+
+
 def test_a_second_corruption_in_the_same_second_keeps_the_first_evidence(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path / "checkpoint.json")
     for content in ("{first", "{second"):
