@@ -31,6 +31,7 @@ from driver.gpu.published.targets import NodeView
 from driver.gpu.record.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord
 from driver.kubeletplugin.claimstatus import Condition, DeviceStatus
 from driver.kubeletplugin.types import ClaimRef
+from driver.units import api_time
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def claim_statuses(record: ClaimRecord | None, daemons: Mapping[str, MpsDaemonRe
 
 def _rfc3339(text: str) -> str | None:
     try:
-        return datetime.fromisoformat(text).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return api_time(datetime.fromisoformat(text))
     except ValueError:
         return None
 
@@ -75,7 +76,7 @@ def _healthy(problem: DeviceCondition | None, prepared: str | None) -> Condition
         return Condition("Healthy", True, "Healthy", "no health event reported for this device's GPU", since=prepared)
     reason = _NOT_REASON.sub("", problem.reason) or "Unhealthy"
     return Condition("Healthy", False, reason if reason[0].isalpha() else "Unhealthy" + reason, problem.message,
-                     since=datetime.fromtimestamp(problem.since, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                     since=api_time(datetime.fromtimestamp(problem.since, UTC)))
 
 
 def device_data(record: ClaimRecord, device: PreparedDeviceRecord, daemons: Mapping[str, MpsDaemonRecord],
@@ -167,7 +168,7 @@ class ClaimStatusSource:
         with self._lock:
             before = self._restored.get(claim_uid)
             self._restored[claim_uid] = Restored((before.count if before else 0) + 1,
-                                                 datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                                                 api_time())
 
     def prepared_claims(self) -> list[ClaimRef]:
         return [ClaimRef(namespace=r.namespace, name=r.name, uid=r.uid) for r in self._checkpoint().claims.values()

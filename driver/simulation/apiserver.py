@@ -30,7 +30,6 @@ import json
 import threading
 import uuid
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
@@ -56,6 +55,7 @@ from driver.simulation.apiwatch import EventLog
 from driver.simulation.applypatch import apply_device_status, device_status_errors, status_refused
 from driver.simulation.capacitypolicy import consumable_enabled
 from driver.simulation.counterrules import partitionable_enabled
+from driver.units import api_time
 
 
 class FakeApiServer:
@@ -263,7 +263,7 @@ class FakeApiServer:
             if resource.namespaced:
                 meta["namespace"] = namespace
             meta.setdefault("uid", str(uuid.uuid4()))
-            meta["creationTimestamp"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            meta["creationTimestamp"] = api_time()
             meta["resourceVersion"] = str(self._next_rv())
             obj["apiVersion"], obj["kind"] = resource.api_version, resource.kind
             self._store[plural][(namespace, name)] = obj

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import suppress
-from datetime import UTC, datetime
 from functools import partial
 from typing import Protocol
 
@@ -32,6 +31,7 @@ from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.interfaces import ComputeModeControl, DaemonReports, MpsDaemons, ServedClaim, TimeSlices
 from driver.gpu.runtime.limitconfirm import LimitConfirmations
 from driver.kubeletplugin.types import Deadline
+from driver.units import now
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ class SharingRuntime:
         each claim the daemon serves that was not told yet (a joining claim included)."""
         reason = self.confirmations.drifted(daemon_id) or ""
         if first:
-            since = datetime.now(UTC).isoformat(timespec="seconds")
+            since = now()
             self._ledger.commit(lambda cp: cp.mps_limits_unconfirmed.__setitem__(daemon_id, f"since {since}: {reason}"))
         served = self._served_by(daemon_id)
         new = set(self.confirmations.not_yet_told(daemon_id, [c.uid for c in served]))
