@@ -97,7 +97,7 @@ def device_data(record: ClaimRecord, device: PreparedDeviceRecord, daemons: Mapp
     memory = target.memory_bytes if target is not None else (gpu.memory_bytes if gpu is not None else None)
     if memory:
         # A share's own limits are under "sharing"; its memory here is the whole GPU's.
-        data["gpuMemory" if device.kind in ("mps", "timeslice", "consumable") else "memory"] = \
+        data["gpuMemory" if device.kind.is_share else "memory"] = \
             quantity_from_bytes(memory)
     if device.admin_access:
         data["adminAccess"] = True

@@ -1,9 +1,26 @@
-"""The enumerated values users choose from in claims and in the node sharing plan: time-slice intervals and
-who may be an MPS client."""
+"""The enumerated values users choose from in claims and in the node sharing plan: device kinds, time-slice
+intervals and who may be an MPS client."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal
+
+
+class DeviceKind(StrEnum):
+    """A device's ``type`` attribute, which DeviceClasses and claims select on; kept so in checkpoints and specs."""
+
+    GPU = "gpu"
+    MIG = "mig"
+    MPS = "mps"
+    TIMESLICE = "timeslice"
+    CONSUMABLE = "consumable"
+
+    @property
+    def is_share(self) -> bool:
+        """A share of a GPU (or MIG instance): its limits come from the node's sharing plan or its consumed capacity."""
+        return self in (DeviceKind.MPS, DeviceKind.TIMESLICE, DeviceKind.CONSUMABLE)
+
 
 TimeSliceInterval = Literal["Default", "Short", "Medium", "Long"]
 

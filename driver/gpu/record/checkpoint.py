@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cdi.atomicswap import SwappedFile
-from driver.gpu.claimconfig.choices import MpsClients, TimeSliceInterval
+from driver.gpu.claimconfig.choices import DeviceKind, MpsClients, TimeSliceInterval
 from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.mps.model import MpsDaemonRecord
 from driver.gpu.published.sharelayout import Enforcement, GpuShares
@@ -49,7 +49,7 @@ class PreparedDeviceRecord(_Record):
     """One allocated device and everything needed to rebuild its CDI edits after a reboot."""
 
     device: PreparedDevice
-    kind: str  # gpu | mig | mps | timeslice | consumable
+    kind: DeviceKind
     gpu_uuid: str  # the physical GPU
     gpu_minor: int
     mig_uuid: str | None = None
@@ -71,7 +71,7 @@ class PreparedDeviceRecord(_Record):
     def layout_key(self) -> str:
         """The sharing layout's key for the form this device was published in: a share of a MIG instance is
         keyed by the instance's MIG UUID, everything else (a dynamic MIG device too) by its GPU's UUID."""
-        if self.kind in ("mps", "timeslice") and self.mig_uuid is not None:
+        if self.kind in (DeviceKind.MPS, DeviceKind.TIMESLICE) and self.mig_uuid is not None:
             return self.mig_uuid
         return self.gpu_uuid
 
