@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cdi.atomicfile import write_atomic
+from driver.gpu.claimconfig.choices import SHARE_KINDS
 from driver.gpu.health.published import DeviceCondition
 from driver.gpu.mps.model import MpsDaemonRecord
 from driver.gpu.published.devices import quantity_from_bytes
@@ -97,7 +98,7 @@ def device_data(record: ClaimRecord, device: PreparedDeviceRecord, daemons: Mapp
     memory = target.memory_bytes if target is not None else (gpu.memory_bytes if gpu is not None else None)
     if memory:
         # A share's own limits are under "sharing"; its memory here is the whole GPU's.
-        data["gpuMemory" if device.kind.is_share else "memory"] = \
+        data["gpuMemory" if device.kind in SHARE_KINDS else "memory"] = \
             quantity_from_bytes(memory)
     if device.admin_access:
         data["adminAccess"] = True

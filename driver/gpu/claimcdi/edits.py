@@ -22,7 +22,7 @@ import cdi
 from driver.gpu.claimcdi import assemble
 from driver.gpu.claimcdi.kernelmemory import hook_edits
 from driver.gpu.claimcdi.toolkit import ToolkitEdits
-from driver.gpu.claimconfig.choices import DeviceKind
+from driver.gpu.claimconfig.choices import SHARE_KINDS, DeviceKind
 from driver.gpu.errors import PrepareError
 from driver.gpu.host.hostfs import (
     MIG_MONITOR,
@@ -155,7 +155,7 @@ def _shares_form(dev: PreparedDeviceRecord) -> bool:
     # spec, so a rebuilt checkpoint publishes it the same way while the claim runs.
     # An admin-access device gets device nodes only (no MPS settings, no memory hook) and does not pin
     # its GPU's form (ClaimRecord.held_layout_keys). A dynamic MIG device's GPU keeps its DynamicMig form.
-    return (dev.kind.is_share or dev.dynamic_mig is not None) and not dev.admin_access
+    return (dev.kind in SHARE_KINDS or dev.dynamic_mig is not None) and not dev.admin_access
 
 
 def _mig_gpu(dev: PreparedDeviceRecord, form: GpuShares | None) -> bool:

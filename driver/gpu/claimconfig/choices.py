@@ -16,10 +16,9 @@ class DeviceKind(StrEnum):
     TIMESLICE = "timeslice"
     CONSUMABLE = "consumable"
 
-    @property
-    def is_share(self) -> bool:
-        """A share of a GPU (or MIG instance): its limits come from the node's sharing plan or its consumed capacity."""
-        return self in (DeviceKind.MPS, DeviceKind.TIMESLICE, DeviceKind.CONSUMABLE)
+
+# Shares of a GPU (or MIG instance): their limits come from the node's sharing plan or the capacity they consumed.
+SHARE_KINDS = (DeviceKind.MPS, DeviceKind.TIMESLICE, DeviceKind.CONSUMABLE)
 
 
 TimeSliceInterval = Literal["Default", "Short", "Medium", "Long"]

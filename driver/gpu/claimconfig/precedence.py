@@ -21,7 +21,7 @@ from driver.gpu.claimconfig.api import (
     join_problems,
     parse_config,
 )
-from driver.gpu.claimconfig.choices import DeviceKind
+from driver.gpu.claimconfig.choices import SHARE_KINDS, DeviceKind
 from driver.kubeletplugin.claimmodel import DeviceAllocationConfiguration, DeviceRequestAllocationResult
 
 _SOURCE_LABELS = {"FromClass": "class config", "FromClaim": "claim config"}
@@ -130,7 +130,7 @@ def _winner(entries: list[_Entry], result: DeviceRequestAllocationResult, kind: 
                     f"{entry.origin}: {entry.config.kind} cannot configure {what}; use {wanted.__name__} for it"
                 )
             continue  # a catch-all entry of another kind is meant for the claim's other devices
-        if kind.is_share and isinstance(entry.config, GpuConfig) and entry.config.sharing is not None:
+        if kind in SHARE_KINDS and isinstance(entry.config, GpuConfig) and entry.config.sharing is not None:
             raise ConfigError(
                 f"{entry.origin}: GpuConfig.sharing cannot be applied to {what}: a share's limits come from "
                 "the node's sharing plan (a consumable share's from the capacity it consumed). To choose your "

@@ -175,11 +175,8 @@ class SharingRuntime:
     def release_claim(self, record: ClaimRecord, deadline: Deadline | None = None) -> None:
         """Stop what only this claim needed; every step is idempotent. Daemon stops share ``deadline``
         (a rollback's budget), each still ending its daemon with SIGKILL once it has passed."""
-        for daemon_id in record.owned_mps_daemons:
-            self.stop_daemon(daemon_id, deadline)
-        for daemon_id in record.shared_mps_daemons:
-            cp = self._ledger.read()
-            if not any(c.uid != record.uid for c in cp.claims_using(daemon_id)):
+        for daemon_id in record.mps_daemon_ids:
+            if not any(c.uid != record.uid for c in self._ledger.read().claims_using(daemon_id)):
                 self.stop_daemon(daemon_id, deadline)
         if record.timeslice is not None:
             self.timeslicer.reset(record.timeslice.gpu_uuids)
