@@ -98,8 +98,7 @@ def device_data(record: ClaimRecord, device: PreparedDeviceRecord, daemons: Mapp
     memory = target.memory_bytes if target is not None else (gpu.memory_bytes if gpu is not None else None)
     if memory:
         # A share's own limits are under "sharing"; its memory here is the whole GPU's.
-        data["gpuMemory" if device.kind in SHARE_KINDS else "memory"] = \
-            quantity_from_bytes(memory)
+        data["gpuMemory" if device.kind in SHARE_KINDS else "memory"] = quantity_from_bytes(memory)
     if device.admin_access:
         data["adminAccess"] = True
     sharing = _sharing(record, device, daemons, view, restored)
@@ -168,8 +167,7 @@ class ClaimStatusSource:
     def limits_restored(self, claim_uid: str) -> None:
         with self._lock:
             before = self._restored.get(claim_uid)
-            self._restored[claim_uid] = Restored((before.count if before else 0) + 1,
-                                                 api_time())
+            self._restored[claim_uid] = Restored((before.count if before else 0) + 1, api_time())
 
     def prepared_claims(self) -> list[ClaimRef]:
         return [ClaimRef(namespace=r.namespace, name=r.name, uid=r.uid) for r in self._checkpoint().claims.values()

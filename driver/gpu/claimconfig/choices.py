@@ -8,7 +8,7 @@ from typing import Literal
 
 
 class DeviceKind(StrEnum):
-    """A device's ``type`` attribute, which DeviceClasses and claims select on; kept so in checkpoints and specs."""
+    """A device's ``type`` attribute, which DeviceClasses and claims select on; checkpoints and specs hold its value."""
 
     GPU = "gpu"
     MIG = "mig"
