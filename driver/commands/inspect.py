@@ -60,14 +60,13 @@ def collect(settings: Settings) -> dict[str, Any]:
             "timeslice": record.timeslice.model_dump() if record.timeslice else None,
             "exclusive_gpus": list(record.exclusive_gpus),
             "mps_clients": record.mps_clients, "mps_enforcement": record.mps_enforcement,
-            "mps_limits_unconfirmed": sorted(d for d in (*record.owned_mps_daemons, *record.shared_mps_daemons)
-                                             if d in cp.mps_limits_unconfirmed),
+            "mps_limits_unconfirmed": sorted(d for d in record.mps_daemon_ids if d in cp.mps_limits_unconfirmed),
         })
         if not spec_path.exists() and record.phase.value == "PrepareCompleted":
             report["problems"].append(f"claim {record.uid}: CDI spec {spec_path} is missing (the driver re-creates "
                                       "it at start; restart the plugin pod if containers fail to start)")
     for daemon_id, daemon in sorted(cp.mps_daemons.items()):
-        users = [r.uid for r in cp.claims.values() if daemon_id in (*r.owned_mps_daemons, *r.shared_mps_daemons)]
+        users = [r.uid for r in cp.claims_using(daemon_id)]
         alive = is_same_process(daemon.pid, daemon.process_start_time)
         report["mps_daemons"].append({"id": daemon_id, "pid": daemon.pid, "pid_alive": alive,
                                       "gpus": daemon.spec.gpu_uuids,

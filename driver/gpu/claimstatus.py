@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cdi.atomicfile import write_atomic
+from driver.gpu.claimconfig.choices import SHARE_KINDS
 from driver.gpu.health.published import DeviceCondition
 from driver.gpu.mps.model import MpsDaemonRecord
 from driver.gpu.published.devices import quantity_from_bytes
@@ -30,6 +31,7 @@ from driver.gpu.published.sharelayout import Enforcement
 from driver.gpu.published.targets import NodeView
 from driver.gpu.record.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord
 from driver.kubeletplugin.claimstatus import Condition, DeviceStatus
+from driver.kubeletplugin.kubeclient import api_time
 from driver.kubeletplugin.types import ClaimRef
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ def claim_statuses(record: ClaimRecord | None, daemons: Mapping[str, MpsDaemonRe
 
 def _rfc3339(text: str) -> str | None:
     try:
-        return datetime.fromisoformat(text).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return api_time(datetime.fromisoformat(text))
     except ValueError:
         return None
 
@@ -75,7 +77,7 @@ def _healthy(problem: DeviceCondition | None, prepared: str | None) -> Condition
         return Condition("Healthy", True, "Healthy", "no health event reported for this device's GPU", since=prepared)
     reason = _NOT_REASON.sub("", problem.reason) or "Unhealthy"
     return Condition("Healthy", False, reason if reason[0].isalpha() else "Unhealthy" + reason, problem.message,
-                     since=datetime.fromtimestamp(problem.since, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+                     since=api_time(datetime.fromtimestamp(problem.since, UTC)))
 
 
 def device_data(record: ClaimRecord, device: PreparedDeviceRecord, daemons: Mapping[str, MpsDaemonRecord],
@@ -96,8 +98,7 @@ def device_data(record: ClaimRecord, device: PreparedDeviceRecord, daemons: Mapp
     memory = target.memory_bytes if target is not None else (gpu.memory_bytes if gpu is not None else None)
     if memory:
         # A share's own limits are under "sharing"; its memory here is the whole GPU's.
-        data["gpuMemory" if device.kind in ("mps", "timeslice", "consumable") else "memory"] = \
-            quantity_from_bytes(memory)
+        data["gpuMemory" if device.kind in SHARE_KINDS else "memory"] = quantity_from_bytes(memory)
     if device.admin_access:
         data["adminAccess"] = True
     sharing = _sharing(record, device, daemons, view, restored)
@@ -166,8 +167,7 @@ class ClaimStatusSource:
     def limits_restored(self, claim_uid: str) -> None:
         with self._lock:
             before = self._restored.get(claim_uid)
-            self._restored[claim_uid] = Restored((before.count if before else 0) + 1,
-                                                 datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            self._restored[claim_uid] = Restored((before.count if before else 0) + 1, api_time())
 
     def prepared_claims(self) -> list[ClaimRef]:
         return [ClaimRef(namespace=r.namespace, name=r.name, uid=r.uid) for r in self._checkpoint().claims.values()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from driver.gpu.published.targets import drop_unfit
 from driver.gpu.record.changes import forget_claim, record_boot, record_daemon
 from driver.gpu.record.checkpoint import Checkpoint, CheckpointCorrupt, ClaimPhase, current_boot_id
 from driver.gpu.state import DeviceState
+from driver.units import now
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def recover(state: DeviceState) -> RecoveryReport:
         except CheckpointCorrupt:
             loaded = None
         if loaded is None or _rebuild_interrupted(ledger.store.path) or _checkpoint_lost(state):
-            cp = rebuild_checkpoint(state.paths.cdi_root, state.names, state.pool_name, _now())
+            cp = rebuild_checkpoint(state.paths.cdi_root, state.names, state.pool_name, now())
             ledger.store.save(cp)
             report.rebuilt_from_cdi = True
         else:
@@ -160,7 +160,3 @@ def _remove_orphan_files(state: DeviceState) -> list[str]:
             tmp.unlink(missing_ok=True)
             removed.append(f"temporary file {tmp.name}")
     return removed
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")

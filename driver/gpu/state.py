@@ -24,7 +24,6 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path, PurePosixPath
 
@@ -53,6 +52,7 @@ from driver.gpu.runtime.sharing import SharingRuntime
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.nodelock import LockTimeout, NodeLock
 from driver.kubeletplugin.types import DEFAULT_PREPARE_DEADLINE, ClaimRef, Deadline, DeadlineExceeded, PreparedDevice
+from driver.units import now
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +72,6 @@ class StatePaths:
     mps_shm_dir: Path | None  # host directory mounted as /dev/shm for MPS clients
     driver_root: Path | None = None  # where this process sees the driver root; None: the driver is on the host
     driver_root_on_host: PurePosixPath | None = None  # the same root's path on the node
-
-
-def now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 class DeviceState:

@@ -26,12 +26,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
 from driver.kubeletplugin.calls import ClaimRef
-from driver.kubeletplugin.kubeclient import APPLY_PATCH, KubeApiError, KubeClient, request_json
+from driver.kubeletplugin.kubeclient import APPLY_PATCH, KubeApiError, KubeClient, api_time, request_json
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +149,7 @@ class ClaimStatusWriter:
         self._quiet = quiet
         self._max_delay = max_delay
         self._last_mark = 0.0
-        self._clock = clock or (lambda: datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        self._clock = clock or api_time
         self._cond = threading.Condition()
         self._pending: dict[str, _Pending] = {}
         self._busy = False

@@ -21,6 +21,7 @@ import json
 import logging
 import re
 from collections.abc import Iterator, Sequence
+from datetime import UTC, datetime
 from typing import Any, NamedTuple
 from urllib.parse import urlencode
 
@@ -296,3 +297,8 @@ def _decode_event(line: bytes) -> dict[str, Any]:
     if not isinstance(event, dict):
         raise KubeApiError(0, "BadResponse", "watch event is not a JSON object")
     return event
+
+
+def api_time(moment: datetime | None = None) -> str:
+    """``moment`` (default: now) as the Kubernetes API writes times: RFC 3339 in UTC, to the second."""
+    return (moment or datetime.now(UTC)).astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -30,13 +30,12 @@ import json
 import threading
 import uuid
 from collections.abc import Callable, Iterable
-from datetime import UTC, datetime
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 from kubernetes import client
 
-from driver.kubeletplugin.kubeclient import plain_client
+from driver.kubeletplugin.kubeclient import api_time, plain_client
 from driver.simulation.apihttp import handler_for
 from driver.simulation.apiobjects import (
     RESOURCE_API,
@@ -263,7 +262,7 @@ class FakeApiServer:
             if resource.namespaced:
                 meta["namespace"] = namespace
             meta.setdefault("uid", str(uuid.uuid4()))
-            meta["creationTimestamp"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            meta["creationTimestamp"] = api_time()
             meta["resourceVersion"] = str(self._next_rv())
             obj["apiVersion"], obj["kind"] = resource.api_version, resource.kind
             self._store[plural][(namespace, name)] = obj

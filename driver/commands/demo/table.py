@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from driver.gpu.claimconfig.choices import DeviceKind
 from driver.gpu.claimconfig.quantity import parse_quantity
 from driver.units import MIB
 
@@ -41,21 +42,21 @@ def _range(capacity: dict[str, Any], unit: Callable[[str], str]) -> str:
 
 def details(device: dict[str, Any]) -> str:
     kind = attr(device, "type")
-    if kind in ("mps", "timeslice"):
+    if kind in (DeviceKind.MPS, DeviceKind.TIMESLICE):
         threads = attr(device, "activeThreadPercentage")
         # Time-sliced shares have no SM limit: no threads column rather than "threads=-%".
         return " ".join(part for part in (
             f"share {attr(device, 'shareIndex')}/{attr(device, 'shareCount')}",
             f"threads={threads}%" if threads else "",
             f"memory-enforcement={attr(device, 'memoryLimitEnforcement')}") if part)
-    if kind == "consumable":
+    if kind == DeviceKind.CONSUMABLE:
         capacity = device.get("capacity", {})
         return (f"each claim takes memory {_range(capacity.get('memory', {}), mebibytes)}, SMs "
                 f"{_range(capacity.get('multiprocessors', {}), str)}; "
                 f"memory-enforcement={attr(device, 'memoryLimitEnforcement')}")
-    if kind == "gpu":
+    if kind == DeviceKind.GPU:
         return f"uuid={attr(device, 'uuid')}"
-    if kind == "mig":
+    if kind == DeviceKind.MIG:
         return f"parent={attr(device, 'parentUUID')}"
     return ""
 
@@ -74,6 +75,6 @@ def print_slices(slices: list[dict[str, Any]], say: Callable[[str], None]) -> No
         say(f"  {'DEVICE':<24} {'TYPE':<10} {'PRODUCT / PROFILE':<28} {'MEMORY':<10} DETAILS")
         for d in spec.get("devices", []):
             kind = attr(d, "type")
-            what = attr(d, "profile") if kind == "mig" else attr(d, "productName")
+            what = attr(d, "profile") if kind == DeviceKind.MIG else attr(d, "productName")
             memory = mebibytes(d.get("capacity", {}).get("memory", {}).get("value", ""))
             say(f"  {d['name']:<24} {kind:<10} {what:<28} {memory:<10} {details(d)}")

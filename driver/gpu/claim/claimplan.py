@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from driver.gpu.claimcdi.edits import MPS_CONTAINER_PIPE_DIR
 from driver.gpu.claimconfig.api import ConfigError, DeviceConfig, Sharing, resolve_mps_limits
-from driver.gpu.claimconfig.choices import MpsClients, TimeSliceInterval
+from driver.gpu.claimconfig.choices import DeviceKind, MpsClients, TimeSliceInterval
 from driver.gpu.claimconfig.precedence import group_by_config, resolve_configs
 from driver.gpu.discovery.inventory import multi_user_capable
 from driver.gpu.errors import PrepareError
@@ -221,7 +221,7 @@ def _plan_daemons(targets: Sequence[DeviceTarget], multi_user: bool) -> list[Pla
     are the instance's) whose plan MPS shares the claim holds."""
     by_unit: dict[str, list[DeviceTarget]] = {}
     for t in targets:
-        if t.kind == "mps" and t.shares is not None:
+        if t.kind == DeviceKind.MPS and t.shares is not None:
             by_unit.setdefault(t.cuda_uuid, []).append(t)
     daemons: list[PlannedDaemon] = []
     for cuda_uuid, shares in sorted(by_unit.items()):
@@ -243,7 +243,7 @@ def _claim_daemons(uid: str, targets: Sequence[DeviceTarget], groups: ConfigGrou
     daemons: list[PlannedDaemon] = []
     for index, (config, results) in enumerate(groups):
         sharing = config.sharing
-        group = [by_name[r.device] for r in results if by_name[r.device].kind in ("gpu", "mig")]
+        group = [by_name[r.device] for r in results if by_name[r.device].kind in (DeviceKind.GPU, DeviceKind.MIG)]
         if sharing is None or sharing.strategy != "MPS" or not group:
             continue
         uuids = sorted({t.cuda_uuid for t in group})  # two dynamic MIG devices share their GPU's until created
@@ -298,7 +298,7 @@ def _timeslice(targets: Sequence[DeviceTarget], groups: ConfigGroups) -> Planned
         sharing = config.sharing
         if not isinstance(sharing, Sharing) or sharing.strategy != "TimeSlicing":
             continue
-        group = [t for t in (by_name[r.device] for r in results) if t.kind == "gpu" and not t.dynamic_mig]
+        group = [t for t in (by_name[r.device] for r in results) if t.kind == DeviceKind.GPU and not t.dynamic_mig]
         if not group:
             continue
         intervals.add(sharing.timeSlicingConfig.interval if sharing.timeSlicingConfig else "Default")

@@ -20,6 +20,7 @@ from pathlib import Path
 import cdi
 from driver.gpu.claim.claimplan import is_plan_daemon
 from driver.gpu.claimcdi.edits import CdiNames
+from driver.gpu.claimconfig.choices import DeviceKind
 from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.mps.model import MpsDaemonSpec
 from driver.gpu.published.sharelayout import GpuShares
@@ -111,8 +112,8 @@ def _claim_from_spec(path: Path, names: CdiNames, pool_name: str,
             # The same rule as at prepare (claimplan.exclusive_gpus): whole GPUs only, never a MIG parent (nor
             # the GPU of a MIG instance's shares).
             rebuilt = record.devices[-1]
-            if rebuilt.kind in ("gpu", "mps") and rebuilt.dynamic_mig is None and rebuilt.mig_uuid is None \
-                    and gpu_uuid not in record.exclusive_gpus:
+            if rebuilt.kind in (DeviceKind.GPU, DeviceKind.MPS) and rebuilt.dynamic_mig is None \
+                    and rebuilt.mig_uuid is None and gpu_uuid not in record.exclusive_gpus:
                 record.exclusive_gpus.append(gpu_uuid)
         shares = dann.get(names.annotation("shares"))
         if shares:

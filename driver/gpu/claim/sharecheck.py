@@ -9,6 +9,7 @@ the GPU in another form. Runs under the node lock, in the same section that reco
 from __future__ import annotations
 
 from driver.gpu.claim.claimplan import ClaimPlan
+from driver.gpu.claimconfig.choices import DeviceKind
 from driver.gpu.errors import PrepareError
 from driver.gpu.published.consumable import ConsumedShare, HeldShare, check_fits
 from driver.gpu.published.targets import DeviceTarget
@@ -30,7 +31,7 @@ def check_shares_fit(cp: Checkpoint, plan: ClaimPlan) -> None:
                 if d.gpu_uuid != target.gpu.uuid or d.admin_access:  # admin access consumes nothing
                     continue
                 label = f"{other.namespace}/{other.name}"
-                if d.kind == "consumable" and d.consumed_memory_bytes is not None \
+                if d.kind == DeviceKind.CONSUMABLE and d.consumed_memory_bytes is not None \
                         and d.consumed_multiprocessors is not None:
                     held.append(HeldShare(label, ConsumedShare(d.consumed_memory_bytes, d.consumed_multiprocessors,
                                                                0)))
@@ -54,7 +55,7 @@ def check_no_overlap(cp: Checkpoint, plan: ClaimPlan) -> None:
         # of a MIG GPU each have a form of their own (a MIG device, or its shares).
         forms = {(d.gpu_uuid, d.mig_uuid or ("" if d.dynamic_mig is not None else None), d.kind) for d in held}
         for t in held_targets:
-            if t.kind == "consumable":  # shares of a consumable GPU: check_shares_fit
+            if t.kind == DeviceKind.CONSUMABLE:  # shares of a consumable GPU: check_shares_fit
                 continue
             if t.name in taken or any(_other_form(t, instance, kind) for g, instance, kind in forms
                                       if g == t.gpu.uuid):
@@ -64,10 +65,10 @@ def check_no_overlap(cp: Checkpoint, plan: ClaimPlan) -> None:
                     "so its claim is allocated again")
 
 
-def _other_form(t: DeviceTarget, instance: str | None, kind: str) -> bool:
+def _other_form(t: DeviceTarget, instance: str | None, kind: DeviceKind) -> bool:
     """Whether a device of ``t``'s GPU held as ``kind`` on MIG ``instance`` (its MIG UUID; "": a dynamic MIG
     instance not created yet; None: no MIG device or share) stands in ``t``'s way."""
-    if kind == "gpu" or t.kind == "gpu":
+    if DeviceKind.GPU in (kind, t.kind):
         return True
     mine = t.mig.uuid if t.mig is not None else ("" if t.dynamic_mig else None)
     if (instance is None) != (mine is None):

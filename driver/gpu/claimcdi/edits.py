@@ -22,6 +22,7 @@ import cdi
 from driver.gpu.claimcdi import assemble
 from driver.gpu.claimcdi.kernelmemory import hook_edits
 from driver.gpu.claimcdi.toolkit import ToolkitEdits
+from driver.gpu.claimconfig.choices import SHARE_KINDS, DeviceKind
 from driver.gpu.errors import PrepareError
 from driver.gpu.host.hostfs import (
     MIG_MONITOR,
@@ -133,13 +134,14 @@ def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[st
                 "claim's unprepare had begun); the kubelet's retried unprepare finishes it")
         edits = client_edits(daemon, MPS_CONTAINER_PIPE_DIR, src.mps_shm_dir)
         env.extend(edits.env)
-        mounts.extend({"hostPath": str(h), "containerPath": c, "options": list(o)} for h, c, o in edits.mounts)
+        mounts.extend(m.model_dump(mode="json", by_alias=True, exclude_defaults=True) for m in edits.mounts)
         annotations[names.annotation("mps-daemon")] = dev.mps_daemon_id
         # What the daemon was started with: a checkpoint rebuilt from the specs can adopt it again (claim/rebuild.py).
         annotations[names.annotation("mps-daemon-spec")] = daemon.spec.model_dump_json()
     hooks: list[dict[str, object]] = []
     policy = shares.consumable if shares is not None else None
-    if dev.kind == "consumable" and policy is not None and policy.memory_limit_hook and dev.consumed_memory_bytes:
+    if dev.kind == DeviceKind.CONSUMABLE and policy is not None and policy.memory_limit_hook \
+            and dev.consumed_memory_bytes:
         # The claim's memory as the hard limit of its containers' cgroups (MPS v3 memory partitioning).
         hook, hook_env = hook_edits(policy.memory_limit_hook, str(src.driver_root_on_host), dev.gpu_uuid,
                                     dev.consumed_memory_bytes)
@@ -148,21 +150,19 @@ def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[st
     return assemble.DeviceEdits(dev.device.device_name, nodes, env, mounts, annotations, hooks)
 
 
-# Devices whose GPU's (a MIG instance's share: the instance's) published form, the layout entry, goes into the
-# spec, so a rebuilt checkpoint publishes it the same way while the claim runs.
-_SHARE_KINDS = ("mps", "timeslice", "consumable")
-
-
 def _shares_form(dev: PreparedDeviceRecord) -> bool:
+    # A share's GPU's (a MIG instance's share: the instance's) published form, the layout entry, goes into the
+    # spec, so a rebuilt checkpoint publishes it the same way while the claim runs.
     # An admin-access device gets device nodes only (no MPS settings, no memory hook) and does not pin
     # its GPU's form (ClaimRecord.held_layout_keys). A dynamic MIG device's GPU keeps its DynamicMig form.
-    return (dev.kind in _SHARE_KINDS or dev.dynamic_mig is not None) and not dev.admin_access
+    return (dev.kind in SHARE_KINDS or dev.dynamic_mig is not None) and not dev.admin_access
 
 
 def _mig_gpu(dev: PreparedDeviceRecord, form: GpuShares | None) -> bool:
     """Whether the device's GPU is in MIG mode: a MIG device (static or a placement), or the whole device of a
     dynamic MIG GPU (its form)."""
-    return dev.kind == "mig" or dev.mig_gi_id is not None or (form is not None and form.strategy == "DynamicMig")
+    return dev.kind == DeviceKind.MIG or dev.mig_gi_id is not None \
+        or (form is not None and form.strategy == "DynamicMig")
 
 
 def claim_spec(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDaemonRecord],

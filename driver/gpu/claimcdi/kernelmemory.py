@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import cdi
+from driver.gpu.claimconfig.choices import DeviceKind
 from driver.gpu.published.consumable import KernelMemoryLimits
 from driver.gpu.published.sharelayout import GpuShares
 from driver.gpu.record.checkpoint import Checkpoint, ClaimRecord
@@ -126,7 +127,8 @@ def hooked_devices(record: ClaimRecord, layout: Mapping[str, GpuShares]) -> list
     for dev in record.devices:
         shares = layout.get(dev.gpu_uuid)
         policy = shares.consumable if shares is not None else None
-        if dev.kind == "consumable" and policy is not None and policy.memory_limit_hook and dev.consumed_memory_bytes:
+        if dev.kind == DeviceKind.CONSUMABLE and policy is not None and policy.memory_limit_hook \
+                and dev.consumed_memory_bytes:
             hooked.append(dev.device.device_name)
     return hooked
 

@@ -1,9 +1,25 @@
-"""The enumerated values users choose from in claims and in the node sharing plan: time-slice intervals and
-who may be an MPS client."""
+"""The enumerated values users choose from in claims and in the node sharing plan: device kinds, time-slice
+intervals and who may be an MPS client."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal
+
+
+class DeviceKind(StrEnum):
+    """A device's ``type`` attribute, which DeviceClasses and claims select on; checkpoints and specs hold its value."""
+
+    GPU = "gpu"
+    MIG = "mig"
+    MPS = "mps"
+    TIMESLICE = "timeslice"
+    CONSUMABLE = "consumable"
+
+
+# Shares of a GPU (or MIG instance): their limits come from the node's sharing plan or the capacity they consumed.
+SHARE_KINDS = (DeviceKind.MPS, DeviceKind.TIMESLICE, DeviceKind.CONSUMABLE)
+
 
 TimeSliceInterval = Literal["Default", "Short", "Medium", "Long"]
 

@@ -21,10 +21,8 @@ from driver.gpu.claimconfig.api import (
     join_problems,
     parse_config,
 )
+from driver.gpu.claimconfig.choices import SHARE_KINDS, DeviceKind
 from driver.kubeletplugin.claimmodel import DeviceAllocationConfiguration, DeviceRequestAllocationResult
-
-DEVICE_KINDS = ("gpu", "mig", "mps", "timeslice", "consumable")
-_SHARE_KINDS = ("mps", "timeslice", "consumable")
 
 _SOURCE_LABELS = {"FromClass": "class config", "FromClaim": "claim config"}
 
@@ -54,14 +52,14 @@ class _Entry:
 def resolve_configs(
     configs: Sequence[DeviceAllocationConfiguration],
     results: Sequence[DeviceRequestAllocationResult],
-    device_kind: Callable[[DeviceRequestAllocationResult], str],
+    device_kind: Callable[[DeviceRequestAllocationResult], DeviceKind],
     *,
     whole_gpu_class: str,
 ) -> list[ResolvedConfig]:
     """The winning config for each of ``results``, in order.
 
     ``configs`` are this driver's entries in allocation order (``ResourceClaim.configs_for``);
-    ``device_kind`` says whether a result is a "gpu", "mig", "mps" or "timeslice" device;
+    ``device_kind`` says what kind of device a result is;
     ``whole_gpu_class`` is the DeviceClass of whole GPUs (named after the driver), for messages.
     Raises ConfigError listing every problem of the claim, one per line.
     """
@@ -119,11 +117,9 @@ def _decode(configs: Sequence[DeviceAllocationConfiguration]) -> list[_Entry]:
     return entries
 
 
-def _winner(entries: list[_Entry], result: DeviceRequestAllocationResult, kind: str,
+def _winner(entries: list[_Entry], result: DeviceRequestAllocationResult, kind: DeviceKind,
             whole_gpu_class: str) -> ResolvedConfig:
-    if kind not in DEVICE_KINDS:
-        raise ValueError(f"device {result.device}: unknown device kind {kind!r}; expected one of {DEVICE_KINDS}")
-    wanted = MigDeviceConfig if kind == "mig" else GpuConfig
+    wanted = MigDeviceConfig if kind == DeviceKind.MIG else GpuConfig
     what = f'{kind} device {result.device} (request "{result.request}")'
     for entry in reversed(entries):
         if not entry.applies_to(result):
@@ -134,7 +130,7 @@ def _winner(entries: list[_Entry], result: DeviceRequestAllocationResult, kind: 
                     f"{entry.origin}: {entry.config.kind} cannot configure {what}; use {wanted.__name__} for it"
                 )
             continue  # a catch-all entry of another kind is meant for the claim's other devices
-        if kind in _SHARE_KINDS and isinstance(entry.config, GpuConfig) and entry.config.sharing is not None:
+        if kind in SHARE_KINDS and isinstance(entry.config, GpuConfig) and entry.config.sharing is not None:
             raise ConfigError(
                 f"{entry.origin}: GpuConfig.sharing cannot be applied to {what}: a share's limits come from "
                 "the node's sharing plan (a consumable share's from the capacity it consumed). To choose your "

@@ -24,6 +24,7 @@ import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
+from driver.gpu.claimconfig.choices import DeviceKind
 from driver.gpu.published.sharelayout import Enforcement, GpuShares
 from driver.gpu.published.targets import DeviceTarget
 from driver.gpu.record.checkpoint import ClaimRecord, PreparedDeviceRecord
@@ -122,18 +123,18 @@ def _entitlement(claim: ClaimRecord, record: PreparedDeviceRecord, target: Devic
     if record.admin_access:
         return None, None, False
     whole = target.memory_bytes if target is not None else None
-    if record.kind in ("gpu", "mig"):
+    if record.kind in (DeviceKind.GPU, DeviceKind.MIG):
         return whole, 100.0, True
-    if record.kind == "consumable":
+    if record.kind == DeviceKind.CONSUMABLE:
         gpu = target.gpu if target is not None else None
         sm = None
         if record.consumed_multiprocessors is not None and gpu is not None and gpu.multiprocessors:
             sm = 100.0 * record.consumed_multiprocessors / gpu.multiprocessors
         return record.consumed_memory_bytes, sm, False
-    per_process = record.kind == "mps" and claim.mps_enforcement == Enforcement.MPS_PER_PROCESS
+    per_process = record.kind == DeviceKind.MPS and claim.mps_enforcement == Enforcement.MPS_PER_PROCESS
     if shares is None:
         return None, None, per_process
-    if record.kind == "mps":
+    if record.kind == DeviceKind.MPS:
         sm_limit = float(shares.active_thread_percentage) if shares.active_thread_percentage else None
         return shares.memory_bytes_per_share, sm_limit, per_process
     return shares.memory_bytes_per_share, 100.0 / shares.count, False
@@ -141,11 +142,12 @@ def _entitlement(claim: ClaimRecord, record: PreparedDeviceRecord, target: Devic
 
 def _sm_unknown(record: PreparedDeviceRecord, found: Iterable[ProcessUsage]) -> str | None:
     """Why NVML cannot give the SM utilisation of a claim's processes on this device, None if it can."""
-    if record.kind == "mig" or record.mig_uuid is not None:
+    if record.kind == DeviceKind.MIG or record.mig_uuid is not None:
         return SM_UNKNOWN_MIG
     # Shares are served by an MPS daemon (an admin-access device is not: its processes are no clients);
     # a process NVML lists as an MPS client says so too (a claim running MPS of its own on its GPU).
-    served = not record.admin_access and (record.kind in ("mps", "consumable") or record.mps_daemon_id is not None)
+    served = not record.admin_access and (record.kind in (DeviceKind.MPS, DeviceKind.CONSUMABLE)
+                                          or record.mps_daemon_id is not None)
     if served or any(p.mps_client for p in found):
         return SM_UNKNOWN_MPS
     return None

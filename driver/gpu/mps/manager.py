@@ -22,7 +22,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 
 from driver.gpu.mps.control import CONTROL_SOCKET_NAME, MpsControl
@@ -55,6 +54,7 @@ from driver.gpu.mps.restarts import STOPPED_EXIT_WAIT_S, STOPPED_RETRY_S, Restar
 from driver.gpu.mps.shmmount import release_daemon_shm
 from driver.gpu.mps.stopping import stop_processes
 from driver.kubeletplugin.types import Deadline
+from driver.units import now
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class MpsManager:
             return None
         shm = daemon_dir / "shm"  # present only when the launcher gave the daemon a /dev/shm of its own
         record = MpsDaemonRecord(spec=spec, pid=running[0][0], pipe_dir=daemon_dir / "pipe", log_dir=daemon_dir / "log",
-                                 started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                                 started_at=now(),
                                  process_start_time=running[0][1],
                                  shm_dir=shm if shm.is_dir() and not shm.is_symlink() else self.shm_dir)
         adoption, drift = self._within_ready(deadline, "adoption"), []
@@ -313,7 +313,7 @@ class MpsManager:
         log.info("MPS control daemon started", extra={
             "daemon_id": spec.daemon_id, "pid": pid, "gpu_uuids": spec.gpu_uuids, "launcher": self.launcher.describe()})
         return MpsDaemonRecord(spec=spec, pid=pid, pipe_dir=pipe_dir, log_dir=log_dir,
-                               started_at=datetime.now(UTC).isoformat(timespec="seconds"),
+                               started_at=now(),
                                process_start_time=process_start_time, shm_dir=launched.shm_dir or self.shm_dir)
 
     def _prepare_dirs(self, daemon_dir: Path, pipe_dir: Path, log_dir: Path) -> None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+import cdi
 from driver.gpu.errors import DriverError
 from driver.units import MIB
 
@@ -144,18 +144,12 @@ class MpsDaemonRecord(BaseModel):
     shm_dir: Path | None = None
 
 
-class MpsMount(NamedTuple):
-    host_path: str
-    container_path: str
-    options: list[str]
-
-
 @dataclass(frozen=True)
 class MpsClientEdits:
     """What a client container needs to reach a daemon; the caller turns it into CDI edits."""
 
     env: list[str]
-    mounts: list[MpsMount]
+    mounts: list[cdi.Mount]
 
 
 def client_edits(
@@ -175,8 +169,10 @@ def client_edits(
     limits = spec.pinned_limits_mib()
     if limits:
         env.append("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=" + ",".join(f"{o}={mib}M" for o, mib in limits))
-    mounts = [MpsMount(str(record.pipe_dir), container_pipe_dir, ["ro", "nosuid", "nodev", "bind"])]
+    mounts = [cdi.Mount(host_path=str(record.pipe_dir), container_path=container_pipe_dir,
+                        options=["ro", "nosuid", "nodev", "bind"])]
     shm = record.shm_dir or shm_host_dir
     if shm is not None:
-        mounts.append(MpsMount(str(shm), "/dev/shm", ["rw", "nosuid", "nodev", "bind"]))
+        mounts.append(cdi.Mount(host_path=str(shm), container_path="/dev/shm",
+                                options=["rw", "nosuid", "nodev", "bind"]))
     return MpsClientEdits(env=env, mounts=mounts)

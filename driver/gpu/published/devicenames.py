@@ -28,14 +28,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from driver.gpu.claimconfig.choices import DeviceKind
 from driver.gpu.discovery.migprofiles import device_name_fragment
 from driver.kubeletplugin.slicelimits import MAX_DEVICE_NAME_LENGTH
 
-DeviceKind = Literal["gpu", "mig", "mps", "timeslice", "consumable"]
 ShareStrategy = Literal["MPS", "TimeSlicing"]
 
 _SHARE_INFIX: dict[ShareStrategy, str] = {"MPS": "mps", "TimeSlicing": "ts"}
-_KIND_BY_SHARE_INFIX: dict[str, DeviceKind] = {"mps": "mps", "ts": "timeslice"}
+_KIND_BY_SHARE_INFIX = {"mps": DeviceKind.MPS, "ts": DeviceKind.TIMESLICE}
 
 
 # --- names -------------------------------------------------------------------------------------
@@ -123,17 +123,17 @@ _MIG_SHARE_NAME = re.compile(rf"^gpu-{_NUMBER}-mig-([a-z0-9]+(?:-[a-z0-9]+)*)-{_
 def parse_device_name(name: str) -> ParsedDeviceName:
     """Parse a name this driver publishes; ValueError for anything else."""
     if match := _GPU_NAME.match(name):
-        return ParsedDeviceName(kind="gpu", minor=int(match[1]))
+        return ParsedDeviceName(kind=DeviceKind.GPU, minor=int(match[1]))
     if match := _SHARE_NAME.match(name):
         return ParsedDeviceName(kind=_KIND_BY_SHARE_INFIX[match[2]], minor=int(match[1]), share_index=int(match[3]))
     if match := _CONSUMABLE_NAME.match(name):
-        return ParsedDeviceName(kind="consumable", minor=int(match[1]))
+        return ParsedDeviceName(kind=DeviceKind.CONSUMABLE, minor=int(match[1]))
     if match := _MIG_SHARE_NAME.match(name):
         return ParsedDeviceName(kind=_KIND_BY_SHARE_INFIX[match[4]], minor=int(match[1]), mig_profile=match[2],
                                 placement_start=int(match[3]), share_index=int(match[5]))
     if match := _MIG_NAME.match(name):
-        return ParsedDeviceName(kind="mig", minor=int(match[1]), mig_profile=match[3], placement_start=int(match[4]),
-                                dynamic=match[2] == "dynmig")
+        return ParsedDeviceName(kind=DeviceKind.MIG, minor=int(match[1]), mig_profile=match[3],
+                                placement_start=int(match[4]), dynamic=match[2] == "dynmig")
     raise ValueError(
         f"device name {name!r} is not one of this driver's: expected gpu-<minor>, "
         "gpu-<minor>-mig-<profile>-<start>, gpu-<minor>-dynmig-<profile>-<start>, gpu-<minor>-mps-<k>, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from driver.gpu.claimconfig.choices import DeviceKind
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory, multi_user_capable
 from driver.gpu.discovery.migplacement import (
     MEMORY,
@@ -142,7 +143,7 @@ def _checked(device: Device) -> Device:
 
 
 def _whole_gpu(inventory: NodeInventory, gpu: GpuInfo) -> Entry:
-    attributes = {"type": string_attr("gpu"), "uuid": _string(gpu.uuid), **_parent_attributes(inventory, gpu)}
+    attributes = {"type": string_attr(DeviceKind.GPU), "uuid": _string(gpu.uuid), **_parent_attributes(inventory, gpu)}
     if gpu.addressing_mode is not None:
         attributes["addressingMode"] = _string(gpu.addressing_mode)
     capacity = _counts({"multiprocessors": gpu.multiprocessors})
@@ -150,11 +151,11 @@ def _whole_gpu(inventory: NodeInventory, gpu: GpuInfo) -> Entry:
         capacity["memory"] = DeviceCapacity(value=quantity_from_bytes(gpu.memory_bytes))
     name = gpu_device_name(gpu.minor)
     device = Device(name=name, attributes=attributes, capacity=capacity)
-    return _checked(device), DeviceTarget(name, "gpu", gpu)
+    return _checked(device), DeviceTarget(name, DeviceKind.GPU, gpu)
 
 
 def _mig_attributes(inventory: NodeInventory, gpu: GpuInfo, profile: str) -> dict[str, DeviceAttribute]:
-    return {"type": string_attr("mig"), "parentUUID": _string(gpu.uuid), "profile": _string(profile),
+    return {"type": string_attr(DeviceKind.MIG), "parentUUID": _string(gpu.uuid), "profile": _string(profile),
             **_parent_attributes(inventory, gpu)}
 
 
@@ -175,7 +176,7 @@ def _mig_device(inventory: NodeInventory, gpu: GpuInfo, mig: MigInstance) -> Ent
         mig.memory_bytes, range(mig.placement_start, mig.placement_start + mig.placement_size))
     name = mig_device_name(gpu.minor, mig.profile, mig.placement_start)
     device = Device(name=name, attributes=attributes, capacity=capacity)
-    return _checked(device), DeviceTarget(name, "mig", gpu, mig=mig)
+    return _checked(device), DeviceTarget(name, DeviceKind.MIG, gpu, mig=mig)
 
 
 def _counter_quantities(amounts: dict[str, int]) -> dict[str, str]:
@@ -203,7 +204,7 @@ def _dynamic_mig(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, poli
         consumes = DeviceCounterConsumption(counter_set=set_name, counters=counters(_counter_quantities(offered)))
         full = full_profile(gpu)
         entries.append((whole.model_copy(update={"consumes_counters": (consumes,)}),
-                        DeviceTarget(target.name, "gpu", gpu, shares=shares,
+                        DeviceTarget(target.name, DeviceKind.GPU, gpu, shares=shares,
                                      placement=MigPlacement(profile=full, start=0) if full is not None else None)))
     for placement in placements(gpu, policy.profiles):
         if any(covers(placement, instance) for instance in foreign):
@@ -218,7 +219,7 @@ def _dynamic_mig(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, poli
             counter_set=set_name, counters=counters(_counter_quantities(placement_consumption(placement, offered))))
         name = dynamic_mig_device_name(gpu.minor, profile.name, placement.start)
         device = Device(name=name, attributes=attributes, capacity=capacity, consumes_counters=(consumes,))
-        entries.append((_checked(device), DeviceTarget(name, "mig", gpu, shares=shares, placement=placement)))
+        entries.append((_checked(device), DeviceTarget(name, DeviceKind.MIG, gpu, shares=shares, placement=placement)))
     return entries, CounterSet(name=set_name, counters=counters(_counter_quantities(offered)))
 
 
@@ -261,7 +262,7 @@ def _shares(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, mps_multi
 def _consumable(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, policy: ConsumablePolicy) -> Entry:
     """One device many claims share, each consuming memory and SMs within the request policies."""
     attributes = {
-        "type": string_attr("consumable"),
+        "type": string_attr(DeviceKind.CONSUMABLE),
         "parentUUID": _string(gpu.uuid),
         **_parent_attributes(inventory, gpu),
         "sharingStrategy": string_attr(shares.strategy),
@@ -282,7 +283,7 @@ def _consumable(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, polic
     }
     name = consumable_device_name(gpu.minor)
     device = Device(name=name, attributes=attributes, capacity=capacity, allow_multiple_allocations=True)
-    return _checked(device), DeviceTarget(name, "consumable", gpu, shares=shares)
+    return _checked(device), DeviceTarget(name, DeviceKind.CONSUMABLE, gpu, shares=shares)
 
 
 def _mig_devices(inventory: NodeInventory, gpu: GpuInfo, layout: Mapping[str, GpuShares], mps_multi_user: bool,

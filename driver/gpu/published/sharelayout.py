@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from driver.gpu.claimconfig.choices import MpsClients, TimeSliceInterval
+from driver.gpu.claimconfig.choices import DeviceKind, MpsClients, TimeSliceInterval
 
 
 class Enforcement(StrEnum):
@@ -143,9 +143,9 @@ class GpuShares(BaseModel):
         return self
 
     @property
-    def device_type(self) -> str:
-        return {"MPS": "mps", "TimeSlicing": "timeslice", "Consumable": "consumable", "DynamicMig": "mig"}[
-            self.strategy]
+    def device_type(self) -> DeviceKind:
+        return {"MPS": DeviceKind.MPS, "TimeSlicing": DeviceKind.TIMESLICE, "Consumable": DeviceKind.CONSUMABLE,
+                "DynamicMig": DeviceKind.MIG}[self.strategy]
 
     def memory_enforcement(self, driver_version: str | None) -> Enforcement:
         """How the memory limit holds on a node with NVIDIA driver ``driver_version`` (None: unknown)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from driver.gpu.claimconfig.choices import DeviceKind
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.discovery.migplacement import MigPlacement
 from driver.gpu.published.sharelayout import GpuShares, SharingLayout
@@ -28,7 +29,7 @@ class DeviceTarget:
     """
 
     name: str
-    kind: str  # the device's type attribute: gpu | mig | mps | timeslice | consumable
+    kind: DeviceKind
     gpu: GpuInfo
     mig: MigInstance | None = None  # a MIG device, or (kind mps / timeslice) the instance a share splits
     shares: GpuShares | None = None

@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cdi.atomicswap import SwappedFile
-from driver.gpu.claimconfig.choices import MpsClients, TimeSliceInterval
+from driver.gpu.claimconfig.choices import DeviceKind, MpsClients, TimeSliceInterval
 from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.mps.model import MpsDaemonRecord
 from driver.gpu.published.sharelayout import Enforcement, GpuShares
@@ -49,7 +49,7 @@ class PreparedDeviceRecord(_Record):
     """One allocated device and everything needed to rebuild its CDI edits after a reboot."""
 
     device: PreparedDevice
-    kind: str  # gpu | mig | mps | timeslice | consumable
+    kind: DeviceKind
     gpu_uuid: str  # the physical GPU
     gpu_minor: int
     mig_uuid: str | None = None
@@ -71,7 +71,7 @@ class PreparedDeviceRecord(_Record):
     def layout_key(self) -> str:
         """The sharing layout's key for the form this device was published in: a share of a MIG instance is
         keyed by the instance's MIG UUID, everything else (a dynamic MIG device too) by its GPU's UUID."""
-        if self.kind in ("mps", "timeslice") and self.mig_uuid is not None:
+        if self.kind in (DeviceKind.MPS, DeviceKind.TIMESLICE) and self.mig_uuid is not None:
             return self.mig_uuid
         return self.gpu_uuid
 
@@ -109,6 +109,10 @@ class ClaimRecord(_Record):
         return {d.gpu_uuid for d in self.devices}
 
     @property
+    def mps_daemon_ids(self) -> list[str]:
+        return [*self.owned_mps_daemons, *self.shared_mps_daemons]
+
+    @property
     def held_layout_keys(self) -> set[str]:
         """GPUs and MIG instances whose published form the claim depends on (layout keys): its admin-access
         devices depend on none (their CDI edits are the device nodes only), so a monitoring claim never pins a
@@ -132,6 +136,10 @@ class Checkpoint(_Record):
     # MPS daemons whose limits could not be read back for longer than the watch interval (a client holds
     # the control socket), with since when and why: `inspect` shows them; removed once confirmed again.
     mps_limits_unconfirmed: dict[str, str] = Field(default_factory=dict)
+
+    def claims_using(self, daemon_id: str) -> list[ClaimRecord]:
+        """The claims the MPS daemon serves: those that started it for themselves or hold a reference on it."""
+        return [c for c in self.claims.values() if daemon_id in c.mps_daemon_ids]
 
 
 def _working_copy(checkpoint: Checkpoint) -> Checkpoint:

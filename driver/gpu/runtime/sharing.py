@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import suppress
-from datetime import UTC, datetime
 from functools import partial
 from typing import Protocol
 
@@ -43,6 +42,7 @@ from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.interfaces import ComputeModeControl, DaemonReports, MpsDaemons, ServedClaim, TimeSlices
 from driver.gpu.runtime.limitconfirm import LimitConfirmations
 from driver.kubeletplugin.types import Deadline
+from driver.units import now
 
 log = logging.getLogger(__name__)
 
@@ -173,11 +173,8 @@ class SharingRuntime:
     def release_claim(self, record: ClaimRecord, deadline: Deadline | None = None) -> None:
         """Stop what only this claim needed; every step is idempotent. Daemon stops share ``deadline``
         (a rollback's budget), each still ending its daemon with SIGKILL once it has passed."""
-        for daemon_id in record.owned_mps_daemons:
-            self.stop_daemon(daemon_id, deadline)
-        for daemon_id in record.shared_mps_daemons:
-            cp = self._ledger.read()
-            if not any(c.uid != record.uid and daemon_id in c.shared_mps_daemons for c in cp.claims.values()):
+        for daemon_id in record.mps_daemon_ids:
+            if not any(c.uid != record.uid for c in self._ledger.read().claims_using(daemon_id)):
                 self.stop_daemon(daemon_id, deadline)
         if record.timeslice is not None:
             self.timeslicer.reset(record.timeslice.gpu_uuids)
@@ -208,7 +205,7 @@ class SharingRuntime:
     def ensure_claim_daemons(self, record: ClaimRecord) -> list[str]:
         """Adopt the claim's live daemons, restart dead ones. Returns the restarted ids."""
         restarted: list[str] = []
-        for daemon_id in [*record.owned_mps_daemons, *record.shared_mps_daemons]:
+        for daemon_id in record.mps_daemon_ids:
             if self.check_daemon(daemon_id):
                 restarted.append(daemon_id)
         return restarted
@@ -286,7 +283,7 @@ class SharingRuntime:
         each claim the daemon serves that was not told yet (a joining claim included)."""
         reason = self.confirmations.drifted(daemon_id) or ""
         if first:
-            since = datetime.now(UTC).isoformat(timespec="seconds")
+            since = now()
             self._ledger.commit(partial(limits_unconfirmed, daemon_id=daemon_id, why=f"since {since}: {reason}"))
         served = self._served_by(daemon_id)
         new = set(self.confirmations.not_yet_told(daemon_id, [c.uid for c in served]))
@@ -294,8 +291,7 @@ class SharingRuntime:
                              [c for c in served if c.uid in new], first))
 
     def _served_by(self, daemon_id: str) -> list[ClaimRecord]:
-        return [c for c in self._ledger.read().claims.values()
-                if daemon_id in (*c.owned_mps_daemons, *c.shared_mps_daemons)]
+        return self._ledger.read().claims_using(daemon_id)
 
     @staticmethod
     def _report(report: Callable[[], None]) -> None:
@@ -309,7 +305,7 @@ class SharingRuntime:
         """Stop daemons no claim refers to, recorded or only left on disk."""
         removed: list[str] = []
         cp = self._ledger.read()
-        referenced = {d for r in cp.claims.values() for d in (*r.owned_mps_daemons, *r.shared_mps_daemons)}
+        referenced = {d for r in cp.claims.values() for d in r.mps_daemon_ids}
         for daemon_id in sorted(set(cp.mps_daemons) - referenced):
             if self._best_effort(f"stopping orphan MPS daemon {daemon_id}", partial(self.stop_daemon, daemon_id)):
                 removed.append(f"mps daemon {daemon_id}")

@@ -80,7 +80,7 @@ def check_daemons(state: DeviceState, limits: bool = False) -> list[str]:
     cp = state.ledger.read()
     restarted: list[str] = []
     for daemon_id in sorted(cp.mps_daemons):
-        users = [r for r in cp.claims.values() if _uses_daemon(r, daemon_id)]
+        users = [r for r in cp.claims_using(daemon_id) if _still_served(r, daemon_id)]
         gpus = sorted({g for r in users for g in r.gpu_uuids})
         if not gpus:
             continue  # an orphan: stopped at the next start
@@ -90,8 +90,8 @@ def check_daemons(state: DeviceState, limits: bool = False) -> list[str]:
                     continue
                 restarted.append(daemon_id)
                 current = state.ledger.read()
-                for record in current.claims.values():
-                    if _uses_daemon(record, daemon_id):
+                for record in current.claims_using(daemon_id):
+                    if _still_served(record, daemon_id):
                         state.write_cdi(record, current)
         except Exception as exc:
             log.error("checking an MPS daemon failed; retried at the next rescan",
@@ -102,17 +102,15 @@ def check_daemons(state: DeviceState, limits: bool = False) -> list[str]:
     return restarted
 
 
-def _uses_daemon(record: ClaimRecord, daemon_id: str) -> bool:
-    """Whether prepared claim ``record`` is served by ``daemon_id``. A PrepareStarted record is a failed
+def _still_served(record: ClaimRecord, daemon_id: str) -> bool:
+    """Whether ``record``, a claim using ``daemon_id``, is still served by it. A PrepareStarted record is a failed
     prepare whose rollback is to be retried: reviving its daemon or spec would undo that rollback. Nor is a
     claim whose dynamic MIG device that the daemon serves lost its instance for good (ids forgotten: another
     tool took the placement after a reboot): the daemon would serve a MIG UUID that no longer exists, and the
     spec recovery removed (it named the GI/CI ids of an instance that may now be someone else's) would be back."""
-    if record.phase != ClaimPhase.PREPARE_COMPLETED or daemon_id not in (*record.owned_mps_daemons,
-                                                                         *record.shared_mps_daemons):
-        return False
-    return not any(d.mps_daemon_id == daemon_id and d.mig_gi_id is None and not d.admin_access
-                   for _, d, _ in dynamic_devices(record))
+    return record.phase == ClaimPhase.PREPARE_COMPLETED and not any(
+        d.mps_daemon_id == daemon_id and d.mig_gi_id is None and not d.admin_access
+        for _, d, _ in dynamic_devices(record))
 
 
 class MpsReports:

@@ -12,6 +12,7 @@ import cdi
 from driver.commands.inspect import collect, inspect, render_text
 from driver.config import Settings
 from driver.gpu.claimcdi.toolkit import load_toolkit_edits
+from driver.gpu.claimconfig.choices import DeviceKind
 from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
 from driver.gpu.published.devices import make_view
@@ -155,9 +156,9 @@ def test_each_consumable_share_shows_what_it_consumed(settings: Settings) -> Non
     small = _record("u-small", "small", device="gpu-0-shared", daemon="share-0123456789ab")
     large = _record("u-large", "large", device="gpu-0-shared", daemon="share-ba9876543210")
     small.devices[0] = small.devices[0].model_copy(update={
-        "kind": "consumable", "consumed_memory_bytes": 10 << 30, "consumed_multiprocessors": 33})
+        "kind": DeviceKind.CONSUMABLE, "consumed_memory_bytes": 10 << 30, "consumed_multiprocessors": 33})
     large.devices[0] = large.devices[0].model_copy(update={
-        "kind": "consumable", "consumed_memory_bytes": (20 << 30) + 1, "consumed_multiprocessors": 66})
+        "kind": DeviceKind.CONSUMABLE, "consumed_memory_bytes": (20 << 30) + 1, "consumed_multiprocessors": 66})
     _store(settings).save(Checkpoint(claims={"u-small": small, "u-large": large, "u-gpu": _record("u-gpu", "g")}))
     report = collect(settings)
     consumed = {c["uid"]: c["devices"][0]["consumed"] for c in report["claims"]}

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from driver.gpu.claimconfig.api import API_VERSION, ConfigError, parse_config
+from driver.gpu.claimconfig.choices import DeviceKind
 from driver.gpu.claimconfig.precedence import resolve_configs
 from driver.kubeletplugin.claimmodel import DeviceAllocationConfiguration, DeviceRequestAllocationResult
 
@@ -65,7 +66,7 @@ def test_a_claim_of_hostile_configs_gets_a_short_error() -> None:
     result = DeviceRequestAllocationResult.model_validate(
         {"request": REQUESTS[0], "driver": DRIVER, "pool": "node-a", "device": "gpu-0"})
     with pytest.raises(ConfigError) as caught:
-        resolve_configs(hostile_configs(), [result], lambda r: "gpu", whole_gpu_class=DRIVER)
+        resolve_configs(hostile_configs(), [result], lambda r: DeviceKind.GPU, whole_gpu_class=DRIVER)
     message = str(caught.value)
     assert len(message.encode()) <= ERROR_MAX_BYTES, f"the claim's error is {len(message.encode())} bytes"
     assert message.startswith(f"claim config #1 (requests: [{REQUESTS[0]}, ")

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from cdi import Mount
 from driver.gpu.discovery.inventory import multi_user_capable
 from driver.gpu.mps.holders import held_connection
 from driver.gpu.mps.launch import DaemonLaunch, LaunchedDaemon
@@ -37,7 +38,6 @@ from driver.gpu.mps.model import (
     MpsDaemonSpec,
     MpsDaemonStopped,
     MpsError,
-    MpsMount,
     client_edits,
     pinned_limit_taken,
 )
@@ -813,16 +813,18 @@ def test_client_edits_mount_the_pipe_dir_read_only_and_the_daemons_shm(sim: Sim)
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2048M,1=512M",
     ]
     assert edits.mounts == [
-        MpsMount(str(record.pipe_dir), "/tmp/nvidia-mps", ["ro", "nosuid", "nodev", "bind"]),
-        MpsMount(str(sim.top / "shm"), "/dev/shm", ["rw", "nosuid", "nodev", "bind"]),
+        Mount(host_path=str(record.pipe_dir), container_path="/tmp/nvidia-mps",
+              options=["ro", "nosuid", "nodev", "bind"]),
+        Mount(host_path=str(sim.top / "shm"), container_path="/dev/shm", options=["rw", "nosuid", "nodev", "bind"]),
     ]
 
 
 def test_client_edits_of_an_old_record_fall_back_to_the_given_shm() -> None:
     edits = client_edits(_stored_record(PLAIN), container_pipe_dir="/run/mps-a", shm_host_dir=Path("/s"))
     assert edits.env == ["CUDA_MPS_PIPE_DIRECTORY=/run/mps-a"]
-    assert edits.mounts == [MpsMount(f"/m/{PLAN_ID}/pipe", "/run/mps-a", ["ro", "nosuid", "nodev", "bind"]),
-                            MpsMount("/s", "/dev/shm", ["rw", "nosuid", "nodev", "bind"])]
+    assert edits.mounts == [
+        Mount(host_path=f"/m/{PLAN_ID}/pipe", container_path="/run/mps-a", options=["ro", "nosuid", "nodev", "bind"]),
+        Mount(host_path="/s", container_path="/dev/shm", options=["rw", "nosuid", "nodev", "bind"])]
     per_daemon = client_edits(_stored_record(PLAIN, shm_dir=Path("/d/shm")), shm_host_dir=Path("/s"))
     assert per_daemon.mounts[1].host_path == "/d/shm"
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from cdi import atomicswap
+from driver.gpu.claimconfig.choices import DeviceKind
 from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.record.checkpoint import (
     CHECKPOINT_VERSION,
@@ -261,6 +262,24 @@ def test_saved_checkpoint_mutated_afterwards_does_not_change_what_loads(path: Pa
 
 def test_claim_record_lists_its_gpus() -> None:
     assert _claim().gpu_uuids == {GPU}
+
+
+def test_a_device_kind_is_saved_as_its_type_attribute_and_loads_as_the_kind(path: Path) -> None:
+    CheckpointStore(path).save(_checkpoint("a"))
+    saved = json.loads(path.read_text())["data"]["claims"]["a"]["devices"][0]
+    assert saved["kind"] == "gpu" and type(saved["kind"]) is str
+    assert CheckpointStore(path).load().claims["a"].devices[0].kind is DeviceKind.GPU
+
+
+def test_a_daemons_claims_are_those_that_started_it_or_share_it() -> None:
+    cp = _checkpoint("own", "share-a", "share-b", "none")
+    cp.claims["own"].owned_mps_daemons.append("claim-1")
+    cp.claims["share-a"].shared_mps_daemons.append("plan-1")
+    cp.claims["share-b"].shared_mps_daemons.append("plan-1")
+    assert cp.claims["own"].mps_daemon_ids == ["claim-1"]
+    assert [c.uid for c in cp.claims_using("claim-1")] == ["own"]
+    assert [c.uid for c in cp.claims_using("plan-1")] == ["share-a", "share-b"]
+    assert cp.claims_using("plan-2") == []
 
 
 def test_a_second_corruption_in_the_same_second_keeps_the_first_evidence(tmp_path: Path) -> None:
