@@ -166,82 +166,105 @@ def _render_compute_mode(entry: dict[str, Any]) -> str:
 
 
 def render_text(report: dict[str, Any]) -> str:
+    return "\n".join([
+        *_render_header(report),
+        *(line for claim in report["claims"] for line in _render_claim(claim)),
+        *(_render_compute_mode(entry) for entry in report.get("compute_modes", [])),
+        *_render_daemons(report),
+        *render_plan(report),
+        *(line for gpu in report.get("gpus", []) for line in _render_gpu(gpu)),
+        *_render_foreign(report.get("foreign_mps_processes", [])),
+        *render_health(report),
+        *render_usage(report),
+        *_render_findings(report),
+    ])
+
+
+def _render_header(report: dict[str, Any]) -> list[str]:
     lines = [f"driver {report['driver']}  checkpoint {report['checkpoint']}  cdi {report['cdi_root']}"]
     if "node_driver" in report:
         node = report["node_driver"]
         lines.append(f"device nodes from {node['device_root']}; driver libraries {node['driver_libraries']}")
-    lines.append(f"{len(report['claims'])} prepared claim(s)")
-    for claim in report["claims"]:
-        present = "present" if claim["cdi_spec_present"] else "MISSING"
-        lines.append(f"- {claim['claim']}  uid={claim['uid']}  {claim['phase']}")
-        lines.append(f"    cdi spec ({present}): {claim['cdi_spec']}")
-        for dev in claim["devices"]:
-            extra = f" mig={dev['mig']}" if dev["mig"] else ""
-            extra += f" mps-daemon={dev['mps_daemon']}" if dev["mps_daemon"] else ""
-            extra += f" share-id={dev['share_id']}" if dev["share_id"] else ""
-            consumed = dev.get("consumed")
-            extra += f" consumed={consumed['memory']},{consumed['multiprocessors']} SMs" if consumed else ""
-            # Shared with the claims that hold the device: nothing set up for it, nothing limits it.
-            extra += " admin-access (shared for monitoring: no MPS, no limits)" if dev.get("admin_access") else ""
-            lines.append(f"    {dev['device']:<28} {dev['kind']:<9} requests={','.join(dev['requests']) or '*'} "
-                         f"gpu={dev['gpu']}{extra}")
-            if (made := dev.get("dynamic_mig")) is not None:
-                ids = f"GI {made['gi_id']} CI {made['ci_id']} {made['mig_uuid']}" if made["gi_id"] is not None else ""
-                lines.append(f"      MIG instance {made['state']} by Tessera: {made['profile']} at placement "
-                             f"{made['placement_start']} (memory slices {made['placement_start']}-"
-                             f"{made['placement_start'] + made['placement_size'] - 1}) on GPU {made['gpu_minor']} "
-                             f"{ids}".rstrip())
-            for cdi_id in dev["cdi_ids"]:
-                lines.append(f"      cdi: {cdi_id}")
-        if claim.get("mps_clients"):
-            # Who the claim's MPS daemon admitted at prepare, and so how its limits hold (docs/sharing.md, "Tenants").
-            unconfirmed = ", UNCONFIRMED (a client holds the daemon's control socket)" if claim.get(
-                "mps_limits_unconfirmed") else ""
-            lines.append(f"    mps clients {claim['mps_clients']}: limits {claim['mps_enforcement']}{unconfirmed}")
-        if claim["timeslice"]:
-            ts = claim["timeslice"]
-            lines.append(f"    time slice {ts['interval']} on {', '.join(ts['gpu_uuids'])}")
-        lines.extend(render_lines(claim))
-    lines.extend(_render_compute_mode(entry) for entry in report.get("compute_modes", []))
-    if "mps_daemons_run_by" in report:
-        lines.append(f"MPS daemons run as: {report['mps_daemons_run_by']}")
-    if report["mps_daemons"]:
-        lines.append(f"{len(report['mps_daemons'])} MPS control daemon(s)")
-        for d in report["mps_daemons"]:
-            alive = "running" if d["pid_alive"] else "NOT RUNNING"
-            threads = f"{d['active_thread_percentage']}%" if d["active_thread_percentage"] else "default"
-            pinned = ", ".join(f"{uuid}={limit // 2**20}MiB" for uuid, limit in d["pinned_memory_limits"].items())
-            lines.append(f"- {d['id']} pid={d['pid']} ({alive}) claims={len(d['claims'])}")
-            lines.append(f"    gpus={','.join(d['gpus'])} threads={threads} pinned-memory={pinned or 'default'}")
-            lines.append(f"    pipe={d['pipe_dir']} log={d['log_dir']}")
-            if d.get("limits_unconfirmed"):
-                lines.append(f"    limits UNCONFIRMED {d['limits_unconfirmed']}")
-    lines.extend(render_plan(report))
-    for gpu in report.get("gpus", []):
-        sms = ("MIG enabled (SM counts per MIG device)" if gpu["mig_enabled"] else
-               f"{gpu['multiprocessors']} SMs" if gpu["multiprocessors"] is not None else
-               f"SM count not published: {gpu['multiprocessors_missing'] or 'unknown'}")
-        lines.append(f"GPU {gpu['minor']} {gpu['uuid']} {gpu['product']}: {sms}")
-        for mig in gpu.get("mig_instances", []):
-            owner = f"created by Tessera for claim {mig['claim']}" if mig["claim"] else "not created by Tessera"
-            lines.append(f"    MIG {mig['profile']} at placement {mig['placement_start']}: GI {mig['gi_id']} "
-                         f"CI {mig['ci_id']} {mig['uuid']} ({owner})")
-    foreign = report.get("foreign_mps_processes", [])
-    if foreign:
-        lines.append(f"{len(foreign)} foreign process(es) naming a Tessera pipe directory (not started by this driver; "
-                     "ignored by it)")
-        for f in foreign:
-            lines.append(f"- pid={f['pid']} uid={f['uid']} euid={f['euid']} daemon dir {f['daemon_id']} "
-                         f"(pipe {f['pipe_dir']})")
-    lines.extend(render_health(report))
-    lines.extend(render_usage(report))
-    for orphan in report["orphan_cdi_specs"]:
-        lines.append(f"orphan CDI spec (no checkpoint entry; removed at next driver start): {orphan}")
-    for note in report.get("notes", []):
-        lines.append(f"note: {note}")
-    for problem in report["problems"]:
-        lines.append(f"PROBLEM: {problem}")
-    return "\n".join(lines)
+    return [*lines, f"{len(report['claims'])} prepared claim(s)"]
+
+
+def _render_claim(claim: dict[str, Any]) -> list[str]:
+    present = "present" if claim["cdi_spec_present"] else "MISSING"
+    lines = [f"- {claim['claim']}  uid={claim['uid']}  {claim['phase']}",
+             f"    cdi spec ({present}): {claim['cdi_spec']}",
+             *(line for dev in claim["devices"] for line in _render_device(dev))]
+    if claim.get("mps_clients"):
+        # Who the claim's MPS daemon admitted at prepare, and so how its limits hold (docs/sharing.md, "Tenants").
+        unconfirmed = (", UNCONFIRMED (a client holds the daemon's control socket)"
+                       if claim.get("mps_limits_unconfirmed") else "")
+        lines.append(f"    mps clients {claim['mps_clients']}: limits {claim['mps_enforcement']}{unconfirmed}")
+    if ts := claim["timeslice"]:
+        lines.append(f"    time slice {ts['interval']} on {', '.join(ts['gpu_uuids'])}")
+    return [*lines, *render_lines(claim)]
+
+
+def _render_device(dev: dict[str, Any]) -> list[str]:
+    consumed = dev.get("consumed")
+    extra = "".join((
+        f" mig={dev['mig']}" if dev["mig"] else "",
+        f" mps-daemon={dev['mps_daemon']}" if dev["mps_daemon"] else "",
+        f" share-id={dev['share_id']}" if dev["share_id"] else "",
+        f" consumed={consumed['memory']},{consumed['multiprocessors']} SMs" if consumed else "",
+        # Shared with the claims that hold the device: nothing set up for it, nothing limits it.
+        " admin-access (shared for monitoring: no MPS, no limits)" if dev.get("admin_access") else ""))
+    lines = [f"    {dev['device']:<28} {dev['kind']:<9} requests={','.join(dev['requests']) or '*'} "
+             f"gpu={dev['gpu']}{extra}"]
+    if (made := dev.get("dynamic_mig")) is not None:
+        ids = f"GI {made['gi_id']} CI {made['ci_id']} {made['mig_uuid']}" if made["gi_id"] is not None else ""
+        lines.append(f"      MIG instance {made['state']} by Tessera: {made['profile']} at placement "
+                     f"{made['placement_start']} (memory slices {made['placement_start']}-"
+                     f"{made['placement_start'] + made['placement_size'] - 1}) on GPU {made['gpu_minor']} "
+                     f"{ids}".rstrip())
+    return [*lines, *(f"      cdi: {cdi_id}" for cdi_id in dev["cdi_ids"])]
+
+
+def _render_daemons(report: dict[str, Any]) -> list[str]:
+    lines = [f"MPS daemons run as: {report['mps_daemons_run_by']}"] if "mps_daemons_run_by" in report else []
+    if daemons := report["mps_daemons"]:
+        lines.append(f"{len(daemons)} MPS control daemon(s)")
+    for d in daemons:
+        alive = "running" if d["pid_alive"] else "NOT RUNNING"
+        threads = f"{d['active_thread_percentage']}%" if d["active_thread_percentage"] else "default"
+        pinned = ", ".join(f"{uuid}={limit // 2**20}MiB" for uuid, limit in d["pinned_memory_limits"].items())
+        lines += [f"- {d['id']} pid={d['pid']} ({alive}) claims={len(d['claims'])}",
+                  f"    gpus={','.join(d['gpus'])} threads={threads} pinned-memory={pinned or 'default'}",
+                  f"    pipe={d['pipe_dir']} log={d['log_dir']}"]
+        if d.get("limits_unconfirmed"):
+            lines.append(f"    limits UNCONFIRMED {d['limits_unconfirmed']}")
+    return lines
+
+
+def _render_gpu(gpu: dict[str, Any]) -> list[str]:
+    sms = ("MIG enabled (SM counts per MIG device)" if gpu["mig_enabled"] else
+           f"{gpu['multiprocessors']} SMs" if gpu["multiprocessors"] is not None else
+           f"SM count not published: {gpu['multiprocessors_missing'] or 'unknown'}")
+    lines = [f"GPU {gpu['minor']} {gpu['uuid']} {gpu['product']}: {sms}"]
+    for mig in gpu.get("mig_instances", []):
+        owner = f"created by Tessera for claim {mig['claim']}" if mig["claim"] else "not created by Tessera"
+        lines.append(f"    MIG {mig['profile']} at placement {mig['placement_start']}: GI {mig['gi_id']} "
+                     f"CI {mig['ci_id']} {mig['uuid']} ({owner})")
+    return lines
+
+
+def _render_foreign(foreign: list[dict[str, Any]]) -> list[str]:
+    if not foreign:
+        return []
+    return [f"{len(foreign)} foreign process(es) naming a Tessera pipe directory (not started by this driver; "
+            "ignored by it)",
+            *(f"- pid={f['pid']} uid={f['uid']} euid={f['euid']} daemon dir {f['daemon_id']} (pipe {f['pipe_dir']})"
+              for f in foreign)]
+
+
+def _render_findings(report: dict[str, Any]) -> list[str]:
+    return [*(f"orphan CDI spec (no checkpoint entry; removed at next driver start): {orphan}"
+              for orphan in report["orphan_cdi_specs"]),
+            *(f"note: {note}" for note in report.get("notes", [])),
+            *(f"PROBLEM: {problem}" for problem in report["problems"])]
 
 
 def discovered_gpus(settings: Settings, cp: Checkpoint | None = None) -> tuple[list[dict[str, Any]], str | None]:
