@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from driver.kubeletplugin.sliceplanner import (
 from driver.kubeletplugin.slicevalidation import validate_driver_and_pool
 from driver.kubeletplugin.slicewriter import SLICES_PATH, SliceWriteError, SliceWriter
 from driver.kubeletplugin.telemetry import Telemetry
+from driver.kubeletplugin.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class _RoundResult:
     list_resource_version: str | None = None
 
 
-class ResourceSlicePublisher:
+class ResourceSlicePublisher(Worker):
     """Keeps the ResourceSlices of one node-local pool equal to the devices it was given.
 
     Each sync round is a span ``<scope>.publish_resourceslices`` (the telemetry's scope) and counts in
@@ -79,6 +79,7 @@ class ResourceSlicePublisher:
         problems = validate_driver_and_pool(driver_name, node_name)
         if problems:
             raise ValueError("cannot publish ResourceSlices: " + "; ".join(problems))
+        super().__init__("resourceslice-publisher")
         self._api = api
         self._driver = driver_name
         self._node = node_name
@@ -90,8 +91,7 @@ class ResourceSlicePublisher:
         self._max_backoff = max_backoff
         self._selector = f"spec.driver={driver_name},spec.nodeName={node_name}"
         self._log_extra = {"driver": driver_name, "node": node_name}
-        # Shared with callers, guarded by _cond.
-        self._cond = threading.Condition()
+        # Shared with callers, guarded by _cond (the worker's).
         self._desired: list[PlannedSlice] | None = None
         self._desired_version = 0
         self._synced_version = 0
@@ -99,9 +99,7 @@ class ResourceSlicePublisher:
         self._published_devices = 0
         self._validation_problems: list[str] = []
         self._wake = False
-        self._stopping = False
         self._stream: JsonLineStream | None = None
-        self._thread: threading.Thread | None = None
         # Worker thread only.
         self._writer = SliceWriter(api, driver_name, node_name, node_uid)
         self._backoff = initial_backoff
@@ -152,7 +150,7 @@ class ResourceSlicePublisher:
             self._desired_version += 1
             self._wake = True
             self._cond.notify_all()
-            self._interrupt_watch()
+            self._interrupt()
         return []
 
     def resync(self) -> None:
@@ -160,26 +158,13 @@ class ResourceSlicePublisher:
         with self._cond:
             self._wake = True
             self._cond.notify_all()
-            self._interrupt_watch()
-
-    def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("ResourceSlicePublisher already started")
-        self._thread = threading.Thread(target=self._run, name="resourceslice-publisher", daemon=True)
-        self._thread.start()
+            self._interrupt()
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the worker; True if it ended within ``timeout``. Published slices stay."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-            self._interrupt_watch()
-        if self._thread is None:
-            return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return super().stop(timeout)
 
-    def _interrupt_watch(self) -> None:
+    def _interrupt(self) -> None:
         """Wake the worker if it is blocked reading the watch. Caller holds ``_cond``.
 
         Under the lock the stream cannot be closed meanwhile: the worker clears ``_stream`` under
