@@ -190,14 +190,8 @@ class ClaimStatusWriter(Worker):
 
     def wait_idle(self, timeout: float) -> bool:
         """True once nothing is marked or in flight (for tests and benchmarks; a prepare never waits)."""
-        deadline = time.monotonic() + timeout
         with self._cond:
-            while self._pending or self._busy:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-            return True
+            return self._cond.wait_for(lambda: not (self._pending or self._busy), timeout)
 
     def _run(self) -> None:
         while True:

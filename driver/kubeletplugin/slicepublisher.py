@@ -175,15 +175,9 @@ class ResourceSlicePublisher(Worker):
 
     def wait_synced(self, timeout: float) -> bool:
         """True once the latest devices are on the server and nothing has changed them since."""
-        deadline = time.monotonic() + timeout
         with self._cond:
-            while not (self._desired_version and self._synced_version == self._desired_version
-                       and not self._server_changed):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-            return True
+            return self._cond.wait_for(lambda: bool(self._desired_version) and not self._server_changed
+                                       and self._synced_version == self._desired_version, timeout)
 
     # ----- worker ----------------------------------------------------------------------------
 

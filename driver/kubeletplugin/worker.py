@@ -1,8 +1,7 @@
 """One background thread that runs until told to stop: the start and stop the plugin's workers share.
 
-A subclass keeps its shared state under ``_cond`` (the condition its thread waits on), ends its
-``_run`` once ``_stopping`` is set, and overrides ``_interrupt`` where its thread can block elsewhere
-(reading a watch stream) so that :meth:`Worker.stop` breaks that wait too.
+A subclass guards its state with ``_cond`` (its thread waits on it), returns from ``_run`` once
+``_stopping`` is set, and overrides ``_interrupt`` where its thread can block elsewhere (a watch stream).
 """
 
 from __future__ import annotations
@@ -39,5 +38,4 @@ class Worker:
         """Break a wait of the thread outside ``_cond``; the caller holds ``_cond``. None by default."""
 
     def _run(self) -> None:
-        """The thread's body; it returns once ``_stopping`` is set."""
-        raise NotImplementedError
+        raise NotImplementedError("a Worker's subclass runs its thread's body here")
