@@ -6,6 +6,7 @@ Read-only and lock-free, so it is safe to run (``kubectl exec``) next to a busy 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import cdi
@@ -23,10 +24,11 @@ from driver.gpu.mps.hostclient import MpsHostLauncher
 from driver.gpu.mps.identity import foreign_processes
 from driver.gpu.mps.launch import DaemonLauncher
 from driver.gpu.mps.locallauncher import LocalLauncher
+from driver.gpu.mps.model import MpsDaemonRecord
 from driver.gpu.mps.proc import is_same_process
 from driver.gpu.published.planuse import PLAN_USE_FILE, render_plan
 from driver.gpu.published.planuse import add_to_inspect as add_plan_to_inspect
-from driver.gpu.record.checkpoint import Checkpoint, CheckpointStore, PreparedDeviceRecord
+from driver.gpu.record.checkpoint import Checkpoint, CheckpointStore, ClaimRecord, PreparedDeviceRecord
 from driver.units import GIB
 
 
@@ -47,52 +49,60 @@ def collect(settings: Settings) -> dict[str, Any]:
         return report
     report["boot_id"] = cp.boot_id
     for record in sorted(cp.claims.values(), key=lambda r: (r.namespace, r.name)):
-        spec_path = settings.cdi_root / record.cdi_spec_file
-        report["claims"].append({
-            "claim": f"{record.namespace}/{record.name}", "uid": record.uid, "phase": record.phase.value,
-            "updated": record.updated_at,
-            "devices": [{"device": d.device.device_name, "kind": d.kind, "gpu": d.gpu_uuid, "mig": d.mig_uuid,
-                         "requests": d.device.request_names, "cdi_ids": d.device.cdi_device_ids,
-                         "share_id": d.device.share_id, "mps_daemon": d.mps_daemon_id,
-                         "consumed": _consumed(d), "admin_access": d.admin_access,
-                         "dynamic_mig": _dynamic_mig(d)} for d in record.devices],
-            "cdi_spec": str(spec_path), "cdi_spec_present": spec_path.exists(),
-            "timeslice": record.timeslice.model_dump() if record.timeslice else None,
-            "exclusive_gpus": list(record.exclusive_gpus),
-            "mps_clients": record.mps_clients, "mps_enforcement": record.mps_enforcement,
-            "mps_limits_unconfirmed": sorted(d for d in (*record.owned_mps_daemons, *record.shared_mps_daemons)
-                                             if d in cp.mps_limits_unconfirmed),
-        })
-        if not spec_path.exists() and record.phase.value == "PrepareCompleted":
-            report["problems"].append(f"claim {record.uid}: CDI spec {spec_path} is missing (the driver re-creates "
-                                      "it at start; restart the plugin pod if containers fail to start)")
+        report["claims"].append(claim := _claim_entry(record, settings.cdi_root / record.cdi_spec_file, cp))
+        if not claim["cdi_spec_present"] and claim["phase"] == "PrepareCompleted":
+            report["problems"].append(f"claim {record.uid}: CDI spec {claim['cdi_spec']} is missing (the driver "
+                                      "re-creates it at start; restart the plugin pod if containers fail to start)")
     for daemon_id, daemon in sorted(cp.mps_daemons.items()):
-        users = [r.uid for r in cp.claims.values() if daemon_id in (*r.owned_mps_daemons, *r.shared_mps_daemons)]
-        alive = is_same_process(daemon.pid, daemon.process_start_time)
-        report["mps_daemons"].append({"id": daemon_id, "pid": daemon.pid, "pid_alive": alive,
-                                      "gpus": daemon.spec.gpu_uuids,
-                                      "active_thread_percentage": daemon.spec.active_thread_percentage,
-                                      "pinned_memory_limits": daemon.spec.pinned_memory_limits,
-                                      "pipe_dir": str(daemon.pipe_dir), "log_dir": str(daemon.log_dir),
-                                      "claims": users,
-                                      "limits_unconfirmed": cp.mps_limits_unconfirmed.get(daemon_id)})
-        if daemon_id in cp.mps_limits_unconfirmed:
-            report["problems"].append(
-                f"MPS daemon {daemon_id}: its limits cannot be confirmed ({cp.mps_limits_unconfirmed[daemon_id]}); "
-                f"a client holds its control socket, so they may have been changed for {len(users)} claim(s)")
-        if users and not alive:
-            report["problems"].append(f"MPS daemon {daemon_id} (pid {daemon.pid}) is not running and {len(users)} "
-                                      "claim(s) use it: their MPS clients fail until the driver restarts it (at its "
-                                      "next rescan, if the plugin is running)")
+        report["mps_daemons"].append(entry := _daemon_entry(daemon_id, daemon, cp))
+        report["problems"].extend(_daemon_problems(entry))
     add_foreign_processes(report, settings, cp)
     report["compute_modes"] = recorded_compute_modes(cp)
     known = {r.cdi_spec_file for r in cp.claims.values()}
-    for path in cdi.list_specs(settings.cdi_root, CdiNames(settings.driver_name).spec_prefix):
-        if path.name not in known:
-            report["orphan_cdi_specs"].append(str(path))
+    report["orphan_cdi_specs"] = [str(path) for path in cdi.list_specs(
+        settings.cdi_root, CdiNames(settings.driver_name).spec_prefix) if path.name not in known]
     if cp.plan_timeslices:
         report["plan_timeslices"] = dict(cp.plan_timeslices)
     return report
+
+
+def _claim_entry(record: ClaimRecord, spec_path: Path, cp: Checkpoint) -> dict[str, Any]:
+    return {
+        "claim": f"{record.namespace}/{record.name}", "uid": record.uid, "phase": record.phase.value,
+        "updated": record.updated_at,
+        "devices": [{"device": d.device.device_name, "kind": d.kind, "gpu": d.gpu_uuid, "mig": d.mig_uuid,
+                     "requests": d.device.request_names, "cdi_ids": d.device.cdi_device_ids,
+                     "share_id": d.device.share_id, "mps_daemon": d.mps_daemon_id,
+                     "consumed": _consumed(d), "admin_access": d.admin_access,
+                     "dynamic_mig": _dynamic_mig(d)} for d in record.devices],
+        "cdi_spec": str(spec_path), "cdi_spec_present": spec_path.exists(),
+        "timeslice": record.timeslice.model_dump() if record.timeslice else None,
+        "exclusive_gpus": list(record.exclusive_gpus),
+        "mps_clients": record.mps_clients, "mps_enforcement": record.mps_enforcement,
+        "mps_limits_unconfirmed": sorted(d for d in (*record.owned_mps_daemons, *record.shared_mps_daemons)
+                                         if d in cp.mps_limits_unconfirmed),
+    }
+
+
+def _daemon_entry(daemon_id: str, daemon: MpsDaemonRecord, cp: Checkpoint) -> dict[str, Any]:
+    users = [r.uid for r in cp.claims.values() if daemon_id in (*r.owned_mps_daemons, *r.shared_mps_daemons)]
+    return {"id": daemon_id, "pid": daemon.pid, "pid_alive": is_same_process(daemon.pid, daemon.process_start_time),
+            "gpus": daemon.spec.gpu_uuids, "active_thread_percentage": daemon.spec.active_thread_percentage,
+            "pinned_memory_limits": daemon.spec.pinned_memory_limits,
+            "pipe_dir": str(daemon.pipe_dir), "log_dir": str(daemon.log_dir), "claims": users,
+            "limits_unconfirmed": cp.mps_limits_unconfirmed.get(daemon_id)}
+
+
+def _daemon_problems(entry: dict[str, Any]) -> list[str]:
+    problems, users = [], len(entry["claims"])
+    if entry["limits_unconfirmed"] is not None:
+        problems.append(f"MPS daemon {entry['id']}: its limits cannot be confirmed ({entry['limits_unconfirmed']}); "
+                        f"a client holds its control socket, so they may have been changed for {users} claim(s)")
+    if users and not entry["pid_alive"]:
+        problems.append(f"MPS daemon {entry['id']} (pid {entry['pid']}) is not running and {users} claim(s) use it: "
+                        "their MPS clients fail until the driver restarts it (at its next rescan, if the plugin is "
+                        "running)")
+    return problems
 
 
 def _consumed(dev: PreparedDeviceRecord) -> dict[str, Any] | None:
