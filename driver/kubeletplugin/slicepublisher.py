@@ -290,6 +290,15 @@ class ResourceSlicePublisher(Worker):
                 stream.close()
                 return "interrupted", resource_version
             self._stream = stream
+        try:
+            return self._follow(stream, resource_version)
+        finally:
+            with self._cond:
+                self._stream = None
+            stream.close()
+
+    def _follow(self, stream: JsonLineStream, resource_version: str | None) -> tuple[str, str | None]:
+        """Read the open watch until it has an outcome (those of :meth:`_watch`)."""
         opened = time.monotonic()
         try:
             for event in stream:
@@ -311,21 +320,17 @@ class ResourceSlicePublisher(Worker):
                     self._cond.notify_all()
                 self._watch_backoff = self._initial_backoff
                 return "changed", resource_version
-            with self._cond:
-                if self._wake or self._stopping:
-                    return "interrupted", resource_version
-            if time.monotonic() - opened < _MIN_WATCH_LIFETIME_S:
-                log.warning("ResourceSlice watch ended at once, watching again later", extra=self._log_extra)
-                return "failed", resource_version
-            self._watch_backoff = self._initial_backoff
-            return "ended", resource_version
         except KubeApiError as err:
             with self._cond:
                 if self._wake or self._stopping:
                     return "interrupted", resource_version
             log.warning("ResourceSlice watch broke: %s", err, extra=self._log_extra)
             return "failed", resource_version
-        finally:
-            with self._cond:
-                self._stream = None
-            stream.close()
+        with self._cond:
+            if self._wake or self._stopping:
+                return "interrupted", resource_version
+        if time.monotonic() - opened < _MIN_WATCH_LIFETIME_S:
+            log.warning("ResourceSlice watch ended at once, watching again later", extra=self._log_extra)
+            return "failed", resource_version
+        self._watch_backoff = self._initial_backoff
+        return "ended", resource_version
