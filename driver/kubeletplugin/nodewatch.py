@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from driver.kubeletplugin.kubeclient import (
     METADATA_LIST_ONLY,
     METADATA_ONLY,
-    JsonLineStream,
     KubeApiError,
     KubeClient,
     open_json_lines,
@@ -62,7 +61,6 @@ class NodeWatch(Worker):
         self._meta: NodeMeta | None = None
         self._rv: str | None = None
         self._listeners: list[Callable[[NodeMeta], None]] = []
-        self._stream: JsonLineStream | None = None
 
     @property
     def node_name(self) -> str:
@@ -97,10 +95,6 @@ class NodeWatch(Worker):
         with self._cond:
             assert self._meta is not None
             return self._meta
-
-    def _interrupt(self) -> None:
-        if self._stream is not None:
-            self._stream.interrupt()
 
     def _set(self, metadata: dict[str, object] | None, resource_version: str | None) -> None:
         labels = metadata.get("labels") if metadata is not None else None

@@ -99,7 +99,6 @@ class ResourceSlicePublisher(Worker):
         self._published_devices = 0
         self._validation_problems: list[str] = []
         self._wake = False
-        self._stream: JsonLineStream | None = None
         # Worker thread only.
         self._writer = SliceWriter(api, driver_name, node_name, node_uid)
         self._backoff = initial_backoff
@@ -163,15 +162,6 @@ class ResourceSlicePublisher(Worker):
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the worker; True if it ended within ``timeout``. Published slices stay."""
         return super().stop(timeout)
-
-    def _interrupt(self) -> None:
-        """Wake the worker if it is blocked reading the watch. Caller holds ``_cond``.
-
-        Under the lock the stream cannot be closed meanwhile: the worker clears ``_stream`` under
-        the same lock before it closes the stream.
-        """
-        if self._stream is not None:
-            self._stream.interrupt()
 
     def wait_synced(self, timeout: float) -> bool:
         """True once the latest devices are on the server and nothing has changed them since."""
