@@ -6,6 +6,7 @@ Read-only and lock-free, so it is safe to run (``kubectl exec``) next to a busy 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import cdi
@@ -23,10 +24,11 @@ from driver.gpu.mps.hostclient import MpsHostLauncher
 from driver.gpu.mps.identity import foreign_processes
 from driver.gpu.mps.launch import DaemonLauncher
 from driver.gpu.mps.locallauncher import LocalLauncher
+from driver.gpu.mps.model import MpsDaemonRecord
 from driver.gpu.mps.proc import is_same_process
 from driver.gpu.published.planuse import PLAN_USE_FILE, render_plan
 from driver.gpu.published.planuse import add_to_inspect as add_plan_to_inspect
-from driver.gpu.record.checkpoint import Checkpoint, CheckpointStore, PreparedDeviceRecord
+from driver.gpu.record.checkpoint import Checkpoint, CheckpointStore, ClaimRecord, PreparedDeviceRecord
 from driver.units import GIB
 
 
@@ -47,51 +49,59 @@ def collect(settings: Settings) -> dict[str, Any]:
         return report
     report["boot_id"] = cp.boot_id
     for record in sorted(cp.claims.values(), key=lambda r: (r.namespace, r.name)):
-        spec_path = settings.cdi_root / record.cdi_spec_file
-        report["claims"].append({
-            "claim": f"{record.namespace}/{record.name}", "uid": record.uid, "phase": record.phase.value,
-            "updated": record.updated_at,
-            "devices": [{"device": d.device.device_name, "kind": d.kind, "gpu": d.gpu_uuid, "mig": d.mig_uuid,
-                         "requests": d.device.request_names, "cdi_ids": d.device.cdi_device_ids,
-                         "share_id": d.device.share_id, "mps_daemon": d.mps_daemon_id,
-                         "consumed": _consumed(d), "admin_access": d.admin_access,
-                         "dynamic_mig": _dynamic_mig(d)} for d in record.devices],
-            "cdi_spec": str(spec_path), "cdi_spec_present": spec_path.exists(),
-            "timeslice": record.timeslice.model_dump() if record.timeslice else None,
-            "exclusive_gpus": list(record.exclusive_gpus),
-            "mps_clients": record.mps_clients, "mps_enforcement": record.mps_enforcement,
-            "mps_limits_unconfirmed": sorted(d for d in record.mps_daemon_ids if d in cp.mps_limits_unconfirmed),
-        })
-        if not spec_path.exists() and record.phase.value == "PrepareCompleted":
-            report["problems"].append(f"claim {record.uid}: CDI spec {spec_path} is missing (the driver re-creates "
-                                      "it at start; restart the plugin pod if containers fail to start)")
+        report["claims"].append(claim := _claim_entry(record, settings.cdi_root / record.cdi_spec_file, cp))
+        if not claim["cdi_spec_present"] and claim["phase"] == "PrepareCompleted":
+            report["problems"].append(f"claim {record.uid}: CDI spec {claim['cdi_spec']} is missing (the driver "
+                                      "re-creates it at start; restart the plugin pod if containers fail to start)")
     for daemon_id, daemon in sorted(cp.mps_daemons.items()):
-        users = [r.uid for r in cp.claims_using(daemon_id)]
-        alive = is_same_process(daemon.pid, daemon.process_start_time)
-        report["mps_daemons"].append({"id": daemon_id, "pid": daemon.pid, "pid_alive": alive,
-                                      "gpus": daemon.spec.gpu_uuids,
-                                      "active_thread_percentage": daemon.spec.active_thread_percentage,
-                                      "pinned_memory_limits": daemon.spec.pinned_memory_limits,
-                                      "pipe_dir": str(daemon.pipe_dir), "log_dir": str(daemon.log_dir),
-                                      "claims": users,
-                                      "limits_unconfirmed": cp.mps_limits_unconfirmed.get(daemon_id)})
-        if daemon_id in cp.mps_limits_unconfirmed:
-            report["problems"].append(
-                f"MPS daemon {daemon_id}: its limits cannot be confirmed ({cp.mps_limits_unconfirmed[daemon_id]}); "
-                f"a client holds its control socket, so they may have been changed for {len(users)} claim(s)")
-        if users and not alive:
-            report["problems"].append(f"MPS daemon {daemon_id} (pid {daemon.pid}) is not running and {len(users)} "
-                                      "claim(s) use it: their MPS clients fail until the driver restarts it (at its "
-                                      "next rescan, if the plugin is running)")
+        report["mps_daemons"].append(entry := _daemon_entry(daemon_id, daemon, cp))
+        report["problems"].extend(_daemon_problems(entry))
     add_foreign_processes(report, settings, cp)
     report["compute_modes"] = recorded_compute_modes(cp)
     known = {r.cdi_spec_file for r in cp.claims.values()}
-    for path in cdi.list_specs(settings.cdi_root, CdiNames(settings.driver_name).spec_prefix):
-        if path.name not in known:
-            report["orphan_cdi_specs"].append(str(path))
+    report["orphan_cdi_specs"] = [str(path) for path in cdi.list_specs(
+        settings.cdi_root, CdiNames(settings.driver_name).spec_prefix) if path.name not in known]
     if cp.plan_timeslices:
         report["plan_timeslices"] = dict(cp.plan_timeslices)
     return report
+
+
+def _claim_entry(record: ClaimRecord, spec_path: Path, cp: Checkpoint) -> dict[str, Any]:
+    return {
+        "claim": f"{record.namespace}/{record.name}", "uid": record.uid, "phase": record.phase.value,
+        "updated": record.updated_at,
+        "devices": [{"device": d.device.device_name, "kind": d.kind, "gpu": d.gpu_uuid, "mig": d.mig_uuid,
+                     "requests": d.device.request_names, "cdi_ids": d.device.cdi_device_ids,
+                     "share_id": d.device.share_id, "mps_daemon": d.mps_daemon_id,
+                     "consumed": _consumed(d), "admin_access": d.admin_access,
+                     "dynamic_mig": _dynamic_mig(d)} for d in record.devices],
+        "cdi_spec": str(spec_path), "cdi_spec_present": spec_path.exists(),
+        "timeslice": record.timeslice.model_dump() if record.timeslice else None,
+        "exclusive_gpus": list(record.exclusive_gpus),
+        "mps_clients": record.mps_clients, "mps_enforcement": record.mps_enforcement,
+        "mps_limits_unconfirmed": sorted(d for d in record.mps_daemon_ids if d in cp.mps_limits_unconfirmed),
+    }
+
+
+def _daemon_entry(daemon_id: str, daemon: MpsDaemonRecord, cp: Checkpoint) -> dict[str, Any]:
+    users = [r.uid for r in cp.claims_using(daemon_id)]
+    return {"id": daemon_id, "pid": daemon.pid, "pid_alive": is_same_process(daemon.pid, daemon.process_start_time),
+            "gpus": daemon.spec.gpu_uuids, "active_thread_percentage": daemon.spec.active_thread_percentage,
+            "pinned_memory_limits": daemon.spec.pinned_memory_limits,
+            "pipe_dir": str(daemon.pipe_dir), "log_dir": str(daemon.log_dir), "claims": users,
+            "limits_unconfirmed": cp.mps_limits_unconfirmed.get(daemon_id)}
+
+
+def _daemon_problems(entry: dict[str, Any]) -> list[str]:
+    problems, users = [], len(entry["claims"])
+    if entry["limits_unconfirmed"] is not None:
+        problems.append(f"MPS daemon {entry['id']}: its limits cannot be confirmed ({entry['limits_unconfirmed']}); "
+                        f"a client holds its control socket, so they may have been changed for {users} claim(s)")
+    if users and not entry["pid_alive"]:
+        problems.append(f"MPS daemon {entry['id']} (pid {entry['pid']}) is not running and {users} claim(s) use it: "
+                        "their MPS clients fail until the driver restarts it (at its next rescan, if the plugin is "
+                        "running)")
+    return problems
 
 
 def _consumed(dev: PreparedDeviceRecord) -> dict[str, Any] | None:
@@ -165,82 +175,105 @@ def _render_compute_mode(entry: dict[str, Any]) -> str:
 
 
 def render_text(report: dict[str, Any]) -> str:
+    return "\n".join([
+        *_render_header(report),
+        *(line for claim in report["claims"] for line in _render_claim(claim)),
+        *(_render_compute_mode(entry) for entry in report.get("compute_modes", [])),
+        *_render_daemons(report),
+        *render_plan(report),
+        *(line for gpu in report.get("gpus", []) for line in _render_gpu(gpu)),
+        *_render_foreign(report.get("foreign_mps_processes", [])),
+        *render_health(report),
+        *render_usage(report),
+        *_render_findings(report),
+    ])
+
+
+def _render_header(report: dict[str, Any]) -> list[str]:
     lines = [f"driver {report['driver']}  checkpoint {report['checkpoint']}  cdi {report['cdi_root']}"]
     if "node_driver" in report:
         node = report["node_driver"]
         lines.append(f"device nodes from {node['device_root']}; driver libraries {node['driver_libraries']}")
-    lines.append(f"{len(report['claims'])} prepared claim(s)")
-    for claim in report["claims"]:
-        present = "present" if claim["cdi_spec_present"] else "MISSING"
-        lines.append(f"- {claim['claim']}  uid={claim['uid']}  {claim['phase']}")
-        lines.append(f"    cdi spec ({present}): {claim['cdi_spec']}")
-        for dev in claim["devices"]:
-            extra = f" mig={dev['mig']}" if dev["mig"] else ""
-            extra += f" mps-daemon={dev['mps_daemon']}" if dev["mps_daemon"] else ""
-            extra += f" share-id={dev['share_id']}" if dev["share_id"] else ""
-            consumed = dev.get("consumed")
-            extra += f" consumed={consumed['memory']},{consumed['multiprocessors']} SMs" if consumed else ""
-            # Shared with the claims that hold the device: nothing set up for it, nothing limits it.
-            extra += " admin-access (shared for monitoring: no MPS, no limits)" if dev.get("admin_access") else ""
-            lines.append(f"    {dev['device']:<28} {dev['kind']:<9} requests={','.join(dev['requests']) or '*'} "
-                         f"gpu={dev['gpu']}{extra}")
-            if (made := dev.get("dynamic_mig")) is not None:
-                ids = f"GI {made['gi_id']} CI {made['ci_id']} {made['mig_uuid']}" if made["gi_id"] is not None else ""
-                lines.append(f"      MIG instance {made['state']} by Tessera: {made['profile']} at placement "
-                             f"{made['placement_start']} (memory slices {made['placement_start']}-"
-                             f"{made['placement_start'] + made['placement_size'] - 1}) on GPU {made['gpu_minor']} "
-                             f"{ids}".rstrip())
-            for cdi_id in dev["cdi_ids"]:
-                lines.append(f"      cdi: {cdi_id}")
-        if claim.get("mps_clients"):
-            # Who the claim's MPS daemon admitted at prepare, and so how its limits hold (docs/sharing.md, "Tenants").
-            unconfirmed = ", UNCONFIRMED (a client holds the daemon's control socket)" if claim.get(
-                "mps_limits_unconfirmed") else ""
-            lines.append(f"    mps clients {claim['mps_clients']}: limits {claim['mps_enforcement']}{unconfirmed}")
-        if claim["timeslice"]:
-            ts = claim["timeslice"]
-            lines.append(f"    time slice {ts['interval']} on {', '.join(ts['gpu_uuids'])}")
-        lines.extend(render_lines(claim))
-    lines.extend(_render_compute_mode(entry) for entry in report.get("compute_modes", []))
-    if "mps_daemons_run_by" in report:
-        lines.append(f"MPS daemons run as: {report['mps_daemons_run_by']}")
-    if report["mps_daemons"]:
-        lines.append(f"{len(report['mps_daemons'])} MPS control daemon(s)")
-        for d in report["mps_daemons"]:
-            alive = "running" if d["pid_alive"] else "NOT RUNNING"
-            threads = f"{d['active_thread_percentage']}%" if d["active_thread_percentage"] else "default"
-            pinned = ", ".join(f"{uuid}={limit // 2**20}MiB" for uuid, limit in d["pinned_memory_limits"].items())
-            lines.append(f"- {d['id']} pid={d['pid']} ({alive}) claims={len(d['claims'])}")
-            lines.append(f"    gpus={','.join(d['gpus'])} threads={threads} pinned-memory={pinned or 'default'}")
-            lines.append(f"    pipe={d['pipe_dir']} log={d['log_dir']}")
-            if d.get("limits_unconfirmed"):
-                lines.append(f"    limits UNCONFIRMED {d['limits_unconfirmed']}")
-    lines.extend(render_plan(report))
-    for gpu in report.get("gpus", []):
-        sms = ("MIG enabled (SM counts per MIG device)" if gpu["mig_enabled"] else
-               f"{gpu['multiprocessors']} SMs" if gpu["multiprocessors"] is not None else
-               f"SM count not published: {gpu['multiprocessors_missing'] or 'unknown'}")
-        lines.append(f"GPU {gpu['minor']} {gpu['uuid']} {gpu['product']}: {sms}")
-        for mig in gpu.get("mig_instances", []):
-            owner = f"created by Tessera for claim {mig['claim']}" if mig["claim"] else "not created by Tessera"
-            lines.append(f"    MIG {mig['profile']} at placement {mig['placement_start']}: GI {mig['gi_id']} "
-                         f"CI {mig['ci_id']} {mig['uuid']} ({owner})")
-    foreign = report.get("foreign_mps_processes", [])
-    if foreign:
-        lines.append(f"{len(foreign)} foreign process(es) naming a Tessera pipe directory (not started by this driver; "
-                     "ignored by it)")
-        for f in foreign:
-            lines.append(f"- pid={f['pid']} uid={f['uid']} euid={f['euid']} daemon dir {f['daemon_id']} "
-                         f"(pipe {f['pipe_dir']})")
-    lines.extend(render_health(report))
-    lines.extend(render_usage(report))
-    for orphan in report["orphan_cdi_specs"]:
-        lines.append(f"orphan CDI spec (no checkpoint entry; removed at next driver start): {orphan}")
-    for note in report.get("notes", []):
-        lines.append(f"note: {note}")
-    for problem in report["problems"]:
-        lines.append(f"PROBLEM: {problem}")
-    return "\n".join(lines)
+    return [*lines, f"{len(report['claims'])} prepared claim(s)"]
+
+
+def _render_claim(claim: dict[str, Any]) -> list[str]:
+    present = "present" if claim["cdi_spec_present"] else "MISSING"
+    lines = [f"- {claim['claim']}  uid={claim['uid']}  {claim['phase']}",
+             f"    cdi spec ({present}): {claim['cdi_spec']}",
+             *(line for dev in claim["devices"] for line in _render_device(dev))]
+    if claim.get("mps_clients"):
+        # Who the claim's MPS daemon admitted at prepare, and so how its limits hold (docs/sharing.md, "Tenants").
+        unconfirmed = (", UNCONFIRMED (a client holds the daemon's control socket)"
+                       if claim.get("mps_limits_unconfirmed") else "")
+        lines.append(f"    mps clients {claim['mps_clients']}: limits {claim['mps_enforcement']}{unconfirmed}")
+    if ts := claim["timeslice"]:
+        lines.append(f"    time slice {ts['interval']} on {', '.join(ts['gpu_uuids'])}")
+    return [*lines, *render_lines(claim)]
+
+
+def _render_device(dev: dict[str, Any]) -> list[str]:
+    consumed = dev.get("consumed")
+    extra = "".join((
+        f" mig={dev['mig']}" if dev["mig"] else "",
+        f" mps-daemon={dev['mps_daemon']}" if dev["mps_daemon"] else "",
+        f" share-id={dev['share_id']}" if dev["share_id"] else "",
+        f" consumed={consumed['memory']},{consumed['multiprocessors']} SMs" if consumed else "",
+        # Shared with the claims that hold the device: nothing set up for it, nothing limits it.
+        " admin-access (shared for monitoring: no MPS, no limits)" if dev.get("admin_access") else ""))
+    lines = [f"    {dev['device']:<28} {dev['kind']:<9} requests={','.join(dev['requests']) or '*'} "
+             f"gpu={dev['gpu']}{extra}"]
+    if (made := dev.get("dynamic_mig")) is not None:
+        ids = f"GI {made['gi_id']} CI {made['ci_id']} {made['mig_uuid']}" if made["gi_id"] is not None else ""
+        lines.append(f"      MIG instance {made['state']} by Tessera: {made['profile']} at placement "
+                     f"{made['placement_start']} (memory slices {made['placement_start']}-"
+                     f"{made['placement_start'] + made['placement_size'] - 1}) on GPU {made['gpu_minor']} "
+                     f"{ids}".rstrip())
+    return [*lines, *(f"      cdi: {cdi_id}" for cdi_id in dev["cdi_ids"])]
+
+
+def _render_daemons(report: dict[str, Any]) -> list[str]:
+    lines = [f"MPS daemons run as: {report['mps_daemons_run_by']}"] if "mps_daemons_run_by" in report else []
+    if daemons := report["mps_daemons"]:
+        lines.append(f"{len(daemons)} MPS control daemon(s)")
+    for d in daemons:
+        alive = "running" if d["pid_alive"] else "NOT RUNNING"
+        threads = f"{d['active_thread_percentage']}%" if d["active_thread_percentage"] else "default"
+        pinned = ", ".join(f"{uuid}={limit // 2**20}MiB" for uuid, limit in d["pinned_memory_limits"].items())
+        lines += [f"- {d['id']} pid={d['pid']} ({alive}) claims={len(d['claims'])}",
+                  f"    gpus={','.join(d['gpus'])} threads={threads} pinned-memory={pinned or 'default'}",
+                  f"    pipe={d['pipe_dir']} log={d['log_dir']}"]
+        if d.get("limits_unconfirmed"):
+            lines.append(f"    limits UNCONFIRMED {d['limits_unconfirmed']}")
+    return lines
+
+
+def _render_gpu(gpu: dict[str, Any]) -> list[str]:
+    sms = ("MIG enabled (SM counts per MIG device)" if gpu["mig_enabled"] else
+           f"{gpu['multiprocessors']} SMs" if gpu["multiprocessors"] is not None else
+           f"SM count not published: {gpu['multiprocessors_missing'] or 'unknown'}")
+    lines = [f"GPU {gpu['minor']} {gpu['uuid']} {gpu['product']}: {sms}"]
+    for mig in gpu.get("mig_instances", []):
+        owner = f"created by Tessera for claim {mig['claim']}" if mig["claim"] else "not created by Tessera"
+        lines.append(f"    MIG {mig['profile']} at placement {mig['placement_start']}: GI {mig['gi_id']} "
+                     f"CI {mig['ci_id']} {mig['uuid']} ({owner})")
+    return lines
+
+
+def _render_foreign(foreign: list[dict[str, Any]]) -> list[str]:
+    if not foreign:
+        return []
+    return [f"{len(foreign)} foreign process(es) naming a Tessera pipe directory (not started by this driver; "
+            "ignored by it)",
+            *(f"- pid={f['pid']} uid={f['uid']} euid={f['euid']} daemon dir {f['daemon_id']} (pipe {f['pipe_dir']})"
+              for f in foreign)]
+
+
+def _render_findings(report: dict[str, Any]) -> list[str]:
+    return [*(f"orphan CDI spec (no checkpoint entry; removed at next driver start): {orphan}"
+              for orphan in report["orphan_cdi_specs"]),
+            *(f"note: {note}" for note in report.get("notes", [])),
+            *(f"PROBLEM: {problem}" for problem in report["problems"])]
 
 
 def discovered_gpus(settings: Settings, cp: Checkpoint | None = None) -> tuple[list[dict[str, Any]], str | None]:

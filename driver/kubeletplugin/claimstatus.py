@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from urllib.parse import quote
 
 from driver.kubeletplugin.calls import ClaimRef
 from driver.kubeletplugin.kubeclient import APPLY_PATCH, KubeApiError, KubeClient, api_time, request_json
+from driver.kubeletplugin.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -132,13 +132,15 @@ class _Pending:
     attempts: int = 0
 
 
-class ClaimStatusWriter:
-    """Writes claims' ``status.devices`` from one worker thread; :meth:`mark` is all a prepare does."""
+class ClaimStatusWriter(Worker):
+    """Writes claims' ``status.devices`` from one worker thread; :meth:`mark` is all a prepare does.
+    :meth:`stop` lets a write in flight finish and leaves marks not yet written."""
 
     def __init__(self, api: KubeClient, driver_name: str, field_manager: str, source: StatusSource, *,
                  max_pending: int = DEFAULT_MAX_PENDING, initial_backoff: float = 0.5, max_backoff: float = 60.0,
                  quiet: float = DEFAULT_QUIET_S, max_delay: float = DEFAULT_MAX_DELAY_S,
                  clock: Callable[[], str] | None = None):
+        super().__init__("claim-status-writer")
         self._api = api
         self._driver = driver_name
         self._manager = field_manager
@@ -150,14 +152,11 @@ class ClaimStatusWriter:
         self._max_delay = max_delay
         self._last_mark = 0.0
         self._clock = clock or api_time
-        self._cond = threading.Condition()
         self._pending: dict[str, _Pending] = {}
         self._busy = False
-        self._stopping = False
         self._disabled: str | None = None
         self._overflowed = False
         self._refusals_logged: set[int] = set()
-        self._thread: threading.Thread | None = None
         # Worker thread only: what the server holds of ours, by claim UID.
         self._written: dict[str, list[Obj]] = {}
         self.writes = 0  # requests sent, for benchmarks and tests
@@ -188,32 +187,10 @@ class ClaimStatusWriter:
                 self._pending[ref.uid] = _Pending(ref, due=now, marked=now)
             self._cond.notify_all()
 
-    def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("ClaimStatusWriter already started")
-        self._thread = threading.Thread(target=self._run, name="claim-status-writer", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> bool:
-        """Stop the worker (a write in flight finishes); marks not yet written are left."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread is None:
-            return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
     def wait_idle(self, timeout: float) -> bool:
         """True once nothing is marked or in flight (for tests and benchmarks; a prepare never waits)."""
-        deadline = time.monotonic() + timeout
         with self._cond:
-            while self._pending or self._busy:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-            return True
+            return self._cond.wait_for(lambda: not (self._pending or self._busy), timeout)
 
     def _run(self) -> None:
         while True:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,12 +21,12 @@ from dataclasses import dataclass, field
 from driver.kubeletplugin.kubeclient import (
     METADATA_LIST_ONLY,
     METADATA_ONLY,
-    JsonLineStream,
     KubeApiError,
     KubeClient,
     open_json_lines,
     request_json,
 )
+from driver.kubeletplugin.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -47,24 +46,21 @@ class NodeMeta:
     labels: dict[str, str] = field(default_factory=dict)
 
 
-class NodeWatch:
+class NodeWatch(Worker):
     """Keeps :attr:`meta` equal to the Node's metadata; :meth:`sync` lists once, :meth:`start` keeps watching."""
 
     def __init__(self, api: KubeClient, node_name: str, *, min_watch_seconds: int = MIN_WATCH_SECONDS,
                  initial_backoff: float = 1.0, max_backoff: float = 60.0):
+        super().__init__("node-watch")
         self._api = api
         self._node = node_name
         self._min_watch = min_watch_seconds
         self._initial_backoff = initial_backoff
         self._max_backoff = max_backoff
         self._selector = f"metadata.name={node_name}"
-        self._cond = threading.Condition()
         self._meta: NodeMeta | None = None
         self._rv: str | None = None
         self._listeners: list[Callable[[NodeMeta], None]] = []
-        self._stream: JsonLineStream | None = None
-        self._stopping = False
-        self._thread: threading.Thread | None = None
 
     @property
     def node_name(self) -> str:
@@ -99,23 +95,6 @@ class NodeWatch:
         with self._cond:
             assert self._meta is not None
             return self._meta
-
-    def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("NodeWatch already started")
-        self._thread = threading.Thread(target=self._run, name="node-watch", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> bool:
-        with self._cond:
-            self._stopping = True
-            if self._stream is not None:
-                self._stream.interrupt()
-            self._cond.notify_all()
-        if self._thread is None:
-            return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
 
     def _set(self, metadata: dict[str, object] | None, resource_version: str | None) -> None:
         labels = metadata.get("labels") if metadata is not None else None

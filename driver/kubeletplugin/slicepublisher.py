@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from driver.kubeletplugin.sliceplanner import (
 from driver.kubeletplugin.slicevalidation import validate_driver_and_pool
 from driver.kubeletplugin.slicewriter import SLICES_PATH, SliceWriteError, SliceWriter
 from driver.kubeletplugin.telemetry import Telemetry
+from driver.kubeletplugin.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class _RoundResult:
     list_resource_version: str | None = None
 
 
-class ResourceSlicePublisher:
+class ResourceSlicePublisher(Worker):
     """Keeps the ResourceSlices of one node-local pool equal to the devices it was given.
 
     Each sync round is a span ``<scope>.publish_resourceslices`` (the telemetry's scope) and counts in
@@ -79,6 +79,7 @@ class ResourceSlicePublisher:
         problems = validate_driver_and_pool(driver_name, node_name)
         if problems:
             raise ValueError("cannot publish ResourceSlices: " + "; ".join(problems))
+        super().__init__("resourceslice-publisher")
         self._api = api
         self._driver = driver_name
         self._node = node_name
@@ -90,8 +91,7 @@ class ResourceSlicePublisher:
         self._max_backoff = max_backoff
         self._selector = f"spec.driver={driver_name},spec.nodeName={node_name}"
         self._log_extra = {"driver": driver_name, "node": node_name}
-        # Shared with callers, guarded by _cond.
-        self._cond = threading.Condition()
+        # Shared with callers, guarded by _cond (the worker's).
         self._desired: list[PlannedSlice] | None = None
         self._desired_version = 0
         self._synced_version = 0
@@ -99,9 +99,6 @@ class ResourceSlicePublisher:
         self._published_devices = 0
         self._validation_problems: list[str] = []
         self._wake = False
-        self._stopping = False
-        self._stream: JsonLineStream | None = None
-        self._thread: threading.Thread | None = None
         # Worker thread only.
         self._writer = SliceWriter(api, driver_name, node_name, node_uid)
         self._backoff = initial_backoff
@@ -152,7 +149,7 @@ class ResourceSlicePublisher:
             self._desired_version += 1
             self._wake = True
             self._cond.notify_all()
-            self._interrupt_watch()
+            self._interrupt()
         return []
 
     def resync(self) -> None:
@@ -160,45 +157,17 @@ class ResourceSlicePublisher:
         with self._cond:
             self._wake = True
             self._cond.notify_all()
-            self._interrupt_watch()
-
-    def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("ResourceSlicePublisher already started")
-        self._thread = threading.Thread(target=self._run, name="resourceslice-publisher", daemon=True)
-        self._thread.start()
+            self._interrupt()
 
     def stop(self, timeout: float = 10.0) -> bool:
         """Stop the worker; True if it ended within ``timeout``. Published slices stay."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-            self._interrupt_watch()
-        if self._thread is None:
-            return True
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def _interrupt_watch(self) -> None:
-        """Wake the worker if it is blocked reading the watch. Caller holds ``_cond``.
-
-        Under the lock the stream cannot be closed meanwhile: the worker clears ``_stream`` under
-        the same lock before it closes the stream.
-        """
-        if self._stream is not None:
-            self._stream.interrupt()
+        return super().stop(timeout)
 
     def wait_synced(self, timeout: float) -> bool:
         """True once the latest devices are on the server and nothing has changed them since."""
-        deadline = time.monotonic() + timeout
         with self._cond:
-            while not (self._desired_version and self._synced_version == self._desired_version
-                       and not self._server_changed):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-            return True
+            return self._cond.wait_for(lambda: bool(self._desired_version) and not self._server_changed
+                                       and self._synced_version == self._desired_version, timeout)
 
     # ----- worker ----------------------------------------------------------------------------
 
@@ -311,6 +280,15 @@ class ResourceSlicePublisher:
                 stream.close()
                 return "interrupted", resource_version
             self._stream = stream
+        try:
+            return self._follow(stream, resource_version)
+        finally:
+            with self._cond:
+                self._stream = None
+            stream.close()
+
+    def _follow(self, stream: JsonLineStream, resource_version: str | None) -> tuple[str, str | None]:
+        """Read the open watch until it has an outcome (those of :meth:`_watch`)."""
         opened = time.monotonic()
         try:
             for event in stream:
@@ -332,21 +310,17 @@ class ResourceSlicePublisher:
                     self._cond.notify_all()
                 self._watch_backoff = self._initial_backoff
                 return "changed", resource_version
-            with self._cond:
-                if self._wake or self._stopping:
-                    return "interrupted", resource_version
-            if time.monotonic() - opened < _MIN_WATCH_LIFETIME_S:
-                log.warning("ResourceSlice watch ended at once, watching again later", extra=self._log_extra)
-                return "failed", resource_version
-            self._watch_backoff = self._initial_backoff
-            return "ended", resource_version
         except KubeApiError as err:
             with self._cond:
                 if self._wake or self._stopping:
                     return "interrupted", resource_version
             log.warning("ResourceSlice watch broke: %s", err, extra=self._log_extra)
             return "failed", resource_version
-        finally:
-            with self._cond:
-                self._stream = None
-            stream.close()
+        with self._cond:
+            if self._wake or self._stopping:
+                return "interrupted", resource_version
+        if time.monotonic() - opened < _MIN_WATCH_LIFETIME_S:
+            log.warning("ResourceSlice watch ended at once, watching again later", extra=self._log_extra)
+            return "failed", resource_version
+        self._watch_backoff = self._initial_backoff
+        return "ended", resource_version

@@ -109,14 +109,8 @@ class HealthWatch:
             return self._lock.wait_for(lambda: self.ended is not None, timeout)
 
     def wait_messages(self, count: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
         with self._lock:
-            while self.messages < count:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._lock.wait(remaining)
-            return True
+            return self._lock.wait_for(lambda: self.messages >= count, timeout)
 
 
 def allocated_resources_status(watch: HealthWatch, driver: str, pod_claim_name: str,

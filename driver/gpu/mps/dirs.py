@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import os
 import re
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,41 +130,56 @@ def clear_dir(path: Path) -> None:
 
 
 def _clear_tree(fd: int) -> None:
-    """Empty the directory ``fd`` (see :func:`clear_dir`)."""
+    """Empty the directory ``fd`` (see :func:`clear_dir`).
+
+    Tenants write here (shm/): a tree nested past the recursion limit made shutil.rmtree raise
+    RecursionError, so a subdirectory's subdirectories are moved up here, not descended into.
+    """
     pending = _clear_fd(fd)
-    queued, hoisted = set(pending), 0
+    queued, fresh_names = set(pending), (f".tessera-rm-{n}" for n in itertools.count(1))
     while pending:
         name = pending.pop()
         queued.discard(name)
-        # Tenants write here (shm/): a tree nested past the recursion limit made shutil.rmtree raise
-        # RecursionError, so a subdirectory's subdirectories are moved up here, not descended into.
-        try:
-            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-        except FileNotFoundError:
-            continue
-        except OSError as exc:  # swapped for a symlink or a file since it was listed: unlink that
-            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                raise
-            os.unlink(name, dir_fd=fd)
+        sub = _open_subdir(fd, name)
+        if sub is None:
             continue
         try:
             for child in _clear_fd(sub):
-                while True:
-                    hoisted += 1
-                    target = f".tessera-rm-{hoisted}"
-                    if target in queued:
-                        continue
-                    try:
-                        os.rename(child, target, src_dir_fd=sub, dst_dir_fd=fd)
-                        break
-                    except OSError as exc:  # a tenant's entry has that name: try the next one
-                        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
-                            raise
+                target = _move_up(sub, child, fd, fresh_names, taken=queued)
                 pending.append(target)
                 queued.add(target)
         finally:
             os.close(sub)
         os.rmdir(name, dir_fd=fd)
+
+
+def _open_subdir(parent: int, name: str) -> int | None:
+    """An fd of the directory ``name`` in ``parent``, not following a link; None when it is gone or is no
+    directory any more (swapped for a symlink or a file since it was listed: that is unlinked)."""
+    try:
+        return os.open(name, DIR_FLAGS, dir_fd=parent)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+    os.unlink(name, dir_fd=parent)
+    return None
+
+
+def _move_up(sub: int, name: str, parent: int, fresh_names: Iterator[str], taken: set[str]) -> str:
+    """Rename ``name`` from ``sub`` into ``parent`` under the first fresh name free there and not ``taken`` (the
+    names still queued: a directory renamed onto one of them, if empty, would silently replace it)."""
+    while True:
+        target = next(fresh_names)
+        if target in taken:
+            continue
+        try:
+            os.rename(name, target, src_dir_fd=sub, dst_dir_fd=parent)
+            return target
+        except OSError as exc:  # a tenant's entry has that name: try the next one
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+                raise
 
 
 def _clear_fd(fd: int) -> list[str]:

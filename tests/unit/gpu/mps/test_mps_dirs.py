@@ -10,6 +10,7 @@ import pytest
 
 from driver.gpu.mps.dirs import (
     RestartState,
+    clear_dir,
     log_tail,
     next_restart_state,
     read_restart_state,
@@ -71,6 +72,23 @@ def test_a_tree_nested_past_the_recursion_limit_is_removed_without_following_lin
         subprocess.run(["rm", "-rf", str(daemon_dir)], check=False)
     assert not left_behind
     assert outside.read_text() == "keep me"
+
+
+def test_a_tenants_directories_named_like_the_removals_own_are_emptied_too_and_the_mount_point_kept(
+        tmp_path: Path) -> None:
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "file").write_text("keep me")
+    shm = tmp_path / "plan-0123456789ab" / "shm"
+    for planted in (".tessera-rm-1/.tessera-rm-2/d", ".tessera-rm-2/d/e", "plain/.tessera-rm-1/f"):
+        (shm / planted).mkdir(parents=True)
+        (shm / planted / "file").write_text("tenant")
+        (shm / planted / "link").symlink_to(outside)
+        (shm / planted / "filelink").symlink_to(outside / "file")
+    (shm / ".tessera-rm-3").symlink_to(outside)
+    clear_dir(shm)
+    assert shm.is_dir() and list(shm.iterdir()) == []
+    assert [p.name for p in outside.iterdir()] == ["file"] and (outside / "file").read_text() == "keep me"
 
 
 def test_a_daemon_log_past_its_bound_is_emptied_and_the_daemon_keeps_appending(tmp_path: Path) -> None:
