@@ -110,7 +110,7 @@ def device_data(record: ClaimRecord, device: PreparedDeviceRecord, daemons: Mapp
 def _sharing(record: ClaimRecord, device: PreparedDeviceRecord, daemons: Mapping[str, MpsDaemonRecord],
              view: NodeView, restored: Restored | None) -> dict[str, Any]:
     target = view.targets.get(device.device.device_name)
-    shares = target.shares if target is not None else None
+    shares = target.form if target is not None else None
     driver_version = view.inventory.driver_version
     daemon = daemons.get(device.mps_daemon_id) if device.mps_daemon_id else None
     sharing: dict[str, Any] = {}

@@ -20,16 +20,16 @@ from driver.gpu.runtime.migclaims import check_placements_free
 
 @dataclass(frozen=True)
 class Replan(Unchanged):
-    """The plan no longer matches the GPUs locked for it, or its clients setting changed since the pods
+    """The claim plan no longer matches the GPUs locked for it, or its clients setting changed since the pods
     were checked: plan, and check the pods, again."""
 
 
 @dataclass(frozen=True)
 class Prepared(Unchanged):
-    """The claim is prepared already (the kubelet sends it again after its own restart); ``plan``: made now."""
+    """The claim is prepared already (the kubelet sends it again after its own restart); ``claim_plan``: made now."""
 
     record: ClaimRecord
-    plan: ClaimPlan
+    claim_plan: ClaimPlan
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,9 @@ class Interrupted(Unchanged):
 
 @dataclass(frozen=True)
 class Reserved:
-    """The claim's PrepareStarted ``record``, made from ``plan``, is in the checkpoint: do what it names."""
+    """The claim's PrepareStarted ``record``, made from ``claim_plan``, is in the checkpoint: do what it names."""
 
-    plan: ClaimPlan
+    claim_plan: ClaimPlan
     record: ClaimRecord
 
 
@@ -51,23 +51,25 @@ class Reserved:
 Reservation = Replan | Prepared | Interrupted | Reserved
 
 
-def reserve(cp: Checkpoint, uid: str, plan: ClaimPlan | None, *, checked: ClaimPlan, gpus: list[str],
+def reserve(cp: Checkpoint, uid: str, claim_plan: ClaimPlan | None, *, checked: ClaimPlan, gpus: list[str],
             check_health: Callable[[ClaimPlan], None],
             started: Callable[[ClaimPlan], ClaimRecord]) -> Reservation:
-    """Reserve ``plan`` (None: nothing left to prepare) for claim ``uid``, ``gpus`` locked; ``checked``: the plan the
-    claim's pods were checked against. Raises PrepareError if another claim holds or fills its devices."""
+    """Reserve ``claim_plan`` (None: nothing left to prepare) for claim ``uid``, ``gpus`` locked; ``checked``: the
+    claim plan the claim's pods were checked against.
+    Raises PrepareError if another claim holds or fills its devices."""
     existing = cp.claims.get(uid)
-    if plan is None or sorted(set(plan.gpu_uuids) | (existing.gpu_uuids if existing else set())) != gpus:
+    if claim_plan is None or sorted(set(claim_plan.gpu_uuids) | (existing.gpu_uuids if existing else set())) != gpus:
         return Replan()
-    if client_rules(plan) != client_rules(checked):
+    if client_rules(claim_plan) != client_rules(checked):
         return Replan()  # the plan's clients setting changed since the pods were checked: check again
     if existing is not None:
-        return Prepared(existing, plan) if existing.phase == ClaimPhase.PREPARE_COMPLETED else Interrupted(existing)
-    check_health(plan)
-    check_no_overlap(cp, plan)
-    check_placements_free(cp, plan)  # dynamic MIG placements of other claims
-    check_shares_fit(cp, plan)
-    record = started(plan)
+        return Prepared(existing,
+                        claim_plan) if existing.phase == ClaimPhase.PREPARE_COMPLETED else Interrupted(existing)
+    check_health(claim_plan)
+    check_no_overlap(cp, claim_plan)
+    check_placements_free(cp, claim_plan)  # dynamic MIG placements of other claims
+    check_shares_fit(cp, claim_plan)
+    record = started(claim_plan)
     warn_if_shared_pod(record, cp)  # kernel memory limits: one value per container (kernelmemory.py)
     cp.claims[uid] = record
     # Written before commit() returns, in one write with the changes of other claims that arrived
@@ -78,4 +80,4 @@ def reserve(cp: Checkpoint, uid: str, plan: ClaimPlan | None, *, checked: ClaimP
     # compute-mode record is a durable commit made before the mode changes (carrying this record
     # too), and a CDI spec written before PrepareCompleted is an orphan that recovery removes;
     # the kubelet got no answer and retries. kill -9 loses nothing (the page cache holds it).
-    return Reserved(plan, record)
+    return Reserved(claim_plan, record)

@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 UNPREPARE_GPU_WAIT = DEFAULT_PREPARE_DEADLINE + 10.0
 _RESERVE_ATTEMPTS = 3
 # Stopping a failed prepare's daemons, after its 30 s deadline, before the kubelet's 45 s; once spent,
-# a daemon still gets SIGKILL (proc.StopPlan), never left running.
+# a daemon still gets SIGKILL (proc.StopSteps), never left running.
 ROLLBACK_BUDGET_S = 8.0
 
 
@@ -85,7 +85,7 @@ class DeviceState:
         opens the MIG partitioner of dynamic MIG claims (at the first; None: none can be prepared)."""
         self.mps_multi_user = mps_multi_user
         # True: multi-user mode turned out available while it waited (plan again); the app's (runtime/multiuser.py).
-        self.multi_user_gate: Callable[[ClaimPlan, float], bool] = lambda _plan, _seconds: False
+        self.multi_user_gate: Callable[[ClaimPlan, float], bool] = lambda _claim_plan, _seconds: False
         # Published device name -> why it is unhealthy; new claims on those are refused (set by the app).
         self.device_problems: Callable[[], Mapping[str, str]] = dict
         self.device_taints: Callable[[], DeviceTaints] = dict  # a claim may tolerate them
@@ -187,31 +187,31 @@ class DeviceState:
             raise PrepareError(self.toolkit.readiness_problem)
         try:
             for _ in range(_RESERVE_ATTEMPTS):
-                plan, view, gpus = self._plan(claim)
-                if plan is None:
+                claim_plan, view, gpus = self._claim_plan(claim)
+                if claim_plan is None:
                     return []
-                if self.multi_user_gate(plan, deadline.remaining()):
+                if self.multi_user_gate(claim_plan, deadline.remaining()):
                     continue
                 # Every call, a claim already prepared included: the kubelet sends it again after its own
                 # restart, with the pods then reserved. Before any lock or side effect: it reads pods.
-                check_clients(claim, plan, deadline)
+                check_clients(claim, claim_plan, deadline)
                 with self.gpu_locks.held(gpus, deadline.remaining(), f"preparing claim {uid}"):
-                    devices = self._prepare_holding(claim, gpus, deadline, (view, plan))
+                    devices = self._prepare_holding(claim, gpus, deadline, (view, claim_plan))
                 if devices is not None:
                     return devices
         except (NodeBusy, LockTimeout, DeadlineExceeded) as exc:
             raise PrepareError(f"{exc}; nothing was left prepared, the kubelet will retry") from exc
         raise PrepareError("the claim's devices changed form while it was being prepared; the kubelet will retry")
 
-    def _plan(self, claim: ResourceClaim) -> tuple[ClaimPlan | None, NodeView, list[str]]:
+    def _claim_plan(self, claim: ResourceClaim) -> tuple[ClaimPlan | None, NodeView, list[str]]:
         """The plan, the view it was made against, and the GPUs to lock (the plan's and a previous attempt's)."""
         with self.node_lock.held():
             view = self.view
-            plan = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name, view=view,
-                              multi_user=self.mps_multi_user)
+            claim_plan = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name, view=view,
+                                    multi_user=self.mps_multi_user)
             existing = self.ledger.load_locked(shared=True).claims.get(claim.metadata.uid)
-        gpus = set(plan.gpu_uuids if plan else []) | (existing.gpu_uuids if existing else set())
-        return plan, view, sorted(gpus)
+        gpus = set(claim_plan.gpu_uuids if claim_plan else []) | (existing.gpu_uuids if existing else set())
+        return claim_plan, view, sorted(gpus)
 
     def _prepare_holding(self, claim: ResourceClaim, gpus: list[str], deadline: Deadline,
                          planned: tuple[NodeView, ClaimPlan]) -> list[PreparedDevice] | None:
@@ -224,13 +224,13 @@ class DeviceState:
         match reservation:
             case Replan():
                 return None
-            case Prepared(record, plan):
-                return self._serve_prepared(claim, record, plan)
+            case Prepared(record, claim_plan):
+                return self._serve_prepared(claim, record, claim_plan)
             case Interrupted(record):
                 self._roll_back_interrupted(record, deadline)
                 return None
-            case Reserved(plan, record):
-                return self._run_reserved(plan, record, deadline)
+            case Reserved(claim_plan, record):
+                return self._run_reserved(claim_plan, record, deadline)
 
     def _reserve(self, cp: Checkpoint, claim: ResourceClaim, gpus: list[str],
                  planned: tuple[NodeView, ClaimPlan]) -> Reservation:
@@ -238,17 +238,17 @@ class DeviceState:
         # a GPU under the same lock, so a device cannot change form between the two. Views are
         # replaced, never changed, so the same view object means the earlier plan still holds.
         view, checked = planned
-        plan: ClaimPlan | None = checked
+        claim_plan: ClaimPlan | None = checked
         if self.view is not view:
-            plan = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name, view=self.view,
-                              multi_user=self.mps_multi_user)
-        return reserve(cp, claim.metadata.uid, plan, checked=checked, gpus=gpus,
+            claim_plan = plan_claim(claim, driver_name=self.driver_name, pool_name=self.pool_name, view=self.view,
+                                    multi_user=self.mps_multi_user)
+        return reserve(cp, claim.metadata.uid, claim_plan, checked=checked, gpus=gpus,
                        check_health=lambda p: check_device_health(p, self.device_problems(), self.device_taints()),
                        started=lambda p: started_record(p, self.names, self.pool_name,
                                                         self.view.inventory.driver_version, now()))
 
-    def _serve_prepared(self, claim: ResourceClaim, record: ClaimRecord, plan: ClaimPlan) -> list[PreparedDevice]:
-        if allocation_of(record) != allocation_of(started_record(plan, self.names, self.pool_name, None, "")):
+    def _serve_prepared(self, claim: ResourceClaim, record: ClaimRecord, claim_plan: ClaimPlan) -> list[PreparedDevice]:
+        if allocation_of(record) != allocation_of(started_record(claim_plan, self.names, self.pool_name, None, "")):
             # Served as recorded, the pod would get the old devices and limits, not what the scheduler counted.
             raise PrepareError(f"claim {claim.metadata.namespace}/{claim.metadata.name} ({claim.metadata.uid}) is "
                                "already prepared with another allocation; delete the pod so it is unprepared first")
@@ -267,11 +267,11 @@ class DeviceState:
             # The record stays: the next retry or the next start rolls back again.
             raise _user_error(exc) from exc
 
-    def _run_reserved(self, plan: ClaimPlan, record: ClaimRecord, deadline: Deadline) -> list[PreparedDevice]:
+    def _run_reserved(self, claim_plan: ClaimPlan, record: ClaimRecord, deadline: Deadline) -> list[PreparedDevice]:
         try:
             # Dynamic MIG instances first: the plan's MPS daemons serve them (migruntime.py).
-            plan, record = self.mig.create_for_claim(plan, record, deadline)
-            self.sharing.start_for_claim(plan, deadline)
+            claim_plan, record = self.mig.create_for_claim(claim_plan, record, deadline)
+            self.sharing.start_for_claim(claim_plan, deadline)
             deadline.check("writing the CDI spec")
             self.write_cdi(record, self.ledger.read())
             deadline.check("recording the prepared claim")

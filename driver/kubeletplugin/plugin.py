@@ -39,7 +39,7 @@ DEFAULT_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
 
 # sun_path is 108 bytes on Linux, including the terminating NUL, but gRPC (1.85) refuses a "unix://" path
 # of 106 bytes or more ("should not have more than 107 characters"): the most that binds is 105.
-MAX_SOCKET_PATH_BYTES = 105
+GRPC_UNIX_PATH_MAX_BYTES = 105
 
 
 class KubeletPlugin:
@@ -72,9 +72,9 @@ class KubeletPlugin:
             f"{driver_name}-{pod_uid}-reg.sock" if pod_uid else f"{driver_name}-reg.sock")
         self._dra_socket = plugin_dir / (f"dra-{pod_uid}.sock" if pod_uid else "dra.sock")
         for path in (self._registration_socket, self._dra_socket):
-            if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+            if len(os.fsencode(path)) > GRPC_UNIX_PATH_MAX_BYTES:
                 raise ValueError(f"socket path {path} is {len(os.fsencode(path))} bytes; gRPC's Unix sockets allow at "
-                                 f"most {MAX_SOCKET_PATH_BYTES}: use shorter registrar_dir/plugin_dir")
+                                 f"most {GRPC_UNIX_PATH_MAX_BYTES}: use shorter registrar_dir/plugin_dir")
         self._activity = CallActivity()
         self._gate = StartGate(self._activity, max_wait_s=prepare_deadline)
         if health is not None:

@@ -8,8 +8,8 @@ section 5):
   :mod:`.slicecounters`), then laid out (:mod:`.slicelayout`: in order, each slice filled up to
   the cap that applies to it (:mod:`.slicelimits`); counter sets split or combined by release) and
   each slice checked against the per-slice counter limits.
-* :func:`plan_sync`: desired slices and what the server holds -> the writes that make them
-  match (:class:`SyncPlan`), by the pool-generation rules: pool name = node name,
+* :func:`slice_writes`: desired slices and what the server holds -> the writes that make them
+  match (:class:`SliceWrites`), by the pool-generation rules: pool name = node name,
   ``spec.nodeName`` = node, slices owned by the Node; slice names from ``generateName``
   ``<index as 5+ hex digits>-<driver>-<node>-`` (1.36 form), existing slices matched to desired
   ones by that index; the generation kept when nothing is created and at most one slice changes
@@ -151,7 +151,7 @@ def missing_fields(sent: Any, stored: Any, path: str = "spec") -> list[str]:
 
 
 @dataclass(frozen=True)
-class SyncPlan:
+class SliceWrites:
     """The writes that make the server match the desired slices, in the order to apply them."""
 
     generation: int
@@ -164,8 +164,8 @@ class SyncPlan:
         return not (self.deletes or self.updates or self.creates)
 
 
-def plan_sync(existing: Sequence[Obj], desired: Sequence[PlannedSlice], *, driver_name: str, node_name: str,
-              owner: Obj | None, adopted: Mapping[str, str]) -> SyncPlan:
+def slice_writes(existing: Sequence[Obj], desired: Sequence[PlannedSlice], *, driver_name: str, node_name: str,
+              owner: Obj | None, adopted: Mapping[str, str]) -> SliceWrites:
     """Compare the slices on the server with the desired ones (generation rules of section 5.3).
 
     ``adopted`` maps the canonical spec we sent to the canonical spec the server stored
@@ -202,7 +202,7 @@ def plan_sync(existing: Sequence[Obj], desired: Sequence[PlannedSlice], *, drive
     changed = [i for i in sorted(matched) if differs(i)]
     generation = top if not missing and len(changed) <= 1 else top + 1
     rewrite = changed if generation == top else sorted(matched)
-    return SyncPlan(
+    return SliceWrites(
         generation=generation,
         deletes=obsolete,
         updates=[_update_body(matched[i], spec_at(i, generation), owner) for i in rewrite],

@@ -34,7 +34,7 @@ from driver.kubeletplugin.slicemodel import CounterSet, Device, PlannedSlice
 from driver.kubeletplugin.sliceplanner import (
     InvalidDevices,
     plan_slices,
-    plan_sync,
+    slice_writes,
 )
 from driver.kubeletplugin.slicevalidation import validate_driver_and_pool
 from driver.kubeletplugin.slicewriter import SLICES_PATH, SliceWriteError, SliceWriter
@@ -224,10 +224,10 @@ class ResourceSlicePublisher(Worker):
             try:
                 owner = self._writer.node_owner()
                 listed = self._writer.list(self._selector)
-                plan = plan_sync(listed.get("items") or [], desired, driver_name=self._driver,
+                writes = slice_writes(listed.get("items") or [], desired, driver_name=self._driver,
                                  node_name=self._node, owner=owner, adopted=self._writer.adopted)
-                span.set_attribute(f"{scope}.resourceslice.generation", plan.generation)
-                self._writer.apply(plan)
+                span.set_attribute(f"{scope}.resourceslice.generation", writes.generation)
+                self._writer.apply(writes)
             except (KubeApiError, SliceWriteError) as err:
                 self._log_failure(err)
                 span.set_status(Status(StatusCode.ERROR, str(err)))
@@ -240,11 +240,11 @@ class ResourceSlicePublisher(Worker):
                 span.set_status(Status(StatusCode.ERROR, repr(err)))
                 self._telemetry.slice_sync_total.add(1, {"result": "error"})
                 return _RoundResult(failed=True)
-        self._telemetry.slice_sync_total.add(1, {"result": "changed" if not plan.empty else "unchanged"})
-        if not plan.empty:
+        self._telemetry.slice_sync_total.add(1, {"result": "changed" if not writes.empty else "unchanged"})
+        if not writes.empty:
             log.info("ResourceSlices written", extra={
-                **self._log_extra, "generation": plan.generation, "slices_deleted": len(plan.deletes),
-                "slices_updated": len(plan.updates), "slices_created": len(plan.creates), "devices": device_count})
+                **self._log_extra, "generation": writes.generation, "slices_deleted": len(writes.deletes),
+                "slices_updated": len(writes.updates), "slices_created": len(writes.creates), "devices": device_count})
             return _RoundResult(wrote=True)
         with self._cond:
             if version == self._desired_version:

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 
 from driver.kubeletplugin.kubeclient import KubeApiError, KubeClient, request_json
-from driver.kubeletplugin.sliceplanner import Obj, SyncPlan, canonical_spec, dropped_fields
+from driver.kubeletplugin.sliceplanner import Obj, SliceWrites, canonical_spec, dropped_fields
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,10 @@ class SliceWriter:
         return request_json(self._api, "GET", SLICES_PATH, query=[("fieldSelector", field_selector)],
                             timeout=_REQUEST_TIMEOUT_S)
 
-    def apply(self, plan: SyncPlan) -> None:
-        """Make the server hold ``plan``; :class:`SliceWriteError` on the first refused write."""
+    def apply(self, writes: SliceWrites) -> None:
+        """Make the server hold ``writes``; :class:`SliceWriteError` on the first refused write."""
         # Deleting devices the driver no longer has matters most, so deletes go first.
-        for old in plan.deletes:
+        for old in writes.deletes:
             meta = old["metadata"]
             body = {"apiVersion": "v1", "kind": "DeleteOptions",
                     "preconditions": {"uid": meta["uid"], "resourceVersion": meta["resourceVersion"]}}
@@ -72,7 +72,7 @@ class SliceWriter:
             except KubeApiError as err:
                 if err.status != 404:
                     raise SliceWriteError("delete", meta["name"], err) from err
-        for wanted in plan.updates:
+        for wanted in writes.updates:
             name = wanted["metadata"]["name"]
             try:
                 stored = request_json(self._api, "PUT", f"{SLICES_PATH}/{name}", body=wanted,
@@ -80,7 +80,7 @@ class SliceWriter:
             except KubeApiError as err:
                 raise SliceWriteError("update", name, err) from err
             self._adopt(wanted["spec"], stored)
-        for wanted in plan.creates:
+        for wanted in writes.creates:
             try:
                 stored = request_json(self._api, "POST", SLICES_PATH, body=wanted, timeout=_REQUEST_TIMEOUT_S)
             except KubeApiError as err:

@@ -12,7 +12,7 @@ from tests.support.processes import kill_processes_mentioning
 
 
 @pytest.fixture
-def node() -> Iterator[SimulatedNode]:
+def sim_node() -> Iterator[SimulatedNode]:
     """The demo layout (gpu-0 H100 whole, gpu-1 H100 with three MIG devices, gpu-2 L4), no sharing plan."""
     n = SimulatedNode("demo")
     try:

@@ -46,7 +46,7 @@ TAINT_KEY = f"{DRIVER}/unhealthy"
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimulatedNode]:
+def sim_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimulatedNode]:
     layout = tmp_path_factory.mktemp("layout") / "admin-forms.yaml"
     layout.write_text(yaml.safe_dump(LAYOUT))
     n = SimulatedNode(str(layout), plans=PLANS, plan="forms")
@@ -57,41 +57,41 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimulatedNode]:
         n.close()
 
 
-def start(node: SimulatedNode) -> None:
-    node.start(env={"TESSERA_SIM_EVENTS": str(node.events_file)})
-    node.wait_for_devices(DEVICES, timeout=30)
+def start(sim_node: SimulatedNode) -> None:
+    sim_node.start(env={"TESSERA_SIM_EVENTS": str(sim_node.events_file)})
+    sim_node.wait_for_devices(DEVICES, timeout=30)
 
 
-def gpu_uuid(node: SimulatedNode, minor: int) -> str:
-    gpu = node.inventory.gpu_by_minor(minor)
+def gpu_uuid(sim_node: SimulatedNode, minor: int) -> str:
+    gpu = sim_node.inventory.gpu_by_minor(minor)
     assert gpu is not None
     return gpu.uuid
 
 
-def gpu_settings(node: SimulatedNode) -> dict[str, Any]:
+def gpu_settings(sim_node: SimulatedNode) -> dict[str, Any]:
     """What the stand-ins hold per GPU: compute mode and time slice, for GPUs not at the defaults (a GPU's
     entry appears at its first query)."""
-    path = node.work / "nvidia-smi-state.json"
+    path = sim_node.work / "nvidia-smi-state.json"
     data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     defaults = {"compute_mode": "DEFAULT", "timeslice": 0}
     return {uuid: s for uuid, s in data.items() if {**defaults, **s} != defaults}
 
 
-def runtime(node: SimulatedNode) -> dict[str, Any]:
+def runtime(sim_node: SimulatedNode) -> dict[str, Any]:
     """Everything claims change on the node besides their own CDI specs and checkpoint entries."""
-    cp = node.checkpoint()
+    cp = sim_node.checkpoint()
     return {"daemons": {i: d["pid"] for i, d in cp["mps_daemons"].items()}, "modes": cp["compute_modes"],
-            "plan_timeslices": cp["plan_timeslices"], "gpus": gpu_settings(node),
+            "plan_timeslices": cp["plan_timeslices"], "gpus": gpu_settings(sim_node),
             "exclusive": {u: sorted(c["exclusive_gpus"]) for u, c in cp["claims"].items() if c["exclusive_gpus"]}}
 
 
-def daemon_activity(node: SimulatedNode) -> list[dict[str, Any]]:
+def daemon_activity(sim_node: SimulatedNode) -> list[dict[str, Any]]:
     """Starts, stops and settings sent to MPS daemons (reads are left out: a limit check may read at any time)."""
-    return [e for e in node.journal() if not str(e.get("cmd", "")).startswith("get_")]
+    return [e for e in sim_node.journal() if not str(e.get("cmd", "")).startswith("get_")]
 
 
-def check_admin_spec(node: SimulatedNode, ref: ClaimRef, device: str) -> None:
-    spec = json.loads(node.cdi_spec(ref.uid).read_text())
+def check_admin_spec(sim_node: SimulatedNode, ref: ClaimRef, device: str) -> None:
+    spec = json.loads(sim_node.cdi_spec(ref.uid).read_text())
     [dev] = spec["devices"]
     edits = dev["containerEdits"]
     assert edits["deviceNodes"][0]["path"] == f"/dev/nvidia{device[4]}", edits  # gpu-<minor>...
@@ -110,101 +110,103 @@ def check_admin_spec(node: SimulatedNode, ref: ClaimRef, device: str) -> None:
 
 @pytest.mark.parametrize("order", ["workload-first", "admin-first"])
 @pytest.mark.parametrize("form", list(FORMS))
-def test_admin_access_on_a_device_a_workload_holds(node: SimulatedNode, form: str, order: str) -> None:
+def test_admin_access_on_a_device_a_workload_holds(sim_node: SimulatedNode, form: str, order: str) -> None:
     device, configs, consumed = FORMS[form]
     share_ids = {device: str(uuid.uuid4())} if form == "consumable" else None
-    work = node.claim(f"work-{form}-{order}", [("gpu", device)], configs=configs, share_ids=share_ids,
-                      consumed={device: consumed} if consumed else None)
-    look = node.claim(f"look-{form}-{order}", [("gpu", device)], namespace="monitoring", admin_access=True,
-                      share_ids={device: str(uuid.uuid4())} if share_ids else None,
-                      consumed={device: ADMIN_CONSUMED} if consumed else None)
+    work = sim_node.claim(f"work-{form}-{order}", [("gpu", device)], configs=configs, share_ids=share_ids,
+                          consumed={device: consumed} if consumed else None)
+    look = sim_node.claim(f"look-{form}-{order}", [("gpu", device)], namespace="monitoring", admin_access=True,
+                          share_ids={device: str(uuid.uuid4())} if share_ids else None,
+                          consumed={device: ADMIN_CONSUMED} if consumed else None)
     try:
         if order == "workload-first":
-            node.prepare_ok(work)
-            held, activity = runtime(node), daemon_activity(node)
-            answer = node.prepare_ok(look)
+            sim_node.prepare_ok(work)
+            held, activity = runtime(sim_node), daemon_activity(sim_node)
+            answer = sim_node.prepare_ok(look)
             assert [d.device_name for d in answer.devices] == [device]
-            check_admin_spec(node, look, device)
-            assert (runtime(node), daemon_activity(node)) == (held, activity), "the admin prepare changed nothing"
-            assert node.unprepare(look) == {look.uid: None}
-            assert (runtime(node), daemon_activity(node)) == (held, activity), "the admin unprepare changed nothing"
+            check_admin_spec(sim_node, look, device)
+            assert (runtime(sim_node), daemon_activity(sim_node)) == (held,
+                                                                      activity), "the admin prepare changed nothing"
+            assert sim_node.unprepare(look) == {look.uid: None}
+            assert (runtime(sim_node), daemon_activity(sim_node)) == (held,
+                                                                      activity), "the admin unprepare changed nothing"
             assert all(pid_alive(pid) for pid in held["daemons"].values()), "the workload's daemon still runs"
-            assert node.cdi_spec(work.uid).exists()
+            assert sim_node.cdi_spec(work.uid).exists()
         else:
-            node.prepare_ok(look)
-            check_admin_spec(node, look, device)
-            idle, started = runtime(node), len([e for e in node.journal() if e.get("event") == "start"])
-            node.prepare_ok(work)  # not refused: the admin claim holds nothing
-            pids = [e["pid"] for e in node.journal() if e.get("event") == "start"][started:]
+            sim_node.prepare_ok(look)
+            check_admin_spec(sim_node, look, device)
+            idle, started = runtime(sim_node), len([e for e in sim_node.journal() if e.get("event") == "start"])
+            sim_node.prepare_ok(work)  # not refused: the admin claim holds nothing
+            pids = [e["pid"] for e in sim_node.journal() if e.get("event") == "start"][started:]
             assert bool(pids) == (form != "timeslice"), f"the workload's own MPS daemon: {pids}"
             if form in ("gpu", "mps"):
-                assert gpu_settings(node)[gpu_uuid(node, int(device[4]))]["compute_mode"] == "EXCLUSIVE_PROCESS"
+                assert gpu_settings(sim_node)[gpu_uuid(sim_node, int(device[4]))]["compute_mode"] == "EXCLUSIVE_PROCESS"
             # The workload's unprepare undoes all of it though the admin claim still holds the device.
-            assert node.unprepare(work) == {work.uid: None}
+            assert sim_node.unprepare(work) == {work.uid: None}
             wait_until(lambda: not any(pid_alive(p) for p in pids), what="the workload's daemon to stop")
-            assert runtime(node) == idle and node.cdi_spec(look.uid).exists()
-            assert node.checkpoint()["claims"][look.uid]["devices"][0]["admin_access"] is True
+            assert runtime(sim_node) == idle and sim_node.cdi_spec(look.uid).exists()
+            assert sim_node.checkpoint()["claims"][look.uid]["devices"][0]["admin_access"] is True
     finally:
-        node.unprepare(look, work)
-    assert {look.uid, work.uid}.isdisjoint(node.checkpoint()["claims"])
+        sim_node.unprepare(look, work)
+    assert {look.uid, work.uid}.isdisjoint(sim_node.checkpoint()["claims"])
 
 
-def test_recovery_and_inspect_know_admin_claims(node: SimulatedNode) -> None:
-    work = node.claim("work-recovery", [("gpu", "gpu-2-mps-1")])
-    look = node.claim("look-recovery", [("gpu", "gpu-2-mps-1")], namespace="monitoring", admin_access=True)
+def test_recovery_and_inspect_know_admin_claims(sim_node: SimulatedNode) -> None:
+    work = sim_node.claim("work-recovery", [("gpu", "gpu-2-mps-1")])
+    look = sim_node.claim("look-recovery", [("gpu", "gpu-2-mps-1")], namespace="monitoring", admin_access=True)
     try:
-        node.prepare_ok(work)
-        node.prepare_ok(look)
-        report = json.loads(subprocess.run(node.inspect_args("--json"), capture_output=True, text=True,
+        sim_node.prepare_ok(work)
+        sim_node.prepare_ok(look)
+        report = json.loads(subprocess.run(sim_node.inspect_args("--json"), capture_output=True, text=True,
                                            timeout=60).stdout)
         shown = {c["claim"]: c["devices"][0]["admin_access"] for c in report["claims"]}
         assert shown == {"default/work-recovery": False, "monitoring/look-recovery": True}
-        text = subprocess.run(node.inspect_args(), capture_output=True, text=True, timeout=60).stdout
+        text = subprocess.run(sim_node.inspect_args(), capture_output=True, text=True, timeout=60).stdout
         assert "admin-access" in text
-        [daemon] = node.checkpoint()["mps_daemons"].values()
+        [daemon] = sim_node.checkpoint()["mps_daemons"].values()
 
         # Killed with its checkpoint corrupt, the driver rebuilds both claims from their CDI specs.
-        node.kill9()
-        (node.state_dir / "checkpoint.json").write_text("{not json")
-        node.restart(env={"TESSERA_SIM_EVENTS": str(node.events_file)})
-        node.wait_for_devices(DEVICES, timeout=30)
-        rebuilt = node.checkpoint()["claims"]
+        sim_node.kill9()
+        (sim_node.state_dir / "checkpoint.json").write_text("{not json")
+        sim_node.restart(env={"TESSERA_SIM_EVENTS": str(sim_node.events_file)})
+        sim_node.wait_for_devices(DEVICES, timeout=30)
+        rebuilt = sim_node.checkpoint()["claims"]
         assert rebuilt[look.uid]["devices"][0]["admin_access"] is True
         assert rebuilt[look.uid]["shared_mps_daemons"] == [] and rebuilt[look.uid]["exclusive_gpus"] == []
         assert rebuilt[work.uid]["devices"][0]["admin_access"] is False and rebuilt[work.uid]["shared_mps_daemons"]
         assert pid_alive(daemon["pid"]), "the workload's daemon survived the driver"
         # The last share's unprepare stops the daemon; the admin claim neither blocks nor needs it.
-        assert node.unprepare(work) == {work.uid: None}
+        assert sim_node.unprepare(work) == {work.uid: None}
         wait_until(lambda: not pid_alive(daemon["pid"]), what="the daemon to stop after the last share")
-        assert node.checkpoint()["mps_daemons"] == {} and node.cdi_spec(look.uid).exists()
+        assert sim_node.checkpoint()["mps_daemons"] == {} and sim_node.cdi_spec(look.uid).exists()
     finally:
-        node.unprepare(look, work)
+        sim_node.unprepare(look, work)
 
 
 def test_a_claim_tolerating_the_health_taint_is_prepared_and_one_that_does_not_is_refused(
-        node: SimulatedNode) -> None:
-    with node.events_file.open("a") as events:
-        events.write(json.dumps({"uuid": gpu_uuid(node, 5), "xid": 79}) + "\n")
+        sim_node: SimulatedNode) -> None:
+    with sim_node.events_file.open("a") as events:
+        events.write(json.dumps({"uuid": gpu_uuid(sim_node, 5), "xid": 79}) + "\n")
 
     def gpu5_taints() -> list[dict[str, Any]]:
-        return next((d.get("taints", []) for d in node.devices() if d["name"] == "gpu-5"), [])
+        return next((d.get("taints", []) for d in sim_node.devices() if d["name"] == "gpu-5"), [])
 
     wait_until(lambda: [t.get("value") for t in gpu5_taints()] == ["xid-79"], 10, "gpu-5 to be tainted")
-    diag = node.claim("diag", [("gpu", "gpu-5")],
-                      tolerations=[{"key": TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}])
-    other = node.claim("other", [("gpu", "gpu-5")],
-                       tolerations=[{"key": TAINT_KEY, "operator": "Equal", "value": "xid-48"}])
+    diag = sim_node.claim("diag", [("gpu", "gpu-5")],
+                          tolerations=[{"key": TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}])
+    other = sim_node.claim("other", [("gpu", "gpu-5")],
+                           tolerations=[{"key": TAINT_KEY, "operator": "Equal", "value": "xid-48"}])
     try:
-        error = node.prepare(other)[other.uid].error
+        error = sim_node.prepare(other)[other.uid].error
         assert error is not None and "device gpu-5 (xid-79" in error and "is unhealthy" in error
-        node.prepare_ok(diag)
-        [line] = [e for e in node.log() if "tolerates the device's taints" in str(e.get("msg"))
+        sim_node.prepare_ok(diag)
+        [line] = [e for e in sim_node.log() if "tolerates the device's taints" in str(e.get("msg"))
                   and e.get("claim_uid") == diag.uid]
         assert line["level"].lower() == "info" and line["device"] == "gpu-5"
         assert line["tolerated"] == [f"{TAINT_KEY}=xid-79:NoSchedule"] and line["reason"].startswith("xid-79")
-        assert other.uid not in node.checkpoint()["claims"]
+        assert other.uid not in sim_node.checkpoint()["claims"]
     finally:
-        node.unprepare(diag, other)
-        with node.events_file.open("a") as events:
-            events.write(json.dumps({"uuid": gpu_uuid(node, 5), "recovered": True}) + "\n")
+        sim_node.unprepare(diag, other)
+        with sim_node.events_file.open("a") as events:
+            events.write(json.dumps({"uuid": gpu_uuid(sim_node, 5), "recovered": True}) + "\n")
         wait_until(lambda: gpu5_taints() == [], 10, "gpu-5 to recover")

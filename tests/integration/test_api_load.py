@@ -23,9 +23,9 @@ SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 IDLE_REQUESTS_PER_MINUTE = 2
 
 
-def watching_both(node: SimulatedNode) -> bool:
+def watching_both(sim_node: SimulatedNode) -> bool:
     """Whether the newest request on each of the Node and the slices is a watch (the driver settled)."""
-    last = {path: verb for verb, path in node.api.requests if path in (NODES, SLICES)}
+    last = {path: verb for verb, path in sim_node.api.requests if path in (NODES, SLICES)}
     return last == {NODES: "WATCH", SLICES: "WATCH"}
 
 
@@ -45,28 +45,28 @@ def rescans(path: Path, count: int) -> None:
     wait_until(another, what=f"{count} rescans")
 
 
-def settle(node: SimulatedNode) -> None:
+def settle(sim_node: SimulatedNode) -> None:
     """Wait until two rescans in a row sent nothing and the driver watches its Node and slices."""
     for _ in range(20):
-        wait_until(lambda: watching_both(node), what="the driver watching its Node and slices")
-        before = len(node.api.requests)
-        rescans(node.state_dir / PLAN_USE_FILE, 2)
-        if len(node.api.requests) == before:
+        wait_until(lambda: watching_both(sim_node), what="the driver watching its Node and slices")
+        before = len(sim_node.api.requests)
+        rescans(sim_node.state_dir / PLAN_USE_FILE, 2)
+        if len(sim_node.api.requests) == before:
             return
     raise AssertionError("the driver never went idle")
 
 
 def test_idle_costs_only_long_watches_and_a_cycle_costs_the_claim_its_pod_and_two_status_writes() -> None:
-    node = SimulatedNode("demo", plans=PLANS, plan="mps")
+    sim_node = SimulatedNode("demo", plans=PLANS, plan="mps")
     try:
-        node.start()
-        node.wait_for_devices(["gpu-0", *MIG, *SHARES])
-        settle(node)  # the start's own work (the multi-user probe republishes once) is done
-        before = len(node.api.requests)
-        rescans(node.state_dir / PLAN_USE_FILE, 3)  # three full rescans of GPUs and the plan (0.5 s apart here)
-        idle = node.api.request_queries[before:]
+        sim_node.start()
+        sim_node.wait_for_devices(["gpu-0", *MIG, *SHARES])
+        settle(sim_node)  # the start's own work (the multi-user probe republishes once) is done
+        before = len(sim_node.api.requests)
+        rescans(sim_node.state_dir / PLAN_USE_FILE, 3)  # three full rescans of GPUs and the plan (0.5 s apart here)
+        idle = sim_node.api.request_queries[before:]
         assert idle == [], f"an idle node sent {idle}"
-        everything = node.api.request_queries
+        everything = sim_node.api.request_queries
         assert not [r for r in everything if r[1].startswith(NODES + "/")], "never a GET of the whole Node"
         watches = [q for verb, _, q in everything if verb == "WATCH"]
         assert all(q["allowWatchBookmarks"] == "true" and q["resourceVersion"] for q in watches)
@@ -76,32 +76,32 @@ def test_idle_costs_only_long_watches_and_a_cycle_costs_the_claim_its_pod_and_tw
         assert all(q["fieldSelector"] == f"metadata.name={NODE}" for q in node_reads)
 
         user = pod("p", pod_security=NON_ROOT, containers=[("main", NO_ESCALATION)])
-        ref = node.claim("cycle", [("gpu", "gpu-2-mps-0")], pods=[user])
-        before = len(node.api.requests)
-        node.prepare_ok(ref)
-        wait_until(lambda: (next(c for c in node.api.claims() if c["metadata"]["uid"] == ref.uid)
+        ref = sim_node.claim("cycle", [("gpu", "gpu-2-mps-0")], pods=[user])
+        before = len(sim_node.api.requests)
+        sim_node.prepare_ok(ref)
+        wait_until(lambda: (next(c for c in sim_node.api.claims() if c["metadata"]["uid"] == ref.uid)
                             .get("status", {}).get("devices")), what="the claim's status entry")
-        assert node.unprepare(ref) == {ref.uid: None}
-        wait_until(lambda: not (next(c for c in node.api.claims() if c["metadata"]["uid"] == ref.uid)
+        assert sim_node.unprepare(ref) == {ref.uid: None}
+        wait_until(lambda: not (next(c for c in sim_node.api.claims() if c["metadata"]["uid"] == ref.uid)
                                 .get("status", {}).get("devices")), what="the entry removed")
-        cycle = sorted(node.api.requests[before:])
+        cycle = sorted(sim_node.api.requests[before:])
         claim_path = f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/{ref.name}"
         assert cycle == sorted([("GET", claim_path), ("GET", "/api/v1/namespaces/default/pods/p"),
                                 ("PATCH", claim_path + "/status"), ("PATCH", claim_path + "/status")])
     finally:
-        node.close()
+        sim_node.close()
 
 
 def test_a_plan_label_change_takes_effect_at_once_through_the_node_watch() -> None:
-    node = SimulatedNode("demo", plans=PLANS, plan="mps")
+    sim_node = SimulatedNode("demo", plans=PLANS, plan="mps")
     try:
         # A rescan every 10 minutes: only the watch can make the change take effect within the test's wait.
-        node.start("--rescan-interval", "600")
-        node.wait_for_devices(["gpu-0", *MIG, *SHARES])
-        wait_until(lambda: watching_both(node), what="the driver watching its Node and slices")
-        before = len(node.api.requests)
-        node.api.set_node_labels(NODE, {PLAN_LABEL: "whole"})
-        node.wait_for_devices(["gpu-0", *MIG, "gpu-2"])
-        assert not [r for r in node.api.requests[before:] if r[1].startswith(NODES)], "the open watch told it"
+        sim_node.start("--rescan-interval", "600")
+        sim_node.wait_for_devices(["gpu-0", *MIG, *SHARES])
+        wait_until(lambda: watching_both(sim_node), what="the driver watching its Node and slices")
+        before = len(sim_node.api.requests)
+        sim_node.api.set_node_labels(NODE, {PLAN_LABEL: "whole"})
+        sim_node.wait_for_devices(["gpu-0", *MIG, "gpu-2"])
+        assert not [r for r in sim_node.api.requests[before:] if r[1].startswith(NODES)], "the open watch told it"
     finally:
-        node.close()
+        sim_node.close()

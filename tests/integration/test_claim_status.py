@@ -22,8 +22,8 @@ MIG = "gpu-1-mig-2g20gb-4"
 OTHER_DRIVER = "nic.example.com"
 
 
-def entries(node: SimulatedNode, ref: ClaimRef, driver: str = DRIVER) -> list[dict[str, Any]]:
-    claim = next(c for c in node.api.claims() if c["metadata"]["uid"] == ref.uid)
+def entries(sim_node: SimulatedNode, ref: ClaimRef, driver: str = DRIVER) -> list[dict[str, Any]]:
+    claim = next(c for c in sim_node.api.claims() if c["metadata"]["uid"] == ref.uid)
     return [e for e in (claim.get("status") or {}).get("devices") or [] if e["driver"] == driver]
 
 
@@ -31,160 +31,160 @@ def conditions(entry: dict[str, Any]) -> dict[str, str]:
     return {c["type"]: c["status"] for c in entry["conditions"]}
 
 
-def wait_ready(node: SimulatedNode, ref: ClaimRef, count: int = 1) -> list[dict[str, Any]]:
-    wait_until(lambda: len(entries(node, ref)) == count, what=f"{count} status entries of {ref.name}")
-    return entries(node, ref)
+def wait_ready(sim_node: SimulatedNode, ref: ClaimRef, count: int = 1) -> list[dict[str, Any]]:
+    wait_until(lambda: len(entries(sim_node, ref)) == count, what=f"{count} status entries of {ref.name}")
+    return entries(sim_node, ref)
 
 
-def gpu_uuid(node: SimulatedNode, minor: int) -> str:
-    gpu = node.inventory.gpu_by_minor(minor)
+def gpu_uuid(sim_node: SimulatedNode, minor: int) -> str:
+    gpu = sim_node.inventory.gpu_by_minor(minor)
     assert gpu is not None
     return gpu.uuid
 
 
 def test_shares_and_mig_slices_show_what_they_got_flip_on_health_and_go_at_unprepare() -> None:
-    node = SimulatedNode("demo", plans=PLANS, plan="mixed")
+    sim_node = SimulatedNode("demo", plans=PLANS, plan="mixed")
     try:
-        node.start(env={"TESSERA_SIM_EVENTS": str(node.events_file)})
-        node.wait_for_devices(["gpu-0-ts-0", "gpu-0-ts-1", "gpu-1-mig-3g40gb-0", MIG, "gpu-1-mig-1g10gb-6",
-                               "gpu-2-mps-0", "gpu-2-mps-1"])
-        mps = node.claim("mps", [("gpu", "gpu-2-mps-1")])
-        ts = node.claim("ts", [("gpu", "gpu-0-ts-0")])
-        mig = node.claim("mig", [("gpu", MIG)])
+        sim_node.start(env={"TESSERA_SIM_EVENTS": str(sim_node.events_file)})
+        sim_node.wait_for_devices(["gpu-0-ts-0", "gpu-0-ts-1", "gpu-1-mig-3g40gb-0", MIG, "gpu-1-mig-1g10gb-6",
+                                   "gpu-2-mps-0", "gpu-2-mps-1"])
+        mps = sim_node.claim("mps", [("gpu", "gpu-2-mps-1")])
+        ts = sim_node.claim("ts", [("gpu", "gpu-0-ts-0")])
+        mig = sim_node.claim("mig", [("gpu", MIG)])
         for ref in (mps, ts, mig):
-            node.prepare_ok(ref)
+            sim_node.prepare_ok(ref)
 
-        [share] = wait_ready(node, mps)
+        [share] = wait_ready(sim_node, mps)
         assert (share["pool"], share["device"]) == (NODE, "gpu-2-mps-1")
         assert conditions(share) == {"Ready": "True", "Healthy": "True"}
-        assert share["data"]["gpuUUID"] == gpu_uuid(node, 2) and share["data"]["productName"] == "NVIDIA L4"
+        assert share["data"]["gpuUUID"] == gpu_uuid(sim_node, 2) and share["data"]["productName"] == "NVIDIA L4"
         sharing = share["data"]["sharing"]
         assert (sharing["strategy"], sharing["activeThreadPercentage"], sharing["pinnedMemoryLimit"]) == (
             "MPS", 25, "4Gi")
-        published = next(d for d in node.devices() if d["name"] == "gpu-2-mps-1")["attributes"]
+        published = next(d for d in sim_node.devices() if d["name"] == "gpu-2-mps-1")["attributes"]
         assert sharing["memoryLimitEnforcement"] == published["memoryLimitEnforcement"]["string"]
         assert sharing["computeLimitEnforcement"] == published["computeLimitEnforcement"]["string"]
 
-        [slice_] = wait_ready(node, ts)
-        assert slice_["device"] == "gpu-0-ts-0" and slice_["data"]["gpuUUID"] == gpu_uuid(node, 0)
+        [slice_] = wait_ready(sim_node, ts)
+        assert slice_["device"] == "gpu-0-ts-0" and slice_["data"]["gpuUUID"] == gpu_uuid(sim_node, 0)
         assert slice_["data"]["sharing"]["strategy"] == "TimeSlicing"
         assert slice_["data"]["sharing"]["timeSliceInterval"] == "Long"
         assert slice_["data"]["sharing"]["computeLimitEnforcement"] == "none"
 
-        [instance] = wait_ready(node, mig)
-        gpu1 = node.inventory.gpu_by_minor(1)
+        [instance] = wait_ready(sim_node, mig)
+        gpu1 = sim_node.inventory.gpu_by_minor(1)
         assert gpu1 is not None
         expected_mig = next(m for m in gpu1.mig_instances if m.placement_start == 4)
         assert instance["data"]["gpuUUID"] == gpu1.uuid and instance["data"]["migUUID"] == expected_mig.uuid
         assert instance["data"]["memory"] and conditions(instance) == {"Ready": "True", "Healthy": "True"}
 
-        shown = json.loads(subprocess.run(node.inspect_args("--json"), capture_output=True, text=True, check=True,
-                                          env=node.env, timeout=60).stdout)
+        shown = json.loads(subprocess.run(sim_node.inspect_args("--json"), capture_output=True, text=True, check=True,
+                                          env=sim_node.env, timeout=60).stdout)
         by_uid = {c["uid"]: c["status_devices"] for c in shown["claims"]}
         assert [e["data"] for e in by_uid[mps.uid]] == [share["data"]], "inspect shows what the claim shows"
         assert [e["data"] for e in by_uid[mig.uid]] == [instance["data"]]
 
-        with node.events_file.open("a") as handle:
+        with sim_node.events_file.open("a") as handle:
             handle.write(json.dumps({"uuid": gpu1.uuid, "xid": 79}) + "\n")  # fallen off the bus
-        wait_until(lambda: conditions(entries(node, mig)[0])["Healthy"] == "False", what="the health flip")
-        flipped = next(c for c in entries(node, mig)[0]["conditions"] if c["type"] == "Healthy")
+        wait_until(lambda: conditions(entries(sim_node, mig)[0])["Healthy"] == "False", what="the health flip")
+        flipped = next(c for c in entries(sim_node, mig)[0]["conditions"] if c["type"] == "Healthy")
         assert flipped["reason"] and flipped["message"]
-        assert conditions(entries(node, mps)[0])["Healthy"] == "True", "another GPU's claim stays healthy"
+        assert conditions(entries(sim_node, mps)[0])["Healthy"] == "True", "another GPU's claim stays healthy"
 
-        assert node.unprepare(mps, ts, mig) == {mps.uid: None, ts.uid: None, mig.uid: None}
+        assert sim_node.unprepare(mps, ts, mig) == {mps.uid: None, ts.uid: None, mig.uid: None}
         for ref in (mps, ts, mig):
-            wait_until(lambda ref=ref: entries(node, ref) == [], what=f"{ref.name}'s entries removed")
+            wait_until(lambda ref=ref: entries(sim_node, ref) == [], what=f"{ref.name}'s entries removed")
     finally:
-        node.close()
+        sim_node.close()
 
 
 def test_a_whole_gpu_entry_survives_a_restart_once_and_other_drivers_entries_stay() -> None:
-    node = SimulatedNode("demo")
+    sim_node = SimulatedNode("demo")
     try:
-        node.start()
-        node.wait_for_devices(["gpu-0", "gpu-1-mig-3g40gb-0", MIG, "gpu-1-mig-1g10gb-6", "gpu-2"])
-        ref = node.claim("whole", [("gpu", "gpu-0")])
-        claim = next(c for c in node.api.claims() if c["metadata"]["uid"] == ref.uid)
+        sim_node.start()
+        sim_node.wait_for_devices(["gpu-0", "gpu-1-mig-3g40gb-0", MIG, "gpu-1-mig-1g10gb-6", "gpu-2"])
+        ref = sim_node.claim("whole", [("gpu", "gpu-0")])
+        claim = next(c for c in sim_node.api.claims() if c["metadata"]["uid"] == ref.uid)
         claim["status"]["allocation"]["devices"]["results"].append(
             {"request": "nic", "driver": OTHER_DRIVER, "pool": NODE, "device": "nic-0"})
-        node.api.put_claim(claim)
+        sim_node.api.put_claim(claim)
         other = {"driver": OTHER_DRIVER, "pool": NODE, "device": "nic-0", "data": {"ip": "10.1.2.3"}}
-        request_json(node.api.api_client(), "PATCH",
+        request_json(sim_node.api.api_client(), "PATCH",
                      f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/{ref.name}/status",
                      body={"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
                            "metadata": {"name": ref.name, "namespace": "default"}, "status": {"devices": [other]}},
                      content_type=APPLY_PATCH, query=[("fieldManager", OTHER_DRIVER)])
-        node.prepare_ok(ref)
-        [entry] = wait_ready(node, ref)
+        sim_node.prepare_ok(ref)
+        [entry] = wait_ready(sim_node, ref)
         assert "shareID" not in entry and entry["device"] == "gpu-0"
-        published = next(d for d in node.devices() if d["name"] == "gpu-0")
-        assert entry["data"]["gpuUUID"] == gpu_uuid(node, 0)
+        published = next(d for d in sim_node.devices() if d["name"] == "gpu-0")
+        assert entry["data"]["gpuUUID"] == gpu_uuid(sim_node, 0)
         assert entry["data"]["memory"] == published["capacity"]["memory"]["value"]
         assert entry["data"]["productName"].startswith("NVIDIA H100")
         assert "sharing" not in entry["data"]
 
-        node.restart()
-        wait_until(lambda: any(e.get("msg") == "driver started" for e in node.log()), what="restart")
-        node.prepare_ok(ref)  # the kubelet prepares again after a restart: idempotent
-        assert entries(node, ref) == [entry], "the same entry, once, unchanged"
-        assert entries(node, ref, OTHER_DRIVER) == [other]
-        assert node.unprepare(ref) == {ref.uid: None}
-        wait_until(lambda: entries(node, ref) == [], what="the entry removed")
-        assert entries(node, ref, OTHER_DRIVER) == [other], "another driver's entry is untouched"
+        sim_node.restart()
+        wait_until(lambda: any(e.get("msg") == "driver started" for e in sim_node.log()), what="restart")
+        sim_node.prepare_ok(ref)  # the kubelet prepares again after a restart: idempotent
+        assert entries(sim_node, ref) == [entry], "the same entry, once, unchanged"
+        assert entries(sim_node, ref, OTHER_DRIVER) == [other]
+        assert sim_node.unprepare(ref) == {ref.uid: None}
+        wait_until(lambda: entries(sim_node, ref) == [], what="the entry removed")
+        assert entries(sim_node, ref, OTHER_DRIVER) == [other], "another driver's entry is untouched"
     finally:
-        node.close()
+        sim_node.close()
 
 
 def test_a_server_without_the_field_is_logged_once_and_prepares_go_on() -> None:
-    node = SimulatedNode("demo")
-    node.api.claim_device_status = False  # DRAResourceClaimDeviceStatus off: the server drops the field
+    sim_node = SimulatedNode("demo")
+    sim_node.api.claim_device_status = False  # DRAResourceClaimDeviceStatus off: the server drops the field
     try:
-        node.start()
-        node.wait_for_devices(["gpu-0", "gpu-1-mig-3g40gb-0", MIG, "gpu-1-mig-1g10gb-6", "gpu-2"])
-        refs = [node.claim(f"c{i}", [("gpu", device)]) for i, device in enumerate(["gpu-0", "gpu-2"])]
-        node.prepare_ok(refs[0])
-        wait_until(lambda: any("DRAResourceClaimDeviceStatus" in str(e.get("msg")) for e in node.log()),
+        sim_node.start()
+        sim_node.wait_for_devices(["gpu-0", "gpu-1-mig-3g40gb-0", MIG, "gpu-1-mig-1g10gb-6", "gpu-2"])
+        refs = [sim_node.claim(f"c{i}", [("gpu", device)]) for i, device in enumerate(["gpu-0", "gpu-2"])]
+        sim_node.prepare_ok(refs[0])
+        wait_until(lambda: any("DRAResourceClaimDeviceStatus" in str(e.get("msg")) for e in sim_node.log()),
                    what="the dropped field logged")
-        node.prepare_ok(refs[1])
-        assert node.unprepare(*refs) == {r.uid: None for r in refs}
-        assert all(entries(node, r) == [] for r in refs)
-        assert len([e for e in node.log() if "DRAResourceClaimDeviceStatus" in str(e.get("msg"))]) == 1
-        assert len([r for r in node.api.requests if r[0] == "PATCH"]) == 1, "left alone after the first write"
+        sim_node.prepare_ok(refs[1])
+        assert sim_node.unprepare(*refs) == {r.uid: None for r in refs}
+        assert all(entries(sim_node, r) == [] for r in refs)
+        assert len([e for e in sim_node.log() if "DRAResourceClaimDeviceStatus" in str(e.get("msg"))]) == 1
+        assert len([r for r in sim_node.api.requests if r[0] == "PATCH"]) == 1, "left alone after the first write"
     finally:
-        node.close()
+        sim_node.close()
 
 
 def test_a_limit_the_driver_restored_shows_in_the_claims_status() -> None:
-    node = SimulatedNode("demo", plans=PLANS, plan="mixed")
+    sim_node = SimulatedNode("demo", plans=PLANS, plan="mixed")
     try:
-        node.start()
-        node.wait_for_devices(["gpu-0-ts-0", "gpu-0-ts-1", "gpu-1-mig-3g40gb-0", MIG, "gpu-1-mig-1g10gb-6",
-                               "gpu-2-mps-0", "gpu-2-mps-1"])
-        ref = node.claim("victim", [("gpu", "gpu-2-mps-0")])
-        node.prepare_ok(ref)
-        [before] = wait_ready(node, ref)
+        sim_node.start()
+        sim_node.wait_for_devices(["gpu-0-ts-0", "gpu-0-ts-1", "gpu-1-mig-3g40gb-0", MIG, "gpu-1-mig-1g10gb-6",
+                                   "gpu-2-mps-0", "gpu-2-mps-1"])
+        ref = sim_node.claim("victim", [("gpu", "gpu-2-mps-0")])
+        sim_node.prepare_ok(ref)
+        [before] = wait_ready(sim_node, ref)
         assert "limitsRestored" not in before["data"]["sharing"]
-        [daemon] = node.checkpoint()["mps_daemons"].values()
-        assert tenant(node, daemon["pipe_dir"], "set_default_active_thread_percentage 100").returncode == 0
-        wait_until(lambda: entries(node, ref)[0]["data"]["sharing"].get("limitsRestored") == 1, timeout=30,
+        [daemon] = sim_node.checkpoint()["mps_daemons"].values()
+        assert tenant(sim_node, daemon["pipe_dir"], "set_default_active_thread_percentage 100").returncode == 0
+        wait_until(lambda: entries(sim_node, ref)[0]["data"]["sharing"].get("limitsRestored") == 1, timeout=30,
                    what="the restored limit in the claim's status")
-        after = entries(node, ref)[0]["data"]["sharing"]
+        after = entries(sim_node, ref)[0]["data"]["sharing"]
         assert after["activeThreadPercentage"] == 25 and after["lastLimitsRestore"]
-        assert conditions(entries(node, ref)[0]) == {"Ready": "True", "Healthy": "True"}
+        assert conditions(entries(sim_node, ref)[0]) == {"Ready": "True", "Healthy": "True"}
     finally:
-        node.close()
+        sim_node.close()
 
 
 def test_a_mig_instance_created_for_the_claim_shows_its_uuid() -> None:
     plans = {"defaultPlan": "p", "plans": {"p": {"gpus": [{"match": {"minor": 0}, "dynamicMig": {}}]}}}
-    with mignode.dynamic_mig_node(plans) as node:
-        node.start()
-        wait_until(lambda: "gpu-0-dynmig-3g40gb-4" in node.device_names(), 30, "the dynamic MIG placements")
-        ref = node.claim("c", [("mig", "gpu-0-dynmig-3g40gb-4")])
-        node.prepare_ok(ref)
-        [gi] = mignode.instances(node)
-        [entry] = wait_ready(node, ref)
+    with mignode.dynamic_mig_node(plans) as sim_node:
+        sim_node.start()
+        wait_until(lambda: "gpu-0-dynmig-3g40gb-4" in sim_node.device_names(), 30, "the dynamic MIG placements")
+        ref = sim_node.claim("c", [("mig", "gpu-0-dynmig-3g40gb-4")])
+        sim_node.prepare_ok(ref)
+        [gi] = mignode.instances(sim_node)
+        [entry] = wait_ready(sim_node, ref)
         assert entry["data"]["migUUID"] == gi["uuid"] and entry["data"]["migCreatedForClaim"] is True
-        assert entry["data"]["gpuUUID"] == gpu_uuid(node, 0) and entry["data"]["migProfile"] == "3g.40gb"
-        assert node.unprepare(ref) == {ref.uid: None}
-        wait_until(lambda: entries(node, ref) == [], what="the entry removed with the instance")
+        assert entry["data"]["gpuUUID"] == gpu_uuid(sim_node, 0) and entry["data"]["migProfile"] == "3g.40gb"
+        assert sim_node.unprepare(ref) == {ref.uid: None}
+        wait_until(lambda: entries(sim_node, ref) == [], what="the entry removed with the instance")

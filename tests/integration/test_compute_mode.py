@@ -32,14 +32,14 @@ def mps_node() -> Iterator[SimulatedNode]:
         n.close()
 
 
-def compute_mode(node: SimulatedNode, uuid: str) -> str:
+def compute_mode(sim_node: SimulatedNode, uuid: str) -> str:
     """What the simulated NVML (and the stand-ins, from the same file) holds for the GPU (DEFAULT until set)."""
-    return node.compute_mode(uuid)
+    return sim_node.compute_mode(uuid)
 
 
-def nvidia_smi_compute_mode_calls(node: SimulatedNode) -> list[list[str]]:
+def nvidia_smi_compute_mode_calls(sim_node: SimulatedNode) -> list[list[str]]:
     """nvidia-smi runs that read or set a compute mode: none since the driver uses NVML in its own process."""
-    return [c for c in node.nvidia_smi_calls() if "-c" in c or any(a.startswith("--query-gpu") for a in c)]
+    return [c for c in sim_node.nvidia_smi_calls() if "-c" in c or any(a.startswith("--query-gpu") for a in c)]
 
 
 def test_an_mps_share_holds_exclusive_process_across_a_crash_and_two_mig_devices_are_refused(

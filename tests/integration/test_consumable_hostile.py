@@ -17,44 +17,44 @@ DEVICES = ["gpu-0-shared", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mi
 
 def test_a_fractional_consumption_is_refused_and_leaves_nothing() -> None:
     # 65.5 SMs were prepared as 65 (49 %): limits and the prepared total other than anything the scheduler counts.
-    node = SimulatedNode("demo", plans=PLANS, plan="c")
+    sim_node = SimulatedNode("demo", plans=PLANS, plan="c")
     try:
-        node.start()
-        node.wait_for_devices(DEVICES)
+        sim_node.start()
+        sim_node.wait_for_devices(DEVICES)
         ref = ClaimRef(namespace="default", name="odd", uid=str(uuid.uuid4()))
-        node.api.put_claim({"metadata": {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid},
-                            "spec": {"devices": {"requests": []}},
-                            "status": {"allocation": {"devices": {"config": [], "results": [{
+        sim_node.api.put_claim({"metadata": {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid},
+                                "spec": {"devices": {"requests": []}},
+                                "status": {"allocation": {"devices": {"config": [], "results": [{
                                 "request": "share", "driver": DRIVER, "pool": NODE, "device": "gpu-0-shared",
                                 "shareID": "00000000-0000-0000-0000-0000000000dd",
                                 "consumedCapacity": {"memory": "10Gi", "multiprocessors": "65.5"}}]}}}})
-        error = node.prepare(ref)[ref.uid].error
+        error = sim_node.prepare(ref)[ref.uid].error
         assert error is not None and 'consumedCapacity.multiprocessors: "65.5" is not a whole number' in error
-        assert [e for e in node.journal() if e.get("event") == "start"] == []
-        assert node.cdi_files() == [] and node.checkpoint()["claims"] == {}
-        assert list((node.state_dir / "mps").glob("share-*")) == []
+        assert [e for e in sim_node.journal() if e.get("event") == "start"] == []
+        assert sim_node.cdi_files() == [] and sim_node.checkpoint()["claims"] == {}
+        assert list((sim_node.state_dir / "mps").glob("share-*")) == []
     finally:
-        node.close()
+        sim_node.close()
 
 
 def test_a_pinned_limit_raised_within_its_displayed_gib_is_set_back_by_the_watcher() -> None:
-    node = SimulatedNode("demo", plans=PLANS, plan="c")
+    sim_node = SimulatedNode("demo", plans=PLANS, plan="c")
     try:
-        node.start()
-        node.wait_for_devices(DEVICES)
-        ref, _ = allocated_claim(node, "share", "10Gi", "33", {}, str(uuid.uuid4()))
-        node.prepare_ok(ref)
-        [daemon] = node.checkpoint()["mps_daemons"].values()
+        sim_node.start()
+        sim_node.wait_for_devices(DEVICES)
+        ref, _ = allocated_claim(sim_node, "share", "10Gi", "33", {}, str(uuid.uuid4()))
+        sim_node.prepare_ok(ref)
+        [daemon] = sim_node.checkpoint()["mps_daemons"].values()
         pipe_dir = daemon["pipe_dir"]
         # Root in its container, the tenant reaches its daemon's control socket through its read-only mount.
-        control = str(node.sim_host.driver_root / "usr" / "bin" / "nvidia-cuda-mps-control")
+        control = str(sim_node.sim_host.driver_root / "usr" / "bin" / "nvidia-cuda-mps-control")
         raised = subprocess.run([control], input="set_default_device_pinned_mem_limit 0 11263M\n",
                                 capture_output=True, text=True, timeout=30,
                                 env={"PATH": "/usr/bin:/bin", "CUDA_MPS_PIPE_DIRECTORY": pipe_dir})
         assert raised.returncode == 0, raised.stderr
 
         def sets() -> list[str]:
-            return [" ".join(e["args"]) for e in node.journal() if e.get("pipe_dir") == pipe_dir
+            return [" ".join(e["args"]) for e in sim_node.journal() if e.get("pipe_dir") == pipe_dir
                     and e.get("cmd") == "set_default_device_pinned_mem_limit"]
 
         def set_back() -> bool:
@@ -64,6 +64,6 @@ def test_a_pinned_limit_raised_within_its_displayed_gib_is_set_back_by_the_watch
 
         # It reads back "10G" either way; the watcher (every 5 s) must not leave the raised value in place.
         wait_until(set_back, timeout=20, what="the watcher to set the share's pinned limit back to 10240M")
-        assert node.unprepare(ref) == {ref.uid: None}
+        assert sim_node.unprepare(ref) == {ref.uid: None}
     finally:
-        node.close()
+        sim_node.close()

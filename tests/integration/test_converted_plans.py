@@ -41,25 +41,25 @@ def converted_node(tmp_path: Path) -> Iterator[SimulatedNode]:
     done = subprocess.run([sys.executable, "-m", "driver", "convert-plan", str(source)], capture_output=True,
                           text=True, timeout=60, cwd=REPO, check=False)
     assert done.returncode == 0, done.stderr
-    node = SimulatedNode("a100-80gb", plans=yaml.safe_load(done.stdout))
-    node.api.set_node_labels(NODE, {OPERATOR_LABEL: "a100-mps"})
+    sim_node = SimulatedNode("a100-80gb", plans=yaml.safe_load(done.stdout))
+    sim_node.api.set_node_labels(NODE, {OPERATOR_LABEL: "a100-mps"})
     try:
-        yield node
+        yield sim_node
     finally:
-        node.close()
+        sim_node.close()
 
 
 def test_a_node_keeps_its_gpu_operator_label_and_gets_the_shares_its_config_named(
         converted_node: SimulatedNode) -> None:
-    node = converted_node
-    node.start("--sharing-plan-label", OPERATOR_LABEL)
-    node.wait_for_devices([f"gpu-{minor}-mps-{k}" for minor in (0, 1) for k in range(3)])
-    share = next(d for d in node.devices() if d["name"] == "gpu-0-mps-2")
-    memory = node.inventory.gpus[0].memory_bytes
+    sim_node = converted_node
+    sim_node.start("--sharing-plan-label", OPERATOR_LABEL)
+    sim_node.wait_for_devices([f"gpu-{minor}-mps-{k}" for minor in (0, 1) for k in range(3)])
+    share = next(d for d in sim_node.devices() if d["name"] == "gpu-0-mps-2")
+    memory = sim_node.inventory.gpus[0].memory_bytes
     assert memory is not None
     # The device plugin's per-replica limits: memory / replicas in whole MiB, 100 / replicas percent.
     assert share["capacity"]["memory"] == {"value": quantity_from_bytes(memory // 3 // MIB * MIB)}
     assert share["attributes"]["activeThreadPercentage"] == {"int": 33}
     # The GPU Operator moves the node to another config by its label; so does the plan.
-    node.api.set_node_labels(NODE, {OPERATOR_LABEL: "a100-ts"})
-    node.wait_for_devices([f"gpu-{minor}-ts-{k}" for minor in (0, 1) for k in range(4)])
+    sim_node.api.set_node_labels(NODE, {OPERATOR_LABEL: "a100-ts"})
+    sim_node.wait_for_devices([f"gpu-{minor}-ts-{k}" for minor in (0, 1) for k in range(4)])

@@ -23,7 +23,7 @@ LOST = "a claim's MIG device was destroyed outside Tessera; forgotten, so an ins
 
 
 @pytest.fixture
-def node() -> Iterator[SimulatedNode]:
+def sim_node() -> Iterator[SimulatedNode]:
     with mignode.dynamic_mig_node(PLANS) as n:
         mignode.engine(n).use_name_derived_uuids()
         n.start("--mps-limit-check-interval", "1")
@@ -31,37 +31,37 @@ def node() -> Iterator[SimulatedNode]:
         yield n
 
 
-def lost_lines(node: SimulatedNode) -> list[dict[str, Any]]:
-    return [e for e in node.log() if e.get("msg") == LOST]
+def lost_lines(sim_node: SimulatedNode) -> list[dict[str, Any]]:
+    return [e for e in sim_node.log() if e.get("msg") == LOST]
 
 
 def test_an_instance_another_tool_made_again_at_a_claims_place_with_its_uuid_is_never_taken_for_the_claims(
-        node: SimulatedNode) -> None:
-    gpu = node.inventory.gpus[0]
-    victim = node.claim("victim", [("mig", ONE_G)], namespace="tenant-a")
-    node.prepare_ok(victim)
-    [dev] = node.checkpoint()["claims"][victim.uid]["devices"]
-    engine = mignode.engine(node)
+        sim_node: SimulatedNode) -> None:
+    gpu = sim_node.inventory.gpus[0]
+    victim = sim_node.claim("victim", [("mig", ONE_G)], namespace="tenant-a")
+    sim_node.prepare_ok(victim)
+    [dev] = sim_node.checkpoint()["claims"][victim.uid]["devices"]
+    engine = mignode.engine(sim_node)
     # The other tool: destroys the claim's instance...
     engine.destroy(gpu.uuid, dev["mig_gi_id"], dev["mig_ci_id"])
-    wait_until(lambda: bool(lost_lines(node)), 30, "the driver to see the claim's instance gone")
+    wait_until(lambda: bool(lost_lines(sim_node)), 30, "the driver to see the claim's instance gone")
     # ...and makes the same profile at the same place: same ids, and (name-derived) the same MIG UUID.
     one_g = next(p for p in gpu.mig_profiles if p.name == "1g.10gb")
     impostor = engine.create(gpu.uuid, one_g, 3)
     assert (impostor.gi_id, impostor.ci_id, impostor.uuid) == (dev["mig_gi_id"], dev["mig_ci_id"], dev["mig_uuid"])
 
-    assert lost_lines(node)[0]["devices"] == [ONE_G] and lost_lines(node)[0]["claim_uid"] == victim.uid
-    [forgotten] = node.checkpoint()["claims"][victim.uid]["devices"]
+    assert lost_lines(sim_node)[0]["devices"] == [ONE_G] and lost_lines(sim_node)[0]["claim_uid"] == victim.uid
+    [forgotten] = sim_node.checkpoint()["claims"][victim.uid]["devices"]
     assert (forgotten["mig_gi_id"], forgotten["mig_uuid"]) == (None, None)
-    assert not node.cdi_spec(victim.uid).exists(), "a restarted container must not get the impostor's nodes"
-    wait_until(lambda: any(e["reason"] == "MigDeviceLost" for e in node.api.events()), 15, "a MigDeviceLost Event")
-    [event] = [e for e in node.api.events() if e["reason"] == "MigDeviceLost"]
+    assert not sim_node.cdi_spec(victim.uid).exists(), "a restarted container must not get the impostor's nodes"
+    wait_until(lambda: any(e["reason"] == "MigDeviceLost" for e in sim_node.api.events()), 15, "a MigDeviceLost Event")
+    [event] = [e for e in sim_node.api.events() if e["reason"] == "MigDeviceLost"]
     assert event["regarding"]["uid"] == victim.uid and event["metadata"]["namespace"] == "tenant-a"
 
-    assert node.unprepare(victim) == {victim.uid: None}
-    assert mignode.placements(node) == [(3, 1, 0)], "the other tool's instance is never destroyed"
+    assert sim_node.unprepare(victim) == {victim.uid: None}
+    assert mignode.placements(sim_node) == [(3, 1, 0)], "the other tool's instance is never destroyed"
     # Nor handed to a claim: the placement is someone else's.
-    thief = node.claim("thief", [("mig", ONE_G)])
-    error = node.prepare(thief)[thief.uid].error
+    thief = sim_node.claim("thief", [("mig", ONE_G)])
+    error = sim_node.prepare(thief)[thief.uid].error
     assert error is not None and "Tessera did not create" in error
-    assert mignode.placements(node) == [(3, 1, 0)] and thief.uid not in node.checkpoint()["claims"]
+    assert mignode.placements(sim_node) == [(3, 1, 0)] and thief.uid not in sim_node.checkpoint()["claims"]

@@ -57,15 +57,15 @@ def layout() -> Iterator[Path]:
 def started(layout: Path, minor: int, gate: bool) -> SimulatedNode:
     plans = {"defaultPlan": "p", "partitionableDevicesGate": gate,
              "plans": {"p": {"gpus": [{"match": {"all": True}, "dynamicMig": {"profiles": PROFILES}}]}}}
-    node = SimulatedNode(str(layout), plans=plans, minor_version=minor)
+    sim_node = SimulatedNode(str(layout), plans=plans, minor_version=minor)
     # SIMULATION: the API server's (and scheduler's) DRAPartitionableDevices gate, as the plan says.
-    node.api.partitionable_devices = partitionable_enabled(minor, gate)
-    node.start()
-    return node
+    sim_node.api.partitionable_devices = partitionable_enabled(minor, gate)
+    sim_node.start()
+    return sim_node
 
 
-def warnings(node: SimulatedNode) -> list[str]:
-    return [str(e.get("msg")) for e in node.log() if e.get("level") in ("WARNING", "warning")]
+def warnings(sim_node: SimulatedNode) -> list[str]:
+    return [str(e.get("msg")) for e in sim_node.log() if e.get("level") in ("WARNING", "warning")]
 
 
 def shape(slices: list[dict[str, Any]]) -> list[tuple[list[str], list[str]]]:
@@ -76,10 +76,10 @@ def shape(slices: list[dict[str, Any]]) -> list[tuple[list[str], list[str]]]:
 
 @pytest.mark.parametrize("minor", [34, 35, 36])
 def test_published_in_the_layout_of_the_release(layout: Path, minor: int) -> None:
-    node = started(layout, minor, gate=minor < 36)
+    sim_node = started(layout, minor, gate=minor < 36)
     try:
-        node.wait_for_devices(DYNAMIC + OTHERS)
-        slices = node.api.slices(DRIVER, NODE)
+        sim_node.wait_for_devices(DYNAMIC + OTHERS)
+        slices = sim_node.api.slices(DRIVER, NODE)
         for s in slices:
             kubernetes_validate.validate(s, f"1.{minor}", strict=True)
         pools = {(s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"]) for s in slices}
@@ -88,7 +88,7 @@ def test_published_in_the_layout_of_the_release(layout: Path, minor: int) -> Non
             assert shape(slices) == [(OTHERS, []), (DYNAMIC, ["gpu-0-counter-set"])]
         else:  # split: the counter set alone, then every device in minor order
             assert shape(slices) == [([], ["gpu-0-counter-set"]), (DYNAMIC + OTHERS, [])]
-        devices = {d["name"]: d for d in node.devices()}
+        devices = {d["name"]: d for d in sim_node.devices()}
         [counter_set] = [c for s in slices for c in s["spec"].get("sharedCounters", [])]
         assert counter_set["counters"]["memory-slice-7"] == {"value": "1"}
         assert devices["gpu-0"]["consumesCounters"][0]["counters"] == counter_set["counters"]
@@ -99,22 +99,23 @@ def test_published_in_the_layout_of_the_release(layout: Path, minor: int) -> Non
              *(f"memory-slice-{i}" for i in range(4, 8))])
         assert "consumesCounters" not in devices["gpu-1-mig-1g10gb-0"] and "uuid" in devices["gpu-1-mig-1g10gb-0"][
             "attributes"]
-        wait_until(lambda: all(any(w.startswith(r) for w in warnings(node)) for r in REASONS), what="reasons logged")
-        assert not any("dropped" in w for w in warnings(node))
+        wait_until(lambda: all(any(w.startswith(r) for w in warnings(sim_node)) for r in REASONS),
+                   what="reasons logged")
+        assert not any("dropped" in w for w in warnings(sim_node))
     finally:
-        node.close()
+        sim_node.close()
 
 
 
 def test_1_35_without_the_gate_publishes_no_placements_and_says_why(layout: Path) -> None:
-    node = started(layout, 35, gate=False)
+    sim_node = started(layout, 35, gate=False)
     try:
-        node.wait_for_devices(OTHERS)
-        assert not any(s["spec"].get("sharedCounters") for s in node.api.slices(DRIVER, NODE))
+        sim_node.wait_for_devices(OTHERS)
+        assert not any(s["spec"].get("sharedCounters") for s in sim_node.api.slices(DRIVER, NODE))
         wait_until(lambda: any(w.startswith("gpu-0 (NVIDIA H100 80GB HBM3): the API server does not keep "
-                                            "partitionable devices") for w in warnings(node)), what="the reason")
+                                            "partitionable devices") for w in warnings(sim_node)), what="the reason")
     finally:
-        node.close()
+        sim_node.close()
 
 
 @pytest.mark.parametrize("minor", [35, 36])
@@ -124,27 +125,27 @@ def test_placements_are_withdrawn_when_the_server_drops_their_counters(layout: P
     # scheduler could then hand out overlapping placements. Seen in what the server stored, the placements go.
     plans = {"defaultPlan": "p", "partitionableDevicesGate": True,
              "plans": {"p": {"gpus": [{"match": {"all": True}, "dynamicMig": {"profiles": PROFILES}}]}}}
-    node = SimulatedNode(str(layout), plans=plans, minor_version=minor)
-    node.api.partitionable_devices = False  # SIMULATION: the server's gate, off whatever the plans file says
-    node.start()
+    sim_node = SimulatedNode(str(layout), plans=plans, minor_version=minor)
+    sim_node.api.partitionable_devices = False  # SIMULATION: the server's gate, off whatever the plans file says
+    sim_node.start()
     try:
-        node.wait_for_devices(OTHERS, timeout=30)
-        assert not any(s["spec"].get("sharedCounters") for s in node.api.slices(DRIVER, NODE))
-        errors = [str(e.get("msg")) for e in node.log() if e.get("level") in ("ERROR", "error")]
+        sim_node.wait_for_devices(OTHERS, timeout=30)
+        assert not any(s["spec"].get("sharedCounters") for s in sim_node.api.slices(DRIVER, NODE))
+        errors = [str(e.get("msg")) for e in sim_node.log() if e.get("level") in ("ERROR", "error")]
         assert any("DRAPartitionableDevices" in e and "withdrawn" in e for e in errors), errors
     finally:
-        node.close()
+        sim_node.close()
 
 
 def test_the_allocator_places_claims_by_the_published_counters(layout: Path) -> None:
-    node = started(layout, 36, gate=False)
+    sim_node = started(layout, 36, gate=False)
     try:
-        node.wait_for_devices(DYNAMIC + OTHERS)
-        slices = node.api.slices(DRIVER, NODE)
+        sim_node.wait_for_devices(DYNAMIC + OTHERS)
+        slices = sim_node.api.slices(DRIVER, NODE)
 
         def claim(profile: str) -> dict[str, Any]:
             expression = (f"device.attributes['{DRIVER}'].profile == '{profile}' && "
-                          f"device.attributes['{DRIVER}'].parentUUID == '{node.inventory.gpus[0].uuid}'")
+                          f"device.attributes['{DRIVER}'].parentUUID == '{sim_node.inventory.gpus[0].uuid}'")
             return {"metadata": {"name": "c", "namespace": "default", "uid": "u"}, "spec": {"devices": {"requests": [
                 {"name": "mig", "exactly": {"deviceClassName": f"mig.{DRIVER}",
                                             "selectors": [{"cel": {"expression": expression}}]}}]}}}
@@ -161,4 +162,4 @@ def test_the_allocator_places_claims_by_the_published_counters(layout: Path) -> 
         with pytest.raises(AllocationError):
             allocate(claim("4g.40gb"), slices, DRIVER, taken)
     finally:
-        node.close()
+        sim_node.close()

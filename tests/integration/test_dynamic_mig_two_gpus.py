@@ -21,7 +21,7 @@ ROUNDS = 25
 
 
 @pytest.fixture
-def node() -> Iterator[SimulatedNode]:
+def sim_node() -> Iterator[SimulatedNode]:
     n = SimulatedNode("dynamic-mig-2", plans=PLANS)
     mignode.set_boot_id(n, "boot-1")
     try:
@@ -30,16 +30,16 @@ def node() -> Iterator[SimulatedNode]:
         n.close()
 
 
-def test_fourteen_claims_on_two_mig_gpus_in_one_call_succeed_round_after_round(node: SimulatedNode) -> None:
-    node.start()
-    wait_until(lambda: set(ONE_G) <= set(node.device_names()), 30, "the 1g.10gb placements of both GPUs")
+def test_fourteen_claims_on_two_mig_gpus_in_one_call_succeed_round_after_round(sim_node: SimulatedNode) -> None:
+    sim_node.start()
+    wait_until(lambda: set(ONE_G) <= set(sim_node.device_names()), 30, "the 1g.10gb placements of both GPUs")
     for round_ in range(ROUNDS):
         # As the scheduler would: allocate only what the node publishes again after the last round's unprepare.
-        wait_until(lambda: set(ONE_G) <= set(node.device_names()), 30, "the placements published again")
-        refs = [node.claim(f"r{round_}-{device}", [("gpu", device)]) for device in ONE_G]
-        answers = node.prepare(*refs)
+        wait_until(lambda: set(ONE_G) <= set(sim_node.device_names()), 30, "the placements published again")
+        refs = [sim_node.claim(f"r{round_}-{device}", [("gpu", device)]) for device in ONE_G]
+        answers = sim_node.prepare(*refs)
         failed = {ref.name: answers[ref.uid].error for ref in refs if answers[ref.uid].error is not None}
         assert failed == {}, f"round {round_}: {len(failed)} of {len(refs)} prepares failed: {failed}"
-        assert len(mignode.proc_caps(node, 0)) == len(mignode.proc_caps(node, 1)) == 14  # 7 GIs + 7 CIs each
-        assert node.unprepare(*refs) == {ref.uid: None for ref in refs}
-        assert mignode.proc_caps(node, 0) == mignode.proc_caps(node, 1) == []
+        assert len(mignode.proc_caps(sim_node, 0)) == len(mignode.proc_caps(sim_node, 1)) == 14  # 7 GIs + 7 CIs each
+        assert sim_node.unprepare(*refs) == {ref.uid: None for ref in refs}
+        assert mignode.proc_caps(sim_node, 0) == mignode.proc_caps(sim_node, 1) == []

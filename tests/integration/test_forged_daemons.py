@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from driver.gpu.claim.claimplan import plan_daemon_id
+from driver.gpu.claim.claimplan import shared_daemon_id
 from driver.kubeletplugin.types import ClaimRef
 from tests.support.lookalikes import NOBODY, look_alikes
 from tests.support.mpsdaemons import STANDIN, MpsDaemonKind, daemon_params
@@ -43,9 +43,9 @@ _CASES = [pytest.param(p.values[0], False, id=p.id, marks=p.marks) for p in map(
 _CASES.append(pytest.param(STANDIN, True, id="standin-mps-host"))
 
 
-def _prepare_in_time(node: SimulatedNode, ref: ClaimRef) -> None:
+def _prepare_in_time(sim_node: SimulatedNode, ref: ClaimRef) -> None:
     began = time.monotonic()
-    answer = node.prepare(ref)[ref.uid]
+    answer = sim_node.prepare(ref)[ref.uid]
     took = time.monotonic() - began
     assert answer.error is None, f"prepare of {ref.name} failed: {answer.error}"
     assert took < PREPARE_LIMIT_S, f"prepare of {ref.name} took {took:.1f}s"
@@ -54,35 +54,35 @@ def _prepare_in_time(node: SimulatedNode, ref: ClaimRef) -> None:
 @pytest.mark.parametrize(("kind", "mps_host"), _CASES)
 def test_forged_daemons_of_an_unprivileged_tenant_stall_no_prepare_and_are_never_signalled(
         kind: MpsDaemonKind, mps_host: bool) -> None:
-    node = SimulatedNode("demo", plans=PLANS, plan="mps")
+    sim_node = SimulatedNode("demo", plans=PLANS, plan="mps")
     try:
-        kind.install(node.sim_host.driver_root / "usr" / "bin")
+        kind.install(sim_node.sim_host.driver_root / "usr" / "bin")
         if mps_host:
-            node.start_mps_host()
-        node.start(*(["--mps-host-socket", str(node.mps_host_socket)] if mps_host else []))
-        wait_until(lambda: set(SHARES) <= set(node.device_names()), what="the plan's MPS shares")
-        daemon_id = plan_daemon_id(node.inventory.gpus[0].uuid)
-        pipe_dir = node.state_dir / "mps" / daemon_id / "pipe"
+            sim_node.start_mps_host()
+        sim_node.start(*(["--mps-host-socket", str(sim_node.mps_host_socket)] if mps_host else []))
+        wait_until(lambda: set(SHARES) <= set(sim_node.device_names()), what="the plan's MPS shares")
+        daemon_id = shared_daemon_id(sim_node.inventory.gpus[0].uuid)
+        pipe_dir = sim_node.state_dir / "mps" / daemon_id / "pipe"
         with look_alikes(pipe_dir, FORGED, uid=NOBODY) as forged:
             before = forged.current()
-            refs = [node.claim(f"tenant-{k}", [("share", share)], namespace=f"team-{k}")
+            refs = [sim_node.claim(f"tenant-{k}", [("share", share)], namespace=f"team-{k}")
                     for k, share in enumerate(SHARES[:3])]
 
-            _prepare_in_time(node, refs[0])  # the plan daemon's first start, beside the look-alikes
-            [first] = node.checkpoint()["mps_daemons"].values()
-            _prepare_in_time(node, refs[1])  # while it runs
+            _prepare_in_time(sim_node, refs[0])  # the plan daemon's first start, beside the look-alikes
+            [first] = sim_node.checkpoint()["mps_daemons"].values()
+            _prepare_in_time(sim_node, refs[1])  # while it runs
             os.kill(first["pid"], signal.SIGKILL)  # gone: the next prepare, or a rescan, restarts it
             wait_until(lambda: not pid_alive(first["pid"]), what="the killed plan daemon to be gone")
-            _prepare_in_time(node, refs[2])
-            [daemon] = node.checkpoint()["mps_daemons"].values()
+            _prepare_in_time(sim_node, refs[2])
+            [daemon] = sim_node.checkpoint()["mps_daemons"].values()
             assert daemon["pid"] != first["pid"] and pid_alive(daemon["pid"])
 
-            claims = node.checkpoint()["claims"]
+            claims = sim_node.checkpoint()["claims"]
             assert {uid: c["phase"] for uid, c in claims.items()} == {r.uid: "PrepareCompleted" for r in refs}
-            assert node.cdi_files() == sorted(node.cdi_spec(r.uid).name for r in refs)
+            assert sim_node.cdi_files() == sorted(sim_node.cdi_spec(r.uid).name for r in refs)
             assert forged.current() == before, "a look-alike was signalled"
 
-            done = subprocess.run(node.inspect_args("--json"), capture_output=True, text=True, timeout=60)
+            done = subprocess.run(sim_node.inspect_args("--json"), capture_output=True, text=True, timeout=60)
             report = json.loads(done.stdout)
             shown = report["foreign_mps_processes"]
             assert sorted((f["pid"], f["uid"], f["daemon_id"]) for f in shown) == sorted(
@@ -92,9 +92,9 @@ def test_forged_daemons_of_an_unprivileged_tenant_stall_no_prepare_and_are_never
             assert (shown_daemon["id"], shown_daemon["pid"], shown_daemon["pid_alive"]) == (
                 daemon_id, daemon["pid"], True)
 
-            assert node.unprepare(*refs) == {r.uid: None for r in refs}
+            assert sim_node.unprepare(*refs) == {r.uid: None for r in refs}
             assert not pid_alive(daemon["pid"])
-            assert node.checkpoint()["claims"] == {} and node.cdi_files() == []
+            assert sim_node.checkpoint()["claims"] == {} and sim_node.cdi_files() == []
             assert forged.current() == before, "a look-alike was signalled"
     finally:
-        node.close()
+        sim_node.close()

@@ -39,15 +39,15 @@ def visible_devices(pid: int) -> str | None:
     return found[0] if found else None
 
 
-def instance(node: SimulatedNode, profile: str) -> Any:
-    return next(m for m in node.inventory.gpus[1].mig_instances if m.profile == profile)
+def instance(sim_node: SimulatedNode, profile: str) -> Any:
+    return next(m for m in sim_node.inventory.gpus[1].mig_instances if m.profile == profile)
 
 
-def cap_nodes(node: SimulatedNode, gi: int, ci: int) -> list[dict[str, Any]]:
+def cap_nodes(sim_node: SimulatedNode, gi: int, ci: int) -> list[dict[str, Any]]:
     """The GI and CI access capability nodes of an instance, as /proc on the (simulated) host gives them."""
     found = []
     for path in (f"gpu1/mig/gi{gi}/access", f"gpu1/mig/gi{gi}/ci{ci}/access"):
-        text = (node.host / CAPABILITIES_DIR / path).read_text()
+        text = (sim_node.host / CAPABILITIES_DIR / path).read_text()
         minor = int(next(line for line in text.splitlines() if line.startswith("DeviceFileMinor")).split(":")[1])
         found.append(minor)
     return [{"minor": m} for m in found]

@@ -32,13 +32,13 @@ def mps_node() -> Iterator[SimulatedNode]:
         n.close()
 
 
-def commands(node: SimulatedNode, pid: int | None = None) -> list[str]:
-    return [" ".join([e["cmd"], *e["args"]]) for e in node.journal()
+def commands(sim_node: SimulatedNode, pid: int | None = None) -> list[str]:
+    return [" ".join([e["cmd"], *e["args"]]) for e in sim_node.journal()
             if "cmd" in e and (pid is None or e["pid"] == pid)]
 
 
-def daemon_starts(node: SimulatedNode) -> list[int]:
-    return [e["pid"] for e in node.journal() if e.get("event") == "start"]
+def daemon_starts(sim_node: SimulatedNode) -> list[int]:
+    return [e["pid"] for e in sim_node.journal() if e.get("event") == "start"]
 
 
 def test_plan_publishes_mps_shares_with_enforcement_attributes(mps_node: SimulatedNode) -> None:
@@ -124,63 +124,63 @@ def test_restart_adopts_a_live_daemon_and_restarts_a_dead_one(mps_node: Simulate
     wait_until(lambda: not pid_alive(starts[1]), what="the restarted daemon to stop")
 
 
-def test_per_claim_mps_limits_on_a_whole_gpu(node: SimulatedNode) -> None:
-    node.start()
-    ref = node.claim("c", [("gpu", "gpu-0")], configs=[gpu_config(
+def test_per_claim_mps_limits_on_a_whole_gpu(sim_node: SimulatedNode) -> None:
+    sim_node.start()
+    ref = sim_node.claim("c", [("gpu", "gpu-0")], configs=[gpu_config(
         strategy="MPS", mpsConfig={"defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "10Gi"})])
-    node.prepare_ok(ref)
-    [pid] = daemon_starts(node)
-    assert [c for c in commands(node, pid) if c.startswith("set_")] == [
+    sim_node.prepare_ok(ref)
+    [pid] = daemon_starts(sim_node)
+    assert [c for c in commands(sim_node, pid) if c.startswith("set_")] == [
         "set_default_active_thread_percentage 50", "set_default_device_pinned_mem_limit 0 10240M"]
-    env = json.loads(node.cdi_spec(ref.uid).read_text())["devices"][0]["containerEdits"]["env"]
+    env = json.loads(sim_node.cdi_spec(ref.uid).read_text())["devices"][0]["containerEdits"]["env"]
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=10240M" in env
-    assert node.unprepare(ref) == {ref.uid: None}
+    assert sim_node.unprepare(ref) == {ref.uid: None}
     wait_until(lambda: not pid_alive(pid), what="the claim's daemon to stop")
 
 
-def test_daemon_that_fails_to_start_is_a_claim_error_with_its_log_and_leaves_nothing(node: SimulatedNode) -> None:
-    node.start(env={"TESSERA_SIM_MPS_FAIL": "start"})
-    ref = node.claim("c", [("gpu", "gpu-0")], configs=[gpu_config(strategy="MPS")])
-    error = node.prepare(ref)[ref.uid].error or ""
+def test_daemon_that_fails_to_start_is_a_claim_error_with_its_log_and_leaves_nothing(sim_node: SimulatedNode) -> None:
+    sim_node.start(env={"TESSERA_SIM_MPS_FAIL": "start"})
+    ref = sim_node.claim("c", [("gpu", "gpu-0")], configs=[gpu_config(strategy="MPS")])
+    error = sim_node.prepare(ref)[ref.uid].error or ""
     assert "MPS" in error and "SIMULATION" in error, error  # the stand-in's control.log tail
-    assert node.cdi_files() == [] and node.checkpoint()["claims"] == {}
-    assert all(not pid_alive(p) for p in daemon_starts(node))
+    assert sim_node.cdi_files() == [] and sim_node.checkpoint()["claims"] == {}
+    assert all(not pid_alive(p) for p in daemon_starts(sim_node))
 
 
-def test_per_claim_time_slicing_is_set_at_prepare_and_reset_at_unprepare(node: SimulatedNode) -> None:
-    node.start()
-    uuid = node.inventory.gpus[0].uuid
-    ref = node.claim("c", [("gpu", "gpu-0")], configs=[gpu_config(
+def test_per_claim_time_slicing_is_set_at_prepare_and_reset_at_unprepare(sim_node: SimulatedNode) -> None:
+    sim_node.start()
+    uuid = sim_node.inventory.gpus[0].uuid
+    ref = sim_node.claim("c", [("gpu", "gpu-0")], configs=[gpu_config(
         strategy="TimeSlicing", timeSlicingConfig={"interval": "Long"})])
-    node.prepare_ok(ref)
+    sim_node.prepare_ok(ref)
     # nvidia-smi only for the slice (NVML has no call for it); the compute mode, already DEFAULT, is read via NVML.
-    assert node.nvidia_smi_calls() == [["compute-policy", "-i", uuid, "--set-timeslice", "3"]]
-    assert [(c["call"], c["uuid"]) for c in node.nvml_calls()] == [("nvmlDeviceGetComputeMode", uuid)]
-    assert node.unprepare(ref) == {ref.uid: None}
-    assert node.nvidia_smi_calls()[1:] == [["compute-policy", "-i", uuid, "--set-timeslice", "0"]]
+    assert sim_node.nvidia_smi_calls() == [["compute-policy", "-i", uuid, "--set-timeslice", "3"]]
+    assert [(c["call"], c["uuid"]) for c in sim_node.nvml_calls()] == [("nvmlDeviceGetComputeMode", uuid)]
+    assert sim_node.unprepare(ref) == {ref.uid: None}
+    assert sim_node.nvidia_smi_calls()[1:] == [["compute-policy", "-i", uuid, "--set-timeslice", "0"]]
 
 
-def test_failing_nvidia_smi_is_a_clear_claim_error(node: SimulatedNode) -> None:
-    node.start(env={"TESSERA_SIM_NVIDIA_SMI_FAIL": "--set-timeslice 2"})
-    ref = node.claim("c", [("gpu", "gpu-0")], configs=[gpu_config(
+def test_failing_nvidia_smi_is_a_clear_claim_error(sim_node: SimulatedNode) -> None:
+    sim_node.start(env={"TESSERA_SIM_NVIDIA_SMI_FAIL": "--set-timeslice 2"})
+    ref = sim_node.claim("c", [("gpu", "gpu-0")], configs=[gpu_config(
         strategy="TimeSlicing", timeSlicingConfig={"interval": "Medium"})])
-    error = node.prepare(ref)[ref.uid].error or ""
+    error = sim_node.prepare(ref)[ref.uid].error or ""
     assert "nvidia-smi" in error and "set-timeslice" in error
-    assert node.cdi_files() == [] and node.checkpoint()["claims"] == {}
+    assert sim_node.cdi_files() == [] and sim_node.checkpoint()["claims"] == {}
 
 
 def test_time_slice_plan_is_applied_to_the_gpu_at_start() -> None:
-    node = SimulatedNode("demo", plans=PLANS, plan="ts")
+    sim_node = SimulatedNode("demo", plans=PLANS, plan="ts")
     try:
-        node.start()
-        node.wait_for_devices(["gpu-0-ts-0", "gpu-0-ts-1", *MIG, "gpu-2"])
-        uuid = node.inventory.gpus[0].uuid
-        assert ["compute-policy", "-i", uuid, "--set-timeslice", "3"] in node.nvidia_smi_calls()
-        ts = next(d for d in node.devices() if d["name"] == "gpu-0-ts-1")["attributes"]
+        sim_node.start()
+        sim_node.wait_for_devices(["gpu-0-ts-0", "gpu-0-ts-1", *MIG, "gpu-2"])
+        uuid = sim_node.inventory.gpus[0].uuid
+        assert ["compute-policy", "-i", uuid, "--set-timeslice", "3"] in sim_node.nvidia_smi_calls()
+        ts = next(d for d in sim_node.devices() if d["name"] == "gpu-0-ts-1")["attributes"]
         assert ts["timeSliceInterval"] == {"string": "Long"}
         assert ts["memoryLimitEnforcement"] == {"string": "none"}
     finally:
-        node.close()
+        sim_node.close()
 
 
 def test_plan_change_is_deferred_while_claims_are_prepared(mps_node: SimulatedNode) -> None:
@@ -197,28 +197,28 @@ def test_plan_change_is_deferred_while_claims_are_prepared(mps_node: SimulatedNo
 
 def test_bad_plan_stops_the_driver_with_a_message_naming_the_entry() -> None:
     plans = {"plans": {"bad": {"gpus": [{"match": {"all": True}, "mps": {"shares": 1}}]}}}
-    node = SimulatedNode("demo", plans=plans, plan="bad")
+    sim_node = SimulatedNode("demo", plans=plans, plan="bad")
     try:
-        code, output = node.run_to_exit()
+        code, output = sim_node.run_to_exit()
         assert code == 1
         assert "plans.bad.gpus[0].mps.shares" in output
     finally:
-        node.close()
+        sim_node.close()
 
 
 @pytest.mark.parametrize("plan", ["mps", "ts", "whole"])
 def test_published_slices_validate_against_the_kubernetes_schemas(plan: str) -> None:
     import kubernetes_validate  # type: ignore[import-untyped]
 
-    node = SimulatedNode("demo", plans=PLANS, plan=plan)
+    sim_node = SimulatedNode("demo", plans=PLANS, plan=plan)
     try:
-        node.start()
-        wait_until(lambda: bool(node.devices()), what="slices")
-        for slice_ in node.api.slices():
+        sim_node.start()
+        wait_until(lambda: bool(sim_node.devices()), what="slices")
+        for slice_ in sim_node.api.slices():
             for version in ("1.34", "1.36"):
                 kubernetes_validate.validate(slice_, version, strict=True)
     finally:
-        node.close()
+        sim_node.close()
 
 
 def test_a_prepare_at_the_first_instant_waits_for_the_multi_user_probe_and_starts_its_daemon_multi_user(

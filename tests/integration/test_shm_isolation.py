@@ -40,40 +40,40 @@ PLANS: dict[str, Any] = {"plans": {"c": {"gpus": [
 SHARE_DEVICES = ["gpu-0-shared", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mig-1g10gb-6", "gpu-2"]
 
 
-def dev_shm_of(node: SimulatedNode, ref: ClaimRef) -> Path:
+def dev_shm_of(sim_node: SimulatedNode, ref: ClaimRef) -> Path:
     """The host directory the claim's CDI spec bind-mounts at /dev/shm."""
-    spec = json.loads(node.cdi_spec(ref.uid).read_text())
+    spec = json.loads(sim_node.cdi_spec(ref.uid).read_text())
     mounts = [m for d in spec["devices"] for m in d["containerEdits"].get("mounts", [])]
     [host_path] = [m["hostPath"] for m in mounts if m["containerPath"] == "/dev/shm"]
     return Path(host_path)
 
 
-def assert_own_tmpfs(node: SimulatedNode, directory: Path, size: int) -> None:
+def assert_own_tmpfs(sim_node: SimulatedNode, directory: Path, size: int) -> None:
     # Checked before anything is filled: on a driver without per-daemon tmpfs this directory is on the
     # machine's disk, which the test must never fill.
-    [mount] = [m for m in mounts_under(node.work) if m.point == directory]
+    [mount] = [m for m in mounts_under(sim_node.work) if m.point == directory]
     assert mount.fstype == "tmpfs" and size_option(size) in mount.super_options, mount
 
 
 @pytest.mark.parametrize("launcher", ["plugin", "mps-host"])
 def test_one_tenant_filling_its_dev_shm_changes_nothing_for_the_others_or_the_driver(launcher: str) -> None:
-    node = SimulatedNode("demo", plans=PLANS, plan="c")
+    sim_node = SimulatedNode("demo", plans=PLANS, plan="c")
     try:
         if launcher == "plugin":  # the LocalLauncher: daemons are the plugin's children
-            node.start("--mps-shm-tmpfs", "true", "--mps-shm-size", "128Mi")
+            sim_node.start("--mps-shm-tmpfs", "true", "--mps-shm-size", "128Mi")
         else:  # the MPS host mounts each tmpfs and unmounts it when the plugin releases the daemon
-            node.start_mps_host("--shm-tmpfs")
-            node.start("--mps-host-socket", str(node.mps_host_socket), "--mps-shm-size", "128Mi")
-        node.wait_for_devices(SHARE_DEVICES)
+            sim_node.start_mps_host("--shm-tmpfs")
+            sim_node.start("--mps-host-socket", str(sim_node.mps_host_socket), "--mps-shm-size", "128Mi")
+        sim_node.wait_for_devices(SHARE_DEVICES)
         consumed: dict[str, dict[str, int]] = {}
-        tenant1, _ = allocated_claim(node, "tenant-1", "10Gi", "33", consumed, str(uuid.uuid4()))
-        tenant2, _ = allocated_claim(node, "tenant-2", "10Gi", "33", consumed, str(uuid.uuid4()))
-        answers = node.prepare(tenant1, tenant2)
+        tenant1, _ = allocated_claim(sim_node, "tenant-1", "10Gi", "33", consumed, str(uuid.uuid4()))
+        tenant2, _ = allocated_claim(sim_node, "tenant-2", "10Gi", "33", consumed, str(uuid.uuid4()))
+        answers = sim_node.prepare(tenant1, tenant2)
         assert [answers[r.uid].error for r in (tenant1, tenant2)] == [None, None]
-        shm1, shm2 = dev_shm_of(node, tenant1), dev_shm_of(node, tenant2)
+        shm1, shm2 = dev_shm_of(sim_node, tenant1), dev_shm_of(sim_node, tenant2)
         assert shm1 != shm2, "two daemons never share a /dev/shm"
         for directory in (shm1, shm2):
-            assert_own_tmpfs(node, directory, SHARE_SHM)
+            assert_own_tmpfs(sim_node, directory, SHARE_SHM)
 
         written = fill_until_full(shm1)
         assert written <= SHARE_SHM, "tenant 1 got no more than its plan's size"
@@ -84,30 +84,30 @@ def test_one_tenant_filling_its_dev_shm_changes_nothing_for_the_others_or_the_dr
         daemon_dir = shm1.parent
         assert os.stat(daemon_dir).st_dev != os.stat(shm1).st_dev
         write_ok(daemon_dir)
-        [daemon1] = [d for d in node.checkpoint()["mps_daemons"].values() if Path(d["shm_dir"]) == shm1]
+        [daemon1] = [d for d in sim_node.checkpoint()["mps_daemons"].values() if Path(d["shm_dir"]) == shm1]
         os.kill(daemon1["pid"], signal.SIGKILL)
-        wait_until(lambda: node.checkpoint()["mps_daemons"][daemon1["spec"]["daemon_id"]]["pid"] != daemon1["pid"],
+        wait_until(lambda: sim_node.checkpoint()["mps_daemons"][daemon1["spec"]["daemon_id"]]["pid"] != daemon1["pid"],
                    timeout=30, what="the driver to restart tenant 1's daemon")
-        restarted = node.checkpoint()["mps_daemons"][daemon1["spec"]["daemon_id"]]
+        restarted = sim_node.checkpoint()["mps_daemons"][daemon1["spec"]["daemon_id"]]
         assert pid_alive(restarted["pid"]) and Path(restarted["shm_dir"]) == shm1
 
         # A new prepare succeeds, its daemon sized from the claim's own MPS config.
-        whole = node.claim("tenant-3", [("gpu", "gpu-2")], configs=[gpu_config(
+        whole = sim_node.claim("tenant-3", [("gpu", "gpu-2")], configs=[gpu_config(
             strategy="MPS", mpsConfig={"defaultActiveThreadPercentage": 50, "shmSize": "96Mi"})])
-        node.prepare_ok(whole)
-        shm3 = dev_shm_of(node, whole)
-        assert_own_tmpfs(node, shm3, CLAIM_SHM)
+        sim_node.prepare_ok(whole)
+        shm3 = dev_shm_of(sim_node, whole)
+        assert_own_tmpfs(sim_node, shm3, CLAIM_SHM)
         write_ok(shm3)
 
-        assert node.unprepare(tenant1, tenant2, whole) == {tenant1.uid: None, tenant2.uid: None, whole.uid: None}
-        assert mounts_under(node.work) == [], "every tmpfs unmounted"
+        assert sim_node.unprepare(tenant1, tenant2, whole) == {tenant1.uid: None, tenant2.uid: None, whole.uid: None}
+        assert mounts_under(sim_node.work) == [], "every tmpfs unmounted"
         for directory in (shm1, shm2, shm3):
             assert not directory.parent.exists(), f"{directory.parent} removed"
     finally:
-        node.stop()
-        node.stop_mps_host()
-        unmount_everything_under(node.work)
-        node.close()
+        sim_node.stop()
+        sim_node.stop_mps_host()
+        unmount_everything_under(sim_node.work)
+        sim_node.close()
 
 
 MPS_PLANS: dict[str, Any] = {"plans": {"mps": {"gpus": [{"match": {"product": "NVIDIA L4"}, "mps": {
@@ -119,32 +119,32 @@ def test_a_link_planted_at_a_daemon_directory_makes_the_driver_touch_nothing_beh
     # Someone with write access to the MPS directory plants <mps dir>/<daemon id> -> a directory whose shm/ is
     # a mount holding files, before the daemon's first prepare. The driver used to follow the link: it
     # unmounted and emptied that shm/ and the prepare and unprepare then failed for good.
-    from driver.gpu.claim.claimplan import plan_daemon_id
+    from driver.gpu.claim.claimplan import shared_daemon_id
     from driver.gpu.mps.shmmount import mount_tmpfs
 
-    node = SimulatedNode("demo", plans=MPS_PLANS, plan="mps")
-    outside = node.work / "outside"
+    sim_node = SimulatedNode("demo", plans=MPS_PLANS, plan="mps")
+    outside = sim_node.work / "outside"
     try:
         if launcher == "mps-host":
-            node.start_mps_host("--private-shm", "--shm-tmpfs")
-            node.start("--mps-host-socket", str(node.mps_host_socket))
+            sim_node.start_mps_host("--private-shm", "--shm-tmpfs")
+            sim_node.start("--mps-host-socket", str(sim_node.mps_host_socket))
         else:
-            node.start("--mps-shm-tmpfs", "true")
-        wait_until(lambda: "gpu-2-mps-0" in node.device_names(), timeout=30, what="the MPS shares")
+            sim_node.start("--mps-shm-tmpfs", "true")
+        wait_until(lambda: "gpu-2-mps-0" in sim_node.device_names(), timeout=30, what="the MPS shares")
         (outside / "shm").mkdir(parents=True)
         mount_tmpfs(outside / "shm", 64 * MIB)
         (outside / "shm" / "precious").write_text("keep me")
-        (node.state_dir / "mps").mkdir(exist_ok=True)
-        link = node.state_dir / "mps" / plan_daemon_id(node.inventory.gpus[2].uuid)
+        (sim_node.state_dir / "mps").mkdir(exist_ok=True)
+        link = sim_node.state_dir / "mps" / shared_daemon_id(sim_node.inventory.gpus[2].uuid)
         link.symlink_to(outside)
-        ref = node.claim("c", [("share", "gpu-2-mps-0")])
-        answer = node.prepare(ref)[ref.uid]
+        ref = sim_node.claim("c", [("share", "gpu-2-mps-0")])
+        answer = sim_node.prepare(ref)[ref.uid]
         assert answer.error is None, answer.error
         assert link.is_dir() and not link.is_symlink(), "the link was removed and the daemon got a real directory"
         assert (outside / "shm" / "precious").read_text() == "keep me"
-        assert outside / "shm" in [m.point for m in mounts_under(node.work)], "the mount behind the link stays"
-        assert node.unprepare(ref) == {ref.uid: None}
+        assert outside / "shm" in [m.point for m in mounts_under(sim_node.work)], "the mount behind the link stays"
+        assert sim_node.unprepare(ref) == {ref.uid: None}
         assert (outside / "shm" / "precious").read_text() == "keep me"
     finally:
-        node.close()
-        unmount_everything_under(node.work)
+        sim_node.close()
+        unmount_everything_under(sim_node.work)

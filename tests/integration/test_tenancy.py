@@ -37,7 +37,7 @@ ROOT_REFUSAL = (
 
 
 @pytest.fixture
-def node() -> Iterator[SimulatedNode]:
+def sim_node() -> Iterator[SimulatedNode]:
     n = SimulatedNode("demo", plans=PLANS, plan="tenants")
     try:
         n.start()
@@ -47,93 +47,93 @@ def node() -> Iterator[SimulatedNode]:
         n.close()
 
 
-def daemon_starts(node: SimulatedNode) -> list[int]:
-    return [e["pid"] for e in node.journal() if e.get("event") == "start"]
+def daemon_starts(sim_node: SimulatedNode) -> list[int]:
+    return [e["pid"] for e in sim_node.journal() if e.get("event") == "start"]
 
 
-def attributes(node: SimulatedNode, name: str) -> dict[str, Any]:
-    attrs: dict[str, Any] = next(d for d in node.devices() if d["name"] == name)["attributes"]
+def attributes(sim_node: SimulatedNode, name: str) -> dict[str, Any]:
+    attrs: dict[str, Any] = next(d for d in sim_node.devices() if d["name"] == name)["attributes"]
     return attrs
 
 
-def test_a_root_pod_is_refused_a_shared_daemon_and_a_non_root_pod_gets_it(node: SimulatedNode) -> None:
-    assert attributes(node, "gpu-2-mps-0")["memoryLimitEnforcement"] == {"string": "mps-per-process"}
-    assert attributes(node, "gpu-2-mps-0")["computeLimitEnforcement"] == {"string": "mps-per-process"}
+def test_a_root_pod_is_refused_a_shared_daemon_and_a_non_root_pod_gets_it(sim_node: SimulatedNode) -> None:
+    assert attributes(sim_node, "gpu-2-mps-0")["memoryLimitEnforcement"] == {"string": "mps-per-process"}
+    assert attributes(sim_node, "gpu-2-mps-0")["computeLimitEnforcement"] == {"string": "mps-per-process"}
 
-    root = node.claim("root-share", [("share", "gpu-2-mps-0")], pods=[pod("train-0")])
-    assert node.prepare(root)[root.uid].error == ROOT_REFUSAL
-    assert daemon_starts(node) == [], "refused before any daemon started"
-    assert node.cdi_files() == []
-    assert root.uid not in node.checkpoint()["claims"]
-    assert [p.name for p in (node.state_dir / "mps").glob("plan-*")] == []
+    root = sim_node.claim("root-share", [("share", "gpu-2-mps-0")], pods=[pod("train-0")])
+    assert sim_node.prepare(root)[root.uid].error == ROOT_REFUSAL
+    assert daemon_starts(sim_node) == [], "refused before any daemon started"
+    assert sim_node.cdi_files() == []
+    assert root.uid not in sim_node.checkpoint()["claims"]
+    assert [p.name for p in (sim_node.state_dir / "mps").glob("plan-*")] == []
 
-    tenant = node.claim("tenant-share", [("share", "gpu-2-mps-1")],
-                        pods=[pod("eval-0", pod_security={"runAsNonRoot": True},
-                                  containers=[("main", {"runAsUser": 1000, "runAsGroup": 1000,
-                                                        "allowPrivilegeEscalation": False})])])
-    assert node.prepare_ok(tenant).devices[0].device_name == "gpu-2-mps-1"
-    record = node.checkpoint()["claims"][tenant.uid]
+    tenant = sim_node.claim("tenant-share", [("share", "gpu-2-mps-1")],
+                            pods=[pod("eval-0", pod_security={"runAsNonRoot": True},
+                                      containers=[("main", {"runAsUser": 1000, "runAsGroup": 1000,
+                                                            "allowPrivilegeEscalation": False})])])
+    assert sim_node.prepare_ok(tenant).devices[0].device_name == "gpu-2-mps-1"
+    record = sim_node.checkpoint()["claims"][tenant.uid]
     assert (record["mps_clients"], record["mps_enforcement"]) == ("nonRoot", "mps-per-process")
-    shown = subprocess.run(node.inspect_args(), capture_output=True, text=True, timeout=60)
+    shown = subprocess.run(sim_node.inspect_args(), capture_output=True, text=True, timeout=60)
     assert "mps clients nonRoot: limits mps-per-process" in shown.stdout, shown.stdout + shown.stderr
-    [daemon] = daemon_starts(node)
+    [daemon] = daemon_starts(sim_node)
 
     # The kubelet sends the prepared claim again (after its restart) with a second, root pod reserved.
-    node.reserve(tenant, pod("debug-0", pod_security=NON_ROOT, containers=[
+    sim_node.reserve(tenant, pod("debug-0", pod_security=NON_ROOT, containers=[
         ("main", NO_ESCALATION), ("shell", {"runAsUser": 0, **NO_ESCALATION})]))
-    error = node.prepare(tenant)[tenant.uid].error or ""
+    error = sim_node.prepare(tenant)[tenant.uid].error or ""
     assert error == ('pod default/debug-0 container "shell": spec.containers[1].securityContext.runAsUser: 0 is not '
                      f'allowed by Pod Security "restricted" (it runs as root); {SHARED_RULE}; set a non-zero '
                      "runAsUser, or use a share whose plan sets clients: any"), error
     assert "\n" not in error
     # The claim stays prepared for the pod already running with it.
-    assert node.checkpoint()["claims"][tenant.uid]["phase"] == "PrepareCompleted"
-    assert daemon_starts(node) == [daemon]
-    assert node.unprepare(tenant) == {tenant.uid: None}
+    assert sim_node.checkpoint()["claims"][tenant.uid]["phase"] == "PrepareCompleted"
+    assert daemon_starts(sim_node) == [daemon]
+    assert sim_node.unprepare(tenant) == {tenant.uid: None}
 
 
 def test_a_share_whose_plan_admits_any_client_is_prepared_for_root_and_said_to_be_advisory(
-        node: SimulatedNode) -> None:
-    attrs = attributes(node, "gpu-0-mps-0")
+        sim_node: SimulatedNode) -> None:
+    attrs = attributes(sim_node, "gpu-0-mps-0")
     assert attrs["memoryLimitEnforcement"] == {"string": "mps-advisory"}
     assert attrs["computeLimitEnforcement"] == {"string": "mps-advisory"}
 
-    ref = node.claim("any-share", [("share", "gpu-0-mps-0")],
-                     pods=[pod("train-0", hostPID=True, volumes=[{"name": "sock", "hostPath": {"path": "/"}}])])
-    assert node.prepare_ok(ref).devices[0].device_name == "gpu-0-mps-0"
-    record = node.checkpoint()["claims"][ref.uid]
+    ref = sim_node.claim("any-share", [("share", "gpu-0-mps-0")],
+                         pods=[pod("train-0", hostPID=True, volumes=[{"name": "sock", "hostPath": {"path": "/"}}])])
+    assert sim_node.prepare_ok(ref).devices[0].device_name == "gpu-0-mps-0"
+    record = sim_node.checkpoint()["claims"][ref.uid]
     assert (record["mps_clients"], record["mps_enforcement"]) == ("any", "mps-advisory")
     # Nor does it ask who the consumer is.
-    other = node.claim("any-share-deployment", [("share", "gpu-0-mps-1")], pods=())
-    set_reserved_for(node, other, [{"apiGroup": "apps", "resource": "deployments", "name": "web", "uid": "w"}])
-    assert node.prepare_ok(other).devices[0].device_name == "gpu-0-mps-1"
-    assert [r for r in node.api.requests if "/pods/" in r[1]] == []
-    assert node.unprepare(ref, other) == {ref.uid: None, other.uid: None}
+    other = sim_node.claim("any-share-deployment", [("share", "gpu-0-mps-1")], pods=())
+    set_reserved_for(sim_node, other, [{"apiGroup": "apps", "resource": "deployments", "name": "web", "uid": "w"}])
+    assert sim_node.prepare_ok(other).devices[0].device_name == "gpu-0-mps-1"
+    assert [r for r in sim_node.api.requests if "/pods/" in r[1]] == []
+    assert sim_node.unprepare(ref, other) == {ref.uid: None, other.uid: None}
 
 
-def test_a_claim_without_mps_reads_no_pod(node: SimulatedNode) -> None:
-    ref = node.claim("mig", [("gpu", MIG[2])], pods=[pod("train-0")])
-    node.prepare_ok(ref)
-    assert [r for r in node.api.requests if "/pods/" in r[1]] == []
-    assert node.unprepare(ref) == {ref.uid: None}
+def test_a_claim_without_mps_reads_no_pod(sim_node: SimulatedNode) -> None:
+    ref = sim_node.claim("mig", [("gpu", MIG[2])], pods=[pod("train-0")])
+    sim_node.prepare_ok(ref)
+    assert [r for r in sim_node.api.requests if "/pods/" in r[1]] == []
+    assert sim_node.unprepare(ref) == {ref.uid: None}
 
 
-def set_reserved_for(node: SimulatedNode, ref: ClaimRef, entries: list[dict[str, Any]]) -> None:
+def set_reserved_for(sim_node: SimulatedNode, ref: ClaimRef, entries: list[dict[str, Any]]) -> None:
     """Write ``status.reservedFor`` as given (what a buggy or forged controller could have written)."""
-    claim = next(c for c in node.api.claims() if c["metadata"]["uid"] == ref.uid)
+    claim = next(c for c in sim_node.api.claims() if c["metadata"]["uid"] == ref.uid)
     claim.setdefault("status", {})["reservedFor"] = entries
-    node.api.put_claim(claim)
+    sim_node.api.put_claim(claim)
 
 
-def put_pod(node: SimulatedNode, body: dict[str, Any]) -> dict[str, Any]:
-    stored: dict[str, Any] = node.api.put_pod({**body, "metadata": {**body["metadata"], "namespace": "default"}})
+def put_pod(sim_node: SimulatedNode, body: dict[str, Any]) -> dict[str, Any]:
+    stored: dict[str, Any] = sim_node.api.put_pod({**body, "metadata": {**body["metadata"], "namespace": "default"}})
     return stored
 
 
 def test_a_non_root_share_refuses_every_consumer_it_cannot_vouch_for_and_admits_a_restricted_pod(
-        node: SimulatedNode) -> None:
-    evil = put_pod(node, pod("evil"))  # no securityContext: the image's root user
-    benign = put_pod(node, pod("benign", pod_security=NON_ROOT, containers=[("main", NO_ESCALATION)]))
+        sim_node: SimulatedNode) -> None:
+    evil = put_pod(sim_node, pod("evil"))  # no securityContext: the image's root user
+    benign = put_pod(sim_node, pod("benign", pod_security=NON_ROOT, containers=[("main", NO_ESCALATION)]))
     fix = "or use a share whose plan sets clients: any"
     attacks: list[tuple[str, list[dict[str, Any]], str]] = [
         ("no consumer", [], f"the claim is reserved for no pod (status.reservedFor is empty); {SHARED_RULE}; "
@@ -163,20 +163,20 @@ def test_a_non_root_share_refuses_every_consumer_it_cannot_vouch_for_and_admits_
          f"processes, to see and signal); {SHARED_RULE}; remove spec.hostPID, {fix}"),
     ]
     for what, consumers, refusal in attacks:
-        ref = node.claim(f"attack-{len(what)}", [("share", "gpu-2-mps-0")], pods=())
+        ref = sim_node.claim(f"attack-{len(what)}", [("share", "gpu-2-mps-0")], pods=())
         if consumers and "spec" in consumers[0]:
-            node.reserve(ref, consumers[0])
+            sim_node.reserve(ref, consumers[0])
         else:
-            set_reserved_for(node, ref, consumers)
-        error = node.prepare(ref)[ref.uid].error or ""
+            set_reserved_for(sim_node, ref, consumers)
+        error = sim_node.prepare(ref)[ref.uid].error or ""
         assert error.startswith(refusal), f"{what}: {error}"
         assert "\n" not in error and "()" not in error, what
-        assert daemon_starts(node) == [] and node.cdi_files() == [], f"{what}: refused before anything started"
-        assert ref.uid not in node.checkpoint()["claims"], what
+        assert daemon_starts(sim_node) == [] and sim_node.cdi_files() == [], f"{what}: refused before anything started"
+        assert ref.uid not in sim_node.checkpoint()["claims"], what
 
     restricted = pod("tenant-0", pod_security={**NON_ROOT, "seccompProfile": {"type": "RuntimeDefault"}},
                      containers=[("main", {**NO_ESCALATION, "capabilities": {"drop": ["ALL"]}})])
-    ref = node.claim("tenant", [("share", "gpu-2-mps-0")], pods=[restricted])
-    assert node.prepare_ok(ref).devices[0].device_name == "gpu-2-mps-0"
-    assert len(daemon_starts(node)) == 1
-    assert node.unprepare(ref) == {ref.uid: None}
+    ref = sim_node.claim("tenant", [("share", "gpu-2-mps-0")], pods=[restricted])
+    assert sim_node.prepare_ok(ref).devices[0].device_name == "gpu-2-mps-0"
+    assert len(daemon_starts(sim_node)) == 1
+    assert sim_node.unprepare(ref) == {ref.uid: None}

@@ -52,5 +52,5 @@ def instance(profile: str, start: int, gi_id: int, size: int = 1) -> MigInstance
                        placement_size=size, gi_id=gi_id, ci_id=0, memory_bytes=9984 * MIB, multiprocessors=16)
 
 
-def node(*gpus: GpuInfo) -> NodeInventory:
+def inventory_of(*gpus: GpuInfo) -> NodeInventory:
     return NodeInventory(driver_version="580.95.05", cuda_driver_version="13.0", gpus=gpus)

@@ -49,7 +49,7 @@ def wait_until(condition: Callable[[], bool], timeout: float = 15.0, what: str =
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def kill_9_while_daemon_starts(node: SimulatedNode, ref: ClaimRef) -> int:
+def kill_9_while_daemon_starts(sim_node: SimulatedNode, ref: ClaimRef) -> int:
     """Prepare ``ref`` and kill -9 the driver once its MPS daemon runs and the claim is PrepareStarted.
 
     The node must have been started with ``TESSERA_SIM_MPS_FAIL=hang``, so the prepare blocks in the
@@ -57,15 +57,15 @@ def kill_9_while_daemon_starts(node: SimulatedNode, ref: ClaimRef) -> int:
     """
     def prepare_until_killed() -> None:
         with contextlib.suppress(grpc.RpcError):  # the driver dies under this call
-            node.prepare(ref)
+            sim_node.prepare(ref)
 
     thread = threading.Thread(target=prepare_until_killed, daemon=True)
     thread.start()
-    wait_until(lambda: any(e.get("event") == "start" for e in node.journal()), what="the daemon to start")
-    wait_until(lambda: node.checkpoint()["claims"].get(ref.uid, {}).get("phase") == "PrepareStarted",
+    wait_until(lambda: any(e.get("event") == "start" for e in sim_node.journal()), what="the daemon to start")
+    wait_until(lambda: sim_node.checkpoint()["claims"].get(ref.uid, {}).get("phase") == "PrepareStarted",
                what="PrepareStarted in the checkpoint")
-    [daemon_pid] = {e["pid"] for e in node.journal() if e.get("event") == "start"}
-    node.kill9()
+    [daemon_pid] = {e["pid"] for e in sim_node.journal() if e.get("event") == "start"}
+    sim_node.kill9()
     thread.join(timeout=30)
     assert pid_alive(daemon_pid), "the half-started daemon outlived the driver"
     return int(daemon_pid)

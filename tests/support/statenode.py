@@ -20,7 +20,7 @@ from driver.gpu.discovery.inventory import ComputeMode, NodeInventory
 from driver.gpu.mps.limits import LimitDrift
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec, MpsError
 from driver.gpu.published.devices import make_view
-from driver.gpu.published.sharelayout import GpuShares
+from driver.gpu.published.sharelayout import GpuForm
 from driver.gpu.record.checkpoint import CheckpointStore
 from driver.gpu.runtime.computemode import ComputeModeError
 from driver.gpu.runtime.timeslice import TimeSliceError
@@ -48,7 +48,7 @@ class FakeMps:
         self.calls: list[tuple[str, str]] = []
         self.fail_start = False
         self.on_disk: list[str] = []
-        self.drift: dict[str, list[LimitDrift]] = {}  # found by the next verify_limits of that daemon
+        self.drift: dict[str, list[LimitDrift]] = {}  # found by the next check_and_restore_limits of that daemon
         self.verified: list[str] = []
         self._next_pid = 1000
 
@@ -75,7 +75,7 @@ class FakeMps:
         self.running.pop(record.spec.daemon_id, None)
         return self.start(record.spec)
 
-    def verify_limits(self, record: MpsDaemonRecord, deadline: Deadline | None = None) -> list[LimitDrift]:
+    def check_and_restore_limits(self, record: MpsDaemonRecord, deadline: Deadline | None = None) -> list[LimitDrift]:
         """The drift a test put in ``drift`` for this daemon (once); reads are counted in ``verified``."""
         self.verified.append(record.spec.daemon_id)
         return self.drift.pop(record.spec.daemon_id, [])
@@ -157,7 +157,7 @@ def state_parts(root: Path,
             FakeTimeSlicer(), FakeComputeModes())
 
 
-class Node:
+class StateNode:
     """One simulated node's directories, fakes and inventory; ``state()`` is a driver process on it."""
 
     def __init__(self, root: Path) -> None:
@@ -215,12 +215,12 @@ def gpu_config(**sharing: Any) -> dict[str, Any]:
                                                         "kind": "GpuConfig", "sharing": sharing}}}
 
 
-def mps_shares(count: int = 2) -> GpuShares:
-    return GpuShares(strategy="MPS", count=count, active_thread_percentage=50, memory_bytes_per_share=10 * GIB)
+def mps_shares(count: int = 2) -> GpuForm:
+    return GpuForm(strategy="MPS", count=count, active_thread_percentage=50, memory_bytes_per_share=10 * GIB)
 
 
-def ts_shares(count: int = 2) -> GpuShares:
-    return GpuShares(strategy="TimeSlicing", count=count, memory_bytes_per_share=10 * GIB, interval="Long")
+def ts_shares(count: int = 2) -> GpuForm:
+    return GpuForm(strategy="TimeSlicing", count=count, memory_bytes_per_share=10 * GIB, interval="Long")
 
 
 def device_env(spec: dict[str, Any], index: int = 0) -> list[str]:

@@ -18,7 +18,7 @@ from driver.kubeletplugin.telemetry import Telemetry
 from driver.simulation.apiserver import FakeApiServer
 from driver.simulation.discovery import SimulatedDiscovery
 from tests.support.kubeletplugin import DRIVER, NODE, Dirs
-from tests.support.statenode import Node
+from tests.support.statenode import StateNode
 
 
 @pytest.fixture
@@ -66,9 +66,9 @@ def dirs() -> Iterator[Dirs]:
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Node:
+def state_node(tmp_path: Path) -> StateNode:
     """A simulated node for DeviceState (``tests.support.statenode``): demo layout, recording fakes."""
-    return Node(tmp_path)
+    return StateNode(tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -345,7 +345,7 @@ def published_devices() -> dict[str, Obj]:
     """What the driver itself publishes for a simulated node, converted to the CEL `device` shape."""
     from driver.gpu.claimcdi import kernelmemory
     from driver.gpu.published.devices import make_view
-    from driver.gpu.published.sharelayout import GpuShares
+    from driver.gpu.published.sharelayout import GpuForm
     from driver.gpu.published.sharingplan import SharingPlans, resolve_layout
     from driver.simulation.discovery import SimulatedNode, build_inventory
 
@@ -368,10 +368,10 @@ def published_devices() -> dict[str, Obj]:
     assert kernel.available, kernel.reason
     gib = 1 << 30
     layout = {
-        inventory.gpus[2].uuid: GpuShares(
+        inventory.gpus[2].uuid: GpuForm(
             strategy="MPS", count=4, active_thread_percentage=25, memory_bytes_per_share=gib
         ),
-        inventory.gpus[3].uuid: GpuShares(
+        inventory.gpus[3].uuid: GpuForm(
             strategy="TimeSlicing", count=4, interval="Short", memory_bytes_per_share=gib
         ),
         **resolve_layout(SharingPlans.model_validate({"plans": {"c": {"gpus": [

@@ -53,7 +53,7 @@ from driver.gpu.runtime.multiuser import MultiUserGate, MultiUserProbe, probe_gp
 from driver.gpu.runtime.sharing import WATCH_CHECK_S
 from driver.gpu.runtime.timeslice import TimeSlicer
 from driver.gpu.state import DeviceState, StatePaths
-from driver.gpu.watch.daemonwatch import DaemonWatcher, MpsReports, check_daemons
+from driver.gpu.watch.daemonwatch import DaemonWatcher, MpsReports, revive_daemons
 from driver.gpu.watch.migwatch import check_mig_instances
 from driver.gpu.watch.modewatch import ComputeModeReports, check_compute_modes
 from driver.kubeletplugin.claimmodel import ResourceClaim
@@ -233,7 +233,7 @@ class DriverApp:
         self.publish(view)
         # A daemon that died (with the MPS host, or with this container when daemons are our own
         # children) is restarted here with the same limits; live ones are only looked up in /proc.
-        check_daemons(self.state)
+        revive_daemons(self.state)
 
     def follow_multi_user(self) -> None:
         """Start the multi-user probe once plan MPS shares could use it; once it answers yes, plan

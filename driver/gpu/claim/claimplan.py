@@ -32,8 +32,8 @@ def _short_hash(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def plan_daemon_id(cuda_uuid: str) -> str:
-    """The plan daemon of a GPU's (or a MIG instance's, by its MIG UUID) MPS shares."""
+def shared_daemon_id(cuda_uuid: str) -> str:
+    """The shared daemon of a GPU's (or a MIG instance's, by its MIG UUID) MPS shares."""
     # Short ids keep MPS socket paths under the 108-byte Unix socket limit.
     return f"plan-{_short_hash(cuda_uuid)}"
 
@@ -47,7 +47,7 @@ def share_daemon_id(claim_uid: str) -> str:
     return f"share-{_short_hash(claim_uid)}"
 
 
-def is_plan_daemon(daemon_id: str) -> bool:
+def is_shared_daemon(daemon_id: str) -> bool:
     return daemon_id.startswith("plan-")
 
 
@@ -62,7 +62,7 @@ def exclusive_gpus(cuda_uuids: Iterable[str]) -> list[str]:
 @dataclass(frozen=True)
 class PlannedDaemon:
     spec: MpsDaemonSpec
-    shared: bool  # a plan daemon (one per GPU, shared by its share claims) rather than the claim's own
+    shared: bool  # a shared daemon (one per GPU, shared by its share claims) rather than the claim's own
     device_names: tuple[str, ...]  # the claim's devices it serves
     # False for a consumable share's daemon: several claims' MPS servers share its GPU, and
     # EXCLUSIVE_PROCESS would let only the first server create a context.
@@ -121,7 +121,7 @@ def plan_claim(claim: ResourceClaim, *, driver_name: str, pool_name: str, view: 
                multi_user: bool = False) -> ClaimPlan | None:
     """The plan for ``claim`` on this node, None if none of its devices is this driver's.
 
-    ``multi_user``: plan daemons (whose shares go to pods of any namespace, so any UID) run in
+    ``multi_user``: shared daemons (whose shares go to pods of any namespace, so any UID) run in
     MPS multi-user mode on GPUs that support it; the caller knows whether the node's MPS does.
     """
     results = claim.results_for(driver_name)
@@ -140,7 +140,7 @@ def plan_claim(claim: ResourceClaim, *, driver_name: str, pool_name: str, view: 
     _check_share_multiplicity(held_targets, whole_gpu_class=driver_name)
     uid = claim.metadata.uid
     consumed = _consumed(held_results, held_targets, driver_name)
-    daemons = (_plan_daemons(held_targets, multi_user) + _claim_daemons(uid, held_targets, groups)
+    daemons = (_shared_daemons(held_targets, multi_user) + _claim_daemons(uid, held_targets, groups)
                + _share_daemons(uid, held_targets, consumed))
     by_name = {t.name: t for t in targets}
     _check_one_cuda_process_can_see([by_name[n] for d in daemons for n in d.device_names])
@@ -154,7 +154,7 @@ def _consumed(results: Sequence[DeviceRequestAllocationResult], targets: Sequenc
               driver_name: str) -> dict[str, ConsumedShare]:
     consumed: dict[str, ConsumedShare] = {}
     for result, target in zip(results, targets, strict=True):
-        policy = target.shares.consumable if target.shares is not None else None
+        policy = target.form.consumable if target.form is not None else None
         if policy is None:
             continue
         if target.name in consumed:
@@ -176,7 +176,7 @@ def _share_daemons(uid: str, targets: Sequence[DeviceTarget],
         spec = MpsDaemonSpec(daemon_id=share_daemon_id(uid), gpu_uuids=[t.gpu.uuid],
                              active_thread_percentage=share.active_thread_percentage,
                              pinned_memory_limits={t.gpu.uuid: share.memory_bytes},
-                             shm_size=t.shares.shm_size_bytes if t.shares is not None else None)
+                             shm_size=t.form.shm_size_bytes if t.form is not None else None)
         daemons.append(PlannedDaemon(spec, shared=False, device_names=(t.name,), exclusive=False))
     return daemons
 
@@ -199,8 +199,8 @@ def _check_share_multiplicity(targets: Sequence[DeviceTarget], *, whole_gpu_clas
     for t in targets:
         # A consumable device held twice is refused by _consumed, with its own advice. Dynamic MIG placements are
         # no shares: each is an instance of its own, and several in one claim add capacity, as static MIG devices do.
-        if t.shares is not None and t.shares.consumable is None and not t.shares.allow_multiple_shares_per_claim \
-                and not t.dynamic_mig:
+        if t.form is not None and t.form.consumable is None and not t.form.allow_multiple_shares_per_claim \
+                and not t.creates_mig_instance:
             by_unit.setdefault(t.cuda_uuid, []).append(t)  # the GPU, or the MIG instance the shares split
     for group in by_unit.values():
         if len(group) > 1:
@@ -216,18 +216,18 @@ def _check_share_multiplicity(targets: Sequence[DeviceTarget], *, whole_gpu_clas
 ConfigGroups = Sequence[tuple[DeviceConfig, Sequence[DeviceRequestAllocationResult]]]
 
 
-def _plan_daemons(targets: Sequence[DeviceTarget], multi_user: bool) -> list[PlannedDaemon]:
+def _shared_daemons(targets: Sequence[DeviceTarget], multi_user: bool) -> list[PlannedDaemon]:
     """One shared daemon per GPU (or MIG instance: its MIG UUID is the daemon's CUDA_VISIBLE_DEVICES, so the limits
     are the instance's) whose plan MPS shares the claim holds."""
     by_unit: dict[str, list[DeviceTarget]] = {}
     for t in targets:
-        if t.kind == DeviceKind.MPS and t.shares is not None:
+        if t.kind == DeviceKind.MPS and t.form is not None:
             by_unit.setdefault(t.cuda_uuid, []).append(t)
     daemons: list[PlannedDaemon] = []
     for cuda_uuid, shares in sorted(by_unit.items()):
-        s, gpu = shares[0].shares, shares[0].gpu
+        s, gpu = shares[0].form, shares[0].gpu
         assert s is not None
-        spec = MpsDaemonSpec(daemon_id=plan_daemon_id(cuda_uuid), gpu_uuids=[cuda_uuid],
+        spec = MpsDaemonSpec(daemon_id=shared_daemon_id(cuda_uuid), gpu_uuids=[cuda_uuid],
                              active_thread_percentage=s.active_thread_percentage,
                              pinned_memory_limits={cuda_uuid: s.memory_bytes_per_share},
                              multi_user=multi_user and multi_user_capable(gpu.cuda_compute_capability),
@@ -259,7 +259,7 @@ def _claim_daemons(uid: str, targets: Sequence[DeviceTarget], groups: ConfigGrou
         # A dynamic MIG device's daemon names its parent GPU until the instance exists (the runtime then moves
         # it onto the instance: migclaims.plan_on_instances); its GPU is in MIG mode, which allows only DEFAULT.
         daemons.append(PlannedDaemon(spec, shared=False, device_names=tuple(t.name for t in group),
-                                     exclusive=not any(t.dynamic_mig for t in group),
+                                     exclusive=not any(t.creates_mig_instance for t in group),
                                      clients=sharing.mpsConfig.clients if sharing.mpsConfig else "any"))
     return daemons
 
@@ -270,8 +270,8 @@ def _check_one_cuda_process_can_see(served: Sequence[DeviceTarget]) -> None:
     device", never a MIG device next to a whole GPU (NVIDIA MIG user guide, "CUDA Device Enumeration")."""
     # A dynamic MIG device is a MIG device once created, the whole device of a dynamic GPU (its full profile) too;
     # a share of a MIG instance runs on its instance.
-    migs = sorted(t.name for t in served if t.mig is not None or t.dynamic_mig)
-    others = sorted(t.name for t in served if not (t.mig is not None or t.dynamic_mig))
+    migs = sorted(t.name for t in served if t.mig is not None or t.creates_mig_instance)
+    others = sorted(t.name for t in served if not (t.mig is not None or t.creates_mig_instance))
     if len(migs) > 1 or (migs and others):
         raise PrepareError(
             f"MPS would have to serve {', '.join(migs + others)} together, but an MPS server is a single CUDA "
@@ -298,7 +298,8 @@ def _timeslice(targets: Sequence[DeviceTarget], groups: ConfigGroups) -> Planned
         sharing = config.sharing
         if not isinstance(sharing, Sharing) or sharing.strategy != "TimeSlicing":
             continue
-        group = [t for t in (by_name[r.device] for r in results) if t.kind == DeviceKind.GPU and not t.dynamic_mig]
+        group = [t for t in (by_name[r.device] for r in results)
+                 if t.kind == DeviceKind.GPU and not t.creates_mig_instance]
         if not group:
             continue
         intervals.add(sharing.timeSlicingConfig.interval if sharing.timeSlicingConfig else "Default")

@@ -15,17 +15,18 @@ from driver.gpu.record.migrecord import intent_for
 from driver.kubeletplugin.types import PreparedDevice
 
 
-def started_record(plan: ClaimPlan, names: CdiNames, pool_name: str, driver_version: str | None,
+def started_record(claim_plan: ClaimPlan, names: CdiNames, pool_name: str, driver_version: str | None,
                    updated_at: str) -> ClaimRecord:
-    """The ``PrepareStarted`` record of ``plan``; ``driver_version`` decides how its MPS limits hold."""
-    uid = plan.uid
-    record = ClaimRecord(uid=uid, namespace=plan.namespace, name=plan.name, phase=ClaimPhase.PREPARE_STARTED,
+    """The ``PrepareStarted`` record of ``claim_plan``; ``driver_version`` decides how its MPS limits hold."""
+    uid = claim_plan.uid
+    record = ClaimRecord(uid=uid, namespace=claim_plan.namespace, name=claim_plan.name,
+                         phase=ClaimPhase.PREPARE_STARTED,
                          cdi_spec_file=names.spec_file_name(uid), updated_at=updated_at,
-                         pod_uids=list(plan.pod_uids))
-    record.mps_clients, record.mps_enforcement = claim_enforcement(plan, driver_version)
-    daemon_of = {name: d.daemon_id for d in plan.daemons for name in d.device_names}
-    consumed = dict(plan.consumed)
-    for result, target in zip(plan.results, plan.targets, strict=True):
+                         pod_uids=list(claim_plan.pod_uids))
+    record.mps_clients, record.mps_enforcement = claim_enforcement(claim_plan, driver_version)
+    daemon_of = {name: d.daemon_id for d in claim_plan.daemons for name in d.device_names}
+    consumed = dict(claim_plan.consumed)
+    for result, target in zip(claim_plan.results, claim_plan.targets, strict=True):
         device = PreparedDevice(request_names=[result.base_request], pool_name=pool_name,
                                 device_name=target.name, cdi_device_ids=[names.device_id(uid, target.name)],
                                 share_id=result.share_id)
@@ -41,11 +42,12 @@ def started_record(plan: ClaimPlan, names: CdiNames, pool_name: str, driver_vers
         if (share := consumed.get(target.name)) is not None:
             record.devices[-1].consumed_memory_bytes = share.memory_bytes
             record.devices[-1].consumed_multiprocessors = share.multiprocessors
-    for daemon in plan.daemons:
+    for daemon in claim_plan.daemons:
         (record.shared_mps_daemons if daemon.shared else record.owned_mps_daemons).append(daemon.daemon_id)
         record.exclusive_gpus.extend(g for g in daemon.exclusive_gpus if g not in record.exclusive_gpus)
-    if plan.timeslice is not None:
-        record.timeslice = TimeSliceRecord(gpu_uuids=list(plan.timeslice.gpu_uuids), interval=plan.timeslice.interval)
+    if claim_plan.timeslice is not None:
+        record.timeslice = TimeSliceRecord(gpu_uuids=list(claim_plan.timeslice.gpu_uuids),
+                                           interval=claim_plan.timeslice.interval)
     return record
 
 

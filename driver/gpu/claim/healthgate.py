@@ -25,25 +25,26 @@ log = logging.getLogger(__name__)
 DeviceTaints = Mapping[str, Sequence[DeviceTaint]]
 
 
-def check_device_health(plan: ClaimPlan, problems: Mapping[str, str], taints: DeviceTaints | None = None) -> None:
-    """Refuse ``plan`` on an unhealthy device it does not tolerate.
+def check_device_health(claim_plan: ClaimPlan, problems: Mapping[str, str], taints: DeviceTaints | None = None) -> None:
+    """Refuse ``claim_plan`` on an unhealthy device it does not tolerate.
 
     ``problems``: device name -> why it is unhealthy; ``taints``: device name -> the taints it
     carries while unhealthy. A device with a problem but no taint known is never tolerated.
     """
     refused: list[str] = []
-    for index, target in enumerate(plan.targets):
+    for index, target in enumerate(claim_plan.targets):
         problem = problems.get(target.name)
         if problem is None:
             continue
         device_taints = list((taints or {}).get(target.name, ()))
         # Results are read only here, for the rare claim on an unhealthy device.
-        result = plan.results[index] if device_taints else None
+        result = claim_plan.results[index] if device_taints else None
         if result is None or untolerated(result.tolerations, device_taints):
             refused.append(f"{target.name} ({problem})")
             continue
         log.info("claim admitted to an unhealthy device: its allocation tolerates the device's taints",
-                 extra={"claim_uid": plan.uid, "claim": f"{plan.namespace}/{plan.name}", "device": target.name,
+                 extra={"claim_uid": claim_plan.uid, "claim": f"{claim_plan.namespace}/{claim_plan.name}",
+                        "device": target.name,
                         "reason": problem, "tolerated": [describe_taint(t) for t in device_taints]})
     if refused:
         raise PrepareError(

@@ -18,12 +18,12 @@ import logging
 from pathlib import Path
 
 import cdi
-from driver.gpu.claim.claimplan import is_plan_daemon
+from driver.gpu.claim.claimplan import is_shared_daemon
 from driver.gpu.claimcdi.edits import CdiNames
 from driver.gpu.claimconfig.choices import DeviceKind
 from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.mps.model import MpsDaemonSpec
-from driver.gpu.published.sharelayout import GpuShares
+from driver.gpu.published.sharelayout import GpuForm
 from driver.gpu.record.checkpoint import Checkpoint, ClaimPhase, ClaimRecord, PreparedDeviceRecord, TimeSliceRecord
 from driver.gpu.record.migrecord import DynamicMigRecord
 from driver.kubeletplugin.types import PreparedDevice
@@ -71,7 +71,7 @@ def daemon_specs(cdi_root: Path, names: CdiNames) -> dict[str, MpsDaemonSpec]:
 
 
 def _claim_from_spec(path: Path, names: CdiNames, pool_name: str,
-                     updated_at: str) -> tuple[ClaimRecord, dict[str, GpuShares]]:
+                     updated_at: str) -> tuple[ClaimRecord, dict[str, GpuForm]]:
     spec = cdi.read_spec(path)
     ann = spec.annotations or {}
     uid = ann[names.annotation("claim-uid")]
@@ -81,7 +81,7 @@ def _claim_from_spec(path: Path, names: CdiNames, pool_name: str,
     timeslice = ann.get(names.annotation("timeslice"))
     if timeslice:
         record.timeslice = TimeSliceRecord.model_validate_json(timeslice)
-    layout: dict[str, GpuShares] = {}
+    layout: dict[str, GpuForm] = {}
     for device in spec.devices:
         dann = device.annotations or {}
         device_name = dann[names.annotation("device")]
@@ -106,7 +106,7 @@ def _claim_from_spec(path: Path, names: CdiNames, pool_name: str,
             memory, sms = (int(x) for x in consumed.split(","))
             record.devices[-1].consumed_memory_bytes, record.devices[-1].consumed_multiprocessors = memory, sms
         if daemon is not None:
-            daemons = record.shared_mps_daemons if is_plan_daemon(daemon) else record.owned_mps_daemons
+            daemons = record.shared_mps_daemons if is_shared_daemon(daemon) else record.owned_mps_daemons
             if daemon not in daemons:
                 daemons.append(daemon)
             # The same rule as at prepare (claimplan.exclusive_gpus): whole GPUs only, never a MIG parent (nor
@@ -117,5 +117,5 @@ def _claim_from_spec(path: Path, names: CdiNames, pool_name: str,
                 record.exclusive_gpus.append(gpu_uuid)
         shares = dann.get(names.annotation("shares"))
         if shares:
-            layout[record.devices[-1].layout_key] = GpuShares.model_validate_json(shares)
+            layout[record.devices[-1].layout_key] = GpuForm.model_validate_json(shares)
     return record, layout

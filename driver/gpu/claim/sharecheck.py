@@ -16,16 +16,16 @@ from driver.gpu.published.targets import DeviceTarget
 from driver.gpu.record.checkpoint import Checkpoint
 
 
-def check_shares_fit(cp: Checkpoint, plan: ClaimPlan) -> None:
-    """PrepareError naming the amounts unless each consumable share of ``plan`` fits its GPU."""
-    targets = {t.name: t for t in plan.targets}
-    for name, wanted in plan.consumed:
+def check_shares_fit(cp: Checkpoint, claim_plan: ClaimPlan) -> None:
+    """PrepareError naming the amounts unless each consumable share of ``claim_plan`` fits its GPU."""
+    targets = {t.name: t for t in claim_plan.targets}
+    for name, wanted in claim_plan.consumed:
         target = targets[name]
-        policy = target.shares.consumable if target.shares is not None else None
+        policy = target.form.consumable if target.form is not None else None
         assert policy is not None  # plan_claim records consumption only for consumable devices
         held: list[HeldShare] = []
         for other in cp.claims.values():
-            if other.uid == plan.uid:
+            if other.uid == claim_plan.uid:
                 continue
             for d in other.devices:
                 if d.gpu_uuid != target.gpu.uuid or d.admin_access:  # admin access consumes nothing
@@ -40,13 +40,13 @@ def check_shares_fit(cp: Checkpoint, plan: ClaimPlan) -> None:
         check_fits(name, wanted, held, policy)
 
 
-def check_no_overlap(cp: Checkpoint, plan: ClaimPlan) -> None:
-    """PrepareError unless every device of ``plan`` but consumable shares is free of other claims.
+def check_no_overlap(cp: Checkpoint, claim_plan: ClaimPlan) -> None:
+    """PrepareError unless every device of ``claim_plan`` but consumable shares is free of other claims.
 
     Devices with admin access are shared by design: never refused, and never in the way of others."""
-    held_targets = plan.held_targets
+    held_targets = claim_plan.held_targets
     for other in cp.claims.values():
-        if other.uid == plan.uid:
+        if other.uid == claim_plan.uid:
             continue
         held = [d for d in other.devices if not d.admin_access]
         taken = {d.device.device_name for d in held}
@@ -70,7 +70,7 @@ def _other_form(t: DeviceTarget, instance: str | None, kind: DeviceKind) -> bool
     instance not created yet; None: no MIG device or share) stands in ``t``'s way."""
     if DeviceKind.GPU in (kind, t.kind):
         return True
-    mine = t.mig.uuid if t.mig is not None else ("" if t.dynamic_mig else None)
+    mine = t.mig.uuid if t.mig is not None else ("" if t.creates_mig_instance else None)
     if (instance is None) != (mine is None):
         return True  # a whole GPU's share next to a MIG device or share of the same GPU: a stale view
     if instance is None:

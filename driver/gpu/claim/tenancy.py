@@ -29,19 +29,19 @@ from driver.kubeletplugin.types import Deadline, PodsUnreadable
 log = logging.getLogger(__name__)
 
 
-def client_rules(plan: ClaimPlan) -> tuple[tuple[str, MpsClients], ...]:
+def client_rules(claim_plan: ClaimPlan) -> tuple[tuple[str, MpsClients], ...]:
     """(daemon id, clients) of every daemon of the plan that restricts its clients; empty: nothing to check."""
-    return tuple((d.daemon_id, d.clients) for d in plan.daemons if d.clients == "nonRoot")
+    return tuple((d.daemon_id, d.clients) for d in claim_plan.daemons if d.clients == "nonRoot")
 
 
-def check_clients(claim: ResourceClaim, plan: ClaimPlan, deadline: Deadline) -> None:
+def check_clients(claim: ResourceClaim, claim_plan: ClaimPlan, deadline: Deadline) -> None:
     """Refuse the claim (:class:`PrepareError`, one line) if a daemon it uses admits only non-root
     clients and a consumer of the claim is not such a pod, or if its pods cannot be read."""
-    restricted = [d for d in plan.daemons if d.clients == "nonRoot"]
+    restricted = [d for d in claim_plan.daemons if d.clients == "nonRoot"]
     if not restricted:
         return
     daemon = restricted[0]  # a claim reaches one daemon (claimplan refuses more)
-    where = _where(plan, daemon)
+    where = _where(claim_plan, daemon)
     deadline.check("reading the claim's pods")
     try:
         pods = claim.reserved_pods(deadline.remaining())
@@ -57,11 +57,12 @@ def check_clients(claim: ResourceClaim, plan: ClaimPlan, deadline: Deadline) -> 
                            f"{first.fix}, or {_alternative(daemon)}")
 
 
-def claim_enforcement(plan: ClaimPlan, driver_version: str | None) -> tuple[MpsClients | None, Enforcement | None]:
+def claim_enforcement(
+        claim_plan: ClaimPlan, driver_version: str | None) -> tuple[MpsClients | None, Enforcement | None]:
     """The clients the claim's MPS daemon admits and how its limits hold for them; (None, None) without one."""
-    if not plan.daemons:
+    if not claim_plan.daemons:
         return None, None
-    daemon = plan.daemons[0]
+    daemon = claim_plan.daemons[0]
     return daemon.clients, mps_enforcement(daemon.clients, driver_version, exclusive=bool(daemon.exclusive_gpus))
 
 
@@ -75,8 +76,8 @@ def _alternative(daemon: PlannedDaemon) -> str:
     return "set clients: any in the claim's mpsConfig"
 
 
-def _where(plan: ClaimPlan, daemon: PlannedDaemon) -> str:
-    served = [t for t in plan.targets if t.name in daemon.device_names]
+def _where(claim_plan: ClaimPlan, daemon: PlannedDaemon) -> str:
+    served = [t for t in claim_plan.targets if t.name in daemon.device_names]
     if daemon.shared:  # the GPU, or the MIG instance, whose shares all go through the daemon
         return ", ".join(sorted({gpu_device_name(t.gpu.minor) if t.mig is None
                                  else mig_device_name(t.gpu.minor, t.mig.profile, t.mig.placement_start)

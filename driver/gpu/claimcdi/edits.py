@@ -34,7 +34,7 @@ from driver.gpu.host.hostfs import (
     mig_driver_capability_node,
 )
 from driver.gpu.mps.model import MpsDaemonRecord, client_edits
-from driver.gpu.published.sharelayout import GpuShares
+from driver.gpu.published.sharelayout import GpuForm
 from driver.gpu.record.checkpoint import ClaimRecord, PreparedDeviceRecord
 
 CDI_CLASS = "claim"
@@ -85,7 +85,7 @@ class CdiSources:
 
 
 def device_edits(src: CdiSources, dev: PreparedDeviceRecord, daemons: Mapping[str, MpsDaemonRecord],
-                 shares: GpuShares | None, root: DeviceRoot, mig_gpu: bool = False) -> assemble.DeviceEdits:
+                 shares: GpuForm | None, root: DeviceRoot, mig_gpu: bool = False) -> assemble.DeviceEdits:
     """``mig_gpu``: the device's GPU is in MIG mode (an admin-access device then gets the monitor capability)."""
     gpu_node = f"/dev/nvidia{dev.gpu_minor}"
     if not root.exists(gpu_node):
@@ -158,7 +158,7 @@ def _shares_form(dev: PreparedDeviceRecord) -> bool:
     return (dev.kind in SHARE_KINDS or dev.dynamic_mig is not None) and not dev.admin_access
 
 
-def _mig_gpu(dev: PreparedDeviceRecord, form: GpuShares | None) -> bool:
+def _mig_gpu(dev: PreparedDeviceRecord, form: GpuForm | None) -> bool:
     """Whether the device's GPU is in MIG mode: a MIG device (static or a placement), or the whole device of a
     dynamic MIG GPU (its form)."""
     return dev.kind == DeviceKind.MIG or dev.mig_gi_id is not None \
@@ -166,12 +166,12 @@ def _mig_gpu(dev: PreparedDeviceRecord, form: GpuShares | None) -> bool:
 
 
 def claim_spec(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDaemonRecord],
-               layout: Mapping[str, GpuShares]) -> cdi.Spec:
+               layout: Mapping[str, GpuForm]) -> cdi.Spec:
     return claim_spec_file(src, record, daemons, layout).spec
 
 
 def claim_spec_file(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDaemonRecord],
-                    layout: Mapping[str, GpuShares]) -> assemble.ClaimSpecFile:
+                    layout: Mapping[str, GpuForm]) -> assemble.ClaimSpecFile:
     """The claim's spec and the text to write (see :func:`assemble.build_claim_spec_file`)."""
     required_problem = src.toolkit.readiness_problem
     if required_problem is not None:

@@ -43,7 +43,7 @@ from typing import Any
 import cdi
 from driver.gpu.claimconfig.choices import DeviceKind
 from driver.gpu.published.consumable import KernelMemoryLimits
-from driver.gpu.published.sharelayout import GpuShares
+from driver.gpu.published.sharelayout import GpuForm
 from driver.gpu.record.checkpoint import Checkpoint, ClaimRecord
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def hook_edits(hook_path: str, driver_root_on_host: str, gpu_uuid: str, memory_b
     return hook, [f"{name}={mib}" for name in names]
 
 
-def hooked_devices(record: ClaimRecord, layout: Mapping[str, GpuShares]) -> list[str]:
+def hooked_devices(record: ClaimRecord, layout: Mapping[str, GpuForm]) -> list[str]:
     """The claim's devices whose CDI edits carry the memory-limit hook (the rule of ``claimcdi/edits.py``)."""
     hooked: list[str] = []
     for dev in record.devices:

@@ -25,7 +25,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from driver.gpu.claimconfig.choices import DeviceKind
-from driver.gpu.published.sharelayout import Enforcement, GpuShares
+from driver.gpu.published.sharelayout import Enforcement, GpuForm
 from driver.gpu.published.targets import DeviceTarget
 from driver.gpu.record.checkpoint import ClaimRecord, PreparedDeviceRecord
 
@@ -111,7 +111,7 @@ def pod_uid_from_cgroup(text: str) -> str | None:
 
 
 def _entitlement(claim: ClaimRecord, record: PreparedDeviceRecord, target: DeviceTarget | None,
-                 shares: GpuShares | None) -> tuple[int | None, float | None, bool]:
+                 shares: GpuForm | None) -> tuple[int | None, float | None, bool]:
     """(memory bytes, SM percent, enforced) a claim's device is entitled to.
 
     Enforced means it holds against the clients the share admitted: a whole GPU or MIG device, or an
@@ -154,7 +154,7 @@ def _sm_unknown(record: PreparedDeviceRecord, found: Iterable[ProcessUsage]) -> 
 
 
 def claim_usage(claims: Iterable[ClaimRecord], processes: Iterable[ProcessUsage],
-                targets: Mapping[str, DeviceTarget], layout: Mapping[str, GpuShares],
+                targets: Mapping[str, DeviceTarget], layout: Mapping[str, GpuForm],
                 mps_daemon_pids: Collection[int] = ()) -> list[ClaimDeviceUsage]:
     """Usage of every prepared claim's devices (zero where none of its pods' processes run).
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from driver.gpu.mps.model import MpsError
 
-# The names the driver gives its daemons (driver/gpu/claim/claimplan.py: plan_daemon_id,
+# The names the driver gives its daemons (driver/gpu/claim/claimplan.py: shared_daemon_id,
 # claim_daemon_id, share_daemon_id; the multi-user probe's in manager.py). Anything else under the
 # base directory is not the driver's to stop or remove.
 DRIVER_DAEMON_DIR_NAME = re.compile(

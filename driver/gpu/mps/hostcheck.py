@@ -18,10 +18,8 @@ from pathlib import Path
 from driver.gpu.errors import DriverError
 from driver.gpu.mps.hostcmd import HostMode, Tools, inside_root
 from driver.gpu.mps.launch import DaemonLaunch
-from driver.gpu.mps.model import check_daemon_id
+from driver.gpu.mps.model import SUN_PATH_MAX_BYTES, check_daemon_id
 
-# sun_path is 108 bytes with the NUL; the daemon binds <pipe dir>/control.
-MAX_SOCKET_PATH_BYTES = 107
 _DEVICE_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")
 
 
@@ -63,9 +61,9 @@ def check_launch(request: DaemonLaunch, mps_dir: Path) -> None:
     if request.shm_dir is not None:
         _check_dir_inside("shm_dir", request.shm_dir, mps_dir)
     control = len(os.fsencode(request.pipe_dir / "control"))
-    if control > MAX_SOCKET_PATH_BYTES:
+    if control > SUN_PATH_MAX_BYTES:
         raise LaunchRefused(f"pipe_dir {request.pipe_dir} is too long: its control socket needs {control} bytes, "
-                            f"Unix sockets allow {MAX_SOCKET_PATH_BYTES}")
+                            f"Unix sockets allow {SUN_PATH_MAX_BYTES}")
     # Each directory must be the daemon's own: a request naming another daemon's pipe or shm dir
     # would start a second daemon there, or hand one daemon's clients another's /dev/shm.
     daemon_dir = mps_dir / request.daemon_id

@@ -248,7 +248,7 @@ class MpsHostLauncher:
         assert reply.daemon is not None  # the model guarantees one of the two
         return reply.daemon
 
-    def release_shm(self, daemon_id: str, shm_dir: Path) -> None:
+    def unmount_shm(self, daemon_id: str, shm_dir: Path) -> None:
         """Ask the host to unmount the daemon's /dev/shm tmpfs (one it mounted in its own namespace,
         which only it can unmount). A host too old to know the request mounted nothing."""
         where = f"MPS host socket {self.socket_path}"

@@ -94,7 +94,7 @@ class DaemonLauncher(Protocol):
         """One line for logs and ``inspect``: where daemons run."""
         ...
 
-    def release_shm(self, daemon_id: str, shm_dir: Path) -> None:
+    def unmount_shm(self, daemon_id: str, shm_dir: Path) -> None:
         """Unmount the tmpfs the launcher mounted on ``shm_dir`` (none: nothing to do), once the daemon
         is stopped for good and its directory is about to go; raise MpsLaunchError."""
         ...

@@ -163,7 +163,7 @@ def _read_back(control: MpsControl, limits: list[_Limit], pipe_dir: Path, log_di
     return [control.send(pipe_dir, log_dir, limit.get_command, deadline) for limit in limits]
 
 
-def verify_limits(control: MpsControl, record: MpsDaemonRecord, deadline: Deadline) -> list[LimitDrift]:
+def check_and_restore_limits(control: MpsControl, record: MpsDaemonRecord, deadline: Deadline) -> list[LimitDrift]:
     """Read the running daemon's limits back and set again those that drifted; returns the drift found.
     :class:`MpsDaemonStopped` if the daemon exited meanwhile, MpsError if it does not answer or keeps a
     changed limit. A client that holds the daemon silent through the whole first try is let go
@@ -172,16 +172,16 @@ def verify_limits(control: MpsControl, record: MpsDaemonRecord, deadline: Deadli
     held = held_connection(record.pid)
     try:
         if held is None:
-            return _verify(control, record, deadline)
+            return _check_and_restore(control, record, deadline)
         # Already waiting on a connection: a short first try (a read-back takes milliseconds), the rest of the
         # time for one after letting the connection go.
         first = deadline.capped(min(_FIRST_TRY_S, deadline.remaining() / 2))
         try:
-            return _verify(control, record, first)
+            return _check_and_restore(control, record, first)
         except MpsNoAnswer:
             if held_connection(record.pid) != held or not release(held):
                 raise
-        return _verify(control, record, deadline)
+        return _check_and_restore(control, record, deadline)
     except MpsError as exc:
         # A busy or silent socket is a daemon at work: only look, do not wait (the GPU's locks are held).
         held_up = isinstance(exc, (MpsNoAnswer, MpsBusy)) or isinstance(exc.__cause__, (MpsNoAnswer, MpsBusy))
@@ -191,7 +191,7 @@ def verify_limits(control: MpsControl, record: MpsDaemonRecord, deadline: Deadli
         raise
 
 
-def _verify(control: MpsControl, record: MpsDaemonRecord, deadline: Deadline) -> list[LimitDrift]:
+def _check_and_restore(control: MpsControl, record: MpsDaemonRecord, deadline: Deadline) -> list[LimitDrift]:
     drift = find_drift(control, record.spec, record.pipe_dir, record.log_dir, deadline)
     if drift:
         try:

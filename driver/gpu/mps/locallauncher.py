@@ -23,7 +23,7 @@ from driver.gpu.mps.launch import (
     make_capability_nodes,
 )
 from driver.gpu.mps.proc import CONTROL_BINARY, tied_to
-from driver.gpu.mps.shmmount import ShmTmpfs, release_shm
+from driver.gpu.mps.shmmount import ShmTmpfs, unmount_shm_here
 
 
 class LocalLauncher:
@@ -43,9 +43,9 @@ class LocalLauncher:
         return (f"child processes of the plugin (pid {os.getpid()}), binaries from driver root "
                 f"{self.driver_root}{shm}")
 
-    def release_shm(self, daemon_id: str, shm_dir: Path) -> None:
+    def unmount_shm(self, daemon_id: str, shm_dir: Path) -> None:
         # Also without the setting: a tmpfs an earlier run mounted under it must not outlive the daemon.
-        release_shm(shm_dir, self.shm.flag if self.shm is not None else "--mps-shm-tmpfs")
+        unmount_shm_here(shm_dir, self.shm.flag if self.shm is not None else "--mps-shm-tmpfs")
 
     def started_here(self, pid: int) -> bool:
         # A daemon orphaned by a plugin crash is re-parented but stays in the plugin container's cgroup.

@@ -34,8 +34,9 @@ from driver.gpu.mps.dirs import (
 )
 from driver.gpu.mps.identity import DaemonIdentity
 from driver.gpu.mps.launch import CONTROL_LOG_NAME, DaemonLaunch, DaemonLauncher
-from driver.gpu.mps.limits import LimitDrift, apply_limits, check_limits, verify_limits
+from driver.gpu.mps.limits import LimitDrift, apply_limits, check_and_restore_limits, check_limits
 from driver.gpu.mps.model import (
+    SUN_PATH_MAX_BYTES,
     MpsDaemonRecord,
     MpsDaemonSpec,
     MpsDaemonStopped,
@@ -44,14 +45,14 @@ from driver.gpu.mps.model import (
 )
 from driver.gpu.mps.proc import (
     CONTROL_BINARY,
-    StopPlan,
+    StopSteps,
     daemon_start_time,
     is_same_process,
     read_proc_stat,
     recorded_daemon,
 )
 from driver.gpu.mps.restarts import STOPPED_EXIT_WAIT_S, STOPPED_RETRY_S, RestartBackoff, stopped_by_quit
-from driver.gpu.mps.shmmount import release_daemon_shm
+from driver.gpu.mps.shmmount import try_unmount_daemon_shm
 from driver.gpu.mps.stopping import stop_processes
 from driver.kubeletplugin.types import Deadline
 from driver.units import now
@@ -59,8 +60,6 @@ from driver.units import now
 log = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 20
-# sun_path is 108 bytes including the NUL; the daemon binds its sockets inside the pipe dir.
-MAX_SOCKET_PATH_BYTES = 107
 
 # NVIDIA's daemon answers 7-12 ms after launch (measured, docs/benchmarks.md): a fixed 50 ms poll
 # spent most of a cold prepare waiting. Checks before the control socket exists cost one lstat.
@@ -175,11 +174,11 @@ class MpsManager:
         backoff.done(daemon_dir, state, started=True)
         return restarted
 
-    def verify_limits(self, record: MpsDaemonRecord, deadline: Deadline | None = None) -> list[LimitDrift]:
+    def check_and_restore_limits(self, record: MpsDaemonRecord, deadline: Deadline | None = None) -> list[LimitDrift]:
         """Read the running daemon's limits back and set again any that a client changed; returns what was
         found changed (empty: all as the spec says). :class:`MpsDaemonStopped` if the daemon exited
         meanwhile (restart it), MpsError if it does not answer or does not take a limit back."""
-        return verify_limits(self.control, record, self._within_ready(deadline, "limit check"))
+        return check_and_restore_limits(self.control, record, self._within_ready(deadline, "limit check"))
 
     def adopt(self, spec: MpsDaemonSpec, deadline: Deadline | None = None,
               restore: bool = False) -> MpsDaemonRecord | None:
@@ -199,7 +198,7 @@ class MpsManager:
         adoption, drift = self._within_ready(deadline, "adoption"), []
         try:
             if restore:
-                drift = verify_limits(self.control, record, adoption)
+                drift = check_and_restore_limits(self.control, record, adoption)
             else:
                 check_limits(self.control, spec, record.pipe_dir, record.log_dir, adoption)
         except MpsError as exc:
@@ -266,10 +265,10 @@ class MpsManager:
         daemon_dir = self.daemon_dir(spec.daemon_id)
         pipe_dir, log_dir = daemon_dir / "pipe", daemon_dir / "log"
         socket_path_bytes = len(os.fsencode(pipe_dir / CONTROL_SOCKET_NAME))
-        if socket_path_bytes > MAX_SOCKET_PATH_BYTES:
+        if socket_path_bytes > SUN_PATH_MAX_BYTES:
             raise MpsError(
                 f"MPS pipe directory {pipe_dir} is too long: sockets inside it would need {socket_path_bytes} bytes, "
-                f"Unix sockets allow {MAX_SOCKET_PATH_BYTES}; use a shorter MPS base directory or daemon_id"
+                f"Unix sockets allow {SUN_PATH_MAX_BYTES}; use a shorter MPS base directory or daemon_id"
             )
         running = self.identity.unrecorded(pipe_dir)
         if running:
@@ -376,12 +375,12 @@ class MpsManager:
         # pipe dir (one started by a driver that crashed before checkpointing it); never a look-alike,
         # never a PID read from the pipe dir.
         targets = sorted({*([known] if known else []), *self.identity.unrecorded(pipe_dir)})
-        full = StopPlan(quit_s=self.stop_timeout, term_s=min(self.stop_timeout, _TERM_GRACE_S), kill_s=_KILL_WAIT_S)
-        plan = full if deadline is None else full.within(deadline.remaining())
-        stop_processes(self.control, pipe_dir, log_dir, targets, plan)
+        full = StopSteps(quit_s=self.stop_timeout, term_s=min(self.stop_timeout, _TERM_GRACE_S), kill_s=_KILL_WAIT_S)
+        steps = full if deadline is None else full.within(deadline.remaining())
+        stop_processes(self.control, pipe_dir, log_dir, targets, steps)
 
     def _remove(self, daemon_dir: Path) -> None:
-        release_daemon_shm(self.launcher, daemon_dir)  # the launcher's tmpfs on shm/, if any
+        try_unmount_daemon_shm(self.launcher, daemon_dir)  # the launcher's tmpfs on shm/, if any
         remove_daemon_dir(daemon_dir)  # DaemonDirError is an MpsError
 
 

@@ -17,6 +17,9 @@ import cdi
 from driver.gpu.errors import DriverError
 from driver.units import MIB
 
+# sun_path is 108 bytes including the NUL; an MPS daemon binds its sockets inside its pipe dir.
+SUN_PATH_MAX_BYTES = 107
+
 _DAEMON_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 # GPU-<uuid>, MIG-<uuid>, and the older MIG-GPU-<uuid>/<gi>/<ci>; commas would split CUDA_VISIBLE_DEVICES.
 _DEVICE_UUID = re.compile(r"^(GPU|MIG)-[A-Za-z0-9/-]+$")

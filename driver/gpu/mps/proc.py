@@ -180,7 +180,7 @@ KILL_FLOOR_S = 1.0
 
 
 @dataclass(frozen=True)
-class StopPlan:
+class StopSteps:
     """How long each step of stopping a daemon may take: ``quit`` and the wait for it, SIGTERM's grace,
     SIGKILL's wait."""
 
@@ -192,22 +192,22 @@ class StopPlan:
     def total(self) -> float:
         return self.quit_s + self.term_s + self.kill_s
 
-    def within(self, budget: float) -> StopPlan:
+    def within(self, budget: float) -> StopSteps:
         """Each step shrunk in proportion so the whole fits ``budget`` (what is left of a caller's deadline)."""
         if budget >= self.total:
             return self
         scale = max(budget, 0.0) / self.total
-        return StopPlan(self.quit_s * scale, self.term_s * scale, max(self.kill_s * scale, KILL_FLOOR_S))
+        return StopSteps(self.quit_s * scale, self.term_s * scale, max(self.kill_s * scale, KILL_FLOOR_S))
 
 
-def end_processes(targets: list[tuple[int, int]], quit_until: float | None, plan: StopPlan) -> list[int]:
+def end_processes(targets: list[tuple[int, int]], quit_until: float | None, steps: StopSteps) -> list[int]:
     """Wait until ``quit_until`` (monotonic; None: quit was not delivered) for ``targets`` (pid, start
-    time) to exit, then SIGTERM and SIGKILL what is left, each followed by its wait in ``plan``.
+    time) to exit, then SIGTERM and SIGKILL what is left, each followed by its wait in ``steps``.
     Returns the PIDs still running at the end; only a PID with its start time is ever signalled."""
     left = targets
     if quit_until is not None:
         left = _still_running(left, quit_until)
-    for signum, wait in ((signal.SIGTERM, plan.term_s), (signal.SIGKILL, plan.kill_s)):
+    for signum, wait in ((signal.SIGTERM, steps.term_s), (signal.SIGKILL, steps.kill_s)):
         if not left:
             break
         for pid, start_time in left:

@@ -12,7 +12,7 @@ the daemon's private namespace (clients would not see it): the daemon gets it as
 through the bind of ``hostcmd.py`` in that namespace, made after this mount, so it is the tmpfs.
 
 How long it lives: from the daemon's first launch until the driver removes the daemon's directory
-(its launcher's ``release_shm``), not just as long as one process. A daemon restarted in the same
+(its launcher's ``unmount_shm``), not just as long as one process. A daemon restarted in the same
 directories keeps it, so the clients' existing bind mounts of it meet the new server's files, as
 they did when shm was a plain directory.
 
@@ -189,7 +189,7 @@ class ShmTmpfs:
                            self.tools)
 
 
-def release_daemon_shm(launcher: DaemonLauncher, daemon_dir: Path) -> None:
+def try_unmount_daemon_shm(launcher: DaemonLauncher, daemon_dir: Path) -> None:
     """Have ``launcher`` unmount the tmpfs on ``daemon_dir``'s shm directory before it is removed.
 
     A failure is logged, not raised: the daemon is stopped either way, and the directory removal that
@@ -197,13 +197,13 @@ def release_daemon_shm(launcher: DaemonLauncher, daemon_dir: Path) -> None:
     is lost track of: the sweep at the next start stops and removes it again.
     """
     try:
-        launcher.release_shm(daemon_dir.name, daemon_dir / "shm")
+        launcher.unmount_shm(daemon_dir.name, daemon_dir / "shm")
     except MpsLaunchError as exc:
         log.warning("MPS daemon /dev/shm tmpfs not unmounted", extra={"daemon_dir": str(daemon_dir),
                                                                        "reason": str(exc)})
 
 
-def release_shm(shm_dir: Path, flag: str) -> None:
+def unmount_shm_here(shm_dir: Path, flag: str) -> None:
     """Unmount whatever tmpfs a launcher left on ``shm_dir``, even one mounted under an earlier setting."""
     try:
         unmount_all(shm_dir)
@@ -226,7 +226,7 @@ def answer_release(release: ShmRelease, mps_dir: Path) -> HostReply:
         return HostReply(error=f"invalid release: shm_dir {release.shm_dir} is not {expected}, the shm directory "
                                f"of daemon {release.daemon_id}")
     try:
-        release_shm(expected, "--shm-tmpfs")
+        unmount_shm_here(expected, "--shm-tmpfs")
     except MpsLaunchError as exc:
         log.warning("MPS daemon /dev/shm tmpfs not unmounted", extra={"daemon_id": release.daemon_id,
                                                                        "reason": str(exc)})

@@ -17,7 +17,7 @@ from pathlib import Path
 from driver.gpu.mps.control import MpsControl
 from driver.gpu.mps.holders import held_connection, release
 from driver.gpu.mps.model import MpsError
-from driver.gpu.mps.proc import StopPlan, end_processes, wait_for_exit
+from driver.gpu.mps.proc import StopSteps, end_processes, wait_for_exit
 from driver.kubeletplugin.types import Deadline
 
 log = logging.getLogger(__name__)
@@ -29,15 +29,15 @@ _QUIT_TAKEN_S = 0.5
 
 
 def stop_processes(control: MpsControl, pipe_dir: Path, log_dir: Path, targets: list[tuple[int, int]],
-                   plan: StopPlan) -> None:
-    """Stop ``targets`` (pid, start time) serving ``pipe_dir`` within ``plan``; MpsError if one survives SIGKILL."""
+                   steps: StopSteps) -> None:
+    """Stop ``targets`` (pid, start time) serving ``pipe_dir`` within ``steps``; MpsError if one survives SIGKILL."""
     if not targets:
         return
     for pid, _ in targets:
         held = held_connection(pid)
         if held is not None:
             release(held)
-    deadline = Deadline.after(plan.quit_s, purpose="stop")
+    deadline = Deadline.after(steps.quit_s, purpose="stop")
     quit_until: float | None = None
     pid, start_time = targets[0]
     while deadline.remaining() > 0:
@@ -50,6 +50,6 @@ def stop_processes(control: MpsControl, pipe_dir: Path, log_dir: Path, targets: 
         quit_until = deadline.at
         if wait_for_exit(pid, start_time, deadline.bound(_QUIT_TAKEN_S)):
             break
-    left = end_processes(targets, quit_until, plan)
+    left = end_processes(targets, quit_until, steps)
     if left:
         raise MpsError(f"MPS control daemon pid {left[0]} is still running after SIGKILL")

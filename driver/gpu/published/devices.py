@@ -34,7 +34,7 @@ from driver.gpu.published.devicenames import (
     mig_share_device_name,
     share_device_name,
 )
-from driver.gpu.published.sharelayout import ConsumablePolicy, DynamicMigPolicy, GpuShares, SharingLayout
+from driver.gpu.published.sharelayout import ConsumablePolicy, DynamicMigPolicy, GpuForm, SharingLayout
 from driver.gpu.published.targets import DeviceTarget, NodeView
 from driver.kubeletplugin.slicelimits import MAX_ATTRIBUTES_AND_CAPACITIES, MAX_STRING_ATTRIBUTE_BYTES
 from driver.kubeletplugin.slicemodel import (
@@ -183,7 +183,7 @@ def _counter_quantities(amounts: dict[str, int]) -> dict[str, str]:
     return {k: quantity_from_bytes(v) if k == MEMORY else str(v) for k, v in amounts.items()}
 
 
-def _dynamic_mig(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, policy: DynamicMigPolicy,
+def _dynamic_mig(inventory: NodeInventory, gpu: GpuInfo, shares: GpuForm, policy: DynamicMigPolicy,
                  own: OwnInstances | None) -> tuple[list[Entry], CounterSet | None]:
     """Every placement of the allowed profiles (and the whole GPU) as devices consuming the GPU's
     counter set; the same attributes as a static MIG device of the profile, less the MIG UUID (no
@@ -204,7 +204,7 @@ def _dynamic_mig(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, poli
         consumes = DeviceCounterConsumption(counter_set=set_name, counters=counters(_counter_quantities(offered)))
         full = full_profile(gpu)
         entries.append((whole.model_copy(update={"consumes_counters": (consumes,)}),
-                        DeviceTarget(target.name, DeviceKind.GPU, gpu, shares=shares,
+                        DeviceTarget(target.name, DeviceKind.GPU, gpu, form=shares,
                                      placement=MigPlacement(profile=full, start=0) if full is not None else None)))
     for placement in placements(gpu, policy.profiles):
         if any(covers(placement, instance) for instance in foreign):
@@ -219,11 +219,11 @@ def _dynamic_mig(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, poli
             counter_set=set_name, counters=counters(_counter_quantities(placement_consumption(placement, offered))))
         name = dynamic_mig_device_name(gpu.minor, profile.name, placement.start)
         device = Device(name=name, attributes=attributes, capacity=capacity, consumes_counters=(consumes,))
-        entries.append((_checked(device), DeviceTarget(name, DeviceKind.MIG, gpu, shares=shares, placement=placement)))
+        entries.append((_checked(device), DeviceTarget(name, DeviceKind.MIG, gpu, form=shares, placement=placement)))
     return entries, CounterSet(name=set_name, counters=counters(_counter_quantities(offered)))
 
 
-def _shares(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, mps_multi_user: bool,
+def _shares(inventory: NodeInventory, gpu: GpuInfo, shares: GpuForm, mps_multi_user: bool,
             instance: MigInstance | None = None) -> list[Entry]:
     """The shares of ``gpu``, or of its MIG ``instance`` (which then say its profile and MIG UUID)."""
     common = {
@@ -254,12 +254,12 @@ def _shares(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, mps_multi
         name = (share_device_name(gpu.minor, strategy, k) if instance is None
                 else mig_share_device_name(gpu.minor, instance.profile, instance.placement_start, strategy, k))
         device = Device(name=name, attributes={**common, "shareIndex": int_attr(k)}, capacity=capacity)
-        entries.append((_checked(device), DeviceTarget(name, shares.device_type, gpu, mig=instance, shares=shares,
+        entries.append((_checked(device), DeviceTarget(name, shares.device_type, gpu, mig=instance, form=shares,
                                                        share_index=k)))
     return entries
 
 
-def _consumable(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, policy: ConsumablePolicy) -> Entry:
+def _consumable(inventory: NodeInventory, gpu: GpuInfo, shares: GpuForm, policy: ConsumablePolicy) -> Entry:
     """One device many claims share, each consuming memory and SMs within the request policies."""
     attributes = {
         "type": string_attr(DeviceKind.CONSUMABLE),
@@ -283,10 +283,10 @@ def _consumable(inventory: NodeInventory, gpu: GpuInfo, shares: GpuShares, polic
     }
     name = consumable_device_name(gpu.minor)
     device = Device(name=name, attributes=attributes, capacity=capacity, allow_multiple_allocations=True)
-    return _checked(device), DeviceTarget(name, DeviceKind.CONSUMABLE, gpu, shares=shares)
+    return _checked(device), DeviceTarget(name, DeviceKind.CONSUMABLE, gpu, form=shares)
 
 
-def _mig_devices(inventory: NodeInventory, gpu: GpuInfo, layout: Mapping[str, GpuShares], mps_multi_user: bool,
+def _mig_devices(inventory: NodeInventory, gpu: GpuInfo, layout: Mapping[str, GpuForm], mps_multi_user: bool,
                  own: OwnInstances) -> list[Entry]:
     """Each instance as its MIG device, or (a layout entry under its MIG UUID) as the shares of it."""
     instances: dict[str, MigInstance] = {}
@@ -305,7 +305,7 @@ def _mig_devices(inventory: NodeInventory, gpu: GpuInfo, layout: Mapping[str, Gp
     return entries
 
 
-def _gpu_entries(inventory: NodeInventory, gpu: GpuInfo, layout: Mapping[str, GpuShares], mps_multi_user: bool,
+def _gpu_entries(inventory: NodeInventory, gpu: GpuInfo, layout: Mapping[str, GpuForm], mps_multi_user: bool,
                  own: OwnInstances) -> list[Entry]:
     shares = layout.get(gpu.uuid)
     if shares is not None:
@@ -322,7 +322,7 @@ def _gpu_entries(inventory: NodeInventory, gpu: GpuInfo, layout: Mapping[str, Gp
     return [_whole_gpu(inventory, gpu)]
 
 
-def make_view(inventory: NodeInventory, layout: Mapping[str, GpuShares], mps_multi_user: bool = False,
+def make_view(inventory: NodeInventory, layout: Mapping[str, GpuForm], mps_multi_user: bool = False,
               own_instances: OwnInstances | None = None) -> NodeView:
     """The node as published under ``layout``: every device, and what each device name stands for.
 

@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, field_validator
 
 from driver.gpu.discovery.inventory import GpuInfo
 from driver.gpu.discovery.migplacement import OwnInstances, counter_values, foreign_instances
-from driver.gpu.published.sharelayout import DynamicMigPolicy, GpuShares
+from driver.gpu.published.sharelayout import DynamicMigPolicy, GpuForm
 
 # NVIDIA's profile names: <G>g.<GB>gb or <C>c.<G>g.<GB>gb, with a +me, +me.all, +gfx or -me suffix.
 _PROFILE_NAME = re.compile(r"([1-9][0-9]*c\.)?[1-9][0-9]*g\.[1-9][0-9]*gb([+-][a-z]+(\.[a-z]+)*)?")
@@ -59,7 +59,7 @@ def unknown_profiles(entry: DynamicMigEntry, gpu: GpuInfo) -> list[str]:
 
 
 def dynamic_mig_form(entry: DynamicMigEntry, gpu: GpuInfo, *, supported: bool,
-                     own: OwnInstances) -> tuple[GpuShares | None, str | None]:
+                     own: OwnInstances) -> tuple[GpuForm | None, str | None]:
     """(the GPU's dynamic MIG form or None: published as without the entry, a note for the log or None).
 
     ``supported``: the API server keeps partitionable devices (:func:`migplacement.partitionable_supported`);
@@ -75,7 +75,7 @@ def dynamic_mig_form(entry: DynamicMigEntry, gpu: GpuInfo, *, supported: bool,
         raise ValueError(f"dynamicMig.profiles: none of {', '.join(entry.profiles or ())} is offered by this GPU; "
                          f"it offers {', '.join(offered)}")
     assert gpu.memory_bytes is not None  # unavailable_reason: the counters need it
-    shares = GpuShares(strategy="DynamicMig", count=1, memory_bytes_per_share=gpu.memory_bytes,
+    shares = GpuForm(strategy="DynamicMig", count=1, memory_bytes_per_share=gpu.memory_bytes,
                        dynamic_mig=DynamicMigPolicy(profiles=tuple(allowed), also_whole_gpu=entry.alsoWholeGpu))
     unknown = unknown_profiles(entry, gpu)
     notes = []

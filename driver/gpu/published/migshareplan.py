@@ -29,7 +29,7 @@ from driver.gpu.published.shareforms import (
     mps_shares,
     time_slicing_shares,
 )
-from driver.gpu.published.sharelayout import GpuShares
+from driver.gpu.published.sharelayout import GpuForm
 
 _FORM_ADVICE = {
     "whole": "an instance no migProfile entry matches is published whole already; leave the entry out, or put an "
@@ -72,7 +72,7 @@ def mps_client_limit(gpu: GpuInfo, instance: MigInstance) -> int:
 
 
 def instance_shares(mps: MpsShares | None, time_slicing: TimeSlicingShares | None, allow_multiple: bool,
-                    gpu: GpuInfo, instance: MigInstance) -> GpuShares:
+                    gpu: GpuInfo, instance: MigInstance) -> GpuForm:
     """``instance`` split as the entry says; limits relative to the instance (its memory, its SMs)."""
     unit = ShareUnit("MIG instance", instance.memory_bytes, mig_profile=instance.profile)
     if mps is not None:

@@ -19,7 +19,7 @@ from driver.gpu.discovery.migplacement import counter_values, placements
 from driver.gpu.published.devicenames import counter_set_name
 from driver.gpu.published.devices import quantity_from_bytes
 from driver.gpu.published.migshareplan import named_instances
-from driver.gpu.published.sharelayout import GpuShares, SharingLayout
+from driver.gpu.published.sharelayout import GpuForm, SharingLayout
 from driver.gpu.published.sharingplan import (
     PlanError,
     SharingPlan,
@@ -72,7 +72,7 @@ def gpu_label_of(g: GpuPlanUse) -> str:
     return f"gpu-{g.minor} ({g.product})"
 
 
-def describe_shares(shares: GpuShares | None, gpu: GpuInfo, layout: SharingLayout | None = None) -> str:
+def describe_shares(shares: GpuForm | None, gpu: GpuInfo, layout: SharingLayout | None = None) -> str:
     """What one GPU is published as under ``shares`` (a GPU in MIG mode: each instance under ``layout``), in the
     units a claim's selector would use."""
     if shares is None:
@@ -94,7 +94,7 @@ def describe_shares(shares: GpuShares | None, gpu: GpuInfo, layout: SharingLayou
     return _describe_split(shares)
 
 
-def _describe_split(shares: GpuShares) -> str:
+def _describe_split(shares: GpuForm) -> str:
     memory = quantity_from_bytes(shares.memory_bytes_per_share)
     if shares.strategy == "MPS":
         return (f"{shares.count} MPS shares, each memory {memory} (pinned limit), "
@@ -103,7 +103,7 @@ def _describe_split(shares: GpuShares) -> str:
     return f"{shares.count} time-sliced shares, each memory {memory} (not enforced){interval}"
 
 
-def _describe_instance(instance: MigInstance, shares: GpuShares | None) -> str:
+def _describe_instance(instance: MigInstance, shares: GpuForm | None) -> str:
     where = f"{instance.profile} at {instance.placement_start}"
     if shares is None:
         return where
@@ -112,7 +112,7 @@ def _describe_instance(instance: MigInstance, shares: GpuShares | None) -> str:
     return f"{where} as {_describe_split(shares)}{advisory}"
 
 
-def _describe_dynamic_mig(shares: GpuShares, gpu: GpuInfo) -> str:
+def _describe_dynamic_mig(shares: GpuForm, gpu: GpuInfo) -> str:
     assert shares.dynamic_mig is not None
     found = placements(gpu, shares.dynamic_mig.profiles)
     counts = ", ".join(f"{name} x{sum(1 for p in found if p.profile.name == name)}"

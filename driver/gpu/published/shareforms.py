@@ -1,7 +1,7 @@
 """The ``mps`` and ``timeSlicing`` forms of a sharing-plan entry, and how they split what the entry
 matched (a whole GPU, or one MIG instance: ``migshareplan.py``) into equal shares.
 
-Pure: plan objects in, :class:`~driver.gpu.published.sharelayout.GpuShares` out; a ValueError says which field to fix.
+Pure: plan objects in, :class:`~driver.gpu.published.sharelayout.GpuForm` out; a ValueError says which field to fix.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from driver.gpu.claimconfig.api import ByteQuantity, ShmSize
 from driver.gpu.claimconfig.choices import MpsClients, TimeSliceInterval
-from driver.gpu.published.sharelayout import GpuShares
+from driver.gpu.published.sharelayout import GpuForm
 from driver.units import MIB
 
 # MPS serves at most 48 clients per GPU on Volta and newer (NVIDIA MPS documentation); a plan never
@@ -78,13 +78,13 @@ class ShareUnit:
     mig_profile: str | None = None
 
 
-def mps_shares(mps: MpsShares, unit: ShareUnit, allow_multiple: bool) -> GpuShares:
+def mps_shares(mps: MpsShares, unit: ShareUnit, allow_multiple: bool) -> GpuForm:
     # MPS enforces whole MiB, so check and publish what will be enforced.
     explicit = None if mps.pinnedMemoryLimit is None else mps.pinnedMemoryLimit // MIB * MIB
     if explicit == 0:
         raise ValueError("mps.pinnedMemoryLimit is less than 1 MiB; MPS limits are set in whole MiB")
     per_share = memory_per_share(unit, mps.shares, explicit, "mps.pinnedMemoryLimit")
-    return GpuShares(
+    return GpuForm(
         strategy="MPS",
         count=mps.shares,
         active_thread_percentage=(
@@ -98,11 +98,11 @@ def mps_shares(mps: MpsShares, unit: ShareUnit, allow_multiple: bool) -> GpuShar
     )
 
 
-def time_slicing_shares(ts: TimeSlicingShares, unit: ShareUnit, allow_multiple: bool) -> GpuShares:
+def time_slicing_shares(ts: TimeSlicingShares, unit: ShareUnit, allow_multiple: bool) -> GpuForm:
     per_share = memory_per_share(unit, ts.shares, ts.memoryPerShare, "timeSlicing.memoryPerShare")
     if per_share == 0:
         raise ValueError("timeSlicing.memoryPerShare must be more than 0 bytes")
-    return GpuShares(
+    return GpuForm(
         strategy="TimeSlicing",
         count=ts.shares,
         memory_bytes_per_share=per_share,

@@ -100,7 +100,7 @@ class DynamicMigPolicy(BaseModel):
     also_whole_gpu: bool = True
 
 
-class GpuShares(BaseModel):
+class GpuForm(BaseModel):
     """A GPU split into ``count`` equal shares of one strategy, or (``Consumable``) published once for
     claims that each consume part of its capacity (``count`` 1, ``memory_bytes_per_share`` the whole
     GPU's memory, ``consumable`` the request policies), or (``DynamicMig``) as its MIG placements
@@ -129,7 +129,7 @@ class GpuShares(BaseModel):
     mig_profile: str | None = None
 
     @model_validator(mode="after")
-    def _form(self) -> GpuShares:
+    def _form(self) -> GpuForm:
         if (self.strategy == "Consumable") != (self.consumable is not None):
             raise ValueError("consumable policies go with strategy Consumable, and only with it")
         if (self.strategy == "DynamicMig") != (self.dynamic_mig is not None):
@@ -171,7 +171,7 @@ class GpuShares(BaseModel):
 # Resolved plan: GPU UUID -> shares, and MIG UUID -> shares of that MIG instance (``mig_profile`` set).
 # GPUs absent from the mapping are published whole (a GPU in MIG mode: as its MIG devices), instances
 # absent from it as MIG devices.
-SharingLayout = dict[str, GpuShares]
+SharingLayout = dict[str, GpuForm]
 
 
 def plan_timeslices(layout: SharingLayout) -> dict[str, TimeSliceInterval]:

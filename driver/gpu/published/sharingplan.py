@@ -38,7 +38,7 @@ from driver.gpu.published.shareforms import (
     mps_shares,
     time_slicing_shares,
 )
-from driver.gpu.published.sharelayout import GpuShares, SharingLayout
+from driver.gpu.published.sharelayout import GpuForm, SharingLayout
 
 DEFAULT_PLANS_PATH = Path("/etc/tessera/sharing-plans.yaml")
 
@@ -212,7 +212,7 @@ def resolve_plan(plan: SharingPlan, inventory: NodeInventory, plan_name: str | N
     kernel = kernel or UNDETECTED
     for gpu in inventory.gpus:
         index, entry = first_match(plan, gpu)
-        shares: GpuShares | None = None
+        shares: GpuForm | None = None
         if entry is not None and _spares_mig_gpu(entry, gpu):
             # As NVIDIA's device plugin under migStrategy mixed: a shared `nvidia.com/gpu` is the non-MIG GPUs.
             notes[gpu.uuid] = (f"{entry_path(plan_name, index)} (match {entry.match.describe()}) does not split a "
@@ -306,14 +306,14 @@ def first_instance_match(plan: SharingPlan, gpu: GpuInfo, instance: MigInstance)
 
 
 def _shares_for(entry: PlanEntry, gpu: GpuInfo, consumable_supported: bool,
-                kernel: KernelMemoryLimits) -> GpuShares | None:
+                kernel: KernelMemoryLimits) -> GpuForm | None:
     if entry.consumable is not None:
         c = entry.consumable
         if consumable_supported:
             policy = build_policy(gpu, memory_min=c.memoryMin, memory_default=c.memoryDefault,
                                   multiprocessors_step=c.multiprocessorsStep, multiprocessors_min=c.multiprocessorsMin,
                                   multiprocessors_default=c.multiprocessorsDefault, kernel=kernel)
-            return GpuShares(strategy="Consumable", count=1, memory_bytes_per_share=policy.memory_bytes,
+            return GpuForm(strategy="Consumable", count=1, memory_bytes_per_share=policy.memory_bytes,
                              consumable=policy, shm_size_bytes=c.shmSize)
         fallback = c.fallback or ConsumableFallback()
         if fallback.mps is None and fallback.timeSlicing is None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from driver.gpu.claimconfig.choices import DeviceKind
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.discovery.migplacement import MigPlacement
-from driver.gpu.published.sharelayout import GpuShares, SharingLayout
+from driver.gpu.published.sharelayout import GpuForm, SharingLayout
 from driver.kubeletplugin.slicemodel import CounterSet, Device
 
 
@@ -22,7 +22,7 @@ from driver.kubeletplugin.slicemodel import CounterSet, Device
 class DeviceTarget:
     """What a published device name stands for.
 
-    A dynamic MIG device (a GPU published under a ``DynamicMig`` layout entry, which is ``shares``)
+    A dynamic MIG device (a GPU published under a ``DynamicMig`` layout entry, which is ``form``)
     has ``placement`` and no ``mig``: the GPU instance does not exist until prepare creates it there.
     The whole device of such a GPU (kind ``gpu``) has the full-size profile at 0 as its placement,
     since a GPU in MIG mode runs CUDA work only inside instances.
@@ -32,12 +32,12 @@ class DeviceTarget:
     kind: DeviceKind
     gpu: GpuInfo
     mig: MigInstance | None = None  # a MIG device, or (kind mps / timeslice) the instance a share splits
-    shares: GpuShares | None = None
+    form: GpuForm | None = None
     share_index: int | None = None
     placement: MigPlacement | None = None  # dynamic MIG: the profile and where its instance is to be created
 
     @property
-    def dynamic_mig(self) -> bool:
+    def creates_mig_instance(self) -> bool:
         """Whether prepare has to create a MIG instance for this device (at ``placement``)."""
         return self.placement is not None
 
@@ -92,7 +92,7 @@ def merge_layout(
     return effective, deferred
 
 
-def form_fits(shares: GpuShares, gpu: GpuInfo, instance: bool = False) -> bool:
+def form_fits(shares: GpuForm, gpu: GpuInfo, instance: bool = False) -> bool:
     """Whether ``gpu`` (``instance``: one of its MIG instances) can be published as ``shares``: dynamic MIG and
     shares of a MIG instance need MIG mode on; MPS, time-slice and consumable shares of a whole GPU need it off."""
     if instance:

@@ -26,7 +26,7 @@ from cdi.atomicswap import SwappedFile
 from driver.gpu.claimconfig.choices import DeviceKind, MpsClients, TimeSliceInterval
 from driver.gpu.discovery.inventory import ComputeMode
 from driver.gpu.mps.model import MpsDaemonRecord
-from driver.gpu.published.sharelayout import Enforcement, GpuShares
+from driver.gpu.published.sharelayout import Enforcement, GpuForm
 from driver.gpu.record.migrecord import DynamicMigRecord
 from driver.kubeletplugin.types import PreparedDevice
 
@@ -127,7 +127,7 @@ class Checkpoint(_Record):
     mps_daemons: dict[str, MpsDaemonRecord] = Field(default_factory=dict)
     # The sharing layout in force (GPU UUID -> shares): what the previous process published, so a
     # restart with a changed plan cannot re-publish a GPU that still has prepared claims.
-    layout: dict[str, GpuShares] = Field(default_factory=dict)
+    layout: dict[str, GpuForm] = Field(default_factory=dict)
     # Time-slice intervals this driver applied to GPUs because of the node sharing plan.
     plan_timeslices: dict[str, TimeSliceInterval] = Field(default_factory=dict)
     # GPUs this driver set to EXCLUSIVE_PROCESS, with the mode each had before: written before

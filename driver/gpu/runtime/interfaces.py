@@ -34,7 +34,7 @@ class MpsDaemons(Protocol):
         started again before ``deadline`` if a client stops it while it starts)."""
         ...
 
-    def verify_limits(self, record: MpsDaemonRecord, deadline: Deadline | None = None) -> list[LimitDrift]:
+    def check_and_restore_limits(self, record: MpsDaemonRecord, deadline: Deadline | None = None) -> list[LimitDrift]:
         """Read the running daemon's limits back and set again those a client changed; the drift found.
         ``MpsDaemonStopped`` if the daemon exited meanwhile."""
         ...

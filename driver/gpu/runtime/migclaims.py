@@ -50,15 +50,15 @@ def holders(cp: Checkpoint, gpu_uuid: str) -> dict[int, ClaimRecord]:
             if d.gpu_uuid == gpu_uuid and d.mig_gi_id is not None}
 
 
-def check_placements_free(cp: Checkpoint, plan: ClaimPlan) -> None:
+def check_placements_free(cp: Checkpoint, claim_plan: ClaimPlan) -> None:
     """Refuse a plan whose placements meet another claim's: the scheduler's counters never allow it, so
     the allocation is stale or the counters were wrong; either way no second instance may be created there."""
-    wanted = [(t, t.placement) for r, t in zip(plan.results, plan.targets, strict=True)
+    wanted = [(t, t.placement) for r, t in zip(claim_plan.results, claim_plan.targets, strict=True)
               if t.placement is not None and not r.admin_access]
     for target, placement in wanted:
         start, end = placement.start, placement.start + placement.size
         for record in cp.claims.values():
-            if record.uid == plan.uid:
+            if record.uid == claim_plan.uid:
                 continue
             for _, dev, held in dynamic_devices(record):
                 if dev.gpu_uuid == target.gpu.uuid and held.placement_start < end and start < held.placement_end:
@@ -100,11 +100,11 @@ def spec_on_instance(spec: MpsDaemonSpec, mig_uuid: str) -> MpsDaemonSpec:
                                    "pinned_memory_limits": {mig_uuid: limits[0]} if limits else {}})
 
 
-def plan_on_instances(plan: ClaimPlan, record: ClaimRecord) -> ClaimPlan:
-    """``plan`` with each daemon of a dynamic MIG device serving the instance ``record`` says was created."""
+def plan_on_instances(claim_plan: ClaimPlan, record: ClaimRecord) -> ClaimPlan:
+    """``claim_plan`` with each daemon of a dynamic MIG device serving the instance ``record`` says was created."""
     created = {d.device.device_name: d.mig_uuid for _, d, _ in dynamic_devices(record) if d.mig_uuid is not None}
     daemons: list[PlannedDaemon] = []
-    for daemon in plan.daemons:
+    for daemon in claim_plan.daemons:
         uuids = [created[n] for n in daemon.device_names if n in created]
         daemons.append(replace(daemon, spec=spec_on_instance(daemon.spec, uuids[0])) if uuids else daemon)
-    return replace(plan, daemons=tuple(daemons))
+    return replace(claim_plan, daemons=tuple(daemons))

@@ -83,7 +83,7 @@ class MigRuntime:
 
     # ----------------------------------------------------------------------------- prepare
 
-    def create_for_claim(self, plan: ClaimPlan, record: ClaimRecord,
+    def create_for_claim(self, claim_plan: ClaimPlan, record: ClaimRecord,
                          deadline: Deadline) -> tuple[ClaimPlan, ClaimRecord]:
         """Create the instance of each dynamic MIG device of the claim (its PrepareStarted ``record``);
         the plan with its MPS daemons serving them, and the record with their ids. PrepareError on refusal."""
@@ -97,9 +97,9 @@ class MigRuntime:
             except MigError as exc:
                 raise PrepareError(_refusal(dev, intent, exc)) from exc
         if not todo:
-            return plan, record
+            return claim_plan, record
         current = self._ledger.read().claims[record.uid]
-        return plan_on_instances(plan, current), current
+        return plan_on_instances(claim_plan, current), current
 
     def _create(self, uid: str, index: int, dev: PreparedDeviceRecord, intent: DynamicMigRecord,
                 deadline: Deadline | None) -> CreatedMig:

@@ -137,12 +137,12 @@ class MultiUserGate:
         self._inventory = inventory
         self._take = take
 
-    def wait(self, plan: ClaimPlan, seconds: float) -> bool:
-        """True when the answer is yes and ``plan`` has a plan daemon that would start single-user: plan
+    def wait(self, claim_plan: ClaimPlan, seconds: float) -> bool:
+        """True when the answer is yes and ``claim_plan`` has a plan daemon that would start single-user: plan
         again. Raises :class:`MultiUserPending` if no answer came within ``seconds`` (what is left of the
         prepare's deadline): starting single-user then would be for good."""
         capable_gpus = {g.uuid for g in self._inventory().gpus if multi_user_capable(g.cuda_compute_capability)}
-        capable = [u for d in plan.daemons if d.shared and not d.spec.multi_user
+        capable = [u for d in claim_plan.daemons if d.shared and not d.spec.multi_user
                    for u in d.spec.gpu_uuids if u in capable_gpus]
         if not capable:
             return False

@@ -108,15 +108,15 @@ class SharingRuntime:
 
     # ----------------------------------------------------------------------------- prepare
 
-    def start_for_claim(self, plan: ClaimPlan, deadline: Deadline) -> None:
+    def start_for_claim(self, claim_plan: ClaimPlan, deadline: Deadline) -> None:
         """Do the plan's side effects; its PrepareStarted record already names every one of them."""
-        for daemon in plan.daemons:
+        for daemon in claim_plan.daemons:
             self.hold_exclusive(daemon.exclusive_gpus, deadline)
             deadline.check(f"starting MPS daemon {daemon.daemon_id}")
-            self.ensure_daemon(daemon.spec, fresh=not daemon.shared, deadline=deadline)
-        if plan.timeslice is not None:
+            self.ensure_daemon(daemon.spec, reuse_running=daemon.shared, deadline=deadline)
+        if claim_plan.timeslice is not None:
             deadline.check("setting the time slice")
-            self.timeslicer.apply(list(plan.timeslice.gpu_uuids), plan.timeslice.interval, deadline)
+            self.timeslicer.apply(list(claim_plan.timeslice.gpu_uuids), claim_plan.timeslice.interval, deadline)
 
     def hold_exclusive(self, gpu_uuids: Sequence[str], deadline: Deadline | None = None) -> None:
         """Put each GPU in EXCLUSIVE_PROCESS, recording its previous mode first."""
@@ -140,18 +140,18 @@ class SharingRuntime:
                 raise
             log.info("compute mode set for MPS", extra={"gpu_uuid": uuid, "previous": previous.value})
 
-    def ensure_daemon(self, spec: MpsDaemonSpec, fresh: bool = False,
+    def ensure_daemon(self, spec: MpsDaemonSpec, reuse_running: bool = True,
                       deadline: Deadline | None = None) -> MpsDaemonRecord:
-        """Adopt the recorded daemon if it runs with these limits (unless ``fresh``); otherwise (re)start it.
+        """With ``reuse_running``, keep the recorded daemon if it runs with these limits; otherwise (re)start it.
 
         A (re)start is bounded by what is left of ``deadline``, so a daemon that never answers fails
         the claim inside the prepare's deadline rather than after it."""
         existing = self._ledger.read().mps_daemons.get(spec.daemon_id)
-        if not fresh and existing is not None and _same_limits(existing.spec, spec):
+        if reuse_running and existing is not None and _same_limits(existing.spec, spec):
             # A client may have changed its limits since (a tenant root in its container can): read them
             # back, a few milliseconds with NVIDIA's binary. Stopped by a client: restarted at once.
             return self._keep_running(existing, deadline, limits=True)
-        if existing is None and not fresh and (adopted := self.mps.adopt(spec, deadline)) is not None:
+        if existing is None and reuse_running and (adopted := self.mps.adopt(spec, deadline)) is not None:
             record = adopted  # its record was lost with a corrupt checkpoint: its clients keep it
         else:
             if existing is not None:
@@ -161,7 +161,7 @@ class SharingRuntime:
                 self.mps.stop_by_id(spec.daemon_id, deadline)
             record = self.mps.start(spec, deadline)
             self.confirmations.confirmed(spec.daemon_id)
-            if not fresh and not spec.multi_user:
+            if reuse_running and not spec.multi_user:
                 log.warning("MPS daemon for plan shares started single-user: it serves one Linux UID at a time, "
                             "a client of another UID waits until the first UID's clients finish (mpsMultiUser=false)",
                             extra={"daemon_id": spec.daemon_id, "gpu_uuids": spec.gpu_uuids})
@@ -206,11 +206,11 @@ class SharingRuntime:
         """Adopt the claim's live daemons, restart dead ones. Returns the restarted ids."""
         restarted: list[str] = []
         for daemon_id in record.mps_daemon_ids:
-            if self.check_daemon(daemon_id):
+            if self.revive_daemon(daemon_id):
                 restarted.append(daemon_id)
         return restarted
 
-    def check_daemon(self, daemon_id: str, limits: bool = False) -> bool:
+    def revive_daemon(self, daemon_id: str, limits: bool = False) -> bool:
         """Restart the recorded daemon if it died, and with ``limits`` revert limits a client changed;
         True if it was restarted."""
         daemon = self._ledger.read().mps_daemons.get(daemon_id)
@@ -233,7 +233,7 @@ class SharingRuntime:
                 # daemon's one control session, which must not fail the claim (its limits are watched).
                 watch = _WATCH_RECHECK_S if self.confirmations.failing(daemon_id) else WATCH_CHECK_S
                 bound = Deadline.after(watch) if deadline is None else deadline.capped(_READ_BACK_S)
-                drift = self.mps.verify_limits(daemon, bound)
+                drift = self.mps.check_and_restore_limits(daemon, bound)
             except MpsDaemonStopped as exc:  # a client stopped it after the /proc check: restart it below
                 log.warning("MPS daemon stopped while its limits were read back; restarting it",
                             extra={"daemon_id": daemon_id, "reason": str(exc)})

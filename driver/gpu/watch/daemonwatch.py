@@ -39,7 +39,7 @@ _CLAIM_API = "resource.k8s.io/v1"
 
 
 class DaemonWatcher:
-    """A thread that runs ``check_daemons(state, limits=True)`` every ``interval`` seconds."""
+    """A thread that runs ``revive_daemons(state, limits=True)`` every ``interval`` seconds."""
 
     def __init__(self, state: DeviceState, interval: float, also: Sequence[Callable[[], object]] = ()) -> None:
         """``also``: further checks run each round before the daemons' (compute modes: ``modewatch.py``)."""
@@ -69,12 +69,12 @@ class DaemonWatcher:
                 except Exception:
                     log.exception("a watch check failed; will retry")
             try:
-                check_daemons(self.state, limits=True)
+                revive_daemons(self.state, limits=True)
             except Exception:
                 log.exception("checking the MPS daemons failed; will retry")
 
 
-def check_daemons(state: DeviceState, limits: bool = False) -> list[str]:
+def revive_daemons(state: DeviceState, limits: bool = False) -> list[str]:
     """Restart MPS daemons that died since the last check (each rescan; with ``limits`` also revert limits
     a client changed), each under its GPUs' locks; a busy GPU is checked next time."""
     cp = state.ledger.read()
@@ -86,7 +86,7 @@ def check_daemons(state: DeviceState, limits: bool = False) -> list[str]:
             continue  # an orphan: stopped at the next start
         try:
             with state.gpu_locks.held(gpus, RESCAN_GPU_WAIT, f"checking MPS daemon {daemon_id}"):
-                if not state.sharing.check_daemon(daemon_id, limits):
+                if not state.sharing.revive_daemon(daemon_id, limits):
                     continue
                 restarted.append(daemon_id)
                 current = state.ledger.read()

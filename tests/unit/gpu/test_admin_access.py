@@ -27,7 +27,7 @@ from driver.kubeletplugin.slicemodel import DeviceTaint
 from driver.kubeletplugin.tolerations import tolerates, untolerated
 from driver.simulation.discovery import SimulatedDiscovery
 from tests.support.pods import NonRootPods
-from tests.support.statenode import DRIVER, POOL, Node, device_env, gpu_config, mps_shares, ref, ts_shares
+from tests.support.statenode import DRIVER, POOL, StateNode, device_env, gpu_config, mps_shares, ref, ts_shares
 
 MIG_MPS = {"source": "FromClaim", "requests": [], "opaque": {"driver": DRIVER, "parameters": {
     "apiVersion": "gpu.tessera.dev/v1alpha1", "kind": "MigDeviceConfig", "sharing": {"strategy": "MPS"}}}}
@@ -56,16 +56,17 @@ def workload(uid: str, device: str, configs: list[dict[str, Any]] | None = None,
     return allocated(uid, result(device, **extra), configs=configs)
 
 
-def consumable_layout(node: Node) -> Any:
+def consumable_layout(state_node: StateNode) -> Any:
     plans = SharingPlans.model_validate({"plans": {"p": {"gpus": [{"match": {"minor": 0}, "consumable": {}}]}}})
-    return resolve_layout(plans.plans["p"], node.inventory, "p")
+    return resolve_layout(plans.plans["p"], state_node.inventory, "p")
 
 
-def side_effects(node: Node, state: DeviceState) -> tuple[Any, ...]:
+def side_effects(state_node: StateNode, state: DeviceState) -> tuple[Any, ...]:
     """Everything a claim may change besides its own CDI spec and checkpoint entry."""
     cp = state.ledger.read()
-    return (list(node.mps.calls), dict(node.mps.running), list(node.modes.sets), dict(node.modes.modes),
-            list(node.timeslicer.calls), dict(cp.mps_daemons), dict(cp.compute_modes))
+    return (list(state_node.mps.calls), dict(state_node.mps.running), list(state_node.modes.sets),
+            dict(state_node.modes.modes),
+            list(state_node.timeslicer.calls), dict(cp.mps_daemons), dict(cp.compute_modes))
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -88,9 +89,10 @@ def test_an_admin_result_plans_its_device_and_nothing_else() -> None:
     assert [t.name for t in mixed.held_targets] == ["gpu-2"]
 
 
-def test_admin_shares_of_one_gpu_and_admin_consumable_results_are_not_workload_refusals(node: Node) -> None:
-    state = node.state()
-    state.apply_layout(make_view(node.inventory, {}), {node.uuid(2): mps_shares(2), **consumable_layout(node)})
+def test_admin_shares_of_one_gpu_and_admin_consumable_results_are_not_workload_refusals(state_node: StateNode) -> None:
+    state = state_node.state()
+    state.apply_layout(make_view(state_node.inventory, {}), {state_node.uuid(2): mps_shares(2),
+                                                             **consumable_layout(state_node)})
     # Two shares of one GPU in one claim are refused for a workload, not for a look at both.
     p = plan_claim(allocated("a", result("gpu-2-mps-0", admin=True), result("gpu-2-mps-1", "r1", admin=True)),
                    driver_name=DRIVER, pool_name=POOL, view=state.view)
@@ -105,9 +107,10 @@ def test_admin_shares_of_one_gpu_and_admin_consumable_results_are_not_workload_r
 
 
 @pytest.mark.parametrize("form", ["gpu", "mig", "mps", "timeslice"])
-def test_admin_access_shares_a_held_device_in_both_orders_and_changes_nothing(node: Node, form: str) -> None:
-    state = node.state()
-    state.apply_layout(make_view(node.inventory, {}), {node.uuid(2): mps_shares(2), node.uuid(0): ts_shares(2)}
+def test_admin_access_shares_a_held_device_in_both_orders_and_changes_nothing(state_node: StateNode, form: str) -> None:
+    state = state_node.state()
+    state.apply_layout(make_view(state_node.inventory, {}), {state_node.uuid(2): mps_shares(2),
+                                                             state_node.uuid(0): ts_shares(2)}
                        if form in ("mps", "timeslice") else {})
     device, configs = {"gpu": ("gpu-0", [gpu_config(strategy="MPS")]), "mig": ("gpu-1-mig-1g10gb-6", [MIG_MPS]),
                        "mps": ("gpu-2-mps-0", None), "timeslice": ("gpu-0-ts-1", None)}[form]
@@ -115,64 +118,64 @@ def test_admin_access_shares_a_held_device_in_both_orders_and_changes_nothing(no
     # Workload first: the admin claim changes nothing, preparing or unpreparing.
     state.prepare(workload("w", device, configs))
     if form in ("gpu", "mps"):
-        assert ComputeMode.EXCLUSIVE_PROCESS in node.modes.modes.values()
-    before = side_effects(node, state)
+        assert ComputeMode.EXCLUSIVE_PROCESS in state_node.modes.modes.values()
+    before = side_effects(state_node, state)
     [answer] = state.prepare(admin("adm", device))
-    assert answer.device_name == device and side_effects(node, state) == before
-    spec = node.spec_json("adm")
+    assert answer.device_name == device and side_effects(state_node, state) == before
+    spec = state_node.spec_json("adm")
     edits = spec["devices"][0]["containerEdits"]
     assert edits["deviceNodes"][0]["path"].startswith("/dev/nvidia") and "mounts" not in edits
     assert not [e for e in device_env(spec) if e.startswith("CUDA_MPS")]
     assert spec["devices"][0]["annotations"][f"{DRIVER}/admin-access"] == "true"
     assert spec["containerEdits"]["env"], "the driver libraries' edits are there"
     state.unprepare(ref("adm"))
-    assert side_effects(node, state) == before
+    assert side_effects(state_node, state) == before
     state.unprepare(ref("w"))
-    assert node.mps.running == {} and state.ledger.read().compute_modes == {}
+    assert state_node.mps.running == {} and state.ledger.read().compute_modes == {}
 
     # Admin first: the workload is not refused, gets its daemon, and its unprepare stops it though
     # the admin claim still holds the device.
     state.prepare(admin("adm", device))
     state.prepare(workload("w2", device, configs))
     if form != "timeslice":
-        assert node.mps.running, "the workload's own daemon runs"
+        assert state_node.mps.running, "the workload's own daemon runs"
     state.unprepare(ref("w2"))
-    assert node.mps.running == {} and state.ledger.read().compute_modes == {}
-    assert set(node.modes.modes.values()) <= {ComputeMode.DEFAULT}
+    assert state_node.mps.running == {} and state.ledger.read().compute_modes == {}
+    assert set(state_node.modes.modes.values()) <= {ComputeMode.DEFAULT}
     assert [r.uid for r in state.prepared_claims()] == ["adm"]
     [record] = state.prepared_claims()
     assert record.devices[0].admin_access and record.owned_mps_daemons == record.shared_mps_daemons == []
     assert record.exclusive_gpus == [] and record.timeslice is None
 
 
-def test_an_admin_claim_consumes_no_capacity_and_does_not_pin_the_gpus_form(node: Node) -> None:
-    state = node.state()
-    state.apply_layout(make_view(node.inventory, {}), consumable_layout(node))
+def test_an_admin_claim_consumes_no_capacity_and_does_not_pin_the_gpus_form(state_node: StateNode) -> None:
+    state = state_node.state()
+    state.apply_layout(make_view(state_node.inventory, {}), consumable_layout(state_node))
     state.prepare(admin("adm", "gpu-0-shared", shareID="s-adm", consumedCapacity={"memory": "70Gi",
                                                                                 "multiprocessors": "130"}))
-    assert node.mps.calls == []
+    assert state_node.mps.calls == []
     [share] = state.prepare(workload("w", "gpu-0-shared", shareID="s-w",
                                      consumedCapacity={"memory": "60Gi", "multiprocessors": "100"}))
-    assert share.share_id == "s-w" and len(node.mps.running) == 1
+    assert share.share_id == "s-w" and len(state_node.mps.running) == 1
     state.unprepare(ref("w"))
     # Only the admin claim left: a plan change is not deferred for it.
-    view, deferred = state.apply_layout(make_view(node.inventory, {}), {})
+    view, deferred = state.apply_layout(make_view(state_node.inventory, {}), {})
     assert deferred == set() and "gpu-0" in view.targets
     state.prepare(workload("whole", "gpu-0"))  # the whole GPU is free for a workload
     state.unprepare(ref("adm"))
     assert [r.uid for r in state.prepared_claims()] == ["whole"]
 
 
-def test_a_workload_still_refuses_a_second_workload_next_to_an_admin_claim(node: Node) -> None:
-    state = node.state()
+def test_a_workload_still_refuses_a_second_workload_next_to_an_admin_claim(state_node: StateNode) -> None:
+    state = state_node.state()
     state.prepare(admin("adm", "gpu-0"))
     state.prepare(workload("w", "gpu-0"))
     with pytest.raises(PrepareError, match="already prepared for claim default/claim-w"):
         state.prepare(workload("w2", "gpu-0"))
 
 
-def test_health_refusals_apply_to_admin_claims_too(node: Node) -> None:
-    state = node.state()
+def test_health_refusals_apply_to_admin_claims_too(state_node: StateNode) -> None:
+    state = state_node.state()
     state.device_problems = lambda: {"gpu-0": "xid-79: fell off the bus"}
     state.device_taints = lambda: {"gpu-0": [TAINT]}
     with pytest.raises(PrepareError, match=r"device gpu-0 \(xid-79: fell off the bus\) is unhealthy"):
@@ -184,11 +187,11 @@ def test_health_refusals_apply_to_admin_claims_too(node: Node) -> None:
 # ----------------------------------------------------------------------------- checkpoint and rebuild
 
 
-def test_a_checkpoint_without_admin_access_loads_and_the_flag_round_trips(node: Node) -> None:
-    state = node.state()
+def test_a_checkpoint_without_admin_access_loads_and_the_flag_round_trips(state_node: StateNode) -> None:
+    state = state_node.state()
     state.prepare(workload("w", "gpu-0"))
     state.prepare(admin("adm", "gpu-0"))
-    path = node.paths.state_dir / "checkpoint.json"
+    path = state_node.paths.state_dir / "checkpoint.json"
     raw = json.loads(path.read_text())
     assert raw["data"]["claims"]["adm"]["devices"][0]["admin_access"] is True
     # As an older driver wrote it: no admin_access field at all.
@@ -196,21 +199,21 @@ def test_a_checkpoint_without_admin_access_loads_and_the_flag_round_trips(node: 
         for device in record["devices"]:
             device.pop("admin_access")
     old = Checkpoint.model_validate(raw["data"])
-    store = CheckpointStore(node.root / "old.json")
+    store = CheckpointStore(state_node.root / "old.json")
     store.save(old)
-    loaded = CheckpointStore(node.root / "old.json").load()
+    loaded = CheckpointStore(state_node.root / "old.json").load()
     assert [d.admin_access for r in loaded.claims.values() for d in r.devices] == [False, False]
     assert CheckpointStore(path).load().claims["adm"].devices[0].admin_access
 
 
-def test_a_rebuilt_checkpoint_knows_admin_claims_and_gives_them_no_daemon(node: Node) -> None:
-    state = node.state()
-    state.apply_layout(make_view(node.inventory, {}), {node.uuid(2): mps_shares(2)})
+def test_a_rebuilt_checkpoint_knows_admin_claims_and_gives_them_no_daemon(state_node: StateNode) -> None:
+    state = state_node.state()
+    state.apply_layout(make_view(state_node.inventory, {}), {state_node.uuid(2): mps_shares(2)})
     state.prepare(workload("w", "gpu-2-mps-0"))
     state.prepare(admin("adm", "gpu-2-mps-0"))
-    [daemon_id] = node.mps.started()
-    (node.paths.state_dir / "checkpoint.json").write_text("{garbage")
-    restarted = node.state()
+    [daemon_id] = state_node.mps.started()
+    (state_node.paths.state_dir / "checkpoint.json").write_text("{garbage")
+    restarted = state_node.state()
     assert recover(restarted).rebuilt_from_cdi
     records = {r.uid: r for r in restarted.prepared_claims()}
     assert records["adm"].devices[0].admin_access and not records["w"].devices[0].admin_access
@@ -218,20 +221,21 @@ def test_a_rebuilt_checkpoint_knows_admin_claims_and_gives_them_no_daemon(node: 
     assert records["adm"].shared_mps_daemons == [] and records["adm"].exclusive_gpus == []
     assert records["w"].shared_mps_daemons == [daemon_id]
     restarted.unprepare(ref("w"))
-    assert daemon_id not in node.mps.running, "the last share's unprepare stops the daemon despite the admin claim"
-    assert node.cdi_files() == ["k8s.gpu.tessera.dev-claim_adm.json"]
+    assert daemon_id not in state_node.mps.running, (
+        "the last share's unprepare stops the daemon despite the admin claim")
+    assert state_node.cdi_files() == ["k8s.gpu.tessera.dev-claim_adm.json"]
 
 
-def test_recovery_rewrites_a_lost_admin_spec_as_it_was(node: Node) -> None:
-    state = node.state()
-    state.apply_layout(make_view(node.inventory, {}), {node.uuid(2): mps_shares(2)})
+def test_recovery_rewrites_a_lost_admin_spec_as_it_was(state_node: StateNode) -> None:
+    state = state_node.state()
+    state.apply_layout(make_view(state_node.inventory, {}), {state_node.uuid(2): mps_shares(2)})
     state.prepare(workload("w", "gpu-2-mps-1"))
     state.prepare(admin("adm", "gpu-2-mps-1"))
-    written = node.spec_path("adm").read_text()
-    node.spec_path("adm").unlink()
-    report = recover(node.state())
-    assert report.cdi_recreated == ["adm"] and node.spec_path("adm").read_text() == written
-    assert not [e for e in device_env(node.spec_json("adm")) if e.startswith("CUDA_MPS")]
+    written = state_node.spec_path("adm").read_text()
+    state_node.spec_path("adm").unlink()
+    report = recover(state_node.state())
+    assert report.cdi_recreated == ["adm"] and state_node.spec_path("adm").read_text() == written
+    assert not [e for e in device_env(state_node.spec_json("adm")) if e.startswith("CUDA_MPS")]
 
 
 # ----------------------------------------------------------------------------- tolerations
@@ -288,12 +292,12 @@ def test_a_tolerating_claim_is_admitted_with_a_log_line_and_others_are_refused(
         check_device_health(plan(result("gpu-0", tolerations=[{"operator": "Exists"}])), problems, {})
 
 
-def test_prepare_reads_the_taints_and_tolerations_of_the_claim(node: Node) -> None:
-    state = node.state()
+def test_prepare_reads_the_taints_and_tolerations_of_the_claim(state_node: StateNode) -> None:
+    state = state_node.state()
     state.device_problems = lambda: {"gpu-0": "xid-79: fell off the bus"}
     state.device_taints = lambda: {"gpu-0": [TAINT]}
     with pytest.raises(PrepareError, match="is unhealthy"):
         state.prepare(workload("plain", "gpu-0"))
     state.prepare(workload("diag", "gpu-0", tolerations=[{"key": TAINT.key, "operator": "Exists"}]))
     assert [r.uid for r in state.prepared_claims()] == ["diag"]
-    assert node.spec_json("diag")["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}]
+    assert state_node.spec_json("diag")["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from driver.gpu.state import DeviceState
-from driver.gpu.watch.daemonwatch import check_daemons
+from driver.gpu.watch.daemonwatch import revive_daemons
 from tests.support.dynamicmignode import DynamicMigNode
 from tests.support.statenode import claim, ref
 
@@ -28,29 +28,29 @@ def mig_mps_config(**mps: object) -> dict[str, object]:
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> DynamicMigNode:
+def mig_node(tmp_path: Path) -> DynamicMigNode:
     return DynamicMigNode(tmp_path)
 
 
-def reboot_and_lose_the_placement(node: DynamicMigNode) -> DeviceState:
+def reboot_and_lose_the_placement(mig_node: DynamicMigNode) -> DeviceState:
     """Prepare an MPS claim on a 3g.40gb, reboot, let another tool take placement 4 first, start the driver."""
-    state = node.state()
+    state = mig_node.state()
     state.prepare(claim("u1", THREE_G, configs=[mig_mps_config(defaultActiveThreadPercentage=50)]))
-    node.engine.reboot()
-    node.set_boot_id("boot-2")
-    node.mps.running.clear()  # daemons do not survive a reboot
-    node.engine.create(node.gpu().uuid, {p.name: p for p in node.gpu().mig_profiles}["3g.40gb"], 4)
-    restarted = node.state()
-    assert not node.spec_path("u1").exists() and node.mps.running == {}, "recovery's part (tested elsewhere)"
+    mig_node.engine.reboot()
+    mig_node.set_boot_id("boot-2")
+    mig_node.mps.running.clear()  # daemons do not survive a reboot
+    mig_node.engine.create(mig_node.gpu().uuid, {p.name: p for p in mig_node.gpu().mig_profiles}["3g.40gb"], 4)
+    restarted = mig_node.state()
+    assert not mig_node.spec_path("u1").exists() and mig_node.mps.running == {}, "recovery's part (tested elsewhere)"
     return restarted
 
 
 @pytest.mark.parametrize("limits", [True, False], ids=["watcher", "rescan"])
 def test_a_claim_whose_instance_could_not_be_made_again_gets_neither_its_daemon_nor_its_spec_back(
-        node: DynamicMigNode, limits: bool) -> None:
-    state = reboot_and_lose_the_placement(node)
-    assert check_daemons(state, limits=limits) == []
-    assert node.mps.running == {}, "no daemon started on the MIG UUID of an instance the reboot took"
-    assert not node.spec_path("u1").exists(), "the spec recovery removed stays removed"
+        mig_node: DynamicMigNode, limits: bool) -> None:
+    state = reboot_and_lose_the_placement(mig_node)
+    assert revive_daemons(state, limits=limits) == []
+    assert mig_node.mps.running == {}, "no daemon started on the MIG UUID of an instance the reboot took"
+    assert not mig_node.spec_path("u1").exists(), "the spec recovery removed stays removed"
     state.unprepare(ref("u1"))  # the kubelet's unprepare still cleans up
     assert state.prepared_claims() == [] and state.ledger.read().mps_daemons == {}

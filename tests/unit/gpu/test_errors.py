@@ -28,7 +28,7 @@ from driver.gpu.runtime.multiuser import MultiUserPending
 from driver.gpu.state import DeviceState
 from driver.kubeletplugin.types import Deadline
 from tests.support.dynamicmignode import DynamicMigNode
-from tests.support.statenode import Node, claim, ref
+from tests.support.statenode import StateNode, claim, ref
 
 GPU_PACKAGE = Path(__file__).resolve().parents[3] / "driver" / "gpu"
 
@@ -75,13 +75,13 @@ def test_config_errors_stay_value_errors_for_the_validators_that_raise_them() ->
 
 
 def test_a_mig_destroy_refused_while_rolling_back_an_interrupted_prepare_is_the_claims_error(tmp_path: Path) -> None:
-    node = DynamicMigNode(tmp_path)
-    state = node.state()
+    mig_node = DynamicMigNode(tmp_path)
+    state = mig_node.state()
     state.prepare(claim("u1", THREE_G))
-    cp = node.store.load()
+    cp = mig_node.store.load()
     cp.claims["u1"].phase = ClaimPhase.PREPARE_STARTED  # what a crash before PrepareCompleted leaves
-    node.store.save(cp)
-    node.engine.inject_failure("destroy-ci", placement=4)
+    mig_node.store.save(cp)
+    mig_node.engine.inject_failure("destroy-ci", placement=4)
     driver = GpuDriver(state)
     result = driver.prepare_claim(claim("u1", THREE_G), Deadline.after(30))
     assert result.devices == [] and result.error is not None and "destroying CI 0 failed" in result.error
@@ -90,10 +90,10 @@ def test_a_mig_destroy_refused_while_rolling_back_an_interrupted_prepare_is_the_
 
 
 def test_an_unprepare_whose_mig_destroy_is_refused_answers_the_retry_message(tmp_path: Path) -> None:
-    node = DynamicMigNode(tmp_path)
-    state = node.state()
+    mig_node = DynamicMigNode(tmp_path)
+    state = mig_node.state()
     state.prepare(claim("u1", THREE_G))
-    node.engine.inject_failure("destroy-ci", placement=4)
+    mig_node.engine.inject_failure("destroy-ci", placement=4)
     driver = GpuDriver(state)
     error = driver.unprepare_claim(ref("u1"))
     assert error is not None and "will be retried by the kubelet" in error and "destroying CI 0 failed" in error
@@ -104,19 +104,19 @@ def test_an_unprepare_whose_mig_destroy_is_refused_answers_the_retry_message(tmp
                                      BinaryFailed("nvidia-smi exited 3"), MultiUserPending("still being probed")],
                          ids=lambda e: type(e).__name__)
 def test_a_prepare_whose_step_fails_with_an_expected_error_gets_its_message_as_the_claims_error(
-        node: Node, monkeypatch: pytest.MonkeyPatch, failure: DriverError) -> None:
-    state = node.state()
+        state_node: StateNode, monkeypatch: pytest.MonkeyPatch, failure: DriverError) -> None:
+    state = state_node.state()
     monkeypatch.setattr(state.sharing, "start_for_claim", _raises(failure))
     result = GpuDriver(state).prepare_claim(claim("u1", "gpu-0"), Deadline.after(30))
     assert result.error == str(failure) and result.devices == []
-    assert state.prepared_claims() == [] and node.cdi_files() == [], "rolled back"
+    assert state.prepared_claims() == [] and state_node.cdi_files() == [], "rolled back"
 
 
 @pytest.mark.parametrize("failure", [HostFsError("/proc/devices does not exist"), ConfigError("bad config"),
                                      CapabilityNodeError("gi4 unreadable")], ids=lambda e: type(e).__name__)
 def test_an_unprepare_whose_step_fails_with_an_expected_error_answers_the_retry_message(
-        node: Node, monkeypatch: pytest.MonkeyPatch, failure: DriverError) -> None:
-    state = node.state()
+        state_node: StateNode, monkeypatch: pytest.MonkeyPatch, failure: DriverError) -> None:
+    state = state_node.state()
     state.prepare(claim("u1", "gpu-0"))
     monkeypatch.setattr(state.sharing, "release_claim", _raises(failure))
     error = GpuDriver(state).unprepare_claim(ref("u1"))
@@ -124,9 +124,9 @@ def test_an_unprepare_whose_step_fails_with_an_expected_error_answers_the_retry_
     assert [r.uid for r in state.prepared_claims()] == ["u1"], "kept for the retry"
 
 
-def test_an_unexpected_error_is_left_to_the_plugin_to_report_as_internal(node: Node,
+def test_an_unexpected_error_is_left_to_the_plugin_to_report_as_internal(state_node: StateNode,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    state: DeviceState = node.state()
+    state: DeviceState = state_node.state()
     driver = GpuDriver(state)
     monkeypatch.setattr(state.sharing, "start_for_claim", _raises(KeyError("gpu-0")))
     with pytest.raises(KeyError):

@@ -10,14 +10,14 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
 from driver.gpu.published.devices import make_view
-from driver.gpu.published.sharelayout import DynamicMigPolicy, GpuShares
+from driver.gpu.published.sharelayout import DynamicMigPolicy, GpuForm
 from driver.gpu.published.targets import NodeView
 from driver.kubeletplugin.slicelimits import limits_for
 from driver.kubeletplugin.slicemodel import CounterSet, Device, DeviceCounterConsumption, PlannedSlice, counters
-from driver.kubeletplugin.sliceplanner import InvalidDevices, canonical_spec, plan_slices, plan_sync
+from driver.kubeletplugin.sliceplanner import InvalidDevices, canonical_spec, plan_slices, slice_writes
 from driver.simulation.apiobjects import ApiError
 from driver.simulation.apiserver import FakeApiServer
-from tests.support.mig import H100_MEMORY, h100, l4, node
+from tests.support.mig import H100_MEMORY, h100, inventory_of, l4
 
 DRIVER = "gpu.tessera.dev"
 NODE = "node-1"
@@ -26,13 +26,13 @@ ALL_H100 = ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb",
 
 def dynamic_view(h100s: int, *, with_l4: bool = True) -> NodeView:
     gpus = [h100(i) for i in range(h100s)] + ([l4(h100s)] if with_l4 else [])
-    shares = GpuShares(strategy="DynamicMig", count=1, memory_bytes_per_share=H100_MEMORY,
+    shares = GpuForm(strategy="DynamicMig", count=1, memory_bytes_per_share=H100_MEMORY,
                        dynamic_mig=DynamicMigPolicy(profiles=ALL_H100))
-    return make_view(node(*gpus), {g.uuid: shares for g in gpus[:h100s]})
+    return make_view(inventory_of(*gpus), {g.uuid: shares for g in gpus[:h100s]})
 
 
 def slice_objects(slices: list[PlannedSlice]) -> list[dict[str, Any]]:
-    return plan_sync([], slices, driver_name=DRIVER, node_name=NODE, owner=None, adopted={}).creates
+    return slice_writes([], slices, driver_name=DRIVER, node_name=NODE, owner=None, adopted={}).creates
 
 
 def planned(view: NodeView, minor: int) -> list[PlannedSlice]:

@@ -15,9 +15,9 @@ from driver.kubeletplugin.sliceplanner import (
     dropped_fields,
     missing_fields,
     plan_slices,
-    plan_sync,
     slice_index,
     slice_name_prefix,
+    slice_writes,
 )
 from tests.support.kubeletplugin import DRIVER, NODE, OWNER, gpu, gpus
 
@@ -83,14 +83,14 @@ def server_slice(index: int, devices: list[Device], generation: int = 1, count: 
         "driver": DRIVER, "nodeName": NODE, "pool": pool, "devices": [d.to_wire() for d in devices]}}
 
 
-def plan(existing: list[dict[str, Any]], desired: list[list[Device]], adopted: dict[str, str] | None = None,
+def writes_for(existing: list[dict[str, Any]], desired: list[list[Device]], adopted: dict[str, str] | None = None,
          owner: dict[str, Any] | None = OWNER) -> Any:
     slices = [PlannedSlice(devices=tuple(devices)) for devices in desired]
-    return plan_sync(existing, slices, driver_name=DRIVER, node_name=NODE, owner=owner, adopted=adopted or {})
+    return slice_writes(existing, slices, driver_name=DRIVER, node_name=NODE, owner=owner, adopted=adopted or {})
 
 
 def test_plan_from_nothing_creates_every_slice_at_generation_1() -> None:
-    result = plan([], [gpus(2), [gpu(5)]])
+    result = writes_for([], [gpus(2), [gpu(5)]])
     assert result.generation == 1 and not result.deletes and not result.updates
     assert [c["metadata"]["generateName"] for c in result.creates] == [
         "00000-gpu.tessera.dev-node-1-", "00001-gpu.tessera.dev-node-1-"]
@@ -102,12 +102,12 @@ def test_plan_from_nothing_creates_every_slice_at_generation_1() -> None:
 
 
 def test_plan_for_matching_state_is_empty() -> None:
-    assert plan([server_slice(0, gpus(2), generation=4)], [gpus(2)]).empty
+    assert writes_for([server_slice(0, gpus(2), generation=4)], [gpus(2)]).empty
 
 
 def test_one_changed_slice_keeps_the_generation() -> None:
     existing = [server_slice(0, gpus(2), generation=3, count=2), server_slice(1, [gpu(2)], generation=3, count=2)]
-    result = plan(existing, [gpus(2), [gpu(2, product="changed")]])
+    result = writes_for(existing, [gpus(2), [gpu(2, product="changed")]])
     assert result.generation == 3 and not result.creates and not result.deletes
     assert [u["metadata"]["name"] for u in result.updates] == [existing[1]["metadata"]["name"]]
     assert result.updates[0]["metadata"]["resourceVersion"] == "7"  # the update is conditional
@@ -115,14 +115,14 @@ def test_one_changed_slice_keeps_the_generation() -> None:
 
 def test_two_changed_slices_bump_the_generation_and_rewrite_all() -> None:
     existing = [server_slice(i, [gpu(i)], generation=3, count=3) for i in range(3)]
-    result = plan(existing, [[gpu(0, "x")], [gpu(1, "x")], [gpu(2)]])
+    result = writes_for(existing, [[gpu(0, "x")], [gpu(1, "x")], [gpu(2)]])
     assert result.generation == 4
     assert len(result.updates) == 3
     assert {u["spec"]["pool"]["generation"] for u in result.updates} == {4}
 
 
 def test_a_missing_slice_bumps_the_generation() -> None:
-    result = plan([server_slice(0, [gpu(0)], generation=2)], [[gpu(0)], [gpu(1)]])
+    result = writes_for([server_slice(0, [gpu(0)], generation=2)], [[gpu(0)], [gpu(1)]])
     assert result.generation == 3
     assert len(result.updates) == 1 and len(result.creates) == 1
     assert result.updates[0]["spec"]["pool"]["resourceSliceCount"] == 2
@@ -136,7 +136,7 @@ def test_obsolete_slices_are_deleted() -> None:
         "name": f"{NODE}-{DRIVER}-x7k2p", "uid": "u", "resourceVersion": "1"}}
     other_pool = server_slice(0, [gpu(0)], generation=5, suffix="pool0")
     other_pool["spec"]["pool"]["name"] = "elsewhere"
-    result = plan([current, beyond, older, old_naming, other_pool], [[gpu(0)]])
+    result = writes_for([current, beyond, older, old_naming, other_pool], [[gpu(0)]])
     deleted = {d["metadata"]["name"] for d in result.deletes}
     assert deleted == {beyond["metadata"]["name"], older["metadata"]["name"], old_naming["metadata"]["name"],
                        other_pool["metadata"]["name"]}
@@ -146,7 +146,7 @@ def test_obsolete_slices_are_deleted() -> None:
 
 def test_duplicate_index_keeps_one_slice() -> None:
     first, second = server_slice(0, [gpu(0)], suffix="aaaaa"), server_slice(0, [gpu(0)], suffix="bbbbb")
-    result = plan([first, second], [[gpu(0)]])
+    result = writes_for([first, second], [[gpu(0)]])
     assert [d["metadata"]["name"] for d in result.deletes] == [second["metadata"]["name"]]
     assert not result.updates and not result.creates
 
@@ -155,23 +155,23 @@ def test_taint_time_added_by_the_server_is_kept() -> None:
     taint = DeviceTaint(key="example.com/xid", effect="NoSchedule")
     existing = server_slice(0, [gpu(0, taints=[taint])])
     existing["spec"]["devices"][0]["taints"][0]["timeAdded"] = "2026-01-01T00:00:00Z"
-    assert plan([existing], [[gpu(0, taints=[taint])]]).empty
+    assert writes_for([existing], [[gpu(0, taints=[taint])]]).empty
 
 
 def test_adopted_server_version_is_not_rewritten() -> None:
     tainted = [gpu(0, taints=[DeviceTaint(key="k", effect="NoSchedule")])]
     stored = server_slice(0, [gpu(0)])
     sent_spec = {**stored["spec"], "devices": [d.to_wire() for d in tainted]}
-    assert len(plan([stored], [tainted]).updates) == 1
+    assert len(writes_for([stored], [tainted]).updates) == 1
     adopted = {canonical_spec(sent_spec): canonical_spec(stored["spec"])}
-    assert plan([stored], [tainted], adopted=adopted).empty
+    assert writes_for([stored], [tainted], adopted=adopted).empty
 
 
 def test_missing_owner_reference_is_added() -> None:
     existing = server_slice(0, [gpu(0)], owner=None)
-    result = plan([existing], [[gpu(0)]])
+    result = writes_for([existing], [[gpu(0)]])
     assert result.updates[0]["metadata"]["ownerReferences"] == [OWNER]
-    assert plan([existing], [[gpu(0)]], owner=None).empty
+    assert writes_for([existing], [[gpu(0)]], owner=None).empty
 
 
 

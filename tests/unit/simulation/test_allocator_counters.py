@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 
 from driver.gpu.published.devices import make_view
-from driver.gpu.published.sharelayout import DynamicMigPolicy, GpuShares
+from driver.gpu.published.sharelayout import DynamicMigPolicy, GpuForm
 from driver.kubeletplugin.slicelimits import limits_for
-from driver.kubeletplugin.sliceplanner import plan_slices, plan_sync
+from driver.kubeletplugin.sliceplanner import plan_slices, slice_writes
 from driver.simulation.allocator import AllocationError, allocate
-from tests.support.mig import H100_MEMORY, h100, instance, node
+from tests.support.mig import H100_MEMORY, h100, instance, inventory_of
 
 DRIVER = "gpu.tessera.dev"
 NODE = "node-1"
@@ -23,11 +23,11 @@ Obj = dict[str, Any]
 @pytest.fixture(params=[34, 36], ids=["combined-1.34", "split-1.36"])
 def slices(request: pytest.FixtureRequest) -> list[Obj]:
     gpus = (h100(0), h100(1))
-    shares = GpuShares(strategy="DynamicMig", count=1, memory_bytes_per_share=H100_MEMORY,
+    shares = GpuForm(strategy="DynamicMig", count=1, memory_bytes_per_share=H100_MEMORY,
                        dynamic_mig=DynamicMigPolicy(profiles=ALL_H100))
-    view = make_view(node(*gpus), {g.uuid: shares for g in gpus})
+    view = make_view(inventory_of(*gpus), {g.uuid: shares for g in gpus})
     planned = plan_slices(list(view.devices), DRIVER, limits_for(request.param), list(view.counter_sets))
-    creates = plan_sync([], planned, driver_name=DRIVER, node_name=NODE, owner=None, adopted={}).creates
+    creates = slice_writes([], planned, driver_name=DRIVER, node_name=NODE, owner=None, adopted={}).creates
     return [{"spec": c["spec"]} for c in creates]
 
 
@@ -147,11 +147,11 @@ def test_a_gpu_kept_dynamic_for_its_claims_is_never_allocated_over_someone_elses
     # which no counter knows of. First fit must not land on it: every prepare of such a claim would fail.
     own, foreign = instance("3g.40gb", 4, gi_id=7, size=4), instance("1g.10gb", 0, gi_id=8)
     gpu = h100(0, instances=(own, foreign))
-    shares = GpuShares(strategy="DynamicMig", count=1, memory_bytes_per_share=H100_MEMORY,
+    shares = GpuForm(strategy="DynamicMig", count=1, memory_bytes_per_share=H100_MEMORY,
                        dynamic_mig=DynamicMigPolicy(profiles=ALL_H100))
-    view = make_view(node(gpu), {gpu.uuid: shares}, own_instances={(gpu.uuid, 7)})
+    view = make_view(inventory_of(gpu), {gpu.uuid: shares}, own_instances={(gpu.uuid, 7)})
     planned = plan_slices(list(view.devices), DRIVER, limits_for(minor), list(view.counter_sets))
-    published = [{"spec": c["spec"]} for c in plan_sync(
+    published = [{"spec": c["spec"]} for c in slice_writes(
         [], planned, driver_name=DRIVER, node_name=NODE, owner=None, adopted={}).creates]
     taken = {"gpu-0-dynmig-3g40gb-4"}
     assert place(published, taken, "1g.10gb", "1g.10gb", "1g.10gb") == [

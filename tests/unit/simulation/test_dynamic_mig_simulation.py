@@ -116,47 +116,48 @@ def test_only_creates_can_hang() -> None:
 
 
 def test_a_rebuilt_checkpoint_keeps_the_claims_instance(tmp_path: Path) -> None:
-    node = DynamicMigNode(tmp_path)
-    state = node.state()
+    mig_node = DynamicMigNode(tmp_path)
+    state = mig_node.state()
     state.prepare(claim("u1", "gpu-0-dynmig-3g40gb-4"))
     [before] = state.prepared_claims()
-    rebuilt = rebuild_checkpoint(node.paths.cdi_root, state.names, "node-a", "now")
+    rebuilt = rebuild_checkpoint(mig_node.paths.cdi_root, state.names, "node-a", "now")
     [dev] = rebuilt.claims["u1"].devices
     assert dev.dynamic_mig == before.devices[0].dynamic_mig and dev.mig_gi_id == before.devices[0].mig_gi_id
-    assert rebuilt.layout == {node.gpu().uuid: node.layout()[node.gpu().uuid]}, "its GPU stays dynamic"
+    assert rebuilt.layout == {mig_node.gpu().uuid: mig_node.layout()[mig_node.gpu().uuid]}, "its GPU stays dynamic"
     assert rebuilt.claims["u1"].exclusive_gpus == []
 
 
 def test_check_node_says_which_mig_gpus_dynamic_mig_can_serve(tmp_path: Path) -> None:
-    node = DynamicMigNode(tmp_path)
-    state = node.state()
+    mig_node = DynamicMigNode(tmp_path)
+    state = mig_node.state()
     state.prepare(claim("u1", "gpu-0-dynmig-3g40gb-4"))
-    settings = Settings(plugins_dir=node.paths.state_dir.parent)
-    (node.paths.state_dir.parent / "gpu.tessera.dev").mkdir(exist_ok=True)
-    (node.paths.state_dir.parent / "gpu.tessera.dev" / "checkpoint.json").write_bytes(
-        (node.paths.state_dir / "checkpoint.json").read_bytes())
-    lines = {r.check: r.detail for r in dynamic_mig_checks(settings, node.inventory())}
+    settings = Settings(plugins_dir=mig_node.paths.state_dir.parent)
+    (mig_node.paths.state_dir.parent / "gpu.tessera.dev").mkdir(exist_ok=True)
+    (mig_node.paths.state_dir.parent / "gpu.tessera.dev" / "checkpoint.json").write_bytes(
+        (mig_node.paths.state_dir / "checkpoint.json").read_bytes())
+    lines = {r.check: r.detail for r in dynamic_mig_checks(settings, mig_node.inventory())}
     assert set(lines) == {"dynamic MIG GPU 0", "dynamic MIG GPU 1"}, "the L4 has no MIG"
     assert "no instances Tessera did not create; 1 instance(s) created by Tessera" in lines["dynamic MIG GPU 0"]
     assert "MIG mode is off" in lines["dynamic MIG GPU 1"]
-    profiles = {p.name: p for p in node.gpu().mig_profiles}
-    node.engine.create(node.gpu().uuid, profiles["1g.10gb"], 0)
-    lines = {r.check: r.detail for r in dynamic_mig_checks(settings, node.inventory())}
+    profiles = {p.name: p for p in mig_node.gpu().mig_profiles}
+    mig_node.engine.create(mig_node.gpu().uuid, profiles["1g.10gb"], 0)
+    lines = {r.check: r.detail for r in dynamic_mig_checks(settings, mig_node.inventory())}
     assert "has MIG instances Tessera did not create (1g.10gb@0)" in lines["dynamic MIG GPU 0"]
 
 
 def test_inspect_shows_each_claims_created_instance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    node = DynamicMigNode(tmp_path)
-    state = node.state()
+    mig_node = DynamicMigNode(tmp_path)
+    state = mig_node.state()
     state.prepare(claim("u1", "gpu-0-dynmig-3g40gb-4"))
-    [made] = node.engine.instances(node.gpu().uuid)
-    monkeypatch.setenv("TESSERA_SIM_MIG_STATE", str(node.mig_state))
-    settings = Settings(plugins_dir=tmp_path, simulate="dynamic-mig", node_name="node-a", host_root=node.host,
-                        driver_root=node.host, cdi_root=node.paths.cdi_root)
-    (tmp_path / "gpu.tessera.dev").symlink_to(node.paths.state_dir)
+    [made] = mig_node.engine.instances(mig_node.gpu().uuid)
+    monkeypatch.setenv("TESSERA_SIM_MIG_STATE", str(mig_node.mig_state))
+    settings = Settings(plugins_dir=tmp_path, simulate="dynamic-mig", node_name="node-a", host_root=mig_node.host,
+                        driver_root=mig_node.host, cdi_root=mig_node.paths.cdi_root)
+    (tmp_path / "gpu.tessera.dev").symlink_to(mig_node.paths.state_dir)
     report = build_report(settings)
     [dev] = report["claims"][0]["devices"]
-    assert dev["dynamic_mig"] == {"gpu": node.gpu().uuid, "gpu_minor": 0, "profile": "3g.40gb", "placement_start": 4,
+    assert dev["dynamic_mig"] == {"gpu": mig_node.gpu().uuid, "gpu_minor": 0, "profile": "3g.40gb",
+                                  "placement_start": 4,
                                   "placement_size": 4, "gi_id": made.gi_id, "ci_id": 0, "mig_uuid": made.uuid,
                                   "state": "created"}
     [gpu0] = [g for g in report["gpus"] if g["minor"] == 0]

@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from driver.gpu.claim.claimplan import is_plan_daemon, plan_claim
+from driver.gpu.claim.claimplan import is_shared_daemon, plan_claim
 from driver.gpu.errors import PrepareError
 from driver.gpu.published.devices import make_view
-from driver.gpu.published.sharelayout import GpuShares
+from driver.gpu.published.sharelayout import GpuForm
 from driver.gpu.published.targets import NodeView
 from driver.simulation.discovery import SimulatedDiscovery
 from tests.support.statenode import DRIVER, POOL, claim, gpu_config
@@ -18,7 +18,7 @@ INVENTORY = SimulatedDiscovery("demo", POOL).discover()
 GPU0, GPU1, GPU2 = (g.uuid for g in INVENTORY.gpus)
 
 
-def view(**layout: GpuShares) -> NodeView:
+def view(**layout: GpuForm) -> NodeView:
     return make_view(INVENTORY, {GPU0: layout["gpu0"]} if "gpu0" in layout else {})
 
 
@@ -39,9 +39,9 @@ def test_a_claim_of_another_driver_plans_nothing() -> None:
 
 
 def test_plan_shares_use_the_gpus_shared_daemon_and_need_exclusive_process() -> None:
-    shares = GpuShares(strategy="MPS", count=4, active_thread_percentage=25, memory_bytes_per_share=1 << 34)
+    shares = GpuForm(strategy="MPS", count=4, active_thread_percentage=25, memory_bytes_per_share=1 << 34)
     [daemon] = plan("gpu-0-mps-2", node=view(gpu0=shares)).daemons
-    assert daemon.shared and is_plan_daemon(daemon.daemon_id) and daemon.device_names == ("gpu-0-mps-2",)
+    assert daemon.shared and is_shared_daemon(daemon.daemon_id) and daemon.device_names == ("gpu-0-mps-2",)
     assert daemon.spec.pinned_memory_limits == {GPU0: 1 << 34} and daemon.spec.active_thread_percentage == 25
     assert daemon.exclusive_gpus == [GPU0]
 
@@ -81,7 +81,7 @@ def test_an_invalid_mps_limit_is_refused_as_the_claims_config_error() -> None:
 
 
 def test_plan_daemons_run_multi_user_only_when_the_node_supports_it() -> None:
-    shares = GpuShares(strategy="MPS", count=2, memory_bytes_per_share=1 << 34)
+    shares = GpuForm(strategy="MPS", count=2, memory_bytes_per_share=1 << 34)
     node = view(gpu0=shares)
     single = plan_claim(claim("u1", "gpu-0-mps-0"), driver_name=DRIVER, pool_name=POOL, view=node)
     multi = plan_claim(claim("u1", "gpu-0-mps-0"), driver_name=DRIVER, pool_name=POOL, view=node, multi_user=True)

@@ -20,7 +20,7 @@ from driver.gpu.claimconfig.choices import MpsClients
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
 from driver.gpu.errors import PrepareError
 from driver.gpu.published.devices import make_view
-from driver.gpu.published.sharelayout import Enforcement, GpuShares, mps_control_guarded, mps_enforcement
+from driver.gpu.published.sharelayout import Enforcement, GpuForm, mps_control_guarded, mps_enforcement
 from driver.gpu.published.sharingplan import PlanError, SharingPlans, load_plans, resolve_layout, select_plan
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.podfetch import PodFetcher
@@ -29,7 +29,7 @@ from driver.kubeletplugin.reservedpods import PodReader, PodRef, PodsUnreadable
 from driver.simulation.apiserver import FakeApiServer
 from tests.support.mpsdaemons import MpsDaemonKind, daemon_params
 from tests.support.processes import poll_until, standin_sandbox
-from tests.support.statenode import Node, claim, gpu_config, mps_shares
+from tests.support.statenode import StateNode, claim, gpu_config, mps_shares
 
 # --- reading a claim's pods -------------------------------------------------------------------
 
@@ -140,7 +140,7 @@ def test_per_claim_mps_clients_default_to_any_and_are_decoded_strictly() -> None
 ])
 def test_mps_share_enforcement_by_clients_and_driver_branch(clients: MpsClients, driver_version: str | None,
                                                             level: Enforcement) -> None:
-    shares = GpuShares(strategy="MPS", count=2, active_thread_percentage=50, memory_bytes_per_share=1 << 30,
+    shares = GpuForm(strategy="MPS", count=2, active_thread_percentage=50, memory_bytes_per_share=1 << 30,
                        mps_clients=clients)
     view = make_view(NodeInventory(driver_version=driver_version, gpus=(H100,)), {H100.uuid: shares})
     attrs = view.devices[0].model_dump(by_alias=True, exclude_none=True)["attributes"]
@@ -211,8 +211,9 @@ def for_pod(c: ResourceClaim, reader: PodReader | None) -> ResourceClaim:
     return reserved if reader is None else reserved.with_pod_reader(reader)
 
 
-def test_a_claims_own_daemon_with_clients_non_root_refuses_a_root_pod_before_anything_starts(node: Node) -> None:
-    state = node.state()
+def test_a_claims_own_daemon_with_clients_non_root_refuses_a_root_pod_before_anything_starts(
+        state_node: StateNode) -> None:
+    state = state_node.state()
     refused = for_pod(claim("u1", "gpu-0", configs=[gpu_config(strategy="MPS", mpsConfig={"clients": "nonRoot"})]),
                       RootPods())
     with pytest.raises(PrepareError) as caught:
@@ -223,20 +224,20 @@ def test_a_claims_own_daemon_with_clients_non_root_refuses_a_root_pod_before_any
         "that may be root) (2 more findings); the claim's own MPS daemon on gpu-0 admits only pods that meet Pod "
         'Security "baseline" and cannot run as root or group root (clients: nonRoot); set '
         "securityContext.runAsNonRoot: true on the pod or container, or set clients: any in the claim's mpsConfig")
-    assert node.mps.started() == [] and node.cdi_files() == [] and state.ledger.read().claims == {}
+    assert state_node.mps.started() == [] and state_node.cdi_files() == [] and state.ledger.read().claims == {}
 
     state.prepare(for_pod(claim("u2", "gpu-0", configs=[gpu_config(strategy="MPS")]), RootPods()))
     record = state.ledger.read().claims["u2"]
     assert (record.mps_clients, record.mps_enforcement) == ("any", Enforcement.MPS_ADVISORY)
 
 
-def test_plan_shares_fail_closed_when_pods_cannot_be_read_or_none_is_reserved(node: Node) -> None:
-    state = node.state()
-    state.apply_layout(make_view(node.inventory, {}), {node.uuid(0): mps_shares(2)})
+def test_plan_shares_fail_closed_when_pods_cannot_be_read_or_none_is_reserved(state_node: StateNode) -> None:
+    state = state_node.state()
+    state.apply_layout(make_view(state_node.inventory, {}), {state_node.uuid(0): mps_shares(2)})
     with pytest.raises(PrepareError, match="admits only non-root clients, so the pods the claim is reserved for must "
                                            "be checked first, but this claim source cannot read"):
         state.prepare(for_pod(claim("u1", "gpu-0-mps-0"), None))
-    assert node.mps.started() == []
+    assert state_node.mps.started() == []
     unreserved = claim("u2", "gpu-0-mps-1").model_dump(by_alias=True)
     unreserved["status"]["reservedFor"] = []
     with pytest.raises(PrepareError) as caught:
@@ -245,7 +246,7 @@ def test_plan_shares_fail_closed_when_pods_cannot_be_read_or_none_is_reserved(no
         "the claim is reserved for no pod (status.reservedFor is empty); the MPS daemon shared with other claims on "
         'gpu-0 admits only pods that meet Pod Security "baseline" and cannot run as root or group root (clients: '
         "nonRoot); reserve the claim for the pod that uses it, or use a share whose plan sets clients: any")
-    assert node.mps.started() == []
+    assert state_node.mps.started() == []
     state.prepare(claim("u3", "gpu-0-mps-1"))  # reserved for a pod that runs as a non-root user and group
     record = state.ledger.read().claims["u3"]
     # The simulated node's driver is R580: its daemon refuses non-root control.

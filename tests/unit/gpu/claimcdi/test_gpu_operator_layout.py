@@ -30,7 +30,7 @@ from driver.kubeletplugin.types import PreparedDevice
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.gpus import SimulationError
 from driver.simulation.hostroot import OPERATOR_DRIVER_ROOT, SimulatedHost, build_host_root
-from tests.support.statenode import Node, claim, mps_shares
+from tests.support.statenode import StateNode, claim, mps_shares
 
 NODE = "node-a"
 UID = "0f9a3c4e-1111-4222-8333-944455556666"
@@ -275,25 +275,27 @@ def test_a_layout_file_names_its_driver_layout(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("required", [True, False])
-def test_a_prepare_through_device_state_follows_the_driver_libraries_rule(node: Node, required: bool) -> None:
+def test_a_prepare_through_device_state_follows_the_driver_libraries_rule(
+        state_node: StateNode, required: bool) -> None:
     # The whole prepare path, MPS share included (it starts a daemon and sets EXCLUSIVE_PROCESS before
     # the CDI spec is written): without libraries it fails with the reason and leaves nothing behind,
     # unless the operator said claims here need none (driverLibraries.required=false).
-    node.toolkit = load_toolkit_edits(None, (node.root / "absent" / "nvidia.yaml",), required=required)
-    state = node.state()
-    gpu = node.uuid(0)
-    state.apply_layout(make_view(node.inventory, {}), {gpu: mps_shares(2)})
+    state_node.toolkit = load_toolkit_edits(None, (state_node.root / "absent" / "nvidia.yaml",), required=required)
+    state = state_node.state()
+    gpu = state_node.uuid(0)
+    state.apply_layout(make_view(state_node.inventory, {}), {gpu: mps_shares(2)})
     claims = [claim("5d1c0c49-0b6e-4f7e-9a53-0a0f1a6f8b10", "gpu-0-mps-0"),
               claim("5d1c0c49-0b6e-4f7e-9a53-0a0f1a6f8b11", "gpu-2")]
     if not required:
         for c in claims:
             assert state.prepare(c)
-        assert len(node.cdi_files()) == 2
+        assert len(state_node.cdi_files()) == 2
         return
     for c in claims:
         with pytest.raises(PrepareError, match="no usable driver libraries"):
             state.prepare(c)
-    cp = node.store.load()
-    assert cp.claims == {} and cp.mps_daemons == {} and cp.compute_modes == {} and node.cdi_files() == []
-    assert node.mps.daemon_ids_on_disk() == [] and node.modes.modes.get(gpu, ComputeMode.DEFAULT) == ComputeMode.DEFAULT
-    assert node.mps.started() == [], "refused before any daemon was started, not rolled back afterwards"
+    cp = state_node.store.load()
+    assert cp.claims == {} and cp.mps_daemons == {} and cp.compute_modes == {} and state_node.cdi_files() == []
+    assert state_node.mps.daemon_ids_on_disk() == []
+    assert state_node.modes.modes.get(gpu, ComputeMode.DEFAULT) == ComputeMode.DEFAULT
+    assert state_node.mps.started() == [], "refused before any daemon was started, not rolled back afterwards"

@@ -16,7 +16,7 @@ from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.hostroot import build_host_root
 from driver.units import GIB
-from tests.support.statenode import DRIVER, POOL, Node, device_env
+from tests.support.statenode import DRIVER, POOL, StateNode, device_env
 from tests.unit.gpu.published.test_consumable import shares_claim
 
 HOOK = "/usr/bin/nvidia-cdi-hook"
@@ -98,20 +98,20 @@ def test_the_device_publishes_the_detected_level(kernel: KernelMemoryLimits | No
     assert attrs["computeLimitEnforcement"] == {"string": "mps-advisory"}
 
 
-def prepared_spec(node: Node, kernel: KernelMemoryLimits | None) -> dict[str, Any]:
-    state = node.state()
-    state.apply_layout(make_view(node.inventory, {}), consumable_layout(node.inventory, kernel))
+def prepared_spec(state_node: StateNode, kernel: KernelMemoryLimits | None) -> dict[str, Any]:
+    state = state_node.state()
+    state.apply_layout(make_view(state_node.inventory, {}), consumable_layout(state_node.inventory, kernel))
     uid = "0b6f3c1e-8d2a-4c5b-9e7f-1a2b3c4d5e6f"
     state.prepare(shares_claim(uid, "10Gi", "33"))
-    return node.spec_json(uid)
+    return state_node.spec_json(uid)
 
 
-def test_a_kernel_node_puts_the_claims_memory_as_a_hard_limit_hook_in_its_spec(node: Node) -> None:
-    spec = prepared_spec(node, KERNEL)
+def test_a_kernel_node_puts_the_claims_memory_as_a_hard_limit_hook_in_its_spec(state_node: StateNode) -> None:
+    spec = prepared_spec(state_node, KERNEL)
     edits = spec["devices"][0]["containerEdits"]
     assert edits["hooks"] == [{
         "hookName": "createRuntime", "path": HOOK,
-        "args": ["nvidia-cdi-hook", "apply-cuda-memory-limits", "--driver-root", "/", "--gpu-id", node.uuid(0)]}]
+        "args": ["nvidia-cdi-hook", "apply-cuda-memory-limits", "--driver-root", "/", "--gpu-id", state_node.uuid(0)]}]
     env = device_env(spec)
     mib = str(10 * GIB >> 20)
     # Both forms: the hook looks the plural names up first, so a plural one from elsewhere cannot win.
@@ -123,8 +123,8 @@ def test_a_kernel_node_puts_the_claims_memory_as_a_hard_limit_hook_in_its_spec(n
     assert spec["devices"][0]["annotations"][f"{DRIVER}/consumed"] == f"{10 * GIB},33"
 
 
-def test_without_kernel_limits_the_spec_has_no_hook_and_no_memory_variables(node: Node) -> None:
-    spec = prepared_spec(node, None)
+def test_without_kernel_limits_the_spec_has_no_hook_and_no_memory_variables(state_node: StateNode) -> None:
+    spec = prepared_spec(state_node, None)
     assert "hooks" not in spec["devices"][0]["containerEdits"]
     assert not [e for e in device_env(spec) if e.startswith("NVIDIA_GPU_MEMORY_")]
 
@@ -157,9 +157,9 @@ def reserved(claim: ResourceClaim, *pod_uids: str) -> ResourceClaim:
 
 
 def test_two_kernel_limited_claims_of_one_pod_are_logged_as_a_possible_collision(
-        node: Node, caplog: pytest.LogCaptureFixture) -> None:
-    state = node.state()
-    state.apply_layout(make_view(node.inventory, {}), consumable_layout(node.inventory, KERNEL))
+        state_node: StateNode, caplog: pytest.LogCaptureFixture) -> None:
+    state = state_node.state()
+    state.apply_layout(make_view(state_node.inventory, {}), consumable_layout(state_node.inventory, KERNEL))
     with caplog.at_level("WARNING", logger="driver.gpu.claimcdi.kernelmemory"):
         state.prepare(reserved(shares_claim("a", "10Gi", "33"), "pod-1"))
         state.prepare(reserved(shares_claim("b", "20Gi", "33"), "pod-2"))  # another pod: nothing to say
@@ -170,11 +170,11 @@ def test_two_kernel_limited_claims_of_one_pod_are_logged_as_a_possible_collision
     assert (warning.claim_uid, warning.other_claim_uid, warning.pod_uids) == ("c", "a", ["pod-1"])  # type: ignore[attr-defined]
 
 
-def test_without_kernel_limits_claims_of_one_pod_are_not_a_collision(node: Node) -> None:
-    state = node.state()
-    state.apply_layout(make_view(node.inventory, {}), consumable_layout(node.inventory, None))
+def test_without_kernel_limits_claims_of_one_pod_are_not_a_collision(state_node: StateNode) -> None:
+    state = state_node.state()
+    state.apply_layout(make_view(state_node.inventory, {}), consumable_layout(state_node.inventory, None))
     a, b = reserved(shares_claim("a", "10Gi", "33"), "pod-1"), reserved(shares_claim("b", "4Gi", "33"), "pod-1")
     for claim in (a, b):
         state.prepare(claim)
-    cp = node.store.load()
+    cp = state_node.store.load()
     assert kernelmemory.warn_if_shared_pod(cp.claims["b"], cp) == []

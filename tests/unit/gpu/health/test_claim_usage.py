@@ -31,7 +31,7 @@ from driver.kubeletplugin.types import PreparedDevice
 from driver.simulation.processes import SimulatedProcesses, parse_processes
 from driver.units import GIB
 from tests.support.pods import NonRootPods
-from tests.support.statenode import Node, claim, mps_shares, ts_shares
+from tests.support.statenode import StateNode, claim, mps_shares, ts_shares
 
 POD_A = "0f3c8a52-1b2d-4e5f-8a9b-0c1d2e3f4a5b"
 POD_B = "11111111-2222-4333-8444-555555555555"
@@ -70,15 +70,15 @@ def reserved(c: ResourceClaim, *pods: str) -> ResourceClaim:
     return ResourceClaim.model_validate(data).with_pod_reader(NonRootPods())
 
 
-def shared_node(node: Node) -> tuple[Any, NodeView]:
-    state = node.state()
-    view, _ = state.apply_layout(make_view(node.inventory, {}), {node.uuid(0): mps_shares(2),
-                                                                  node.uuid(2): ts_shares(2)})
+def shared_node(state_node: StateNode) -> tuple[Any, NodeView]:
+    state = state_node.state()
+    view, _ = state.apply_layout(make_view(state_node.inventory, {}), {state_node.uuid(0): mps_shares(2),
+                                                                  state_node.uuid(2): ts_shares(2)})
     return state, view
 
 
-def test_prepare_records_pod_uids_and_usage_is_set_against_each_share(node: Node) -> None:
-    state, view = shared_node(node)
+def test_prepare_records_pod_uids_and_usage_is_set_against_each_share(state_node: StateNode) -> None:
+    state, view = shared_node(state_node)
     state.prepare(reserved(claim("u1", "gpu-0-mps-0", name="mps-claim"), POD_A))
     state.prepare(reserved(claim("u2", "gpu-2-ts-0", name="ts-claim"), POD_B))
     state.prepare(reserved(claim("u3", "gpu-1-mig-1g10gb-6", name="mig-claim"), POD_A))
@@ -86,12 +86,12 @@ def test_prepare_records_pod_uids_and_usage_is_set_against_each_share(node: Node
     assert cp.claims["u1"].pod_uids == [POD_A]
     mig_uuid = view.targets["gpu-1-mig-1g10gb-6"].cuda_uuid
     processes = [
-        ProcessUsage(pid=10, uuid=node.uuid(0), memory_bytes=3 * GIB, sm_percent=20.0, pod_uid=POD_A),
-        ProcessUsage(pid=11, uuid=node.uuid(0), memory_bytes=GIB, sm_percent=None, pod_uid=POD_A),
-        ProcessUsage(pid=20, uuid=node.uuid(2), memory_bytes=12 * GIB, sm_percent=70.0, pod_uid=POD_B),
+        ProcessUsage(pid=10, uuid=state_node.uuid(0), memory_bytes=3 * GIB, sm_percent=20.0, pod_uid=POD_A),
+        ProcessUsage(pid=11, uuid=state_node.uuid(0), memory_bytes=GIB, sm_percent=None, pod_uid=POD_A),
+        ProcessUsage(pid=20, uuid=state_node.uuid(2), memory_bytes=12 * GIB, sm_percent=70.0, pod_uid=POD_B),
         ProcessUsage(pid=30, uuid=mig_uuid, memory_bytes=GIB, pod_uid=POD_A),
-        ProcessUsage(pid=40, uuid=node.uuid(0), memory_bytes=5 * GIB, pod_uid=None),  # not a pod's
-        ProcessUsage(pid=41, uuid=node.uuid(2), memory_bytes=5 * GIB, pod_uid=POD_A),  # not that claim's pod
+        ProcessUsage(pid=40, uuid=state_node.uuid(0), memory_bytes=5 * GIB, pod_uid=None),  # not a pod's
+        ProcessUsage(pid=41, uuid=state_node.uuid(2), memory_bytes=5 * GIB, pod_uid=POD_A),  # not that claim's pod
     ]
     usage = {u.claim: u for u in claim_usage(cp.claims.values(), processes, view.targets, cp.layout)}
     mps, ts, mig = usage["mps-claim"], usage["ts-claim"], usage["mig-claim"]
@@ -104,8 +104,8 @@ def test_prepare_records_pod_uids_and_usage_is_set_against_each_share(node: Node
     assert mig.pids == (30,) and mig.memory_limit_bytes == view.targets["gpu-1-mig-1g10gb-6"].memory_bytes
 
 
-def test_a_claim_without_processes_reports_zero_not_nothing(node: Node) -> None:
-    state, view = shared_node(node)
+def test_a_claim_without_processes_reports_zero_not_nothing(state_node: StateNode) -> None:
+    state, view = shared_node(state_node)
     state.prepare(reserved(claim("u1", "gpu-0-mps-1"), POD_A))
     cp = state.ledger.read()
     [u] = claim_usage(cp.claims.values(), [], view.targets, cp.layout)
@@ -157,21 +157,22 @@ def proc(pid: int, memory: int | None, gi: int = 0xFFFFFFFF, ci: int = 0xFFFFFFF
     return SimpleNamespace(pid=pid, usedGpuMemory=memory, gpuInstanceId=gi, computeInstanceId=ci)
 
 
-def test_nvml_processes_map_mig_instances_dedup_mps_and_take_the_latest_sample(node: Node) -> None:
-    gpu = node.inventory.gpu_by_minor(1)
+def test_nvml_processes_map_mig_instances_dedup_mps_and_take_the_latest_sample(state_node: StateNode) -> None:
+    gpu = state_node.inventory.gpu_by_minor(1)
     assert gpu is not None
     mig = gpu.mig_instances[0]
-    (node.host / "proc" / "5").mkdir(parents=True)
-    (node.host / "proc" / "5" / "cgroup").write_text(f"0::/kubepods/pod{POD_A}/c\n")
+    (state_node.host / "proc" / "5").mkdir(parents=True)
+    (state_node.host / "proc" / "5" / "cgroup").write_text(f"0::/kubepods/pod{POD_A}/c\n")
     samples = [SimpleNamespace(pid=5, timeStamp=1, smUtil=10), SimpleNamespace(pid=5, timeStamp=2, smUtil=30)]
     nvml = FakeNvml(gpu.uuid, [proc(5, 2 * GIB, mig.gi_id, mig.ci_id), proc(6, None)], [proc(5, 2 * GIB, mig.gi_id)],
                     samples)
-    found = NvmlProcesses(nvml, lambda: node.inventory, node.host).processes()
+    found = NvmlProcesses(nvml, lambda: state_node.inventory, state_node.host).processes()
     assert found == [ProcessUsage(pid=5, uuid=mig.uuid, memory_bytes=2 * GIB, sm_percent=30.0, pod_uid=POD_A,
                                   mps_client=True),
                      ProcessUsage(pid=6, uuid=gpu.uuid, memory_bytes=None, sm_percent=None, pod_uid=None)]
     nvml.samples = None  # utilisation not supported: memory still reported
-    assert [p.sm_percent for p in NvmlProcesses(nvml, lambda: node.inventory, node.host).processes()] == [None, None]
+    assert [p.sm_percent for p in NvmlProcesses(nvml, lambda: state_node.inventory,
+                                                state_node.host).processes()] == [None, None]
 
 
 class OldDriverNvml(FakeNvml):
@@ -193,20 +194,20 @@ class OldDriverNvml(FakeNvml):
         return self.mps
 
 
-def test_nvml_processes_fall_back_to_v2_on_a_driver_without_the_v3_calls(node: Node) -> None:
-    gpu = node.inventory.gpu_by_minor(0)
+def test_nvml_processes_fall_back_to_v2_on_a_driver_without_the_v3_calls(state_node: StateNode) -> None:
+    gpu = state_node.inventory.gpu_by_minor(0)
     assert gpu is not None
     nvml = OldDriverNvml(gpu.uuid, [proc(7, GIB)], [proc(8, GIB)], None)
-    found = NvmlProcesses(nvml, lambda: node.inventory, node.host).processes()
+    found = NvmlProcesses(nvml, lambda: state_node.inventory, state_node.host).processes()
     assert [(p.pid, p.memory_bytes) for p in found] == [(7, GIB), (8, GIB)]
 
 
 def test_watch_logs_once_when_over_an_unenforced_entitlement_and_inspect_shows_it(
-        node: Node, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    state, view = shared_node(node)
+        state_node: StateNode, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state, view = shared_node(state_node)
     state.prepare(reserved(claim("u2", "gpu-2-ts-0", name="ts-claim"), POD_B))
     procs = tmp_path / "procs.json"
-    procs.write_text(json.dumps([{"uuid": node.uuid(2), "pid": 20, "pod_uid": POD_B, "memory_bytes": 12 * GIB}]))
+    procs.write_text(json.dumps([{"uuid": state_node.uuid(2), "pid": 20, "pod_uid": POD_B, "memory_bytes": 12 * GIB}]))
     clock = iter(range(0, 100, 5))
     watch = ClaimUsageWatch(SimulatedProcesses(procs), state.ledger.read, lambda: view,
                             report_path=tmp_path / USAGE_FILE, clock=lambda: float(next(clock)))
@@ -218,7 +219,7 @@ def test_watch_logs_once_when_over_an_unenforced_entitlement_and_inspect_shows_i
     messages = [r.message for r in caplog.records if "entitlement" in r.message]
     assert messages == ["a claim's processes use more than its share's entitlement, which nothing enforces",
                         "a claim's processes are back within their share's entitlement"]
-    procs.write_text(json.dumps([{"uuid": node.uuid(2), "pid": 20, "pod_uid": POD_B, "memory_bytes": 12 * GIB}]))
+    procs.write_text(json.dumps([{"uuid": state_node.uuid(2), "pid": 20, "pod_uid": POD_B, "memory_bytes": 12 * GIB}]))
     watch.usage()
     report: dict[str, Any] = {"claims": [{"claim": "default/ts-claim", "devices": [{"device": "gpu-2-ts-0"}]}],
                               "problems": []}
@@ -240,8 +241,8 @@ def test_inspect_names_an_unreadable_usage_file(tmp_path: Path) -> None:
 
 
 def test_a_consumable_share_is_entitled_to_what_it_consumed_and_as_its_limits_are_advisory_going_over_shows(
-        node: Node) -> None:
-    gpu = node.inventory.gpu_by_minor(0)
+        state_node: StateNode) -> None:
+    gpu = state_node.inventory.gpu_by_minor(0)
     assert gpu is not None and gpu.multiprocessors == 132
     device = PreparedDeviceRecord(
         device=PreparedDevice(request_names=["r"], pool_name="p", device_name="gpu-0-shared", cdi_device_ids=[]),
@@ -277,23 +278,24 @@ def metric_samples(watch: ClaimUsageWatch) -> dict[tuple[str, tuple[tuple[str, s
         telemetry.shutdown()
 
 
-def test_mps_clients_memory_is_each_claims_while_their_sm_is_unknown_and_the_server_is_nobodys(node: Node) -> None:
-    state, view = shared_node(node)
+def test_mps_clients_memory_is_each_claims_while_their_sm_is_unknown_and_the_server_is_nobodys(
+        state_node: StateNode) -> None:
+    state, view = shared_node(state_node)
     state.prepare(reserved(claim("u1", "gpu-0-mps-0", name="a"), POD_A))
     state.prepare(reserved(claim("u2", "gpu-0-mps-1", name="b"), POD_B))
     cp = state.ledger.read()
     [daemon] = cp.mps_daemons.values()
-    gpu = node.inventory.gpu_by_minor(0)
+    gpu = state_node.inventory.gpu_by_minor(0)
     assert gpu is not None
     # As NVML reports MPS: the server in the compute list (with all the SM work), the clients in the MPS
     # list with their own memory, and no utilisation of their own (0 where NVML lists them at all).
-    proc_files(node.host, 100, POD_MPS_HOST, parent=daemon.pid)
-    proc_files(node.host, 101, POD_A)
-    proc_files(node.host, 102, POD_B)
+    proc_files(state_node.host, 100, POD_MPS_HOST, parent=daemon.pid)
+    proc_files(state_node.host, 101, POD_A)
+    proc_files(state_node.host, 102, POD_B)
     samples = [SimpleNamespace(pid=100, timeStamp=5, smUtil=80), SimpleNamespace(pid=101, timeStamp=5, smUtil=0),
                SimpleNamespace(pid=102, timeStamp=5, smUtil=0)]
     nvml = FakeNvml(gpu.uuid, [proc(100, 300 << 20)], [proc(101, 3 * GIB), proc(102, GIB)], samples)
-    found = NvmlProcesses(nvml, lambda: node.inventory, node.host).processes()
+    found = NvmlProcesses(nvml, lambda: state_node.inventory, state_node.host).processes()
     assert [(p.pid, p.mps_client, p.parent_pid, p.pod_uid) for p in found] == [
         (100, False, daemon.pid, POD_MPS_HOST), (101, True, 1, POD_A), (102, True, 1, POD_B)]
     usage = {u.claim: u for u in claim_usage(cp.claims.values(), found, view.targets, cp.layout,
@@ -304,22 +306,22 @@ def test_mps_clients_memory_is_each_claims_while_their_sm_is_unknown_and_the_ser
         assert (u.sm_percent, u.sm_unknown, u.over_entitlement) == (None, SM_UNKNOWN_MPS, [])
 
 
-def test_the_mps_server_is_no_claims_even_from_a_claims_pod(node: Node) -> None:
-    state, view = shared_node(node)
+def test_the_mps_server_is_no_claims_even_from_a_claims_pod(state_node: StateNode) -> None:
+    state, view = shared_node(state_node)
     state.prepare(reserved(claim("u1", "gpu-0-mps-0", name="a"), POD_A))
     cp = state.ledger.read()
     [daemon] = cp.mps_daemons.values()
     # Its cgroup is whatever its launcher's is; the daemon's parentage, not its pod, says it serves every client.
-    server = ProcessUsage(pid=100, uuid=node.uuid(0), memory_bytes=GIB, sm_percent=80.0, pod_uid=POD_A,
+    server = ProcessUsage(pid=100, uuid=state_node.uuid(0), memory_bytes=GIB, sm_percent=80.0, pod_uid=POD_A,
                           parent_pid=daemon.pid)
-    client = ProcessUsage(pid=101, uuid=node.uuid(0), memory_bytes=2 * GIB, pod_uid=POD_A, mps_client=True,
+    client = ProcessUsage(pid=101, uuid=state_node.uuid(0), memory_bytes=2 * GIB, pod_uid=POD_A, mps_client=True,
                           parent_pid=1)
     [u] = claim_usage(cp.claims.values(), [server, client], view.targets, cp.layout, mps_daemon_pids={daemon.pid})
     assert (u.pids, u.memory_bytes, u.sm_percent) == ((101,), 2 * GIB, None)
 
 
-def test_sm_on_a_mig_device_is_unknown_not_zero_and_inspect_says_so(node: Node, tmp_path: Path) -> None:
-    state, view = shared_node(node)
+def test_sm_on_a_mig_device_is_unknown_not_zero_and_inspect_says_so(state_node: StateNode, tmp_path: Path) -> None:
+    state, view = shared_node(state_node)
     state.prepare(reserved(claim("u3", "gpu-1-mig-1g10gb-6", name="mig-claim"), POD_A))
     mig_uuid = view.targets["gpu-1-mig-1g10gb-6"].cuda_uuid
     procs = tmp_path / "procs.json"
@@ -352,8 +354,8 @@ def consumable_record(gpu_uuid: str, *, admin: bool = False, kind: str = "consum
                        devices=[device], pod_uids=[POD_A])
 
 
-def test_no_over_entitlement_is_found_or_published_on_an_unknown_use(node: Node) -> None:
-    gpu = node.inventory.gpu_by_minor(0)
+def test_no_over_entitlement_is_found_or_published_on_an_unknown_use(state_node: StateNode) -> None:
+    gpu = state_node.inventory.gpu_by_minor(0)
     assert gpu is not None
     targets = {"gpu-0-shared": DeviceTarget(name="gpu-0-shared", kind="consumable", gpu=gpu)}
     # A consumable share's client with a high sample (the server's work, as NVML gives it) and no memory figure.
@@ -368,13 +370,13 @@ def test_no_over_entitlement_is_found_or_published_on_an_unknown_use(node: Node)
 
 
 def test_admin_access_devices_have_no_entitlement_and_raise_no_alarm(
-        node: Node, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    state, view = shared_node(node)
+        state_node: StateNode, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    state, view = shared_node(state_node)
     cp = state.ledger.read()
     # A monitoring claim on a time-slice share whose process uses more than a share's part of the GPU.
-    admin = consumable_record(node.uuid(2), admin=True, kind="timeslice", name="gpu-2-ts-0")
+    admin = consumable_record(state_node.uuid(2), admin=True, kind="timeslice", name="gpu-2-ts-0")
     procs = tmp_path / "procs.json"
-    procs.write_text(json.dumps([{"uuid": node.uuid(2), "pid": 20, "pod_uid": POD_A, "memory_bytes": 12 * GIB,
+    procs.write_text(json.dumps([{"uuid": state_node.uuid(2), "pid": 20, "pod_uid": POD_A, "memory_bytes": 12 * GIB,
                                   "sm_percent": 70}]))
     watch = ClaimUsageWatch(SimulatedProcesses(procs), lambda: cp.model_copy(update={"claims": {"u": admin}}),
                             lambda: view, report_path=tmp_path / USAGE_FILE)
@@ -405,8 +407,8 @@ def test_a_device_total_is_unknown_when_one_claims_memory_is(tmp_path: Path) -> 
     assert "device gpu-0-mps-0: memory ?, 2 process(es)" in "\n".join(render_usage(report))
 
 
-def test_a_whole_gpu_reports_its_processes_sm_unless_its_claim_runs_mps_on_it(node: Node) -> None:
-    gpu = node.inventory.gpu_by_minor(0)
+def test_a_whole_gpu_reports_its_processes_sm_unless_its_claim_runs_mps_on_it(state_node: StateNode) -> None:
+    gpu = state_node.inventory.gpu_by_minor(0)
     assert gpu is not None
     targets = {"gpu-0": DeviceTarget(name="gpu-0", kind="gpu", gpu=gpu)}
     plain = ProcessUsage(pid=1, uuid=gpu.uuid, memory_bytes=GIB, sm_percent=40.0, pod_uid=POD_A)

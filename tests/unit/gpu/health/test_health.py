@@ -17,7 +17,7 @@ from driver.gpu.health.nvmlsource import NO_INSTANCE, NvmlHealthSource
 from driver.gpu.health.published import taint_key, taints_decision, unhealthy_devices, with_taints
 from driver.gpu.health.xids import XID_TABLE, XidImpact, classify_xid, parse_ignored_xids
 from driver.gpu.published.devices import make_view
-from driver.gpu.published.sharelayout import GpuShares
+from driver.gpu.published.sharelayout import GpuForm
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.simulation.healthevents import SimulatedHealthEvents, parse_line
 
@@ -107,7 +107,7 @@ def test_the_monitor_counts_every_xid_and_tells_listeners_only_of_changes() -> N
 
 
 def test_health_reaches_the_whole_gpu_its_mig_devices_and_its_shares(inventory: Any) -> None:
-    shares = GpuShares(strategy="TimeSlicing", count=2, memory_bytes_per_share=1 << 30)
+    shares = GpuForm(strategy="TimeSlicing", count=2, memory_bytes_per_share=1 << 30)
     view = make_view(inventory, {gpu(inventory, 2).uuid: shares})
     mig = gpu(inventory, 1).mig_instances[0]
     health = apply_event({}, HealthEvent(gpu(inventory, 2).uuid, EventKind.LOST), (), now=1.0)

@@ -11,12 +11,12 @@ import pytest
 
 from driver.gpu.errors import PrepareError
 from driver.gpu.mps.control import MpsControl
-from driver.gpu.mps.limits import verify_limits
+from driver.gpu.mps.limits import check_and_restore_limits
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import Deadline
 from driver.units import GIB
-from tests.support.statenode import DRIVER, POOL, Node
+from tests.support.statenode import DRIVER, POOL, StateNode
 from tests.unit.gpu.published.test_consumable import consumable_state
 
 GPU = "GPU-192ee73f-f0c4-5207-b5c2-78bdcf4fae4d"
@@ -37,25 +37,25 @@ def consumed_claim(uid: str, consumed: dict[str, str]) -> ResourceClaim:
     ({"memory": "10Gi", "multiprocessors": "33500m"}, "multiprocessors"),
     ({"memory": "10737418240.9", "multiprocessors": "33"}, "memory"),
 ])
-def test_a_fractional_consumed_amount_is_refused_not_rounded(node: Node, consumed: dict[str, str],
+def test_a_fractional_consumed_amount_is_refused_not_rounded(state_node: StateNode, consumed: dict[str, str],
                                                               field: str) -> None:
-    state = consumable_state(node)
+    state = consumable_state(state_node)
     with pytest.raises(PrepareError, match=rf"consumedCapacity\.{field}: .* is not a whole number"):
         state.prepare(consumed_claim("a", consumed))
-    assert state.prepared_claims() == [] and node.mps.running == {}
+    assert state.prepared_claims() == [] and state_node.mps.running == {}
 
 
-def test_one_capacity_named_with_and_without_the_driver_domain_is_refused(node: Node) -> None:
+def test_one_capacity_named_with_and_without_the_driver_domain_is_refused(state_node: StateNode) -> None:
     # Which amount the scheduler counted is unknowable; the driver took the last one (1Gi) as the limit.
-    state = consumable_state(node)
+    state = consumable_state(state_node)
     with pytest.raises(PrepareError, match="consumedCapacity names 'memory' twice"):
         state.prepare(consumed_claim("a", {"memory": "10Gi", "multiprocessors": "33",
                                            f"{DRIVER}/memory": "1Gi"}))
-    assert state.prepared_claims() == [] and node.mps.running == {}
+    assert state.prepared_claims() == [] and state_node.mps.running == {}
     # One form alone, qualified or not, is the normal case.
     state.prepare(consumed_claim("b", {f"{DRIVER}/memory": "10Gi", "multiprocessors": "33"}))
-    [daemon] = node.mps.running.values()
-    assert daemon.spec.pinned_memory_limits == {node.uuid(0): 10 * GIB}
+    [daemon] = state_node.mps.running.values()
+    assert daemon.spec.pinned_memory_limits == {state_node.uuid(0): 10 * GIB}
 
 
 class DisplayingDaemon:
@@ -100,10 +100,10 @@ def test_a_pinned_limit_raised_within_its_displayed_gib_is_set_back(tmp_path: Pa
     daemon.send(record.pipe_dir, record.log_dir, "set_default_device_pinned_mem_limit 0 10240M\n"
                                                  "set_default_active_thread_percentage 25")
     daemon.send(record.pipe_dir, record.log_dir, "set_default_device_pinned_mem_limit 0 11263M")  # the tenant
-    assert verify_limits(control, record, deadline) == []  # nothing it can see changed, so nothing is reported
+    assert check_and_restore_limits(control, record, deadline) == []  # nothing it can see changed: none reported
     assert daemon.pinned_mib == {"0": 10240}, "the raised limit must not stay"
     # A change the read-back shows is still found, reported and restored once.
     daemon.send(record.pipe_dir, record.log_dir, "set_default_device_pinned_mem_limit 0 20480M")
-    drift = verify_limits(control, record, deadline)
+    drift = check_and_restore_limits(control, record, deadline)
     assert [(d.limit, d.found) for d in drift] == [("pinned_mem_limit/0", "20G")]
     assert daemon.pinned_mib == {"0": 10240}

@@ -552,15 +552,15 @@ def test_a_daemon_that_exits_by_itself_while_it_starts_failed_to_start(sim: Sim)
 def test_limits_a_client_changed_are_found_restored_and_read_back(anyd: Sim) -> None:
     manager = anyd.manager()
     record = manager.start(LIMITED)
-    assert manager.verify_limits(record) == []
+    assert manager.check_and_restore_limits(record) == []
     _tenant(anyd, record, "set_default_active_thread_percentage 100")
     _tenant(anyd, record, "set_default_device_pinned_mem_limit 0 79G")
-    drift = manager.verify_limits(record)
+    drift = manager.check_and_restore_limits(record)
     assert [(d.limit, d.found, d.expected) for d in drift] == [
         ("active_thread_percentage", "100.0", "40"), ("pinned_mem_limit/0", "79G", "2048M")]
     assert _tenant(anyd, record, "get_default_active_thread_percentage") == "40.0"
     assert _tenant(anyd, record, "get_default_device_pinned_mem_limit 0") == "2G"
-    assert manager.verify_limits(record) == []
+    assert manager.check_and_restore_limits(record) == []
     manager.stop(record)
 
 
@@ -569,7 +569,7 @@ def test_a_daemon_quit_while_its_limits_are_read_is_reported_stopped(sim: Sim) -
     record = manager.start(LIMITED)
     _tenant(sim, record, "quit")
     with pytest.raises(MpsDaemonStopped, match=f"{CLAIM_ID} .* stopped while its limits were checked"):
-        manager.verify_limits(record)
+        manager.check_and_restore_limits(record)
 
 
 def test_a_client_holding_the_control_socket_silent_is_let_go_and_the_limits_read_back(anyd: Sim) -> None:
@@ -583,7 +583,7 @@ def test_a_client_holding_the_control_socket_silent_is_let_go_and_the_limits_rea
         assert held.recv(64), "the daemon's greeting: it accepted the connection"
         poll_until(lambda: held_connection(record.pid) is not None, "the daemon to wait on the silent connection")
         held.settimeout(30)
-        assert manager.verify_limits(record, Deadline.after(10.0)) == []
+        assert manager.check_and_restore_limits(record, Deadline.after(10.0)) == []
         assert held.recv(64) == b"", "the daemon's end of the silent connection was shut down"
     assert manager.process_running(record), "nobody was signalled"
     manager.stop(record)
@@ -604,10 +604,10 @@ def test_a_client_holding_the_control_session_makes_a_read_back_say_the_socket_i
         holder.stdin.flush()
         poll_until(lambda: _control_log(record).count("NEW UI") > sessions, "the holder's session to open", limit=30)
         with pytest.raises(MpsBusy, match=f"another client held the daemon's control socket {record.pipe_dir}/control"):
-            manager.verify_limits(record, Deadline.after(1.0))
+            manager.check_and_restore_limits(record, Deadline.after(1.0))
     finally:
         holder.communicate(timeout=30)
-    assert manager.verify_limits(record) == []
+    assert manager.check_and_restore_limits(record) == []
     manager.stop(record)
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from driver.commands.inspect import inspect_status
 from driver.config import Settings
-from driver.gpu.claim.claimplan import plan_daemon_id, share_daemon_id
+from driver.gpu.claim.claimplan import share_daemon_id, shared_daemon_id
 from driver.gpu.mps import proc
 from driver.gpu.mps.dirs import DRIVER_DAEMON_DIR_NAME, driver_daemon_ids
 from driver.gpu.mps.hostcheck import HostConfig, LaunchRefused, check_launch, default_tools
@@ -146,7 +146,7 @@ def test_a_stop_is_bounded_by_the_callers_time_and_still_ends_the_daemon(sim: Si
 
 def test_the_orphan_sweep_knows_every_daemon_directory_form(tmp_path: Path) -> None:
     uid = "6f0c2d1e-8a4b-4c3d-9e2f-1a0b3c4d5e6f"
-    names = [plan_daemon_id(GPU), "claim-0123456789ab-0", share_daemon_id(uid), "probe-multi-user"]
+    names = [shared_daemon_id(GPU), "claim-0123456789ab-0", share_daemon_id(uid), "probe-multi-user"]
     for name in [*names, "share-0123", "share-0123456789ABCDEF", "tenant", "probe-x"]:
         (tmp_path / name).mkdir()
     assert driver_daemon_ids(tmp_path) == sorted(names)

@@ -30,7 +30,7 @@ from driver.gpu.mps.locallauncher import LocalLauncher
 from driver.gpu.mps.manager import MpsManager
 from driver.gpu.mps.model import MpsDaemonRecord, MpsDaemonSpec
 from driver.gpu.mps.shmmount import ShmTmpfs, is_mount_point, mount_tmpfs, unmount_all
-from driver.gpu.published.sharelayout import GpuShares
+from driver.gpu.published.sharelayout import GpuForm
 from driver.gpu.published.sharingplan import PlanError, load_plans
 from driver.gpu.runtime.sharing import _same_limits
 from driver.units import GIB, MIB
@@ -111,7 +111,7 @@ def test_records_and_layouts_written_before_shm_sizes_load_and_keep_their_daemon
               "process_start_time": 1}
     record = MpsDaemonRecord.model_validate(stored)
     assert record.spec.shm_size is None and record.shm_dir is None
-    shares = GpuShares.model_validate({"strategy": "MPS", "count": 2, "memory_bytes_per_share": GIB})
+    shares = GpuForm.model_validate({"strategy": "MPS", "count": 2, "memory_bytes_per_share": GIB})
     assert shares.shm_size_bytes is None
     # A plan that now names a size does not restart the running daemon under its clients.
     assert _same_limits(record.spec, spec.model_copy(update={"shm_size": 256 * MIB}))
@@ -170,7 +170,7 @@ def test_a_daemon_restarted_in_its_directories_keeps_its_tmpfs_for_its_clients(t
     assert seen.read_text() == "kept"
     assert len(mounts_under(top)) == 1, "not mounted twice"
     os.kill(second.pid, signal.SIGKILL)
-    launcher.release_shm(DAEMON, request.shm_dir)  # type: ignore[arg-type]
+    launcher.unmount_shm(DAEMON, request.shm_dir)  # type: ignore[arg-type]
     assert mounts_under(top) == []
 
 
@@ -217,9 +217,9 @@ def test_the_host_mounts_the_requested_size_in_its_namespace_and_unmounts_on_rel
         os.kill(launched.pid, signal.SIGKILL)
         poll_until(lambda: served.host.supervisor.running() == {}, "the daemon to be reaped")
         assert mounts_under(top) != [], "kept while the daemon may be restarted in its directories"
-        served.launcher.release_shm(DAEMON, request.shm_dir)
+        served.launcher.unmount_shm(DAEMON, request.shm_dir)
         assert mounts_under(top) == []
-        served.launcher.release_shm(DAEMON, request.shm_dir)  # nothing left: fine
+        served.launcher.unmount_shm(DAEMON, request.shm_dir)  # nothing left: fine
 
 
 def encode_release(daemon_id: str, shm_dir: Path) -> bytes:
@@ -271,7 +271,7 @@ def test_a_host_older_than_the_plugin_is_asked_again_without_a_size(tmp_path: Pa
         thread.start()
         launcher = MpsHostLauncher(path, shm_size=256 * MIB)
         assert launcher.launch(launch_request(tmp_path)).pid == os.getpid()
-        launcher.release_shm(DAEMON, tmp_path / DAEMON / "shm")
+        launcher.unmount_shm(DAEMON, tmp_path / DAEMON / "shm")
         thread.join(10)
     assert [("shm_size" in (r.get("launch") or {})) for r in seen] == [True, False, False]
     assert seen[0]["launch"]["shm_size"] == 256 * MIB

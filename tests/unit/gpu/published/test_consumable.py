@@ -18,7 +18,7 @@ from driver.gpu.published.consumable import (
     thread_percentage,
 )
 from driver.gpu.published.devices import make_view
-from driver.gpu.published.sharelayout import Enforcement, GpuShares
+from driver.gpu.published.sharelayout import Enforcement, GpuForm
 from driver.gpu.published.sharingplan import PlanError, SharingPlan, SharingPlans, resolve_layout
 from driver.gpu.recovery import recover
 from driver.kubeletplugin.claimmodel import ResourceClaim
@@ -27,7 +27,7 @@ from driver.simulation.apiobjects import slice_errors
 from driver.simulation.capacitypolicy import strip_consumable
 from driver.simulation.discovery import SimulatedDiscovery
 from driver.units import GIB
-from tests.support.statenode import DRIVER, POOL, Node, device_env, ref
+from tests.support.statenode import DRIVER, POOL, StateNode, device_env, ref
 
 INVENTORY = SimulatedDiscovery("demo", POOL).discover()
 H100 = INVENTORY.gpus[0]  # 85520809984 bytes (79.6 GiB), 132 SMs
@@ -38,7 +38,7 @@ def plan(consumable: dict[str, Any] | None = None, minor: int = 0) -> SharingPla
         {"plans": {"p": {"gpus": [{"match": {"minor": minor}, "consumable": consumable or {}}]}}}).plans["p"]
 
 
-def layout(consumable: dict[str, Any] | None = None, **kw: Any) -> dict[str, GpuShares]:
+def layout(consumable: dict[str, Any] | None = None, **kw: Any) -> dict[str, GpuForm]:
     return resolve_layout(plan(consumable), INVENTORY, "p", **kw)
 
 
@@ -124,48 +124,49 @@ def test_thread_percentage_rounds_down() -> None:
 # ----------------------------------------------------------------------------- prepare
 
 
-def consumable_state(node: Node) -> Any:
-    state = node.state()
-    state.apply_layout(make_view(node.inventory, {}), resolve_layout(plan(), node.inventory, "p"))
+def consumable_state(state_node: StateNode) -> Any:
+    state = state_node.state()
+    state.apply_layout(make_view(state_node.inventory, {}), resolve_layout(plan(), state_node.inventory, "p"))
     return state
 
 
-def restarted(node: Node) -> Any:
+def restarted(state_node: StateNode) -> Any:
     """The driver after a restart: recovery publishes what the checkpoint says, then the plan applies."""
-    state = node.state()
+    state = state_node.state()
     recover(state)
-    state.apply_layout(state.view, resolve_layout(plan(), node.inventory, "p"))
+    state.apply_layout(state.view, resolve_layout(plan(), state_node.inventory, "p"))
     return state
 
 
-def test_two_differently_sized_claims_get_their_own_daemons_and_limits(node: Node) -> None:
-    state = consumable_state(node)
+def test_two_differently_sized_claims_get_their_own_daemons_and_limits(state_node: StateNode) -> None:
+    state = consumable_state(state_node)
     [a] = state.prepare(shares_claim("a", "10Gi", "33"))
     [b] = state.prepare(shares_claim("b", "20Gi", "66"))
     assert (a.share_id, b.share_id) == ("share-a", "share-b")
-    daemons = {d.spec.pinned_memory_limits[node.uuid(0)]: d.spec for d in node.mps.running.values()}
+    daemons = {d.spec.pinned_memory_limits[state_node.uuid(0)]: d.spec for d in state_node.mps.running.values()}
     assert daemons[10 * GIB].active_thread_percentage == 25 and daemons[20 * GIB].active_thread_percentage == 50
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in device_env(node.spec_json("a"))
-    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M" in device_env(node.spec_json("b"))
-    assert node.modes.sets == [], "several MPS servers share the GPU: it stays in DEFAULT compute mode"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25" in device_env(state_node.spec_json("a"))
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=20480M" in device_env(state_node.spec_json("b"))
+    assert state_node.modes.sets == [], "several MPS servers share the GPU: it stays in DEFAULT compute mode"
     recorded = {c.uid: c.devices[0] for c in state.prepared_claims()}
     assert (recorded["a"].consumed_memory_bytes, recorded["a"].consumed_multiprocessors) == (10 * GIB, 33)
 
 
-def test_overcommit_is_refused_naming_the_amounts_and_unprepare_releases_exactly_one_share(node: Node) -> None:
-    state = consumable_state(node)
+def test_overcommit_is_refused_naming_the_amounts_and_unprepare_releases_exactly_one_share(
+        state_node: StateNode) -> None:
+    state = consumable_state(state_node)
     state.prepare(shares_claim("a", "40Gi", "66"))
     state.prepare(shares_claim("b", "30Gi", "33"))
     with pytest.raises(PrepareError, match=r"memory: 10Gi asked, 70Gi held by 2 other claim\(s\)"):
         state.prepare(shares_claim("c", "10Gi", "2"))
     with pytest.raises(PrepareError, match=r"multiprocessors: 34 asked, 99 held"):
         state.prepare(shares_claim("c", "9Gi", "34"))
-    assert {c.uid for c in state.prepared_claims()} == {"a", "b"} and len(node.mps.running) == 2
+    assert {c.uid for c in state.prepared_claims()} == {"a", "b"} and len(state_node.mps.running) == 2
     state.unprepare(ref("a"))
-    assert len(node.mps.running) == 1
+    assert len(state_node.mps.running) == 1
     state.prepare(shares_claim("c", "40Gi", "66"))  # a's share is free again, b's is still held
     with pytest.raises(PrepareError, match="would be overcommitted"):
-        restarted(node).prepare(shares_claim("d", "10Gi", "2"))  # a restarted driver counts them too
+        restarted(state_node).prepare(shares_claim("d", "10Gi", "2"))  # a restarted driver counts them too
 
 
 @pytest.mark.parametrize(("memory", "sms", "message"), [
@@ -174,12 +175,12 @@ def test_overcommit_is_refused_naming_the_amounts_and_unprepare_releases_exactly
     ("1536Mi", "4", r"memory 1536Mi \(1610612736 bytes\) is not a whole number of GiB from 1Gi to 79Gi"),
     ("2Gi", "1", "multiprocessors 1 is not 2 to 132"),
 ])
-def test_missing_or_out_of_policy_consumption_is_refused(node: Node, memory: str | None, sms: str | None,
+def test_missing_or_out_of_policy_consumption_is_refused(state_node: StateNode, memory: str | None, sms: str | None,
                                                         message: str) -> None:
-    state = consumable_state(node)
+    state = consumable_state(state_node)
     with pytest.raises(PrepareError, match=message):
         state.prepare(shares_claim("a", memory, sms))
-    assert state.prepared_claims() == [] and node.mps.running == {}
+    assert state.prepared_claims() == [] and state_node.mps.running == {}
 
 
 # ----------------------------------------------------------------------------- the doubles
@@ -235,11 +236,11 @@ def test_the_kubelet_stand_in_refuses_an_answer_without_the_allocations_share_id
         _check_share_ids("u", [device], {"gpu-0-shared": "s1"})
 
 
-def test_making_a_busy_gpu_consumable_is_deferred(node: Node) -> None:
-    state = node.state()
+def test_making_a_busy_gpu_consumable_is_deferred(state_node: StateNode) -> None:
+    state = state_node.state()
     state.prepare(shares_claim("whole", None, None, device="gpu-0"))
-    view, deferred = state.apply_layout(state.view, resolve_layout(plan(), node.inventory, "p"))
-    assert deferred == {node.uuid(0)} and "gpu-0" in view.targets and "gpu-0-shared" not in view.targets
+    view, deferred = state.apply_layout(state.view, resolve_layout(plan(), state_node.inventory, "p"))
+    assert deferred == {state_node.uuid(0)} and "gpu-0" in view.targets and "gpu-0-shared" not in view.targets
 
 
 def test_a_gpu_held_in_another_form_refuses_a_share() -> None:
@@ -251,8 +252,8 @@ def test_a_gpu_held_in_another_form_refuses_a_share() -> None:
         check_fits("gpu-0-shared", wanted, [HeldShare("default/whole", None)], policy)
 
 
-def test_one_claim_holding_a_consumable_gpu_twice_is_told_to_ask_once(node: Node) -> None:
-    state = consumable_state(node)
+def test_one_claim_holding_a_consumable_gpu_twice_is_told_to_ask_once(state_node: StateNode) -> None:
+    state = consumable_state(state_node)
     results = [{"request": request, "driver": DRIVER, "pool": POOL, "device": "gpu-0-shared", "shareID": request,
                 "consumedCapacity": {"memory": "2Gi", "multiprocessors": "4"}} for request in ("one", "two")]
     twice = ResourceClaim.model_validate({"metadata": {"name": "twice", "namespace": "default", "uid": "t"},

@@ -14,7 +14,7 @@ from driver.gpu.published.devices import (
     quantity_from_bytes,
     semver_from_nvidia,
 )
-from driver.gpu.published.sharelayout import GpuShares, SharingLayout
+from driver.gpu.published.sharelayout import GpuForm, SharingLayout
 from driver.kubeletplugin.slicelimits import limits_for
 from driver.kubeletplugin.slicemodel import Device
 from driver.kubeletplugin.slicevalidation import validate_devices
@@ -73,7 +73,7 @@ def mig(start: int, size: int, profile: str = "1g.10gb", ci_id: int = 0, **chang
     return MigInstance(**fields)
 
 
-def node(*gpus: GpuInfo) -> NodeInventory:
+def inventory_of(*gpus: GpuInfo) -> NodeInventory:
     return NodeInventory(driver_version="580.95.05", cuda_driver_version="13.0", gpus=gpus)
 
 
@@ -135,7 +135,7 @@ def test_quantity_from_bytes_rejects_negative() -> None:
 
 
 def test_whole_gpu_device() -> None:
-    [device] = published(node(h100(0)))
+    [device] = published(inventory_of(h100(0)))
     assert device.to_wire() == {
         "name": "gpu-0",
         "attributes": {
@@ -176,7 +176,7 @@ def test_unparsable_versions_are_left_out() -> None:
 
 
 def test_long_strings_are_cut_to_64_bytes() -> None:
-    [device] = published(node(h100(0, product_name="NVIDIA " + "é" * 40)))
+    [device] = published(inventory_of(h100(0, product_name="NVIDIA " + "é" * 40)))
     product = device.attributes["productName"].string
     assert product is not None
     assert len(product.encode()) <= 64
@@ -184,7 +184,7 @@ def test_long_strings_are_cut_to_64_bytes() -> None:
 
 
 def test_mig_capable_gpu_with_mig_disabled_is_published_whole() -> None:
-    [device] = published(node(h100(0, mig_enabled=False, mig_instances=(mig(0, 1),))))
+    [device] = published(inventory_of(h100(0, mig_enabled=False, mig_instances=(mig(0, 1),))))
     assert device.name == "gpu-0"
 
 
@@ -197,13 +197,13 @@ def test_mig_enabled_gpu_publishes_only_its_instances_in_placement_order() -> No
         mig_enabled=True,
         mig_instances=(mig(4, 4, "3g.40gb", gi_profile_id=9), mig(0, 1), mig(2, 2, "1g.20gb", gi_profile_id=15)),
     )
-    devices = published(node(gpu))
+    devices = published(inventory_of(gpu))
     assert [d.name for d in devices] == ["gpu-1-mig-1g10gb-0", "gpu-1-mig-1g20gb-2", "gpu-1-mig-3g40gb-4"]
 
 
 def test_mig_device_attributes_and_capacity() -> None:
     gpu = h100(1, mig_enabled=True, mig_instances=(mig(2, 2, "1g.20gb", uuid="MIG-abc", memory_bytes=20096 * MIB),))
-    [device] = published(node(gpu))
+    [device] = published(inventory_of(gpu))
     wire = device.to_wire()
     assert set(wire["attributes"]) == {"type", "uuid", "parentUUID", "profile"} | PARENT_KEYS
     assert wire["attributes"]["type"] == {"string": "mig"}
@@ -226,18 +226,18 @@ def test_mig_device_attributes_and_capacity() -> None:
 
 def test_mig_capacities_without_source_are_left_out() -> None:
     sparse = mig(0, 1, memory_bytes=None, decoders=None, encoders=None, jpeg_engines=None, ofa_engines=None)
-    [device] = published(node(h100(0, mig_enabled=True, mig_instances=(sparse,))))
+    [device] = published(inventory_of(h100(0, mig_enabled=True, mig_instances=(sparse,))))
     assert set(device.capacity) == {"multiprocessors", "copyEngines", "memorySlice0"}
 
 
 def test_mig_enabled_gpu_without_instances_publishes_nothing() -> None:
-    devices = published(node(h100(0), h100(1, mig_enabled=True), h100(2)))
+    devices = published(inventory_of(h100(0), h100(1, mig_enabled=True), h100(2)))
     assert [d.name for d in devices] == ["gpu-0", "gpu-2"]
 
 
 def test_compute_instances_sharing_a_gpu_instance_publish_one_device() -> None:
     gpu = h100(0, mig_enabled=True, mig_instances=(mig(0, 4, "1c.3g.40gb", ci_id=2), mig(0, 4, "1c.3g.40gb", ci_id=1)))
-    [device] = published(node(gpu))
+    [device] = published(inventory_of(gpu))
     assert device.name == "gpu-0-mig-1c3g40gb-0"
     assert device.attributes["uuid"].string == "MIG-0-1"
 
@@ -246,9 +246,9 @@ def test_compute_instances_sharing_a_gpu_instance_publish_one_device() -> None:
 
 
 def test_mps_share_devices() -> None:
-    shares = GpuShares(strategy="MPS", count=3, active_thread_percentage=33, memory_bytes_per_share=26 * GIB)
+    shares = GpuForm(strategy="MPS", count=3, active_thread_percentage=33, memory_bytes_per_share=26 * GIB)
     gpu = h100(0)
-    devices = published(node(gpu), {gpu.uuid: shares})
+    devices = published(inventory_of(gpu), {gpu.uuid: shares})
     assert [d.name for d in devices] == ["gpu-0-mps-0", "gpu-0-mps-1", "gpu-0-mps-2"]
     wire = devices[1].to_wire()
     assert set(wire["attributes"]) == PARENT_KEYS | {
@@ -281,18 +281,18 @@ def test_mps_shares_say_whether_several_uids_can_run_at_once(
     node_multi_user: bool, capability: str | None, multi_user: bool
 ) -> None:
     gpu = h100(0, cuda_compute_capability=capability)
-    shares = GpuShares(strategy="MPS", count=2, memory_bytes_per_share=GIB)
-    devices = published(node(gpu), {gpu.uuid: shares}, mps_multi_user=node_multi_user)
+    shares = GpuForm(strategy="MPS", count=2, memory_bytes_per_share=GIB)
+    devices = published(inventory_of(gpu), {gpu.uuid: shares}, mps_multi_user=node_multi_user)
     assert [d.to_wire()["attributes"]["mpsMultiUser"] for d in devices] == [{"bool": multi_user}] * 2
-    timesliced = published(node(gpu), {gpu.uuid: GpuShares(strategy="TimeSlicing", count=2,
+    timesliced = published(inventory_of(gpu), {gpu.uuid: GpuForm(strategy="TimeSlicing", count=2,
                                                                memory_bytes_per_share=GIB)}, mps_multi_user=True)
     assert all("mpsMultiUser" not in d.attributes for d in timesliced)
 
 
 def test_timeslice_share_devices() -> None:
     gpu = h100(3)
-    shares = GpuShares(strategy="TimeSlicing", count=2, memory_bytes_per_share=40 * GIB, interval="Long")
-    devices = published(node(gpu), {gpu.uuid: shares})
+    shares = GpuForm(strategy="TimeSlicing", count=2, memory_bytes_per_share=40 * GIB, interval="Long")
+    devices = published(inventory_of(gpu), {gpu.uuid: shares})
     assert [d.name for d in devices] == ["gpu-3-ts-0", "gpu-3-ts-1"]
     attributes = devices[0].to_wire()["attributes"]
     assert attributes["type"] == {"string": "timeslice"}
@@ -305,29 +305,29 @@ def test_timeslice_share_devices() -> None:
 
 def test_timeslice_interval_defaults_to_default() -> None:
     gpu = h100(0)
-    shares = GpuShares(strategy="TimeSlicing", count=2, memory_bytes_per_share=GIB)
-    [first, _] = published(node(gpu), {gpu.uuid: shares})
+    shares = GpuForm(strategy="TimeSlicing", count=2, memory_bytes_per_share=GIB)
+    [first, _] = published(inventory_of(gpu), {gpu.uuid: shares})
     assert first.attributes["timeSliceInterval"].string == "Default"
 
 
 def test_shared_gpu_is_not_also_published_whole_and_others_are() -> None:
     shared, whole = h100(0), h100(1)
-    shares = GpuShares(strategy="MPS", count=2, memory_bytes_per_share=GIB)
-    names = [d.name for d in published(node(whole, shared), {shared.uuid: shares})]
+    shares = GpuForm(strategy="MPS", count=2, memory_bytes_per_share=GIB)
+    names = [d.name for d in published(inventory_of(whole, shared), {shared.uuid: shares})]
     assert names == ["gpu-0-mps-0", "gpu-0-mps-1", "gpu-1"]
 
 
 def test_sharing_a_mig_enabled_gpu_is_refused() -> None:
     gpu = h100(2, mig_enabled=True, mig_instances=(mig(0, 1),))
-    shares = GpuShares(strategy="MPS", count=2, memory_bytes_per_share=GIB)
+    shares = GpuForm(strategy="MPS", count=2, memory_bytes_per_share=GIB)
     with pytest.raises(ValueError, match=r"minor 2\) has MIG enabled"):
-        published(node(gpu), {gpu.uuid: shares})
+        published(inventory_of(gpu), {gpu.uuid: shares})
 
 
 # --- node-wide properties ----------------------------------------------------------------------
 
 
-def _largest_node() -> tuple[NodeInventory, dict[str, GpuShares]]:
+def _largest_node() -> tuple[NodeInventory, dict[str, GpuForm]]:
     full = mig(0, 8, "7g.80gb", gi_profile_id=0, memory_bytes=81152 * MIB, multiprocessors=132, copy_engines=8)
     gpus = (
         h100(2, mig_enabled=True, mig_instances=(full,)),
@@ -336,9 +336,9 @@ def _largest_node() -> tuple[NodeInventory, dict[str, GpuShares]]:
         h100(3, mig_enabled=True, mig_instances=(mig(6, 1, "1g.10gb+me"), mig(0, 4, "3g.40gb"), mig(4, 2, "2g.20gb"))),
     )
     layout = {
-        gpus[2].uuid: GpuShares(strategy="MPS", count=48, active_thread_percentage=2, memory_bytes_per_share=GIB),
+        gpus[2].uuid: GpuForm(strategy="MPS", count=48, active_thread_percentage=2, memory_bytes_per_share=GIB),
     }
-    return node(*gpus), layout
+    return inventory_of(*gpus), layout
 
 
 def test_order_is_by_minor_then_placement_or_share_index() -> None:
@@ -364,7 +364,7 @@ def test_largest_devices_stay_within_the_api_limits() -> None:
 def test_too_many_memory_slices_is_an_error_not_an_invalid_slice() -> None:
     huge = mig(0, 16, "7g.160gb")
     with pytest.raises(ValueError, match="at most 32"):
-        published(node(h100(0, mig_enabled=True, mig_instances=(huge,))))
+        published(inventory_of(h100(0, mig_enabled=True, mig_instances=(huge,))))
 
 
 # --- the device index, from the same walk ------------------------------------------------------
@@ -373,8 +373,8 @@ def test_too_many_memory_slices_is_an_error_not_an_invalid_slice() -> None:
 def test_every_published_device_is_indexed_under_its_name_with_its_type() -> None:
     inventory, layout = _largest_node()
     timesliced = h100(4)
-    inventory = node(*inventory.gpus, timesliced)
-    layout = {**layout, timesliced.uuid: GpuShares(strategy="TimeSlicing", count=2, memory_bytes_per_share=GIB)}
+    inventory = inventory_of(*inventory.gpus, timesliced)
+    layout = {**layout, timesliced.uuid: GpuForm(strategy="TimeSlicing", count=2, memory_bytes_per_share=GIB)}
     view = make_view(inventory, layout)
     assert [d.name for d in view.devices] == list(view.targets)
     for device in view.devices:
@@ -391,7 +391,7 @@ def test_every_published_device_is_indexed_under_its_name_with_its_type() -> Non
 
 def test_the_indexed_mig_instance_is_the_published_one() -> None:
     gpu = h100(0, mig_enabled=True, mig_instances=(mig(0, 4, "1c.3g.40gb", ci_id=2), mig(0, 4, "1c.3g.40gb", ci_id=1)))
-    view = make_view(node(gpu), {})
+    view = make_view(inventory_of(gpu), {})
     [device] = view.devices
     target = view.targets[device.name]
     assert target.mig is not None and target.mig.ci_id == 1
@@ -400,9 +400,9 @@ def test_the_indexed_mig_instance_is_the_published_one() -> None:
 
 def test_view_keeps_its_own_layout_and_ignores_entries_for_absent_gpus() -> None:
     gpu = h100(0)
-    layout = {gpu.uuid: GpuShares(strategy="MPS", count=2, memory_bytes_per_share=GIB),
-              "GPU-not-on-this-node": GpuShares(strategy="MPS", count=2, memory_bytes_per_share=GIB)}
-    view = make_view(node(gpu), layout)
+    layout = {gpu.uuid: GpuForm(strategy="MPS", count=2, memory_bytes_per_share=GIB),
+              "GPU-not-on-this-node": GpuForm(strategy="MPS", count=2, memory_bytes_per_share=GIB)}
+    view = make_view(inventory_of(gpu), layout)
     layout.clear()
     assert set(view.layout) == {gpu.uuid, "GPU-not-on-this-node"}
     assert list(view.targets) == ["gpu-0-mps-0", "gpu-0-mps-1"]

@@ -9,24 +9,24 @@ import pytest
 
 from driver.gpu.published.devicenames import counter_set_name, parse_device_name
 from driver.gpu.published.devices import make_view
-from driver.gpu.published.sharelayout import DynamicMigPolicy, GpuShares
+from driver.gpu.published.sharelayout import DynamicMigPolicy, GpuForm
 from driver.gpu.published.targets import NodeView
 from driver.kubeletplugin.slicelimits import limits_for
 from driver.kubeletplugin.slicevalidation import validate_devices
 from driver.units import MIB
-from tests.support.mig import H100_MEMORY, h100, instance, l4, node
+from tests.support.mig import H100_MEMORY, h100, instance, inventory_of, l4
 
 ALL_H100 = ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")  # table order
 
 
-def dynamic(profiles: tuple[str, ...] = ALL_H100, whole: bool = True) -> GpuShares:
-    return GpuShares(strategy="DynamicMig", count=1, memory_bytes_per_share=H100_MEMORY,
+def dynamic(profiles: tuple[str, ...] = ALL_H100, whole: bool = True) -> GpuForm:
+    return GpuForm(strategy="DynamicMig", count=1, memory_bytes_per_share=H100_MEMORY,
                      dynamic_mig=DynamicMigPolicy(profiles=profiles, also_whole_gpu=whole))
 
 
 def view(*profiles: str, whole: bool = True, **gpu: Any) -> NodeView:
     g = h100(1, **gpu)
-    return make_view(node(g), {g.uuid: dynamic(profiles or ALL_H100, whole)})
+    return make_view(inventory_of(g), {g.uuid: dynamic(profiles or ALL_H100, whole)})
 
 
 def wire(v: NodeView, name: str) -> dict[str, Any]:
@@ -82,7 +82,7 @@ def test_whole_gpu_consumes_every_counter_and_stands_for_the_full_profile() -> N
     assert whole["consumesCounters"] == [
         {"counterSet": counter_set.name, "counters": counter_set.to_wire()["counters"]}]
     target = v.targets["gpu-1"]
-    assert target.kind == "gpu" and target.dynamic_mig and target.placement is not None
+    assert target.kind == "gpu" and target.creates_mig_instance and target.placement is not None
     assert (target.placement.profile.name, target.placement.start) == ("7g.80gb", 0)
 
 
@@ -94,10 +94,10 @@ def test_also_whole_gpu_false_leaves_the_whole_gpu_out() -> None:
 def test_targets_carry_the_placement_for_the_prepare_path() -> None:
     v = view("3g.40gb")
     target = v.targets["gpu-1-dynmig-3g40gb-4"]
-    assert target.kind == "mig" and target.mig is None and target.dynamic_mig
+    assert target.kind == "mig" and target.mig is None and target.creates_mig_instance
     assert target.placement is not None and target.placement.start == 4 and target.placement.size == 4
     assert target.placement.profile.gi_profile_id == 9 and target.placement.profile.ci_profile_id == 2
-    assert target.shares is not None and target.shares.strategy == "DynamicMig"
+    assert target.form is not None and target.form.strategy == "DynamicMig"
     assert target.memory_bytes == 40448 * MIB
     assert target.cuda_uuid == "GPU-h100-1", "no MIG UUID until the instance exists"
 
@@ -112,13 +112,13 @@ def test_own_instances_are_not_published_as_static_mig_devices() -> None:
     created = instance("1g.10gb", 2, gi_id=7)
     foreign = instance("1g.10gb", 5, gi_id=8)
     g = h100(0, instances=(created, foreign))
-    v = make_view(node(g), {}, own_instances={(g.uuid, 7)})
+    v = make_view(inventory_of(g), {}, own_instances={(g.uuid, 7)})
     assert [d.name for d in v.devices] == ["gpu-0-mig-1g10gb-5"]
 
 
 def test_a_dynamic_gpu_ignores_its_instances_they_are_its_claims_placements() -> None:
     g = h100(0, instances=(instance("1g.10gb", 2, gi_id=7),))
-    v = make_view(node(g), {g.uuid: dynamic(("1g.10gb",))})
+    v = make_view(inventory_of(g), {g.uuid: dynamic(("1g.10gb",))})
     assert "gpu-0-dynmig-1g10gb-2" in v.targets and v.targets["gpu-0-dynmig-1g10gb-2"].mig is None
 
 
@@ -129,7 +129,7 @@ def test_a_gpu_kept_dynamic_offers_nothing_over_an_instance_tessera_did_not_crea
     created = instance("3g.40gb", 4, gi_id=7, size=4)
     foreign = instance("1g.10gb", 1, gi_id=8)
     g = h100(0, instances=(created, foreign))
-    v = make_view(node(g), {g.uuid: dynamic()}, own_instances={(g.uuid, 7)})
+    v = make_view(inventory_of(g), {g.uuid: dynamic()}, own_instances={(g.uuid, 7)})
     over_foreign = {name for name, t in v.targets.items()
                     if t.placement is not None and t.placement.start <= 1 < t.placement.start + t.placement.size}
     assert over_foreign == set(), "no placement covering memory slice 1"
@@ -141,7 +141,7 @@ def test_a_gpu_kept_dynamic_offers_nothing_over_an_instance_tessera_did_not_crea
 
 def test_other_gpus_keep_their_forms_beside_a_dynamic_one() -> None:
     g = h100(0)
-    v = make_view(node(g, l4(1)), {g.uuid: dynamic(("7g.80gb",))})
+    v = make_view(inventory_of(g, l4(1)), {g.uuid: dynamic(("7g.80gb",))})
     assert [d.name for d in v.devices] == ["gpu-0", "gpu-0-dynmig-7g80gb-0", "gpu-1"]
     assert not wire(v, "gpu-1").get("consumesCounters") and len(v.counter_sets) == 1
 
@@ -149,19 +149,19 @@ def test_other_gpus_keep_their_forms_beside_a_dynamic_one() -> None:
 def test_a_gpu_without_mig_mode_cannot_be_dynamic() -> None:
     g = h100(0, mig_enabled=False)
     with pytest.raises(ValueError, match="not in MIG mode"):
-        make_view(node(g), {g.uuid: dynamic()})
+        make_view(inventory_of(g), {g.uuid: dynamic()})
 
 
 def test_a_dynamic_gpu_whose_profiles_vanished_publishes_nothing_rather_than_uncounted_devices() -> None:
     g = h100(0, table=())
-    v = make_view(node(g), {g.uuid: dynamic()})
+    v = make_view(inventory_of(g), {g.uuid: dynamic()})
     assert v.devices == () and v.counter_sets == ()
 
 
 def test_dynamic_form_needs_its_policy() -> None:
     with pytest.raises(ValueError, match="dynamic MIG policy goes with strategy DynamicMig"):
-        GpuShares(strategy="DynamicMig", count=1, memory_bytes_per_share=1)
+        GpuForm(strategy="DynamicMig", count=1, memory_bytes_per_share=1)
     with pytest.raises(ValueError, match="no share count"):
-        GpuShares(strategy="DynamicMig", count=2, memory_bytes_per_share=1,
+        GpuForm(strategy="DynamicMig", count=2, memory_bytes_per_share=1,
                   dynamic_mig=DynamicMigPolicy(profiles=("1g.10gb",)))
     assert dynamic().device_type == "mig"

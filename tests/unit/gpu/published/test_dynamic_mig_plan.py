@@ -18,7 +18,7 @@ from driver.gpu.discovery.inventory import GpuInfo
 from driver.gpu.published.planuse import plan_use, render_plan
 from driver.gpu.published.sharelayout import DynamicMigPolicy
 from driver.gpu.published.sharingplan import PlanError, SharingPlan, SharingPlans, load_plans, resolve_plan
-from tests.support.mig import h100, instance, l4, node
+from tests.support.mig import h100, instance, inventory_of, l4
 
 ALL_H100 = ("1g.10gb", "1g.10gb+me", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb")  # table order
 
@@ -80,7 +80,7 @@ def test_the_gate_is_a_top_level_key(tmp_path: Path) -> None:
 
 def test_a_mig_gpu_without_instances_is_dynamic_with_every_profile_by_default() -> None:
     gpu = h100(0)
-    resolved = resolve_plan(plan_of("dynamicMig: {}"), node(gpu), "p")
+    resolved = resolve_plan(plan_of("dynamicMig: {}"), inventory_of(gpu), "p")
     shares = resolved.layout[gpu.uuid]
     assert shares.strategy == "DynamicMig" and shares.dynamic_mig == DynamicMigPolicy(profiles=ALL_H100)
     assert resolved.notes == {}
@@ -89,13 +89,13 @@ def test_a_mig_gpu_without_instances_is_dynamic_with_every_profile_by_default() 
 def test_allowed_profiles_keep_the_gpus_order_and_the_whole_gpu_setting() -> None:
     gpu = h100(0)
     entry = "dynamicMig: {profiles: [3g.40gb, 1g.10gb], alsoWholeGpu: false}"
-    policy = resolve_plan(plan_of(entry), node(gpu), "p").layout[gpu.uuid].dynamic_mig
+    policy = resolve_plan(plan_of(entry), inventory_of(gpu), "p").layout[gpu.uuid].dynamic_mig
     assert policy == DynamicMigPolicy(profiles=("1g.10gb", "3g.40gb"), also_whole_gpu=False)
 
 
 def test_profiles_a_gpu_does_not_offer_are_reported_and_the_others_published() -> None:
     gpu = h100(0)
-    resolved = resolve_plan(plan_of("dynamicMig: {profiles: [1g.5gb, 1g.10gb]}"), node(gpu), "p")
+    resolved = resolve_plan(plan_of("dynamicMig: {profiles: [1g.5gb, 1g.10gb]}"), inventory_of(gpu), "p")
     assert resolved.layout[gpu.uuid].dynamic_mig == DynamicMigPolicy(profiles=("1g.10gb",))
     assert resolved.notes[gpu.uuid].startswith(
         "dynamicMig.profiles 1g.5gb not offered by this GPU (it offers 1g.10gb, ")
@@ -103,7 +103,7 @@ def test_profiles_a_gpu_does_not_offer_are_reported_and_the_others_published() -
 
 def test_no_allowed_profile_on_a_gpu_is_a_plan_error_naming_entry_and_gpu() -> None:
     with pytest.raises(PlanError) as info:
-        resolve_plan(plan_of("dynamicMig: {profiles: [1g.5gb, 3g.20gb]}"), node(h100(0)), "p")
+        resolve_plan(plan_of("dynamicMig: {profiles: [1g.5gb, 3g.20gb]}"), inventory_of(h100(0)), "p")
     assert str(info.value) == (
         "plans.p.gpus[0] (GPU minor 0, GPU-h100-0, NVIDIA H100 80GB HBM3): dynamicMig.profiles: none of 1g.5gb, "
         "3g.20gb is offered by this GPU; it offers 1g.10gb, 1g.10gb+me, 1g.20gb, 2g.20gb, 3g.40gb, 4g.40gb, 7g.80gb")
@@ -120,14 +120,14 @@ def test_no_allowed_profile_on_a_gpu_is_a_plan_error_naming_entry_and_gpu() -> N
     (h100(0, memory_bytes=None), "its memory size or a profile spanning all 8 memory slices is unknown"),
 ])
 def test_gpus_that_cannot_be_dynamic_keep_their_form_and_say_why(gpu: GpuInfo, note: str) -> None:
-    resolved = resolve_plan(plan_of("dynamicMig: {}"), node(gpu), "p")
+    resolved = resolve_plan(plan_of("dynamicMig: {}"), inventory_of(gpu), "p")
     assert resolved.layout == {}
     assert resolved.notes[gpu.uuid].startswith(note)
 
 
 def test_a_server_without_partitionable_devices_gets_no_placements() -> None:
     gpu = h100(0)
-    resolved = resolve_plan(plan_of("dynamicMig: {}"), node(gpu), "p", partitionable_supported=False)
+    resolved = resolve_plan(plan_of("dynamicMig: {}"), inventory_of(gpu), "p", partitionable_supported=False)
     assert resolved.layout == {}
     assert "the API server does not keep partitionable devices" in resolved.notes[gpu.uuid]
 
@@ -135,19 +135,19 @@ def test_a_server_without_partitionable_devices_gets_no_placements() -> None:
 def test_instances_tessera_created_keep_the_gpu_dynamic() -> None:
     gpu = h100(0, instances=(instance("3g.40gb", 4, gi_id=5, size=4),))
     entry = plan_of("dynamicMig: {}")
-    assert resolve_plan(entry, node(gpu), "p").layout == {}
-    resolved = resolve_plan(entry, node(gpu), "p", own_instances={(gpu.uuid, 5)})
+    assert resolve_plan(entry, inventory_of(gpu), "p").layout == {}
+    resolved = resolve_plan(entry, inventory_of(gpu), "p", own_instances={(gpu.uuid, 5)})
     assert resolved.layout[gpu.uuid].strategy == "DynamicMig" and resolved.notes == {}
 
 
 def test_time_slicing_and_mps_on_a_mig_gpu_are_still_refused() -> None:
     for entry in ("mps: {shares: 2}", "timeSlicing: {shares: 2}"):
         with pytest.raises(PlanError, match="not possible on a MIG-enabled GPU"):
-            resolve_plan(plan_of(entry, match="{minor: 0}"), node(h100(0)), "p")
+            resolve_plan(plan_of(entry, match="{minor: 0}"), inventory_of(h100(0)), "p")
 
 
 def test_a_product_match_makes_only_the_h100s_dynamic_and_the_l4_says_nothing() -> None:
-    gpus = node(h100(0), l4(1))
+    gpus = inventory_of(h100(0), l4(1))
     resolved = resolve_plan(plan_of("dynamicMig: {}", match='{product: "NVIDIA H100*"}'), gpus, "p")
     assert list(resolved.layout) == ["GPU-h100-0"] and resolved.notes == {}
 
@@ -156,7 +156,7 @@ def test_a_product_match_makes_only_the_h100s_dynamic_and_the_l4_says_nothing() 
 
 
 def test_the_reason_is_logged_once_per_gpu(caplog: pytest.LogCaptureFixture) -> None:
-    gpus = node(h100(0), l4(1))
+    gpus = inventory_of(h100(0), l4(1))
     plan = plan_of("dynamicMig: {profiles: [1g.10gb]}")
     resolved = resolve_plan(plan, gpus, "p")
     use = plan_use(plan, "p", Path("plans.yaml"), "test", gpus, resolved.layout, resolved.notes)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
-from driver.gpu.published.sharelayout import GpuShares
+from driver.gpu.published.sharelayout import GpuForm
 from driver.gpu.published.sharingplan import (
     PlanError,
     SharingPlan,
@@ -47,7 +47,7 @@ T4 = GpuInfo(minor=2, index=2, uuid="GPU-t4-2", product_name="Tesla T4", memory_
 T4_NO_MEMORY = GpuInfo(minor=3, index=3, uuid="GPU-t4-3", product_name="Tesla T4")
 
 
-def node(*gpus: GpuInfo) -> NodeInventory:
+def inventory_of(*gpus: GpuInfo) -> NodeInventory:
     return NodeInventory(driver_version="580.95.05", gpus=gpus)
 
 
@@ -273,9 +273,9 @@ def test_label_naming_an_unknown_plan_lists_the_known_ones() -> None:
 
 
 def test_mps_defaults_split_threads_and_memory_equally() -> None:
-    layout = resolve_layout(plan({"match": {"uuid": "GPU-t4-2"}, "mps": {"shares": 3}}), node(A100, T4), "p")
+    layout = resolve_layout(plan({"match": {"uuid": "GPU-t4-2"}, "mps": {"shares": 3}}), inventory_of(A100, T4), "p")
     assert layout == {
-        "GPU-t4-2": GpuShares(
+        "GPU-t4-2": GpuForm(
             strategy="MPS",
             count=3,
             active_thread_percentage=33,  # floor(100 / 3)
@@ -290,9 +290,9 @@ def test_mps_explicit_values_are_used_and_rounded_to_whole_mib() -> None:
         "mps": {"shares": 4, "activeThreadPercentage": 50, "pinnedMemoryLimit": 10 * GIB + 100},
         "allowMultipleSharesPerClaim": True,
     }
-    layout = resolve_layout(plan(entry), node(A100, T4), "p")
+    layout = resolve_layout(plan(entry), inventory_of(A100, T4), "p")
     assert layout == {
-        "GPU-a100-0": GpuShares(
+        "GPU-a100-0": GpuForm(
             strategy="MPS",
             count=4,
             active_thread_percentage=50,
@@ -303,13 +303,13 @@ def test_mps_explicit_values_are_used_and_rounded_to_whole_mib() -> None:
 
 
 def test_time_slicing_defaults_and_explicit_values() -> None:
-    layout = resolve_layout(plan({"match": {"all": True}, "timeSlicing": {"shares": 4}}), node(A100), "p")
-    assert layout["GPU-a100-0"] == GpuShares(
+    layout = resolve_layout(plan({"match": {"all": True}, "timeSlicing": {"shares": 4}}), inventory_of(A100), "p")
+    assert layout["GPU-a100-0"] == GpuForm(
         strategy="TimeSlicing", count=4, memory_bytes_per_share=10 * GIB, interval="Default"
     )
     explicit = {"match": {"minor": 0}, "timeSlicing": {"shares": 2, "interval": "Long", "memoryPerShare": "3Gi"}}
-    layout = resolve_layout(plan(explicit), node(A100), "p")
-    assert layout["GPU-a100-0"] == GpuShares(
+    layout = resolve_layout(plan(explicit), inventory_of(A100), "p")
+    assert layout["GPU-a100-0"] == GpuForm(
         strategy="TimeSlicing", count=2, memory_bytes_per_share=3 * GIB, interval="Long"
     )
 
@@ -320,28 +320,29 @@ def test_first_matching_entry_wins_and_unmatched_gpus_stay_whole() -> None:
         {"match": {"product": "Tesla*"}, "timeSlicing": {"shares": 2, "memoryPerShare": "1Gi"}},
         {"match": {"all": True}, "mps": {"shares": 8}},
     )
-    layout = resolve_layout(shared_plan, node(A100, T4, T4_NO_MEMORY), "p")
+    layout = resolve_layout(shared_plan, inventory_of(A100, T4, T4_NO_MEMORY), "p")
     assert set(layout) == {"GPU-t4-3", "GPU-a100-0"}  # T4 minor 2 is whole by the first entry
     assert layout["GPU-t4-3"].strategy == "TimeSlicing"
     assert layout["GPU-a100-0"].strategy == "MPS"
 
 
 def test_product_glob_is_case_sensitive() -> None:
-    assert resolve_layout(plan({"match": {"product": "nvidia a100*"}, "mps": {"shares": 2}}), node(A100), "p") == {}
+    assert resolve_layout(plan({"match": {"product": "nvidia a100*"}, "mps": {"shares": 2}}), inventory_of(A100),
+                          "p") == {}
 
 
 def test_empty_plan_publishes_everything_whole() -> None:
-    assert resolve_layout(SharingPlan(), node(A100, T4), None) == {}
+    assert resolve_layout(SharingPlan(), inventory_of(A100, T4), None) == {}
 
 
 def test_mig_enabled_gpu_matched_as_whole_is_fine() -> None:
-    assert resolve_layout(plan({"match": {"minor": 1}, "whole": True}), node(A100_MIG), "p") == {}
+    assert resolve_layout(plan({"match": {"minor": 1}, "whole": True}), inventory_of(A100_MIG), "p") == {}
 
 
 @pytest.mark.parametrize(("form", "strategy"), [("mps", "MPS"), ("timeSlicing", "time slicing")])
 def test_sharing_a_mig_enabled_gpu_named_by_minor_is_an_error(form: str, strategy: str) -> None:
     with pytest.raises(PlanError) as info:
-        resolve_layout(plan({"match": {"minor": 1}, form: {"shares": 2}}), node(A100, A100_MIG), "a100")
+        resolve_layout(plan({"match": {"minor": 1}, form: {"shares": 2}}), inventory_of(A100, A100_MIG), "a100")
     assert str(info.value).startswith(
         "plans.a100.gpus[0] (GPU minor 1, GPU-a100-1, NVIDIA A100-SXM4-40GB): "
         f"{strategy} sharing is not possible on a MIG-enabled GPU"
@@ -359,7 +360,7 @@ def test_sharing_a_mig_enabled_gpu_named_by_minor_is_an_error(form: str, strateg
 )
 def test_memory_errors_name_entry_and_gpu(form: dict[str, Any], expected: str) -> None:
     with pytest.raises(PlanError) as info:
-        resolve_layout(plan({"match": {"minor": 0}, **form}), node(A100), "p")
+        resolve_layout(plan({"match": {"minor": 0}, **form}), inventory_of(A100), "p")
     prefix = "plans.p.gpus[0] (GPU minor 0, GPU-a100-0, NVIDIA A100-SXM4-40GB): "
     assert str(info.value).startswith(prefix + expected)
 
@@ -370,7 +371,7 @@ def test_memory_errors_name_entry_and_gpu(form: dict[str, Any], expected: str) -
 )
 def test_gpu_without_known_memory_needs_an_explicit_value(form: dict[str, Any], field: str) -> None:
     with pytest.raises(PlanError) as info:
-        resolve_layout(plan({"match": {"minor": 3}, **form}), node(T4_NO_MEMORY), "p")
+        resolve_layout(plan({"match": {"minor": 3}, **form}), inventory_of(T4_NO_MEMORY), "p")
     message = str(info.value)
     assert message.startswith("plans.p.gpus[0] (GPU minor 3, GPU-t4-3, Tesla T4): the GPU's memory size is unknown")
     assert field in message
@@ -379,12 +380,12 @@ def test_gpu_without_known_memory_needs_an_explicit_value(form: dict[str, Any], 
 def test_gpu_too_small_for_the_default_share_is_an_error() -> None:
     tiny = GpuInfo(minor=5, index=5, uuid="GPU-tiny", product_name="Tiny", memory_bytes=3 * MIB)
     with pytest.raises(PlanError, match=r"gpus\[0\] \(GPU minor 5, GPU-tiny, Tiny\): .* less than 1 MiB to each of 4"):
-        resolve_layout(plan({"match": {"all": True}, "mps": {"shares": 4}}), node(tiny), "p")
+        resolve_layout(plan({"match": {"all": True}, "mps": {"shares": 4}}), inventory_of(tiny), "p")
 
 
 def test_gpu_without_known_memory_accepts_an_explicit_value() -> None:
     layout = resolve_layout(
-        plan({"match": {"minor": 3}, "mps": {"shares": 2, "pinnedMemoryLimit": "4Gi"}}), node(T4_NO_MEMORY), "p"
+        plan({"match": {"minor": 3}, "mps": {"shares": 2, "pinnedMemoryLimit": "4Gi"}}), inventory_of(T4_NO_MEMORY), "p"
     )
     assert layout["GPU-t4-3"].memory_bytes_per_share == 4 * GIB
 
@@ -392,7 +393,8 @@ def test_gpu_without_known_memory_accepts_an_explicit_value() -> None:
 def test_errors_for_several_gpus_are_all_reported() -> None:
     with pytest.raises(PlanError) as info:
         resolve_layout(plan({"match": {"product": "*"}, "mps": {"shares": 2}},
-                            {"match": {"migProfile": "*"}, "mps": {"shares": 40}}), node(A100_MIG, T4_NO_MEMORY), "p")
+                            {"match": {"migProfile": "*"},
+                             "mps": {"shares": 40}}), inventory_of(A100_MIG, T4_NO_MEMORY), "p")
     assert len(str(info.value).splitlines()) == 2
 
 
@@ -402,18 +404,18 @@ def test_entries_matching_no_gpu_are_listed() -> None:
         {"match": {"minor": 0}, "whole": True},
         {"match": {"uuid": "GPU-gone"}, "whole": True},
     )
-    assert entries_matching_no_gpu(shared_plan, node(A100), "p") == [
+    assert entries_matching_no_gpu(shared_plan, inventory_of(A100), "p") == [
         "plans.p.gpus[0] (match product: NVIDIA H100*)",
         "plans.p.gpus[2] (match uuid: GPU-gone)",
     ]
     # Matching no GPU is not an error for resolution.
-    assert resolve_layout(shared_plan, node(A100), "p") == {}
+    assert resolve_layout(shared_plan, inventory_of(A100), "p") == {}
 
 
 def test_layout_changes() -> None:
-    mps4 = GpuShares(strategy="MPS", count=4, active_thread_percentage=25, memory_bytes_per_share=GIB)
-    mps2 = GpuShares(strategy="MPS", count=2, active_thread_percentage=50, memory_bytes_per_share=GIB)
-    ts4 = GpuShares(strategy="TimeSlicing", count=4, memory_bytes_per_share=GIB, interval="Default")
+    mps4 = GpuForm(strategy="MPS", count=4, active_thread_percentage=25, memory_bytes_per_share=GIB)
+    mps2 = GpuForm(strategy="MPS", count=2, active_thread_percentage=50, memory_bytes_per_share=GIB)
+    ts4 = GpuForm(strategy="TimeSlicing", count=4, memory_bytes_per_share=GIB, interval="Default")
     old = {"GPU-a": mps4, "GPU-b": mps4, "GPU-c": ts4}
     new = {"GPU-a": mps4.model_copy(), "GPU-b": mps2, "GPU-d": ts4}
     assert layout_changes(old, new) == {"GPU-b", "GPU-c", "GPU-d"}
@@ -425,7 +427,7 @@ def test_one_problem_on_many_gpus_of_an_entry_is_one_line_naming_them_all() -> N
     second = A100.model_copy(update={"minor": 4, "index": 4, "uuid": "GPU-a100-4"})
     with pytest.raises(PlanError) as info:
         resolve_layout(plan({"match": {"all": True}, "mps": {"shares": 4, "pinnedMemoryLimit": "11Gi"}}),
-                       node(A100, second, T4), "p")
+                       inventory_of(A100, second, T4), "p")
     lines = str(info.value).splitlines()
     assert lines[0] == ("plans.p.gpus[0] (2 GPUs, minors 0, 4, NVIDIA A100-SXM4-40GB): 4 shares x "
                         "mps.pinnedMemoryLimit 11264 MiB is more than the GPU's 40960 MiB; lower "
@@ -437,7 +439,7 @@ def test_one_problem_on_many_gpus_of_an_entry_is_one_line_naming_them_all() -> N
 @pytest.mark.parametrize("form", ["mps", "timeSlicing"])
 def test_an_entry_for_a_family_of_gpus_splits_the_others_and_passes_over_a_mig_enabled_one(
         match: dict[str, Any], form: str) -> None:
-    resolved = resolve_plan(plan({"match": match, form: {"shares": 2}}), node(A100, A100_MIG), "p")
+    resolved = resolve_plan(plan({"match": match, form: {"shares": 2}}), inventory_of(A100, A100_MIG), "p")
     assert set(resolved.layout) == {"GPU-a100-0"}, "the MIG GPU is published as its MIG devices"
     assert resolved.notes["GPU-a100-1"].startswith("plans.p.gpus[0] (match ")
     assert "does not split a MIG-enabled GPU: its MIG instances are published" in resolved.notes["GPU-a100-1"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from driver.gpu.discovery.inventory import GpuInfo, MigInstance, NodeInventory
 from driver.gpu.published.devices import make_view
-from driver.gpu.published.sharelayout import DynamicMigPolicy, GpuShares, SharingLayout
+from driver.gpu.published.sharelayout import DynamicMigPolicy, GpuForm, SharingLayout
 from driver.gpu.published.targets import DeviceTarget, drop_unfit, merge_layout
 from driver.units import GIB
 
@@ -13,12 +13,12 @@ def index_devices(inventory: NodeInventory, layout: SharingLayout) -> dict[str, 
     return make_view(inventory, layout).targets
 
 
-def _mps(count: int = 2) -> GpuShares:
-    return GpuShares(strategy="MPS", count=count, active_thread_percentage=50, memory_bytes_per_share=10 * GIB)
+def _mps(count: int = 2) -> GpuForm:
+    return GpuForm(strategy="MPS", count=count, active_thread_percentage=50, memory_bytes_per_share=10 * GIB)
 
 
-def _ts(count: int = 2) -> GpuShares:
-    return GpuShares(strategy="TimeSlicing", count=count, memory_bytes_per_share=10 * GIB, interval="Long")
+def _ts(count: int = 2) -> GpuForm:
+    return GpuForm(strategy="TimeSlicing", count=count, memory_bytes_per_share=10 * GIB, interval="Long")
 
 
 def test_without_a_layout_whole_gpus_and_only_mig_devices_of_mig_gpus(demo: NodeInventory) -> None:
@@ -35,7 +35,7 @@ def test_without_a_layout_whole_gpus_and_only_mig_devices_of_mig_gpus(demo: Node
 def test_whole_gpu_target_addresses_the_gpu(demo: NodeInventory) -> None:
     target = index_devices(demo, {})["gpu-0"]
     gpu0 = demo.gpus[0]
-    assert target.gpu == gpu0 and target.mig is None and target.shares is None
+    assert target.gpu == gpu0 and target.mig is None and target.form is None
     assert target.cuda_uuid == gpu0.uuid
     assert target.memory_bytes == gpu0.memory_bytes
 
@@ -57,7 +57,7 @@ def test_gpus_in_the_layout_are_published_as_shares_only(demo: NodeInventory) ->
     assert sorted(mps) == ["gpu-0-mps-0", "gpu-0-mps-1", "gpu-0-mps-2"]
     for k in range(3):
         t = mps[f"gpu-0-mps-{k}"]
-        assert (t.kind, t.share_index, t.gpu, t.shares) == ("mps", k, gpu0, _mps(3))
+        assert (t.kind, t.share_index, t.gpu, t.form) == ("mps", k, gpu0, _mps(3))
     ts = {n: t for n, t in targets.items() if n.startswith("gpu-2-")}
     assert sorted(ts) == ["gpu-2-ts-0", "gpu-2-ts-1"]
     assert {t.kind for t in ts.values()} == {"timeslice"}
@@ -157,7 +157,7 @@ def test_merge_does_not_modify_its_inputs() -> None:
 def test_forms_the_gpus_mig_mode_no_longer_allows_are_dropped_or_replaced_by_a_fitting_one() -> None:
     # A busy GPU keeps its form (merge_layout), unless an operator switched its MIG mode (a GPU reset): then
     # keeping it would make every view of the node fail.
-    dynamic = GpuShares(strategy="DynamicMig", count=1, memory_bytes_per_share=80 * GIB,
+    dynamic = GpuForm(strategy="DynamicMig", count=1, memory_bytes_per_share=80 * GIB,
                         dynamic_mig=DynamicMigPolicy(profiles=("1g.10gb",)))
     into_mig = GpuInfo(minor=0, index=0, uuid="A", product_name="H100", mig_capable=True, mig_enabled=True)
     out_of_mig = GpuInfo(minor=1, index=1, uuid="B", product_name="H100", mig_capable=True, mig_enabled=False)

@@ -31,7 +31,7 @@ from driver.gpu.runtime.migclaims import (
 )
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.types import PreparedDevice
-from tests.support.mig import h100, instance, node
+from tests.support.mig import h100, instance, inventory_of
 from tests.support.statenode import gpu_config
 
 DRIVER = "gpu.tessera.dev"
@@ -42,7 +42,7 @@ def view(*instances: Any) -> NodeView:
     gpu = h100(0, instances=tuple(instances))
     shares, _ = dynamic_mig_form(DynamicMigEntry(), h100(0), supported=True, own=())
     assert shares is not None
-    return make_view(node(gpu, h100(1, mig_enabled=False)), {gpu.uuid: shares},
+    return make_view(inventory_of(gpu, h100(1, mig_enabled=False)), {gpu.uuid: shares},
                      own_instances={(gpu.uuid, i.gi_id) for i in instances})
 
 
@@ -56,9 +56,9 @@ def claim(uid: str, *devices: str, configs: list[dict[str, Any]] | None = None, 
 
 
 def planned(uid: str, *devices: str, **kwargs: Any) -> ClaimPlan:
-    plan = plan_claim(claim(uid, *devices, **kwargs), driver_name=DRIVER, pool_name="p", view=view())
-    assert plan is not None
-    return plan
+    claim_plan = plan_claim(claim(uid, *devices, **kwargs), driver_name=DRIVER, pool_name="p", view=view())
+    assert claim_plan is not None
+    return claim_plan
 
 
 def mig_mps(**mps: Any) -> dict[str, Any]:
@@ -67,8 +67,8 @@ def mig_mps(**mps: Any) -> dict[str, Any]:
         "sharing": {"strategy": "MPS", **({"mpsConfig": mps} if mps else {})}}}}
 
 
-def record_of(plan: ClaimPlan, *ids: tuple[int, int, str]) -> ClaimRecord:
-    record = started_record(plan, NAMES, "p", None, "now")
+def record_of(claim_plan: ClaimPlan, *ids: tuple[int, int, str]) -> ClaimRecord:
+    record = started_record(claim_plan, NAMES, "p", None, "now")
     for dev, (gi, ci, uuid) in zip(record.devices, ids, strict=False):
         dev.mig_gi_id, dev.mig_ci_id, dev.mig_uuid = gi, ci, uuid
     return record
@@ -112,8 +112,8 @@ def test_an_instance_with_a_recorded_id_but_another_mig_uuid_is_not_own() -> Non
     made = record_of(planned("a", "gpu-0-dynmig-3g40gb-4"), (3, 0, "MIG-a"))
     other = instance("3g.40gb", 4, gi_id=3, size=4).model_copy(update={"gi_profile_id": 9, "uuid": "MIG-other"})
     cp = Checkpoint(claims={"a": made})
-    assert own_instances(cp, node(h100(0, instances=(other,)))) == set()
-    assert own_instances(cp, node(h100(0, instances=(other.model_copy(update={"uuid": "MIG-a"}),)))) == {
+    assert own_instances(cp, inventory_of(h100(0, instances=(other,)))) == set()
+    assert own_instances(cp, inventory_of(h100(0, instances=(other.model_copy(update={"uuid": "MIG-a"}),)))) == {
         ("GPU-h100-0", 3)}
     assert own_instances(cp) == {("GPU-h100-0", 3)}, "without an inventory: the recorded ids"
 
@@ -124,7 +124,7 @@ def test_an_instance_a_create_in_progress_made_is_own_too() -> None:
     creating.devices[0].dynamic_mig.create_started = True
     made = instance("3g.40gb", 4, gi_id=5, size=4).model_copy(update={"gi_profile_id": 9})
     someone_elses = instance("1g.10gb", 0, gi_id=6)
-    inventory = node(h100(0, instances=(made, someone_elses)))
+    inventory = inventory_of(h100(0, instances=(made, someone_elses)))
     cp = Checkpoint(claims={"a": creating})
     assert own_instances(cp) == set()
     assert own_instances(cp, inventory) == {("GPU-h100-0", 5)}
@@ -139,18 +139,18 @@ def test_an_instance_a_create_in_progress_made_is_own_too() -> None:
 ])
 def test_a_placement_meeting_another_claims_is_refused(device: str, refused: bool) -> None:
     cp = Checkpoint(claims={"a": record_of(planned("a", "gpu-0-dynmig-3g40gb-4"))})
-    plan = planned("b", device)
+    claim_plan = planned("b", device)
     if refused:
         with pytest.raises(PrepareError, match=r"claim ns/c-a \(a\) holds; the allocation is stale"):
-            check_placements_free(cp, plan)
+            check_placements_free(cp, claim_plan)
     else:
-        check_placements_free(cp, plan)
+        check_placements_free(cp, claim_plan)
 
 
 def test_the_claims_own_record_and_admin_access_are_not_in_its_way() -> None:
-    plan = planned("a", "gpu-0-dynmig-3g40gb-4")
-    check_placements_free(Checkpoint(claims={"a": record_of(plan)}), plan)
-    check_placements_free(Checkpoint(claims={"a": record_of(plan)}),
+    claim_plan = planned("a", "gpu-0-dynmig-3g40gb-4")
+    check_placements_free(Checkpoint(claims={"a": record_of(claim_plan)}), claim_plan)
+    check_placements_free(Checkpoint(claims={"a": record_of(claim_plan)}),
                           planned("b", "gpu-0-dynmig-3g40gb-4", admin=True))
 
 
@@ -170,16 +170,16 @@ def test_instances_at_the_placement_and_in_its_way() -> None:
 
 
 def test_a_planned_daemon_moves_onto_the_created_instance() -> None:
-    plan = planned("u", "gpu-0-dynmig-3g40gb-4", configs=[mig_mps(defaultActiveThreadPercentage=30,
+    claim_plan = planned("u", "gpu-0-dynmig-3g40gb-4", configs=[mig_mps(defaultActiveThreadPercentage=30,
                                                                 defaultPinnedDeviceMemoryLimit="4Gi")])
-    [daemon] = plan.daemons
+    [daemon] = claim_plan.daemons
     assert daemon.spec.gpu_uuids == ["GPU-h100-0"], "the parent GPU until the instance exists"
     assert daemon.exclusive_gpus == [], "a GPU in MIG mode is never EXCLUSIVE_PROCESS"
-    moved = plan_on_instances(plan, record_of(plan, (1, 0, "MIG-new")))
+    moved = plan_on_instances(claim_plan, record_of(claim_plan, (1, 0, "MIG-new")))
     spec = moved.daemons[0].spec
     assert spec.gpu_uuids == ["MIG-new"] and spec.pinned_memory_limits == {"MIG-new": 4 * 2**30}
     assert spec.active_thread_percentage == 30
-    assert started_record(plan, NAMES, "p", None, "now").exclusive_gpus == []
+    assert started_record(claim_plan, NAMES, "p", None, "now").exclusive_gpus == []
 
 
 def test_a_recreated_instance_takes_over_its_daemons_spec() -> None:
@@ -191,8 +191,8 @@ def test_a_recreated_instance_takes_over_its_daemons_spec() -> None:
 
 
 def test_two_dynamic_devices_in_one_claim_are_two_instances() -> None:
-    plan = planned("u", "gpu-0-dynmig-1g10gb-0", "gpu-0-dynmig-1g10gb-1")
-    assert [d.dynamic_mig.placement_start for d in record_of(plan).devices if d.dynamic_mig] == [0, 1]
+    claim_plan = planned("u", "gpu-0-dynmig-1g10gb-0", "gpu-0-dynmig-1g10gb-1")
+    assert [d.dynamic_mig.placement_start for d in record_of(claim_plan).devices if d.dynamic_mig] == [0, 1]
 
 
 def test_two_dynamic_devices_on_one_mps_daemon_are_refused_with_the_reason() -> None:
@@ -201,8 +201,8 @@ def test_two_dynamic_devices_on_one_mps_daemon_are_refused_with_the_reason() -> 
 
 
 def test_time_slicing_on_the_whole_device_of_a_dynamic_gpu_does_nothing() -> None:
-    plan = planned("u", "gpu-0", configs=[gpu_config(strategy="TimeSlicing")])
-    assert plan.timeslice is None
+    claim_plan = planned("u", "gpu-0", configs=[gpu_config(strategy="TimeSlicing")])
+    assert claim_plan.timeslice is None
 
 
 # ----------------------------------------------------------------------------- health

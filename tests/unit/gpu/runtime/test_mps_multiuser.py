@@ -9,7 +9,7 @@ import pytest
 from driver.gpu.claim.claimplan import ClaimPlan, PlannedDaemon
 from driver.gpu.discovery.inventory import GpuInfo, NodeInventory
 from driver.gpu.mps.model import MpsDaemonSpec
-from driver.gpu.published.sharelayout import GpuShares
+from driver.gpu.published.sharelayout import GpuForm
 from driver.gpu.runtime.multiuser import (
     MultiUserGate,
     MultiUserPending,
@@ -29,8 +29,8 @@ def _gpu(minor: int, capability: str | None) -> GpuInfo:
 
 NODE = NodeInventory(gpus=(_gpu(2, "8.9"), _gpu(0, "6.0"), _gpu(1, "9.0"), _gpu(3, "9.0")))
 U0, U1, U2, U3 = (NODE.gpu_by_minor(m).uuid for m in range(4))  # type: ignore[union-attr]
-MPS = GpuShares(strategy="MPS", count=2, memory_bytes_per_share=8 * GIB)
-TS = GpuShares(strategy="TimeSlicing", count=2, memory_bytes_per_share=8 * GIB)
+MPS = GpuForm(strategy="MPS", count=2, memory_bytes_per_share=8 * GIB)
+TS = GpuForm(strategy="TimeSlicing", count=2, memory_bytes_per_share=8 * GIB)
 
 
 def test_only_plan_mps_gpus_matter_and_the_probe_uses_the_first_that_could_be_multi_user() -> None:

@@ -19,13 +19,13 @@ from driver.gpu.published.devices import make_view
 from driver.gpu.runtime.interfaces import ServedClaim
 from driver.gpu.runtime.sharing import WATCH_CHECK_S
 from driver.gpu.state import DeviceState
-from driver.gpu.watch.daemonwatch import DAEMON_RESTARTED, LIMITS_REVERTED, DaemonWatcher, MpsReports, check_daemons
+from driver.gpu.watch.daemonwatch import DAEMON_RESTARTED, LIMITS_REVERTED, DaemonWatcher, MpsReports, revive_daemons
 from driver.kubeletplugin.events import EventRecorder, EventSpec, ObjectRef
 from driver.kubeletplugin.kubeclient import KubeApiError, plain_client, request_json
 from driver.kubeletplugin.telemetry import Telemetry
 from driver.kubeletplugin.types import Deadline
 from driver.simulation.apiserver import FakeApiServer
-from tests.support.statenode import Node, claim, mps_shares
+from tests.support.statenode import StateNode, claim, mps_shares
 
 DRIFT = [LimitDrift(limit="active_thread_percentage", found="100.0", expected="50"),
          LimitDrift(limit="pinned_mem_limit/0", found="79G", expected="19456M")]
@@ -59,92 +59,94 @@ def api() -> Iterator[FakeApiServer]:
     server.stop()
 
 
-def _one_share(node: Node) -> tuple[DeviceState, Recorded, str]:
-    state = node.state()
-    state.apply_layout(make_view(node.inventory, {}), {node.uuid(2): mps_shares(2)})
+def _one_share(state_node: StateNode) -> tuple[DeviceState, Recorded, str]:
+    state = state_node.state()
+    state.apply_layout(make_view(state_node.inventory, {}), {state_node.uuid(2): mps_shares(2)})
     reports = Recorded()
     state.sharing.reports = reports
     state.prepare(claim("a", "gpu-2-mps-0"))
-    [daemon_id] = node.mps.started()
+    [daemon_id] = state_node.mps.started()
     return state, reports, daemon_id
 
 
-def test_a_prepare_that_reuses_a_daemon_reads_its_limits_back_and_reports_drift(node: Node) -> None:
-    state, reports, daemon_id = _one_share(node)
-    node.mps.drift[daemon_id] = DRIFT
+def test_a_prepare_that_reuses_a_daemon_reads_its_limits_back_and_reports_drift(state_node: StateNode) -> None:
+    state, reports, daemon_id = _one_share(state_node)
+    state_node.mps.drift[daemon_id] = DRIFT
     state.prepare(claim("b", "gpu-2-mps-1"))
-    assert node.mps.verified == [daemon_id]
+    assert state_node.mps.verified == [daemon_id]
     assert reports.drift == [(daemon_id, DRIFT, ["a", "b"])]
 
 
-def test_the_watcher_reverts_drift_and_restarts_a_stopped_daemon(node: Node) -> None:
-    state, reports, daemon_id = _one_share(node)
-    node.mps.drift[daemon_id] = DRIFT
-    assert check_daemons(state, limits=True) == []
+def test_the_watcher_reverts_drift_and_restarts_a_stopped_daemon(state_node: StateNode) -> None:
+    state, reports, daemon_id = _one_share(state_node)
+    state_node.mps.drift[daemon_id] = DRIFT
+    assert revive_daemons(state, limits=True) == []
     assert reports.drift == [(daemon_id, DRIFT, ["a"])]
-    node.mps.running.pop(daemon_id)  # a client sent quit
-    assert check_daemons(state, limits=True) == [daemon_id]
+    state_node.mps.running.pop(daemon_id)  # a client sent quit
+    assert revive_daemons(state, limits=True) == [daemon_id]
     assert reports.restarts == [(daemon_id, ["a"])]
-    assert check_daemons(state) == [], "the rescan's check reads /proc only"
-    assert node.mps.verified == [daemon_id], "a gone daemon is restarted, not asked"
+    assert revive_daemons(state) == [], "the rescan's check reads /proc only"
+    assert state_node.mps.verified == [daemon_id], "a gone daemon is restarted, not asked"
 
 
-def test_a_prepare_goes_on_when_a_client_keeps_stopping_the_daemon(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
-    state, reports, daemon_id = _one_share(node)
-    node.mps.running.pop(daemon_id)  # the tenant's quit
+def test_a_prepare_goes_on_when_a_client_keeps_stopping_the_daemon(
+        state_node: StateNode, monkeypatch: pytest.MonkeyPatch) -> None:
+    state, reports, daemon_id = _one_share(state_node)
+    state_node.mps.running.pop(daemon_id)  # the tenant's quit
 
     def stopped_again(record: MpsDaemonRecord, deadline: Deadline | None = None,
                       retry_stopped: bool = False) -> MpsDaemonRecord:
         assert retry_stopped and deadline is not None, "a prepare retries within its deadline"
         raise MpsDaemonStopped("starting it failed: the daemon exited before it became ready")
 
-    monkeypatch.setattr(node.mps, "ensure_running", stopped_again)
+    monkeypatch.setattr(state_node.mps, "ensure_running", stopped_again)
     state.prepare(claim("b", "gpu-2-mps-1"))  # neither fails nor waits for the tenant
     assert [r.uid for r in state.prepared_claims()] == ["a", "b"]
     assert reports.restarts == []
 
 
 def test_a_prepare_goes_on_when_a_client_holds_the_daemons_control_session(
-    node: Node, monkeypatch: pytest.MonkeyPatch
+    state_node: StateNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    state, reports, daemon_id = _one_share(node)
+    state, reports, daemon_id = _one_share(state_node)
     asked: list[float | None] = []
 
     def silent(record: MpsDaemonRecord, deadline: Deadline | None = None) -> list[LimitDrift]:
         asked.append(None if deadline is None else deadline.remaining())
         raise MpsNoAnswer("control command 'get_default_active_thread_percentage' got no answer within 5s")
 
-    monkeypatch.setattr(node.mps, "verify_limits", silent)
+    monkeypatch.setattr(state_node.mps, "check_and_restore_limits", silent)
     state.prepare(claim("b", "gpu-2-mps-1"))
     assert asked[0] is not None and asked[0] <= 1.5, "a prepare waits little for the read-back"
-    assert check_daemons(state, limits=True) == [], "the watcher reports it and tries again next round"
+    assert revive_daemons(state, limits=True) == [], "the watcher reports it and tries again next round"
     assert asked[-1] is not None and asked[-1] <= WATCH_CHECK_S, "a watcher check holds the GPU's locks briefly"
     assert reports.drift == []
     # No watch interval here: unconfirmed at once, reported once, each claim told once.
     assert reports.unconfirmed == [(daemon_id, ["a", "b"], True)]
-    monkeypatch.setattr(node.mps, "verify_limits", lambda record, deadline=None: [])
-    check_daemons(state, limits=True)
+    monkeypatch.setattr(state_node.mps, "check_and_restore_limits", lambda record, deadline=None: [])
+    revive_daemons(state, limits=True)
     assert reports.confirmed == [(daemon_id, ["a", "b"])]
 
 
-def test_the_watcher_thread_checks_every_interval_until_stopped(node: Node) -> None:
-    state, _reports, daemon_id = _one_share(node)
+def test_the_watcher_thread_checks_every_interval_until_stopped(state_node: StateNode) -> None:
+    state, _reports, daemon_id = _one_share(state_node)
     watcher = DaemonWatcher(state, interval=0.05)
     watcher.start()
     try:
         deadline = time.monotonic() + 10
-        while len(node.mps.verified) < 3 and time.monotonic() < deadline:
+        while len(state_node.mps.verified) < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
     finally:
         watcher.stop(timeout=5)
-    assert node.mps.verified[:3] == [daemon_id] * 3
-    checked = len(node.mps.verified)
+    assert state_node.mps.verified[:3] == [daemon_id] * 3
+    checked = len(state_node.mps.verified)
     time.sleep(0.2)
-    assert len(node.mps.verified) == checked, "no check after stop"
+    assert len(state_node.mps.verified) == checked, "no check after stop"
 
 
-def test_reports_count_drift_and_restarts_and_post_an_event_per_claim(node: Node, api: FakeApiServer) -> None:
-    state, _reports, daemon_id = _one_share(node)
+def test_reports_count_drift_and_restarts_and_post_an_event_per_claim(
+        state_node: StateNode, api: FakeApiServer) -> None:
+    state, _reports, daemon_id = _one_share(state_node)
     state.prepare(claim("b", "gpu-2-mps-1"))
     served = state.prepared_claims()
     recorder = EventRecorder(api.api_client(), "gpu.tessera.dev/kubelet-plugin", "node-1")
