@@ -10,7 +10,7 @@ imports nothing heavier than grpc and the generated stubs.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -35,15 +35,17 @@ class ClaimCalls(Protocol):
         ...
 
 
-class DRAPluginV1Servicer:
-    """``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` (kubelet 1.34+)."""
+class _DRAPluginServicer:
+    """``k8s.io.kubelet.pkg.apis.dra.<version>.DRAPlugin``: v1 (kubelet 1.34+) and v1beta1 (kubelet 1.32/1.33)
+    have the same messages in their own modules, except that v1beta1's Device has no share_id."""
 
-    def __init__(self, calls: ClaimCalls):
+    def __init__(self, calls: ClaimCalls, pb: Any, *, share_ids: bool):
         self._calls = calls
+        self._pb = pb
+        self._share_ids = share_ids
 
-    def NodePrepareResources(self, request: dra_v1_pb2.NodePrepareResourcesRequest,
-                             context: grpc.ServicerContext) -> dra_v1_pb2.NodePrepareResourcesResponse:
-        response = dra_v1_pb2.NodePrepareResourcesResponse()
+    def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
+        response = self._pb.NodePrepareResourcesResponse()
         for uid, result in self._calls.prepare(_refs(request.claims), context.is_active,
                                                context.time_remaining()).items():
             entry = response.claims[uid]  # reading a map key creates the entry: the claim is answered
@@ -53,42 +55,12 @@ class DRAPluginV1Servicer:
             for device in result.devices:
                 wire = entry.devices.add(request_names=device.request_names, pool_name=device.pool_name,
                                          device_name=device.device_name, cdi_device_ids=device.cdi_device_ids)
-                if device.share_id is not None:
+                if device.share_id is not None and self._share_ids:
                     wire.share_id = device.share_id
         return response
 
-    def NodeUnprepareResources(self, request: dra_v1_pb2.NodeUnprepareResourcesRequest,
-                               context: grpc.ServicerContext) -> dra_v1_pb2.NodeUnprepareResourcesResponse:
-        response = dra_v1_pb2.NodeUnprepareResourcesResponse()
-        for uid, error in self._calls.unprepare(_refs(request.claims), context.is_active,
-                                                context.time_remaining()).items():
-            response.claims[uid].error = error or ""
-        return response
-
-
-class DRAPluginV1Beta1Servicer:
-    """``k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin`` (kubelet 1.32/1.33); its Device has no share_id."""
-
-    def __init__(self, calls: ClaimCalls):
-        self._calls = calls
-
-    def NodePrepareResources(self, request: dra_v1beta1_pb2.NodePrepareResourcesRequest,
-                             context: grpc.ServicerContext) -> dra_v1beta1_pb2.NodePrepareResourcesResponse:
-        response = dra_v1beta1_pb2.NodePrepareResourcesResponse()
-        for uid, result in self._calls.prepare(_refs(request.claims), context.is_active,
-                                               context.time_remaining()).items():
-            entry = response.claims[uid]
-            if result.error:
-                entry.error = result.error
-                continue
-            for device in result.devices:
-                entry.devices.add(request_names=device.request_names, pool_name=device.pool_name,
-                                  device_name=device.device_name, cdi_device_ids=device.cdi_device_ids)
-        return response
-
-    def NodeUnprepareResources(self, request: dra_v1beta1_pb2.NodeUnprepareResourcesRequest,
-                               context: grpc.ServicerContext) -> dra_v1beta1_pb2.NodeUnprepareResourcesResponse:
-        response = dra_v1beta1_pb2.NodeUnprepareResourcesResponse()
+    def NodeUnprepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
+        response = self._pb.NodeUnprepareResourcesResponse()
         for uid, error in self._calls.unprepare(_refs(request.claims), context.is_active,
                                                 context.time_remaining()).items():
             response.claims[uid].error = error or ""
@@ -97,8 +69,9 @@ class DRAPluginV1Beta1Servicer:
 
 def add_dra_services(server: grpc.Server, calls: ClaimCalls) -> None:
     """Serve both DRA API versions from ``server``."""
-    dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(DRAPluginV1Servicer(calls), server)
-    dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(DRAPluginV1Beta1Servicer(calls), server)
+    dra_v1_pb2_grpc.add_DRAPluginServicer_to_server(_DRAPluginServicer(calls, dra_v1_pb2, share_ids=True), server)
+    dra_v1beta1_pb2_grpc.add_DRAPluginServicer_to_server(
+        _DRAPluginServicer(calls, dra_v1beta1_pb2, share_ids=False), server)
 
 
 def _refs(claims: Iterable[dra_v1_pb2.Claim | dra_v1beta1_pb2.Claim]) -> list[ClaimRef]:
