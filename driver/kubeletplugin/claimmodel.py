@@ -44,7 +44,6 @@ class DeviceToleration(_ServerObject):
     operator: str = "Equal"  # Exists | Equal (the API's default); anything else tolerates nothing
     value: str = ""
     effect: str = ""  # empty: every effect
-    toleration_seconds: int | None = Field(default=None, alias="tolerationSeconds")
 
 
 class DeviceRequestAllocationResult(_ServerObject):
@@ -140,10 +139,7 @@ class ResourceClaim(_ServerObject):
     @property
     def pod_uids(self) -> list[str]:
         """The pods the claim is reserved for (core group ``pods``): whose processes use its devices."""
-        return [r.uid for r in self._reserved_pod_refs()]
-
-    def _reserved_pod_refs(self) -> list[ResourceClaimConsumerReference]:
-        return [r for r in self.status.reserved_for if r.resource == "pods" and r.api_group == ""]
+        return [r.uid for r in self.status.reserved_for if r.resource == "pods" and r.api_group == ""]
 
     def results_for(self, driver_name: str) -> list[DeviceRequestAllocationResult]:
         alloc = self.allocation

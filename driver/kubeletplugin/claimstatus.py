@@ -159,7 +159,6 @@ class ClaimStatusWriter(Worker):
         self._refusals_logged: set[int] = set()
         # Worker thread only: what the server holds of ours, by claim UID.
         self._written: dict[str, list[Obj]] = {}
-        self.writes = 0  # requests sent, for benchmarks and tests
 
     @property
     def disabled(self) -> str | None:
@@ -246,7 +245,6 @@ class ClaimStatusWriter(Worker):
             return False
         path = (f"/apis/resource.k8s.io/v1/namespaces/{quote(ref.namespace, safe='')}/resourceclaims/"
                 f"{quote(ref.name, safe='')}/status")
-        self.writes += 1
         try:
             stored = request_json(self._api, "PATCH", path, body=apply_body(ref, entries), content_type=APPLY_PATCH,
                                   query=[("fieldManager", self._manager), ("force", "true")],

@@ -132,15 +132,6 @@ class Helper:
         if self._status is not None:
             self._status.mark(ref)
 
-    def wait_claim_status(self, timeout: float) -> bool:
-        """True once every claim status write asked for so far was made (or given up)."""
-        return self._status.wait_idle(timeout) if self._status is not None else True
-
-    @property
-    def claim_status_writes(self) -> int:
-        """Claim status writes sent so far."""
-        return self._status.writes if self._status is not None else 0
-
     def resync_slices(self) -> None:
         """Sync the node's ResourceSlices again at once (e.g. the Node was re-created under a new UID)."""
         self._publishing().resync()

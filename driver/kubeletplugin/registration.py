@@ -59,10 +59,6 @@ class RegistrationServicer:
         with self._lock:
             return self._status
 
-    def wait_registered(self, timeout: float | None = None) -> bool:
-        """Block until the kubelet accepted the plugin; False on timeout."""
-        return self.registered.wait(timeout)
-
     def GetInfo(self, request: reg_pb2.InfoRequest, context: grpc.ServicerContext) -> reg_pb2.PluginInfo:
         log.debug("kubelet asked for plugin info", extra={"driver": self._driver_name})
         return reg_pb2.PluginInfo(

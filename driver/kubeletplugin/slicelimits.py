@@ -15,7 +15,6 @@ from typing import Literal
 CounterLayout = Literal["combined", "split"]
 
 OLDEST_SUPPORTED_MINOR = 34
-NEWEST_KNOWN_MINOR = 37
 # Assumed when the server's version cannot be read: the oldest supported release. Its limits are
 # the strictest on taints per device (4) and taint effects, but not on devices per slice: from
 # 1.35 a slice with a tainted device holds at most 64 devices, on 1.34 it may hold 128.
