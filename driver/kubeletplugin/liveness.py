@@ -69,8 +69,8 @@ def check_plugin(plugin: LivenessTarget, timeout: float = DEFAULT_TIMEOUT_S,
     called only when no call is in flight, or none started or finished within ``progress_window_s``.
     ``detail`` names no host path: it is served on the HTTP port. A failure is logged with the paths.
     """
-    registration = _Socket("registration", plugin.registration_socket, show_path=False)
-    dra = _Socket("DRA", plugin.dra_socket, show_path=False)
+    registration = _Socket("registration", plugin.registration_socket)
+    dra = _Socket("DRA", plugin.dra_socket)
     try:
         _check_files(registration, dra)
         _check_registration(registration, plugin.driver_name, timeout)
@@ -94,24 +94,6 @@ def check_plugin(plugin: LivenessTarget, timeout: float = DEFAULT_TIMEOUT_S,
     return True, f"{registration} and {dra} answer"
 
 
-def check_sockets(registration_socket: Path, dra_socket: Path, driver_name: str,
-                  timeout: float = DEFAULT_TIMEOUT_S) -> tuple[bool, str]:
-    """(ok, detail): whether both sockets answer like a registered DRA plugin should; ``detail`` names the paths.
-
-    Always makes the DRA call, so under load it can time out behind the kubelet's calls; a
-    process serving the plugin itself should use :func:`check_plugin`.
-    """
-    registration = _Socket("registration", registration_socket, show_path=True)
-    dra = _Socket("DRA", dra_socket, show_path=True)
-    try:
-        _check_files(registration, dra)
-        _check_registration(registration, driver_name, timeout)
-        _check_dra(dra, timeout)
-    except _SocketProblem as problem:
-        return False, str(problem)
-    return True, f"{registration} and {dra} answer"
-
-
 class _SocketProblem(Exception):
     """What is wrong with one socket, worded for the probe's output."""
 
@@ -120,10 +102,9 @@ class _SocketProblem(Exception):
 class _Socket:
     label: str
     path: Path
-    show_path: bool
 
     def __str__(self) -> str:
-        return f"{self.label} socket {self.path}" if self.show_path else f"{self.label} socket"
+        return f"{self.label} socket"
 
 
 def _check_files(*sockets: _Socket) -> None:
@@ -173,9 +154,7 @@ def _rpc_error(err: grpc.RpcError, sock: _Socket) -> str:
     # grpc raises objects that are both RpcError and Call; RpcError alone declares no accessors.
     code = err.code() if isinstance(err, grpc.Call) else None
     details = err.details() if isinstance(err, grpc.Call) else str(err)
-    if not sock.show_path:
-        # gRPC's connection errors quote the target ("unix:/var/lib/kubelet/..."); keep it out.
-        details = (details or "").replace(f"unix://{sock.path}", "the socket").replace(f"unix:{sock.path}",
-                                                                                       "the socket")
-        details = details.replace(str(sock.path), "the socket")
+    # gRPC's connection errors quote the target ("unix:/var/lib/kubelet/..."); keep it out.
+    details = (details or "").replace(f"unix://{sock.path}", "the socket").replace(f"unix:{sock.path}", "the socket")
+    details = details.replace(str(sock.path), "the socket")
     return f"{code.name if code is not None else 'UNKNOWN'}: {details}"

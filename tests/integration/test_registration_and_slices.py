@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 
-from driver.kubeletplugin.liveness import check_sockets
+from driver.kubeletplugin.liveness import check_plugin
+from tests.support.kubeletplugin import ServedElsewhere
 from tests.support.node import DRIVER, NODE, SimulatedNode, wait_until
 
 DEMO_DEVICES = ["gpu-0", "gpu-1-mig-3g40gb-0", "gpu-1-mig-2g20gb-4", "gpu-1-mig-1g10gb-6", "gpu-2"]
@@ -30,7 +31,8 @@ def test_registers_v1_first_and_publishes_every_gpu_and_mig_instance(sim_node: S
     mig = by_name["gpu-1-mig-1g10gb-6"]["attributes"]
     assert mig["type"] == {"string": "mig"} and mig["profile"] == {"string": "1g.10gb"}
     assert "gpu-1" not in by_name, "a MIG-enabled GPU is published only as its MIG instances"
-    ok, detail = check_sockets(sim_node.work / "reg" / f"{DRIVER}-reg.sock", sim_node.state_dir / "dra.sock", DRIVER)
+    ok, detail = check_plugin(ServedElsewhere(DRIVER, sim_node.work / "reg" / f"{DRIVER}-reg.sock",
+                                              sim_node.state_dir / "dra.sock"))
     assert ok, detail
 
 

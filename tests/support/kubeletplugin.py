@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from driver.kubeletplugin.activity import DraActivity
 from driver.kubeletplugin.slicemodel import Device, DeviceCapacity, DeviceTaint, string_attr
 
 DRIVER = "gpu.tessera.dev"
@@ -39,3 +40,16 @@ class Dirs:
 
     registrar: Path
     plugin: Path
+
+
+@dataclass(frozen=True)
+class ServedElsewhere:
+    """A plugin another process serves, as :func:`driver.kubeletplugin.liveness.check_plugin` sees it: no calls
+    in flight here, so both sockets are called."""
+
+    driver_name: str
+    registration_socket: Path
+    dra_socket: Path
+
+    def dra_activity(self) -> DraActivity:
+        return DraActivity(in_flight=0, seconds_since_progress=0.0)
