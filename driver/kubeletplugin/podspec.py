@@ -41,32 +41,28 @@ class Sysctl(_ServerObject):
     value: str = ""
 
 
-class SecurityContext(_ServerObject):
-    """A container's securityContext; the pod's has the fields both share plus its own."""
+class _SharedSecurityContext(_ServerObject):
+    """The fields a container's securityContext and the pod's both have."""
 
     run_as_user: int | None = Field(default=None, alias="runAsUser")
     run_as_group: int | None = Field(default=None, alias="runAsGroup")
     run_as_non_root: bool | None = Field(default=None, alias="runAsNonRoot")
+    seccomp_profile: TypedProfile | None = Field(default=None, alias="seccompProfile")
+    app_armor_profile: TypedProfile | None = Field(default=None, alias="appArmorProfile")
+    se_linux_options: SELinuxOptions | None = Field(default=None, alias="seLinuxOptions")
+    windows_options: WindowsOptions | None = Field(default=None, alias="windowsOptions")
+
+
+class SecurityContext(_SharedSecurityContext):
     privileged: bool | None = None
     allow_privilege_escalation: bool | None = Field(default=None, alias="allowPrivilegeEscalation")
     capabilities: Capabilities | None = None
     proc_mount: str | None = Field(default=None, alias="procMount")
-    seccomp_profile: TypedProfile | None = Field(default=None, alias="seccompProfile")
-    app_armor_profile: TypedProfile | None = Field(default=None, alias="appArmorProfile")
-    se_linux_options: SELinuxOptions | None = Field(default=None, alias="seLinuxOptions")
-    windows_options: WindowsOptions | None = Field(default=None, alias="windowsOptions")
 
 
-class PodSecurityContext(_ServerObject):
-    run_as_user: int | None = Field(default=None, alias="runAsUser")
-    run_as_group: int | None = Field(default=None, alias="runAsGroup")
-    run_as_non_root: bool | None = Field(default=None, alias="runAsNonRoot")
+class PodSecurityContext(_SharedSecurityContext):
     supplemental_groups: list[int] = Field(default_factory=list, alias="supplementalGroups")
     fs_group: int | None = Field(default=None, alias="fsGroup")
-    seccomp_profile: TypedProfile | None = Field(default=None, alias="seccompProfile")
-    app_armor_profile: TypedProfile | None = Field(default=None, alias="appArmorProfile")
-    se_linux_options: SELinuxOptions | None = Field(default=None, alias="seLinuxOptions")
-    windows_options: WindowsOptions | None = Field(default=None, alias="windowsOptions")
     sysctls: list[Sysctl] = Field(default_factory=list)
 
 
