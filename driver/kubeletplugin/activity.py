@@ -1,9 +1,5 @@
-"""Book-keeping of the DRA calls a plugin is serving, for a liveness probe that must not queue behind them.
-
-A probe that sends its own call through the DRA server's worker pool waits behind every call in
-flight; under load (each prepare can wait seconds on the node lock or a daemon start) it times
-out and the kubelet restarts a healthy container. Knowing how many calls are in flight and when
-one last started or finished lets the probe tell "busy" from "wedged" without making a call.
+"""Book-keeping of the DRA calls a plugin is serving, so that the liveness probe, which must not queue behind
+them, can tell "busy" from "wedged" without making a call (:mod:`.liveness`).
 """
 
 from __future__ import annotations

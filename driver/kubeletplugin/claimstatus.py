@@ -8,14 +8,9 @@ and applying nothing removes exactly what this driver wrote before.
 
 A prepare only marks its claim (:meth:`ClaimStatusWriter.mark`) and never waits: one worker thread writes,
 asking the driver for the claim's entries when the write is made, so marks that arrive before it runs
-coalesce into one write carrying the latest state, and a claim has at most one write in flight. Writes wait
-until no claim was marked for a moment (0.2 s), at most 5 s: a burst of prepares (a kubelet starting many
-pods) is then never slowed by writes between them, and a claim prepared and unprepared within the burst is
-written once. The queue of marked claims is bounded; a failed write (no answer, 429, 5xx) is retried with
-exponential backoff. A server that refuses the writes (403: RBAC or the node authorizer; 404: the claim is
-gone; 409: it was replaced; 422) or drops the field (its DRAResourceClaimDeviceStatus gate is off) is logged
-once and left alone. A condition keeps its ``lastTransitionTime`` while its status stays the same, and a
-write that would change nothing is not sent.
+coalesce into one write carrying the latest state, and a claim has at most one write in flight. When it
+writes (:meth:`ClaimStatusWriter._when`), retries and gives up: docs/operations.md, "What a claim shows in
+its status".
 """
 
 from __future__ import annotations

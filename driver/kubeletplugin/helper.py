@@ -11,9 +11,6 @@ A driver that must register quickly calls :func:`driver.kubeletplugin.serving.se
 registration, HTTP; nothing of this module is imported for it), initialises, then makes a
 :class:`Helper` of what it served and calls :meth:`Helper.complete`: DRA calls that arrived in
 between waited for that.
-
-Nothing in this package knows about GPUs or the simulation: it could be lifted out as its own
-package (tests/unit/kubeletplugin/test_kubeletplugin_helper.py checks its imports).
 """
 
 from __future__ import annotations

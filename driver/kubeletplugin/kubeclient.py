@@ -6,11 +6,7 @@ and its REST layer (``ApiClient.rest_client``: the urllib3 pool, TLS settings an
 go through that REST layer with plain dict bodies and raw JSON answers. The ``kubernetes`` 37.x
 client's typed methods would validate bodies against its own models (rejecting fields it does not
 know) and drop unknown fields when reading, which silently loses data a newer server has; raw JSON
-keeps every field.
-
-Retries: a connection that could not be made is tried twice more; a request that was sent is never
-repeated (:func:`request_retries`). The callers have their own retry loops (the kubelet retries
-prepares, the publisher backs off), so their timeouts must mean what they say.
+keeps every field. Retries: :func:`request_retries`.
 """
 
 from __future__ import annotations

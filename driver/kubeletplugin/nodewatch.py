@@ -1,13 +1,11 @@
 """The node's own Node object, as its metadata only (labels and UID), kept current by a long watch.
 
 A node plugin needs its Node's UID (the owner reference of its ResourceSlices) and perhaps its labels,
-but never the rest of the object (a Node carries its image list: tens of KiB). Polling it costs every
-node a request per poll; on a large cluster that adds up to hundreds of requests a second. Instead:
-one list of that one Node (``fieldSelector=metadata.name=<node>``) as ``PartialObjectMetadataList``,
-then watches of it as ``PartialObjectMetadata`` with bookmarks, each resuming from the last
-resourceVersion seen and lasting 5 to 10 minutes (as client-go's reflectors do), so an idle node costs
-well under one request a minute. It lists again only when a watch cannot resume (410 Gone, or no
-resourceVersion). Listeners hear of every change of the labels or UID within moments.
+but never the rest of the object (a Node carries its image list: tens of KiB), and polling would cost
+every node a request per poll. Instead: one list of that one Node as ``PartialObjectMetadataList``, then
+watches of it as ``PartialObjectMetadata`` with bookmarks, each resuming from the last resourceVersion
+seen and lasting 5 to 10 minutes (as client-go's reflectors do); it lists again only when a watch cannot
+resume (410 Gone, or no resourceVersion). The costs: docs/operations.md, "What the driver costs the API server".
 """
 
 from __future__ import annotations
