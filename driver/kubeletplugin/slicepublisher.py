@@ -97,7 +97,6 @@ class ResourceSlicePublisher(Worker):
         self._synced_version = 0
         self._server_changed = False
         self._published_devices = 0
-        self._validation_problems: list[str] = []
         self._wake = False
         # Worker thread only.
         self._writer = SliceWriter(api, driver_name, node_name, node_uid)
@@ -119,12 +118,6 @@ class ResourceSlicePublisher(Worker):
         with self._cond:
             return self._published_devices
 
-    @property
-    def validation_problems(self) -> list[str]:
-        """Problems of the last rejected :meth:`update`; empty once a valid update arrives."""
-        with self._cond:
-            return list(self._validation_problems)
-
     def update(self, devices: Sequence[Device], counter_sets: Sequence[CounterSet] = ()) -> list[str]:
         """Set the devices (and the counter sets they consume from) to publish; the problems that
         stopped it, empty when accepted.
@@ -138,11 +131,8 @@ class ResourceSlicePublisher(Worker):
             log.error("not publishing ResourceSlices: %d problem(s) with the devices, keeping the previous state: %s",
                       len(problems), "; ".join(problems), extra={**self._log_extra, "problems": problems})
             self._telemetry.slice_sync_total.add(1, {"result": "invalid"})
-            with self._cond:
-                self._validation_problems = problems
             return list(problems)
         with self._cond:
-            self._validation_problems = []
             if slices == self._desired:
                 return []  # a rescan that found nothing new costs the API server nothing
             self._desired = slices

@@ -42,10 +42,6 @@ class StartGate:
         """Whether calls now go to the driver."""
         return self._calls is not None
 
-    @property
-    def failure(self) -> str | None:
-        return self._failure
-
     def open(self, calls: ClaimCalls) -> None:
         """The driver is initialised: waiting and later calls go to ``calls``."""
         self._calls = calls
