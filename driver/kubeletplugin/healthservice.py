@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -34,6 +34,8 @@ DEFAULT_RESEND_S = 10.0
 
 
 class Health(StrEnum):
+    """Member names are those of the wire enum ``HealthStatus`` (the same in v1 and v1alpha1)."""
+
     UNKNOWN = "Unknown"
     HEALTHY = "Healthy"
     UNHEALTHY = "Unhealthy"
@@ -130,29 +132,21 @@ def _message(status: DeviceHealthStatus) -> str:
 class _Servicer:
     """NodeWatchResources for one API version: v1 and v1alpha1 have the same messages in their own modules."""
 
-    def __init__(self, board: HealthBoard, pb: Any, status: Mapping[Health, int]):
+    def __init__(self, board: HealthBoard, pb: Any):
         self._board = board
         self._pb = pb
-        self._status = status
 
     def NodeWatchResources(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         pb = self._pb
         for devices in self._board.stream(context.is_active):
             yield pb.NodeWatchResourcesResponse(devices=[pb.DeviceHealth(
                 device=pb.DeviceIdentifier(pool_name=d.pool, device_name=d.device),
-                health=self._status[d.health], last_updated_time=int(d.updated_at),
+                health=pb.HealthStatus.Value(d.health.name), last_updated_time=int(d.updated_at),
                 health_check_timeout_seconds=self._board.timeout_s, message=_message(d)) for d in devices])
-
-
-_V1_STATUS = {Health.UNKNOWN: drahealth_v1_pb2.UNKNOWN, Health.HEALTHY: drahealth_v1_pb2.HEALTHY,
-              Health.UNHEALTHY: drahealth_v1_pb2.UNHEALTHY}
-_V1ALPHA1_STATUS = {Health.UNKNOWN: drahealth_v1alpha1_pb2.UNKNOWN, Health.HEALTHY: drahealth_v1alpha1_pb2.HEALTHY,
-                    Health.UNHEALTHY: drahealth_v1alpha1_pb2.UNHEALTHY}
 
 
 def add_health_services(server: grpc.Server, board: HealthBoard) -> None:
     """Serve both health APIs on ``server``; advertise :data:`HEALTH_SERVICE_VERSIONS` in GetInfo."""
-    drahealth_v1_pb2_grpc.add_DRAResourceHealthServicer_to_server(
-        _Servicer(board, drahealth_v1_pb2, _V1_STATUS), server)
+    drahealth_v1_pb2_grpc.add_DRAResourceHealthServicer_to_server(_Servicer(board, drahealth_v1_pb2), server)
     drahealth_v1alpha1_pb2_grpc.add_DRAResourceHealthServicer_to_server(
-        _Servicer(board, drahealth_v1alpha1_pb2, _V1ALPHA1_STATUS), server)
+        _Servicer(board, drahealth_v1alpha1_pb2), server)
