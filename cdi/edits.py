@@ -1,9 +1,7 @@
 """The parts of a CDI spec file: device nodes, mounts, hooks, container edits and devices.
 
-Each model is as strict as the runtimes' loader (the reference Go library), which ignores a whole
-file on any unknown key, bad name, bad env entry, bad device node, hook or mount; :mod:`cdi.spec`
-assembles them into a :class:`~cdi.spec.Spec`. Python attributes are snake_case; the wire keys are
-the aliases.
+Each is as strict as the runtimes' loader (why: :mod:`cdi.spec`), which assembles them into a
+:class:`~cdi.spec.Spec`.
 """
 
 from __future__ import annotations

@@ -166,7 +166,6 @@ class Spec(WireModel):
         return cls.from_text(text, str(path))
 
 
-
 def minimum_version(spec: Spec) -> str:
     """The oldest ``cdiVersion`` the loader accepts for this content (section 1.1 of the CDI reference)."""
     return minimum_version_reason(spec)[0]

@@ -1,9 +1,8 @@
 """CDI spec files on disk: naming, atomic writes, removal, reading and listing.
 
 Runtimes watch the spec directories and reload on every write or rename of a ``.json``/``.yaml``
-file, so a spec is written to a temporary name they skip (``.<name>.<random>.tmp``) in the same
-directory and renamed into place: a runtime sees the old file or the new one, never half of one.
-Only specs that pass the loader's checks reach the disk.
+file, so a spec is written with :func:`cdi.atomicfile.write_atomic`: a runtime sees the old file or
+the new one, never half of one. Only specs that pass the loader's checks reach the disk.
 """
 
 from __future__ import annotations

@@ -30,9 +30,8 @@ class ClaimRef:
 
 
 # Every prepare must finish well inside the kubelet's 45 s gRPC timeout (kubelet pkg/kubelet/cm/dra,
-# defaultClientCallTimeout), so a
-# claim that cannot be prepared in time gets an error the user can see, and its work is rolled
-# back, rather than being cut off by the kubelet half-done.
+# defaultClientCallTimeout), so a claim that cannot be prepared in time gets an error the user can see,
+# and its work is rolled back, rather than being cut off by the kubelet half-done.
 KUBELET_PREPARE_TIMEOUT = 45.0
 DEFAULT_PREPARE_DEADLINE = 30.0
 
