@@ -10,8 +10,6 @@ from pydantic import BaseModel, ConfigDict
 
 
 class PreparedDevice(BaseModel):
-    """One device of a prepared claim, as the kubelet will store it."""
-
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     request_names: list[str]

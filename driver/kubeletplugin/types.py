@@ -13,11 +13,8 @@ from driver.kubeletplugin.calls import PrepareResult as PrepareResult
 from driver.kubeletplugin.claimmodel import ResourceClaim
 from driver.kubeletplugin.prepared import PreparedDevice as PreparedDevice
 
-# Who will use a claim's devices: ``ResourceClaim.reserved_pods(timeout_s)`` reads the pods in its
-# ``status.reservedFor`` on first use (one GET per pod, RBAC ``get`` on pods), and
-# ``ReservedPods.findings()`` names every consumer that cannot be judged and every field of a pod
-# that could reach host root (Pod Security "baseline", no root user or group), why, and what to
-# set (``reservedpods.py``, ``podsecurity.py``). What a driver makes of that is its own decision.
+# Who will use a claim's devices (``ResourceClaim.reserved_pods``) and what of them could reach host root
+# (``ReservedPods.findings()``: reservedpods.py, podsecurity.py). What a driver makes of that is its own decision.
 from driver.kubeletplugin.reservedpods import Finding as Finding
 from driver.kubeletplugin.reservedpods import PodsUnreadable as PodsUnreadable
 from driver.kubeletplugin.reservedpods import ReservedPods as ReservedPods
