@@ -44,7 +44,6 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WATCHDOG_WAIT_S = 15.0
 
 
-
 class Interrupted(BaseException):
     """SIGTERM, SIGINT or SIGHUP arrived; a BaseException so that no ``except Exception`` swallows it."""
 

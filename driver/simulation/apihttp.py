@@ -81,19 +81,9 @@ def handler_for(api: ApiStore) -> type[BaseHTTPRequestHandler]:
             return
 
         def do_GET(self) -> None:
-            self._serve("GET")
+            self._serve(self.command)
 
-        def do_POST(self) -> None:
-            self._serve("POST")
-
-        def do_PUT(self) -> None:
-            self._serve("PUT")
-
-        def do_DELETE(self) -> None:
-            self._serve("DELETE")
-
-        def do_PATCH(self) -> None:
-            self._serve("PATCH")
+        do_POST = do_PUT = do_DELETE = do_PATCH = do_GET
 
         def _serve(self, method: str) -> None:
             parts = urlsplit(self.path)

@@ -237,6 +237,13 @@ class FakeApiServer:
         self._rv += 1
         return self._rv
 
+    def _stored(self, plural: str, namespace: str, name: str) -> Obj:
+        """The stored object, or the 404 a real server answers; the caller holds the lock."""
+        obj = self._store[plural].get((namespace, name))
+        if obj is None:
+            raise ApiError(404, "NotFound", f'{plural}.{group_of(RESOURCES[plural])} "{name}" not found')
+        return obj
+
     def _record(self, plural: str, event_type: str, obj: Obj) -> None:
         self._events.record(plural, event_type, obj)
 
@@ -270,12 +277,8 @@ class FakeApiServer:
             return copy.deepcopy(obj)
 
     def get_object(self, plural: str, namespace: str, name: str) -> Obj:
-        resource = RESOURCES[plural]
         with self._cond:
-            obj = self._store[plural].get((namespace, name))
-            if obj is None:
-                raise ApiError(404, "NotFound", f'{plural}.{group_of(resource)} "{name}" not found')
-            return copy.deepcopy(obj)
+            return copy.deepcopy(self._stored(plural, namespace, name))
 
     def replace_object(self, plural: str, namespace: str, name: str, body: Obj, *, keep_status: bool,
                  status_only: bool = False) -> Obj:
@@ -287,9 +290,7 @@ class FakeApiServer:
             raise ApiError(400, "BadRequest", f'the name of the object ({meta.get("name")}) does not match the name '
                                               f"on the URL ({name})")
         with self._cond:
-            old = self._store[plural].get((namespace, name))
-            if old is None:
-                raise ApiError(404, "NotFound", f'{plural}.{group_of(resource)} "{name}" not found')
+            old = self._stored(plural, namespace, name)
             sent_rv = meta.get("resourceVersion")
             if sent_rv and sent_rv != old["metadata"]["resourceVersion"]:
                 raise ApiError(409, "Conflict", f'Operation cannot be fulfilled on {plural}.{group_of(resource)} '
@@ -319,11 +320,8 @@ class FakeApiServer:
 
     def delete_object(self, plural: str, namespace: str, name: str, preconditions: Obj, *,
                       by_client: bool = True) -> Obj:
-        resource = RESOURCES[plural]
         with self._cond:
-            old = self._store[plural].get((namespace, name))
-            if old is None:
-                raise ApiError(404, "NotFound", f'{plural}.{group_of(resource)} "{name}" not found')
+            old = self._stored(plural, namespace, name)
             for field, label in (("uid", "UID"), ("resourceVersion", "ResourceVersion")):
                 wanted = preconditions.get(field)
                 if wanted and wanted != old["metadata"][field]:
@@ -370,9 +368,7 @@ class FakeApiServer:
         with self._cond:
             if self._status_refusal is not None:
                 raise status_refused(name, *self._status_refusal)
-            old = self._store[plural].get((namespace, name))
-            if old is None:
-                raise ApiError(404, "NotFound", f'{plural}.{group_of(resource)} "{name}" not found')
+            old = self._stored(plural, namespace, name)
             new = apply_device_status(old, patch, manager, force=force, gate_on=self.claim_device_status)
             status = new.get("status") or {}
             errors = device_status_errors(status.get("devices") or [], status.get("allocation"))

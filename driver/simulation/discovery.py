@@ -37,7 +37,6 @@ SIMULATED_CUDA_DRIVER_VERSION = "13.0"
 # the first with MPS v3 memory partitioning (nvidia-gpu reference 6.3); the build number is made up.
 SIMULATED_R615_DRIVER_VERSION = "615.10.01"
 SIMULATED_R615_CUDA_DRIVER_VERSION = "13.4"
-DEFAULT_LAYOUT = "demo"
 _LAYOUTS_FILE = "layouts.yaml"
 _UUID_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://gpu.tessera.dev/simulation")
 

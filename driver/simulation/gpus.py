@@ -24,7 +24,7 @@ profile id, memory or SM count) are left out of every model and table.
 from __future__ import annotations
 
 from importlib import resources
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -34,6 +34,7 @@ from driver.units import MIB
 _PROFILE_TABLE = "mig-profiles.json"
 _CAPTURES = "nvml-captures.json"
 _ENGINES = "mig-engines.json"
+_File = TypeVar("_File", bound=BaseModel)
 
 
 class SimulationError(ValueError):
@@ -128,9 +129,8 @@ class _ProfileFile(BaseModel):
     gpus: dict[str, _ProfileTable]
 
 
-def _load_profile_tables() -> dict[str, _ProfileTable]:
-    text = resources.files("driver.simulation").joinpath(_PROFILE_TABLE).read_text()
-    return _ProfileFile.model_validate_json(text).gpus
+def _packaged(file: str, model: type[_File]) -> _File:
+    return model.model_validate_json(resources.files("driver.simulation").joinpath(file).read_text())
 
 
 class _CapturedProfile(MigEngines):
@@ -155,11 +155,6 @@ class _CaptureFile(BaseModel):
     tables: dict[str, _CapturedTable]
 
 
-def _load_captures() -> dict[str, _CapturedTable]:
-    text = resources.files("driver.simulation").joinpath(_CAPTURES).read_text()
-    return _CaptureFile.model_validate_json(text).tables
-
-
 class _EngineFile(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -168,10 +163,9 @@ class _EngineFile(BaseModel):
 
 
 def _load_published_engines() -> dict[str, dict[str, MigEngines]]:
-    text = resources.files("driver.simulation").joinpath(_ENGINES).read_text()
     return {key: {name: MigEngines(copy_engines=c, decoders=d, encoders=e, jpeg_engines=j, ofa_engines=o)
                   for name, (c, d, e, j, o) in rows.items()}
-            for key, rows in _EngineFile.model_validate_json(text).tables.items()}
+            for key, rows in _packaged(_ENGINES, _EngineFile).tables.items()}
 
 
 def _engines(row: _ProfileRow, captured: _CapturedProfile | None, published: MigEngines | None) -> MigEngines:
@@ -228,12 +222,12 @@ class MigTable(BaseModel):
 
 def mig_tables() -> dict[str, MigTable]:
     """Every MIG table of mig-profiles.json by its key (``H100-80GB``, ``B200-180GB``, ...)."""
-    captures = _load_captures()
+    captures = _packaged(_CAPTURES, _CaptureFile).tables
     engines = _load_published_engines()
     return {key: MigTable(total_compute_slices=table.total_compute_slices,
                           total_memory_slices=table.total_memory_slices,
                           profiles=_profiles(table, captures.get(key), engines.get(key)))
-            for key, table in _load_profile_tables().items()}
+            for key, table in _packaged(_PROFILE_TABLE, _ProfileFile).gpus.items()}
 
 
 def mig_table_of(model: GpuModel) -> MigTable:
@@ -243,8 +237,8 @@ def mig_table_of(model: GpuModel) -> MigTable:
 
 def gpu_models() -> dict[str, GpuModel]:
     """Every simulated GPU model by name (``A100-40GB``, ``A100-80GB``, ``H100-80GB``, ``H200``, ``L4``)."""
-    tables = _load_profile_tables()
-    captures = _load_captures()
+    tables = _packaged(_PROFILE_TABLE, _ProfileFile).gpus
+    captures = _packaged(_CAPTURES, _CaptureFile).tables
     engines = _load_published_engines()
     models: dict[str, GpuModel] = {}
     for name, spec in _MODELS.items():

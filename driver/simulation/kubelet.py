@@ -17,7 +17,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
+from types import ModuleType, TracebackType
+from typing import Any
 
 import grpc
 
@@ -138,15 +139,9 @@ class KubeletEmulator:
         ``share_ids``: claim UID -> device name -> the allocation's ``shareID``, as a real kubelet
         knows them from the claim; each answered device must carry its share's ID (kubelet DRA v1
         ``Device.share_id``), since the kubelet tells shares of one device apart by it."""
-        channel = self._connected()
-        if self._api_version == "v1.DRAPlugin":
-            response = dra_v1_pb2_grpc.DRAPluginStub(channel).NodePrepareResources(
-                dra_v1_pb2.NodePrepareResourcesRequest(claims=[_v1_claim(c) for c in claims]),
-                timeout=self._call_timeout_s)
-        else:
-            response = dra_v1beta1_pb2_grpc.DRAPluginStub(channel).NodePrepareResources(
-                dra_v1beta1_pb2.NodePrepareResourcesRequest(claims=[_v1beta1_claim(c) for c in claims]),
-                timeout=self._call_timeout_s)
+        pb2, stub = self._dra()
+        response = stub.NodePrepareResources(pb2.NodePrepareResourcesRequest(claims=_claims(pb2, claims)),
+                                             timeout=self._call_timeout_s)
         _check_answered("NodePrepareResources", claims, set(response.claims))
         answers = {}
         for uid, entry in response.claims.items():
@@ -167,15 +162,9 @@ class KubeletEmulator:
 
     def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str | None]:
         """Send one NodeUnprepareResources for ``claims``; the error per claim UID, None for success."""
-        channel = self._connected()
-        if self._api_version == "v1.DRAPlugin":
-            response = dra_v1_pb2_grpc.DRAPluginStub(channel).NodeUnprepareResources(
-                dra_v1_pb2.NodeUnprepareResourcesRequest(claims=[_v1_claim(c) for c in claims]),
-                timeout=self._call_timeout_s)
-        else:
-            response = dra_v1beta1_pb2_grpc.DRAPluginStub(channel).NodeUnprepareResources(
-                dra_v1beta1_pb2.NodeUnprepareResourcesRequest(claims=[_v1beta1_claim(c) for c in claims]),
-                timeout=self._call_timeout_s)
+        pb2, stub = self._dra()
+        response = stub.NodeUnprepareResources(pb2.NodeUnprepareResourcesRequest(claims=_claims(pb2, claims)),
+                                               timeout=self._call_timeout_s)
         _check_answered("NodeUnprepareResources", claims, set(response.claims))
         return {uid: entry.error or None for uid, entry in response.claims.items()}
 
@@ -232,6 +221,12 @@ class KubeletEmulator:
         _notify(socket_path, True, "")
         return plugin
 
+    def _dra(self) -> tuple[ModuleType, Any]:
+        """The registered DRA API's messages and a stub for it: v1 and v1beta1 messages have the same fields."""
+        if self._api_version == "v1.DRAPlugin":
+            return dra_v1_pb2, dra_v1_pb2_grpc.DRAPluginStub(self._connected())
+        return dra_v1beta1_pb2, dra_v1beta1_pb2_grpc.DRAPluginStub(self._connected())
+
     def _connected(self) -> grpc.Channel:
         if self._channel is None:
             raise RuntimeError("no plugin registered: call wait_for_plugin() first")
@@ -263,9 +258,5 @@ def _check_answered(method: str, claims: Sequence[ClaimRef], answered: set[str])
         raise KubeletProtocolError(f"{method} skipped {len(skipped)} ResourceClaims: {sorted(skipped)}")
 
 
-def _v1_claim(ref: ClaimRef) -> dra_v1_pb2.Claim:
-    return dra_v1_pb2.Claim(namespace=ref.namespace, name=ref.name, uid=ref.uid)
-
-
-def _v1beta1_claim(ref: ClaimRef) -> dra_v1beta1_pb2.Claim:
-    return dra_v1beta1_pb2.Claim(namespace=ref.namespace, name=ref.name, uid=ref.uid)
+def _claims(pb2: ModuleType, refs: Sequence[ClaimRef]) -> list[Any]:
+    return [pb2.Claim(namespace=ref.namespace, name=ref.name, uid=ref.uid) for ref in refs]

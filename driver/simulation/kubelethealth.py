@@ -26,6 +26,9 @@ from driver.kubeletplugin.api import (
 
 KUBELET_DEFAULT_HEALTH_TIMEOUT_S = 30
 _HEALTH_NAMES = {0: "Unknown", 1: "Healthy", 2: "Unhealthy"}
+# The health APIs a 1.37 kubelet knows, in its order of preference: their messages have the same fields.
+_HEALTH_APIS = {"v1.DRAResourceHealth": (drahealth_v1_pb2, drahealth_v1_pb2_grpc),
+                "v1alpha1.DRAResourceHealth": (drahealth_v1alpha1_pb2, drahealth_v1alpha1_pb2_grpc)}
 
 
 @dataclass(frozen=True)
@@ -39,17 +42,14 @@ class ReportedHealth:
 
 def health_api_version(supported_versions: tuple[str, ...]) -> str | None:
     """The health API a 1.37 kubelet would use for a plugin advertising ``supported_versions``."""
-    for version in ("v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"):
-        if version in supported_versions:
-            return version
-    return None
+    return next((version for version in _HEALTH_APIS if version in supported_versions), None)
 
 
 class HealthWatch:
     """One open ``NodeWatchResources`` stream and the kubelet's health cache for the driver."""
 
     def __init__(self, endpoint: str, api_version: str):
-        if api_version not in ("v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"):
+        if api_version not in _HEALTH_APIS:
             raise ValueError(f"unknown health API {api_version!r}")
         self.api_version = api_version
         self._channel = grpc.insecure_channel(f"unix://{endpoint}")
@@ -57,12 +57,9 @@ class HealthWatch:
         self._cache: dict[tuple[str, str], ReportedHealth] = {}
         self.messages = 0
         self.ended: str | None = None
-        if api_version == "v1.DRAResourceHealth":
-            self._call: Any = drahealth_v1_pb2_grpc.DRAResourceHealthStub(self._channel).NodeWatchResources(
-                drahealth_v1_pb2.NodeWatchResourcesRequest())
-        else:
-            self._call = drahealth_v1alpha1_pb2_grpc.DRAResourceHealthStub(self._channel).NodeWatchResources(
-                drahealth_v1alpha1_pb2.NodeWatchResourcesRequest())
+        pb2, pb2_grpc = _HEALTH_APIS[api_version]
+        self._call: Any = pb2_grpc.DRAResourceHealthStub(self._channel).NodeWatchResources(
+            pb2.NodeWatchResourcesRequest())
         self._thread = threading.Thread(target=self._read, name="kubelet-health-watch", daemon=True)
         self._thread.start()
 

@@ -40,6 +40,7 @@ from typing import Any
 import pynvml
 
 from driver.simulation.hostroot import SIM_GPUS_FILE
+from driver.simulation.migstate import real_boot_id
 
 STATE_ENV = "TESSERA_SIM_NVIDIA_SMI_STATE"
 GPUS_ENV = "TESSERA_SIM_GPUS_FILE"
@@ -48,18 +49,10 @@ FAIL_ENV = "TESSERA_SIM_NVML_FAIL"
 UID_ENV = "TESSERA_SIM_NVML_UID"
 DEFAULT_STATE = "var/lib/nvidia-smi-state.json"  # under the driver root, where the nvidia-smi stand-in keeps it
 DEFAULT_LOG = "var/log/nvml-calls.jsonl"
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 # nvml.h nvmlComputeMode_t, by the names the stand-ins' state file uses.
 MODE_NAMES = {pynvml.NVML_COMPUTEMODE_DEFAULT: "DEFAULT", pynvml.NVML_COMPUTEMODE_PROHIBITED: "PROHIBITED",
               pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS: "EXCLUSIVE_PROCESS"}
 MODE_VALUES = {name: value for value, name in MODE_NAMES.items()}
-
-
-def _real_boot_id() -> str | None:
-    try:
-        return BOOT_ID.read_text().strip() or None
-    except OSError:
-        return None
 
 
 @dataclass(frozen=True)
@@ -77,7 +70,7 @@ class SimulatedNvml:
     NVML_COMPUTEMODE_EXCLUSIVE_PROCESS = pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
 
     def __init__(self, state: Path, gpus_file: Path, calls_log: Path, fail: str = "", euid: int = 0,
-                 boot_id: Callable[[], str | None] = _real_boot_id) -> None:
+                 boot_id: Callable[[], str | None] = real_boot_id) -> None:
         self.state = state
         self.gpus_file = gpus_file
         self.calls_log = calls_log

@@ -13,7 +13,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,6 +24,7 @@ from driver.simulation.kubelet import KubeletEmulator
 _HTTP_PORT = re.compile(r"driver started .*http_port=(\d+)")
 # XID 79: "GPU has fallen off the bus" (NVIDIA XID catalog), a device error that makes the GPU unhealthy.
 FAILURE_XID = 79
+_T = TypeVar("_T")
 
 
 def failing_gpu(inventory: NodeInventory) -> GpuInfo:
@@ -39,24 +40,20 @@ def devices_of(names: list[str], minor: int) -> list[str]:
 
 def http_port(log: Path, timeout: float = 30.0) -> int:
     """The driver's /metrics port, from its "driver started" log line (it listens on port 0's pick)."""
-    found: list[int] = []
+    def started() -> re.Match[str] | None:
+        return _HTTP_PORT.search(log.read_text(errors="replace")) if log.exists() else None
 
-    def started() -> bool:
-        match = _HTTP_PORT.search(log.read_text(errors="replace")) if log.exists() else None
-        if match:
-            found.append(int(match.group(1)))
-        return bool(match)
-
-    _wait(started, timeout, "the driver's 'driver started' log line")
-    return found[0]
+    return int(_wait(started, timeout, "the driver's 'driver started' log line").group(1))
 
 
-def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
+def _wait(condition: Callable[[], _T | None], timeout: float, what: str) -> _T:
+    """What ``condition`` answers once it is true."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    while not (answer := condition()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(0.1)
+    return answer
 
 
 def _taints(api: FakeApiServer, driver: str, node: str) -> dict[str, list[dict[str, Any]]]:

@@ -173,13 +173,6 @@ def _show_mps_commands(work: Path, spec_json: dict[str, Any]) -> None:
             _say(f"    {call['call']} {call['uuid']}{' ' + call['mode'] if 'mode' in call else ''}")
 
 
-def _prepare_example(path: Path, api: FakeApiServer, kubelet: KubeletEmulator, work: Path, cdi_dir: Path,
-                     taken: set[str], consumed: dict[str, dict[str, int]], failed: list[str]) -> list[ClaimRef]:
-    refs = [_prepare_document(doc, path.name, api, kubelet, work, cdi_dir, taken, consumed, failed,
-                              pods_using(path, doc)) for doc in claim_documents(path)]
-    return [ref for ref in refs if ref is not None]
-
-
 def _prepare_document(doc: dict[str, Any], source: str, api: FakeApiServer, kubelet: KubeletEmulator, work: Path,
                       cdi_dir: Path, taken: set[str], consumed: dict[str, dict[str, int]],
                       failed: list[str], pods: Sequence[dict[str, Any]] = ()) -> ClaimRef | None:
@@ -295,15 +288,16 @@ def run_demo(options: DemoOptions, mode: ShareMode = "mps", remove_on_exit: Call
             failed: list[str] = []
             state_dir = work / "plugins" / DEFAULT_DRIVER_NAME
 
-            def prepare(doc: dict[str, Any], source: str) -> ClaimRef | None:
-                return _prepare_document(doc, source, api, kubelet, work, cdi_dir, taken, consumed, failed)
+            def prepare(doc: dict[str, Any], source: str, pods: Sequence[dict[str, Any]] = ()) -> ClaimRef | None:
+                return _prepare_document(doc, source, api, kubelet, work, cdi_dir, taken, consumed, failed, pods)
 
             if options.dynamic_mig:
                 prepared += prepare_mix(prepare, lambda: api.slices(DEFAULT_DRIVER_NAME, NODE), taken,
                                         DEFAULT_DRIVER_NAME, state_dir, _say)
             for path in options.examples:
                 _say()
-                prepared += _prepare_example(path, api, kubelet, work, cdi_dir, taken, consumed, failed)
+                refs = [prepare(doc, path.name, pods_using(path, doc)) for doc in claim_documents(path)]
+                prepared += [ref for ref in refs if ref is not None]
 
             _heading("4. `python -m driver inspect` on the node")
             _say(_run_inspect(node_args))

@@ -110,8 +110,6 @@ def test_mps_target_prefers_a_whole_gpu_in_default_mode(demo: NodeInventory) -> 
     assert choose_target(demo, {gpu0.uuid: "EXCLUSIVE_PROCESS", gpu2.uuid: "DEFAULT"}, None) == gpu2.uuid
     assert choose_target(demo, {}, None) == gpu1.mig_instances[0].uuid
     assert choose_target(demo, {}, gpu2.uuid) == gpu2.uuid
-    with pytest.raises(ValueError, match="--mps-device GPU-nope is not a GPU or MIG device"):
-        choose_target(demo, {}, "GPU-nope")
 
 
 def test_prohibited_compute_mode_fails_and_says_how_to_undo() -> None:
