@@ -96,10 +96,8 @@ def bind_mounts(request: DaemonLaunch, mps_dir: Path, mode: HostMode) -> list[tu
 def daemon_argv(request: DaemonLaunch, binary: Path, mps_dir: Path, mode: HostMode, tools: Tools) -> list[str]:
     """The full command line; ``binary`` is where it was found under the driver root."""
     args = control_args(request)  # the same as LocalLauncher's, so both run the daemon alike
-    if mode.chroot:
-        argv = [tools.chroot, str(mode.driver_root), binary_inside_root(binary, mode.driver_root), *args]
-    else:
-        argv = [str(binary), *args]
+    argv = ([tools.chroot, str(mode.driver_root), binary_inside_root(binary, mode.driver_root), *args] if mode.chroot
+            else [str(binary), *args])
     binds = bind_mounts(request, mps_dir, mode)
     if not binds:
         return argv
