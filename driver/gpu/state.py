@@ -1,21 +1,12 @@
 """Prepare and unprepare claims on this node, crash-safely, without one GPU waiting for another.
 
-A prepare runs in three steps:
-
-1. **Plan** (``claim/claimplan.py``, pure): resolve the devices and configs, derive the daemons, time
-   slice and compute modes, refuse what cannot work. Nothing has happened yet.
-2. **Reserve** (``reservation.py``) under the claim's per-GPU locks, then briefly the node lock: re-plan against the
-   view in force, check no other claim holds the devices, and write the ``PrepareStarted``
-   record naming the devices, the daemons it will start or share, the time slice and the GPUs
-   it needs in EXCLUSIVE_PROCESS. A rescan cannot re-publish a GPU with such a record.
-3. **Act** under the per-GPU locks only: compute mode, daemons, time slice, CDI spec, each
-   result recorded through the :class:`NodeLedger` (node lock held only for the write), then
-   ``PrepareCompleted``.
-
-Every step is bounded by the call's :class:`Deadline`; when it passes or the kubelet gives up,
-or anything fails, the claim is rolled back before the error is returned, so a failed claim
-leaves no daemon, no changed GPU setting, no CDI file and no checkpoint entry. A crash leaves a
-``PrepareStarted`` record that recovery (``recovery.py``) rolls back at the next start.
+A prepare plans (``claim/claimplan.py``, pure), reserves (``reservation.py``, under the claim's per-GPU locks, then
+briefly the node lock: the ``PrepareStarted`` record, after which a rescan cannot re-publish its GPUs) and acts under
+the per-GPU locks only, each result recorded through the :class:`NodeLedger`: docs/design.md, "The path of a
+prepare, hop by hop". Every step is bounded by the call's :class:`Deadline`; when it passes or the kubelet gives up,
+or anything fails, the claim is rolled back before the error is returned, so a failed claim leaves no daemon, no
+changed GPU setting, no CDI file and no checkpoint entry. A crash leaves a ``PrepareStarted`` record that recovery
+(``recovery.py``) rolls back at the next start.
 """
 
 from __future__ import annotations

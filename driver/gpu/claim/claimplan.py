@@ -111,11 +111,6 @@ class ClaimPlan:
         """The devices the claim holds: all but those of admin-access results, which other claims hold too."""
         return [t for r, t in zip(self.results, self.targets, strict=True) if not r.admin_access]
 
-    @property
-    def has_runtime(self) -> bool:
-        """Whether the claim starts or changes anything besides its CDI spec."""
-        return bool(self.daemons) or self.timeslice is not None
-
 
 def plan_claim(claim: ResourceClaim, *, driver_name: str, pool_name: str, view: NodeView,
                multi_user: bool = False) -> ClaimPlan | None:

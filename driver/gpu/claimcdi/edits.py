@@ -165,11 +165,6 @@ def _mig_gpu(dev: PreparedDeviceRecord, form: GpuForm | None) -> bool:
         or (form is not None and form.strategy == "DynamicMig")
 
 
-def claim_spec(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDaemonRecord],
-               layout: Mapping[str, GpuForm]) -> cdi.Spec:
-    return claim_spec_file(src, record, daemons, layout).spec
-
-
 def claim_spec_file(src: CdiSources, record: ClaimRecord, daemons: Mapping[str, MpsDaemonRecord],
                     layout: Mapping[str, GpuForm]) -> assemble.ClaimSpecFile:
     """The claim's spec and the text to write (see :func:`assemble.build_claim_spec_file`)."""

@@ -1,35 +1,9 @@
 """Whether this node can make a consumable share's memory a hard limit in the kernel.
 
-NVIDIA's MPS v3 memory partitioning accounts every allocation of a cgroup's processes on a GPU and
-fails those past the cgroup's hard limit (``dmem.max``). It needs (nvidia-gpu reference 6.3):
-
-* the NVIDIA driver R615 or newer (CUDA 13.4, which added ``nvmlDeviceSetMemoryLimits_v1``);
-* cgroup v2 with the kernel's ``dmem`` controller (Linux 6.14+), i.e. ``dmem`` listed in the
-  host's ``/sys/fs/cgroup/cgroup.controllers`` (that file exists only on the v2 hierarchy);
-* a GPU without MIG (MIG GPUs are never consumable, see :func:`driver.gpu.published.consumable.build_policy`);
-* something that sets the limit for the container: the NVIDIA Container Toolkit's CDI hook
-  ``nvidia-cdi-hook apply-cuda-memory-limits --driver-root <root> --gpu-id <uuid>``
-  (nvidia-container-toolkit PR #2075, merged 2026-09;
-  cmd/nvidia-cdi-hook/apply-cuda-memory-limits/apply-cuda-memory-limits.go). It runs as a
-  ``createRuntime`` hook, reads ``NVIDIA_GPU_MEMORY_REQUESTS`` and ``NVIDIA_GPU_MEMORY_LIMITS``, or
-  where those are absent ``NVIDIA_GPU_MEMORY_REQUEST`` and ``NVIDIA_GPU_MEMORY_LIMIT`` (whole MiB, both
-  required, request <= limit) from the container's OCI spec and calls ``SetMemoryLimits_v1`` on the
-  container's cgroup for each ``--gpu-id``.
-
-One pair of values per container, not per GPU: the plural names are the same single number (parsed with
-``ParseUint``), looked up first, not a per-GPU list. So (1) the driver sets both forms, each to the claim's
-memory, so that a same-named variable from elsewhere in the pod spec cannot take precedence by being the
-plural one; and (2) two consumable claims in **one container** collide: the container gets one of the
-claims' values (the last CDI device's, as the runtime merges them) and every hook applies it to its own GPU.
-A claim never carries two such devices (claimplan refuses a consumable device held twice, and shares of two
-GPUs need two MPS daemons, which one claim cannot have), but two claims can end up in one container and the
-driver, which prepares claims one at a time, cannot see containers: :func:`warn_if_shared_pod` logs when two
-such claims are reserved for one pod, and docs/sharing.md tells users not to put two in one container.
-
-The toolkit is taken to have the hook when its CDI spec (the one this driver copies driver edits
-from) already names ``apply-cuda-memory-limits`` in a hook: that proves the installed
-``nvidia-cdi-hook`` knows the subcommand, and gives its path on the host. A node where any
-ingredient is missing publishes ``mps-advisory`` and says which one is missing.
+The ingredients (R615 driver, cgroup v2 ``dmem``, a GPU without MIG, the toolkit's ``apply-cuda-memory-limits``
+hook, taken to be there when the toolkit's CDI spec names it), their sources, and why two such claims must not share
+a container (:func:`warn_if_shared_pod`): docs/sharing.md, "Kernel-enforced memory" and "One kernel-limited
+consumable claim per container". A node where any ingredient is missing publishes ``mps-advisory``.
 """
 
 from __future__ import annotations

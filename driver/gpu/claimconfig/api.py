@@ -24,7 +24,6 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    field_validator,
     model_validator,
 )
 from pydantic_core import ErrorDetails
@@ -91,7 +90,7 @@ def _device_keys(value: object) -> object:
 class MpsConfig(_ApiObject):
     """Defaults the claim's MPS control daemon applies to every client process."""
 
-    defaultActiveThreadPercentage: int | None = None
+    defaultActiveThreadPercentage: Annotated[int, AfterValidator(_percentage)] | None = None
     defaultPinnedDeviceMemoryLimit: ByteQuantity | None = None
     # Keys: a device UUID, or a decimal index into the claim's devices sorted by UUID.
     defaultPerDevicePinnedMemoryLimit: Annotated[dict[str, ByteQuantity] | None, BeforeValidator(_device_keys)] = None
@@ -101,11 +100,6 @@ class MpsConfig(_ApiObject):
     clients: MpsClients = "any"
     # The daemon's own /dev/shm tmpfs, shared by the claim's containers; default the node's --mps-shm-size.
     shmSize: ShmSize | None = None
-
-    @field_validator("defaultActiveThreadPercentage", mode="after")
-    @classmethod
-    def _in_range(cls, value: int | None) -> int | None:
-        return _percentage(value)
 
 
 class TimeSlicingConfig(_ApiObject):

@@ -97,10 +97,3 @@ def _parse_text(text: str, field: str) -> Fraction:
     if match["decimal"]:
         return number * Fraction(10) ** _DECIMAL_POWERS[match["decimal"]]
     return number
-
-
-def format_mib(value_bytes: int) -> str:
-    """``value_bytes`` as whole MiB (rounded down) in MPS control syntax, e.g. ``"10240M"``."""
-    if value_bytes < 0:
-        raise ValueError(f"a memory size cannot be negative, got {value_bytes}")
-    return f"{value_bytes // MIB}M"

@@ -35,12 +35,7 @@ and ``cuda.h``):
   an SM count through ``cuCtxCreate_v3`` under MPS); that this query shows the daemon's default
   active thread percentage is UNCONFIRMED until ``check-node`` has run on a GPU.
 * ``CUresult cuGetErrorName(CUresult error, const char **pStr)`` names a code.
-* CUresult codes printed by name: CUDA_SUCCESS 0, CUDA_ERROR_INVALID_VALUE 1,
-  CUDA_ERROR_OUT_OF_MEMORY 2, CUDA_ERROR_NOT_INITIALIZED 3, CUDA_ERROR_NO_DEVICE 100,
-  CUDA_ERROR_INVALID_DEVICE 101, CUDA_ERROR_NOT_SUPPORTED 801, CUDA_ERROR_MPS_CONNECTION_FAILED 805,
-  CUDA_ERROR_MPS_RPC_FAILURE 806, CUDA_ERROR_MPS_SERVER_NOT_READY 807,
-  CUDA_ERROR_MPS_MAX_CLIENTS_REACHED 808, CUDA_ERROR_MPS_MAX_CONNECTIONS_REACHED 809,
-  CUDA_ERROR_MPS_CLIENT_TERMINATED 810 (``CUresult`` in ``cuda.h``).
+* The ``CUresult`` codes printed by name: ``CUDA_ERROR_NAMES`` below (``cuda.h``).
 * MPS: "When CUDA is first initialized in a program, the CUDA driver attempts to connect to the MPS
   control daemon. If the connection attempt fails, the program continues to run as it normally
   would without MPS" (nvidia-cuda-mps-control(1)). So the caller points the SM-count probe at an

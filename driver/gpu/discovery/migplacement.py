@@ -86,15 +86,10 @@ def covers(placement: MigPlacement, instance: MigInstance) -> bool:
 def placements(gpu: GpuInfo, allowed: Iterable[str]) -> list[MigPlacement]:
     """Every placement of the allowed profiles, in the order the GPU lists its profiles, then by start."""
     names = set(allowed)
-    found: list[MigPlacement] = []
-    for profile in gpu.mig_profiles:
-        if profile.name not in names:
-            continue
-        for start in sorted(profile.placement_starts):
-            # NVML never lists a placement past the last slice; a bad table must not make a device either.
-            if start + profile.memory_slices <= gpu.mig_memory_slices:
-                found.append(MigPlacement(profile=profile, start=start))
-    return found
+    # NVML never lists a placement past the last slice; a bad table must not make a device either.
+    return [MigPlacement(profile=profile, start=start)
+            for profile in gpu.mig_profiles if profile.name in names
+            for start in sorted(profile.placement_starts) if start + profile.memory_slices <= gpu.mig_memory_slices]
 
 
 def _engine_amounts(profile: MigProfileInfo) -> dict[str, int | None]:

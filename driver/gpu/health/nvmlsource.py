@@ -1,28 +1,11 @@
 """Device health on real nodes: NVML events on a waiting thread, plus polling for what events miss.
 
-Events (nvml.h, ``nvmlDeviceRegisterEvents`` / ``nvmlEventSetWait_v2``): XID critical errors
-(``eventData`` is the XID), double-bit ECC errors, GPU unavailable, and recovery-action changes,
-each registered only where ``nvmlDeviceGetSupportedEventTypes`` says the GPU has it. An event
-with a ``gpuInstanceId`` other than 0xFFFFFFFF happened inside that GPU instance: it is reported
-for the MIG device with that GPU (and compute) instance, so only that MIG device goes unhealthy.
-Polling (every ``poll_interval`` seconds) catches a GPU that stopped answering
-(``NVML_ERROR_GPU_IS_LOST``), NVML's recovery action (``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION``:
-a GPU reset, drain or reboot needed) and memory row remapping pending or failed
-(``nvmlDeviceGetRemappedRows``); a GPU that answers again, or whose recovery action or failed
-remap went away after a reset, is reported recovered from that condition only.
-
-A recovery-action event carries no action: nvml.h says ``eventData`` "Stores Xid error for the
-device in the event of nvmlEventTypeXidCriticalError, eventData is 0 for any other event". The
-action is read from the field value when the event arrives. What a recovery action or a row remap
-means for health is ``conditions.py``'s rule, shared with the simulation. XID 154 (recovery action
-changed) and XIDs 63/64 (row remap recorded, or failed to be) are followed by reading that state at
-once; the XID itself does not decide (``xids.py``).
-
-An event in a GPU instance the inventory does not list yet (made since the last rescan, by Tessera
-or by another tool) is looked up in NVML's current MIG devices of the GPU, so it still reaches only
-that instance. What cannot be watched (an event type the driver does not report, the recovery-action
-field or remapped rows NOT_SUPPORTED, which nvml.h says of remapped rows on a MIG GPU with instances)
-is logged once per GPU, and again only after it could be read in between.
+Which events and polled readings make a device unhealthy and clear it again, why a recovery-action event is
+followed by reading NVML's field (its ``eventData`` is 0), how an event in a GPU instance the inventory does not
+list yet still reaches only that MIG device, and what is logged as not watched: docs/operations.md, "Device
+health" ("Watching", "GPU resets and recovery actions", "What cannot be watched", "XIDs in new MIG instances").
+What a recovery action or a row remap means for health is ``conditions.py``'s rule, shared with the simulation;
+the XID itself does not decide (``xids.py``).
 """
 
 from __future__ import annotations

@@ -8,14 +8,10 @@ share's consumed memory, or a time-slice share's equal part of the GPU (1/count 
 and SMs), which nothing enforces: time slicing only shares the GPU's time, every process still
 sees all of its memory (NVIDIA GPU sharing docs, "Time-Slicing": "no memory or fault-isolation").
 
-What NVML cannot attribute stays unknown (None), never zero: a claim device's SM utilisation is
-unknown on a MIG device (nvml.h: "On MIG-enabled GPUs, querying process utilization is not
-currently supported") and wherever MPS serves it (MPS docs: "All MPS client behavior will be
-attributed to the MPS server process by system monitoring and accounting tools (for example,
-nvidia-smi, NVML API)"), and its memory is unknown where NVML gave no figure for one of its
-processes. Unknown values never make an entitlement exceeded. The MPS servers of the driver's own
-daemons serve every claim of their GPU, so none of them is any claim's; an admin-access device holds
-no share, so it is reported without an entitlement.
+What NVML cannot attribute (SM use on a MIG device or under MPS, memory it gave no figure for) stays unknown
+(None), never zero, and never makes an entitlement exceeded: docs/operations.md, "What is measured, and what cannot
+be". The MPS servers of the driver's own daemons serve every claim of their GPU, so none of them is any claim's; an
+admin-access device holds no share, so it is reported without an entitlement.
 """
 
 from __future__ import annotations

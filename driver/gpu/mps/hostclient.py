@@ -1,10 +1,7 @@
 """Talking to the MPS host: the wire format, and the launcher the kubelet plugin uses.
 
-The MPS host (``python -m driver mps-host``, :mod:`driver.gpu.mps.hostserver`) runs in its own
-DaemonSet and owns the MPS control daemon processes, so restarting, upgrading or OOM-killing the
-plugin leaves them and their clients' CUDA contexts alone. The plugin asks it to
-start a daemon over a local Unix socket; everything else (limits, health checks, adoption after a
-restart, ``quit``) the plugin still does itself through the daemon's pipe directory and /proc.
+The MPS host (``python -m driver mps-host``, :mod:`driver.gpu.mps.hostserver`) only starts daemons, over a local
+Unix socket; the plugin does everything else itself (docs/sharing.md, "Where MPS daemons live": why, and the split).
 
 One connection carries one exchange, each side sending one line of JSON:
 

@@ -1,23 +1,10 @@
 """The command line and environment the MPS host runs a control daemon with (pure functions).
 
-Three shapes, depending on how the host is configured:
-
-* plain: ``<driver root>/usr/bin/nvidia-cuda-mps-control -f`` with the driver root's binaries and
-  NVIDIA libraries on PATH/LD_LIBRARY_PATH (as the plugin runs its tools; driver/gpu/host/binaries.py).
-* ``--chroot``: ``chroot <driver root> /usr/bin/nvidia-cuda-mps-control -f``, so the daemon and the
-  ``nvidia-cuda-mps-server`` it spawns see that root's ``/dev`` (the GPU Operator puts the device
-  nodes under ``/run/nvidia/driver/dev``), its libraries and its libc, as NVIDIA's MPS daemon pods
-  do (dra-driver-nvidia-gpu ``templates/mps-control-daemon.tmpl.yaml``: ``chroot /driver-root``).
-  The environment is then a plain one: container paths mean nothing inside the root. Inside the
-  root the daemon must see the MPS directory at the path everyone else uses (the plugin knows its
-  daemons by ``CUDA_MPS_PIPE_DIRECTORY=<that path>``), so it is bind-mounted to
-  ``<root><mps dir>`` in the daemon's own mount namespace (below); the host makes the mount point.
-* its own mount namespace (util-linux ``unshare --mount --propagation slave``) whenever something
-  must be bind-mounted before the daemon binary is exec'd: the MPS directory into the root
-  (chroot), and a directory over ``/dev/shm`` (``<root>/dev/shm`` when chrooting). That directory
-  is the per-daemon ``shm_dir`` with ``--private-shm``; when only chrooting it is the host's own
-  ``/dev/shm`` (the shared MPS tmpfs), because the root's ``/dev/shm`` is not the one clients get.
-  The mounts exist only in that namespace: they end with the daemon and leave the host untouched.
+Three shapes: plain (``<driver root>/usr/bin/nvidia-cuda-mps-control -f`` with the driver root's binaries and
+NVIDIA libraries on PATH/LD_LIBRARY_PATH, as driver/gpu/host/binaries.py runs the plugin's tools); ``--chroot``
+into the driver root, with a plain environment; and, whenever something must be bind-mounted before the daemon
+starts (the MPS directory into the root, a directory over ``/dev/shm``), a mount namespace of its own (util-linux
+``unshare --mount --propagation slave``). Why each: docs/sharing.md, "Where MPS daemons live".
 
 Every step ``exec``s the next (unshare without ``--fork``, ``exec`` in the shell, chroot(8)), so
 the PID the host starts is the daemon's PID, and the paths travel as positional arguments, never
@@ -109,10 +96,8 @@ def bind_mounts(request: DaemonLaunch, mps_dir: Path, mode: HostMode) -> list[tu
 def daemon_argv(request: DaemonLaunch, binary: Path, mps_dir: Path, mode: HostMode, tools: Tools) -> list[str]:
     """The full command line; ``binary`` is where it was found under the driver root."""
     args = control_args(request)  # the same as LocalLauncher's, so both run the daemon alike
-    if mode.chroot:
-        argv = [tools.chroot, str(mode.driver_root), binary_inside_root(binary, mode.driver_root), *args]
-    else:
-        argv = [str(binary), *args]
+    argv = ([tools.chroot, str(mode.driver_root), binary_inside_root(binary, mode.driver_root), *args] if mode.chroot
+            else [str(binary), *args])
     binds = bind_mounts(request, mps_dir, mode)
     if not binds:
         return argv

@@ -19,9 +19,9 @@ Limits are not part of the launch: the manager sets them over the control socket
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Annotated, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from driver.gpu.claimconfig.quantity import check_shm_size
 from driver.gpu.host.capnodes import CAPABILITY, CapabilityNodeError, ensure_nodes
@@ -52,7 +52,7 @@ class DaemonLaunch(BaseModel):
     multi_user: bool = False
     shm_dir: Path | None = None  # a per-daemon /dev/shm the launcher may give the daemon
     # Bytes of that /dev/shm where the launcher mounts a tmpfs there; None: the launcher's default.
-    shm_size: int | None = None
+    shm_size: Annotated[int, AfterValidator(check_shm_size)] | None = None
     # The MIG capabilities (paths under /proc/driver/nvidia/capabilities) of the MIG devices served: their nodes
     # are made in the daemon's /dev before it starts (host/capnodes.py). Never numbers: the launcher reads those.
     # None (not []) when there are none: an MPS host older than this field refuses any field it does not know.
@@ -66,11 +66,6 @@ class DaemonLaunch(BaseModel):
                 raise ValueError(f"capabilities entry {name!r} is not gpu<N>/mig/gi<G>[/ci<C>]/access, "
                                  f"mig/config or mig/monitor")
         return value
-
-    @field_validator("shm_size")
-    @classmethod
-    def _shm_size_range(cls, value: int | None) -> int | None:
-        return None if value is None else check_shm_size(value)
 
 
 class LaunchedDaemon(BaseModel):

@@ -94,8 +94,7 @@ def _limits(spec: MpsDaemonSpec) -> list[_Limit]:
             get_command="get_default_active_thread_percentage", expected=str(pct),
             taken=_thread_percentage_taken(pct),
             mismatch=lambda answer: f"default active thread percentage reads back as {answer!r}, expected {pct}"))
-    for ordinal, mib in spec.pinned_limits_mib():
-        limits.append(_pinned_limit(ordinal, spec.gpu_uuids[ordinal], mib))
+    limits += [_pinned_limit(ordinal, spec.gpu_uuids[ordinal], mib) for ordinal, mib in spec.pinned_limits_mib()]
     return limits
 
 

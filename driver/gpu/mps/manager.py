@@ -130,16 +130,6 @@ class MpsManager:
         alive = daemon_start_time(record.pid, record.pipe_dir) == record.process_start_time
         return (record.pid, record.process_start_time) if alive else None
 
-    def answers_control(self, record: MpsDaemonRecord) -> bool:
-        """True if the recorded daemon runs and answers a control command within ``command_timeout``."""
-        if not self.process_running(record):
-            return False
-        try:
-            self.control.send(record.pipe_dir, record.log_dir, "get_default_active_thread_percentage")
-        except MpsError:
-            return False
-        return True
-
     def ensure_running(self, record: MpsDaemonRecord, deadline: Deadline | None = None,
                        retry_stopped: bool = False) -> MpsDaemonRecord:
         """Adopt the recorded daemon if /proc shows it running; otherwise restart it in the same directories

@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 import cdi
 from driver.gpu.errors import DriverError
@@ -81,7 +82,7 @@ class MpsDaemonSpec(BaseModel):
     # extra="ignore": specs are stored inside checkpointed records, which must survive a downgrade.
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    daemon_id: str  # names the daemon's directory, so it must be a safe file name
+    daemon_id: Annotated[str, AfterValidator(check_daemon_id)]  # names the daemon's directory: a safe file name
     gpu_uuids: list[str] = Field(min_length=1)  # becomes the daemon's CUDA_VISIBLE_DEVICES, in this order
     active_thread_percentage: int | None = Field(default=None, ge=1, le=100)
     pinned_memory_limits: dict[str, int] = Field(default_factory=dict)  # GPU UUID -> bytes
@@ -91,11 +92,6 @@ class MpsDaemonSpec(BaseModel):
     # written before it existed): the node's default, --mps-shm-size. Its range is checked where it is
     # written (plan, claim, flag), not here: a record must load even if the range changes later.
     shm_size: int | None = Field(default=None, gt=0)
-
-    @field_validator("daemon_id")
-    @classmethod
-    def _safe_daemon_id(cls, value: str) -> str:
-        return check_daemon_id(value)
 
     @field_validator("gpu_uuids")
     @classmethod

@@ -246,12 +246,10 @@ def signal_daemon(pid: int, start_time: int, signum: signal.Signals) -> None:
     stat = read_proc_stat(pid)
     if stat is None or stat.start_time != start_time:
         return
-    try:
+    with contextlib.suppress(ProcessLookupError):
         # If the daemon leads its own process group, signalling the group also ends the MPS servers
         # it spawned, which would otherwise outlive it holding the GPU.
         if stat.pgrp == pid:
             os.killpg(pid, signum)
         else:
             os.kill(pid, signum)
-    except ProcessLookupError:
-        pass

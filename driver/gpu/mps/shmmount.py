@@ -1,20 +1,11 @@
 """A ``/dev/shm`` of its own for each MPS daemon: a tmpfs of the daemon's size at ``<mps dir>/<id>/shm``.
 
-Why: with one tmpfs under every daemon, a tenant who filled its ``/dev/shm`` made the
-other tenants' shm writes, the driver's restart record and new prepares fail. A tmpfs per daemon
-has its own size limit, and nothing of the driver's (pipe and log directories, ``restarts.json``)
-is on it: those stay on the MPS directory's own file system, which tenants cannot write.
-
-Where it is mounted: in the mount namespace where the client containers' CDI bind mounts resolve,
-the host's. The MPS host mounts in its own namespace, whose MPS directory volume has Bidirectional
-propagation, so the mount reaches the host; the ``LocalLauncher`` mounts in the plugin's. Never in
-the daemon's private namespace (clients would not see it): the daemon gets it as ``/dev/shm``
-through the bind of ``hostcmd.py`` in that namespace, made after this mount, so it is the tmpfs.
-
-How long it lives: from the daemon's first launch until the driver removes the daemon's directory
-(its launcher's ``unmount_shm``), not just as long as one process. A daemon restarted in the same
-directories keeps it, so the clients' existing bind mounts of it meet the new server's files, as
-they did when shm was a plain directory.
+Why one per daemon, with nothing of the driver's on it: docs/sharing.md, "The pipe directory and `/dev/shm`".
+It is mounted in the mount namespace where the client containers' CDI bind mounts resolve (the MPS host's, whose
+MPS directory volume has Bidirectional propagation, or the ``LocalLauncher``'s, the plugin's), never in the
+daemon's private one, which binds it over ``/dev/shm`` (``hostcmd.py``) after this mount. It lives from the
+daemon's first launch until the driver removes the daemon's directory (its launcher's ``unmount_shm``), so the
+clients' bind mounts of it meet a restarted daemon's files.
 
 mount(2) and umount2(2) go through ctypes: no child process to bound in time (a tmpfs mount does
 no I/O), and the errno comes back as it is. The target is reached from the MPS directory one

@@ -7,8 +7,10 @@ Pure: plan objects in, :class:`~driver.gpu.published.sharelayout.GpuForm` out; a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from driver.gpu.claimconfig.api import ByteQuantity, ShmSize
 from driver.gpu.claimconfig.choices import MpsClients, TimeSliceInterval
@@ -26,6 +28,10 @@ def between(low: int, high: int, value: int | None) -> int | None:
     return value
 
 
+ShareCount = Annotated[int, AfterValidator(partial(between, 2, MAX_SHARES))]
+Percentage = Annotated[int, AfterValidator(partial(between, 1, 100))]
+
+
 class PlanObject(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -33,8 +39,8 @@ class PlanObject(BaseModel):
 class MpsShares(PlanObject):
     """Split a GPU into ``shares`` MPS shares, each with an enforced thread and memory limit."""
 
-    shares: int
-    activeThreadPercentage: int | None = None  # default floor(100 / shares)
+    shares: ShareCount
+    activeThreadPercentage: Percentage | None = None  # default floor(100 / shares)
     pinnedMemoryLimit: ByteQuantity | None = None  # per share; default GPU memory / shares
     # Who may hold a share: nonRoot refuses, at prepare, claims whose pods could run as host root (and so
     # control the daemon all shares of the GPU go through); any admits them, and the limits are advisory.
@@ -43,30 +49,13 @@ class MpsShares(PlanObject):
     # all the shares. Default: the node's --mps-shm-size.
     shmSize: ShmSize | None = None
 
-    @field_validator("shares")
-    @classmethod
-    def _shares_range(cls, value: int) -> int:
-        between(2, MAX_SHARES, value)
-        return value
-
-    @field_validator("activeThreadPercentage")
-    @classmethod
-    def _percentage_range(cls, value: int | None) -> int | None:
-        return between(1, 100, value)
-
 
 class TimeSlicingShares(PlanObject):
     """Publish a GPU ``shares`` times; the shares take turns, and memory is an entitlement only."""
 
-    shares: int
+    shares: ShareCount
     interval: TimeSliceInterval = "Default"
     memoryPerShare: ByteQuantity | None = None  # not enforced; default GPU memory / shares
-
-    @field_validator("shares")
-    @classmethod
-    def _shares_range(cls, value: int) -> int:
-        between(2, MAX_SHARES, value)
-        return value
 
 
 @dataclass(frozen=True)

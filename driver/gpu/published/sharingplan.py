@@ -40,8 +40,6 @@ from driver.gpu.published.shareforms import (
 )
 from driver.gpu.published.sharelayout import GpuForm, SharingLayout
 
-DEFAULT_PLANS_PATH = Path("/etc/tessera/sharing-plans.yaml")
-
 # Kubernetes label value syntax (the plan is selected by a label value), minus the empty value.
 _LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
@@ -285,12 +283,6 @@ def _takes(match: Match, gpu: GpuInfo) -> bool:
     if match.for_instances:
         return any(match.matches_instance(gpu, m) for m in gpu.mig_instances)
     return match.matches(gpu)
-
-
-def layout_changes(old: SharingLayout, new: SharingLayout) -> set[str]:
-    """UUIDs of GPUs (and MIG instances) published differently under ``new`` than under ``old`` (including whole
-    <-> shared)."""
-    return {uuid for uuid in old.keys() | new.keys() if old.get(uuid) != new.get(uuid)}
 
 
 def first_match(plan: SharingPlan, gpu: GpuInfo) -> tuple[int, PlanEntry | None]:

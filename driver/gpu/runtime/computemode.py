@@ -1,30 +1,8 @@
 """The compute mode of whole GPUs, read and set through NVML in the driver's own process.
 
-Why it matters for MPS: in the DEFAULT compute mode a CUDA client whose connection to the MPS control daemon fails
-"continues to run as it normally would without MPS" (nvidia-cuda-mps-control(1)), that is outside every limit the
-daemon enforces. In EXCLUSIVE_PROCESS only one context may exist on the GPU, the MPS server's, so such a client fails
-instead. NVIDIA's DRA driver (``cmd/gpu-kubelet-plugin/sharing.go``, ``MpsControlDaemon.Start``) and device plugin
-(``cmd/mps-control-daemon/mps/daemon.go``) set EXCLUSIVE_PROCESS while a daemon serves a GPU.
-
-Why NVML and not ``nvidia-smi -c``: nvidia-smi initialises NVML on every run (hundreds of ms to seconds on a large
-node), and a cold MPS share cost three runs (read, set, later restore). ``nvmlDeviceGetComputeMode`` and
-``nvmlDeviceSetComputeMode`` do the same in this process, on one NVML session opened at first use (NVML counts
-``nvmlInit`` calls, so discovery and the health source keep theirs). nvml.h: setting needs root, "is not persistent
-across reboots" and the mode "always resets to Default"; values ``nvmlComputeMode_t``: DEFAULT 0,
-EXCLUSIVE_THREAD 1 ("Support Removed"), PROHIBITED 2, EXCLUSIVE_PROCESS 3.
-
-MIG: on MIG-enabled GPUs the compute mode is DEFAULT and cannot be changed (NVIDIA MIG User Guide; NVML answers
-NOT_SUPPORTED). NVIDIA's DRA driver sets the mode only on full GPUs (``PreparedDevices.GpuUUIDs()`` leaves MIG
-devices out); this driver does the same, see
-:func:`driver.gpu.claim.claimplan.exclusive_gpus`. docs/sharing.md, "Compute mode".
-
-A hung call: NVML calls cannot be interrupted, and on a GPU that fell off the bus or a wedged kernel driver one can
-block for minutes inside the driver's ioctl. Each call therefore runs on a daemon thread of its own and the caller
-waits at most ``timeout`` seconds, shortened by the prepare's :class:`Deadline`; a call that overruns fails the
-claim (it is rolled back) and is left to finish in the background. Until it does, further calls for that GPU fail
-at once, naming the stuck call, instead of piling up threads behind it; other GPUs go on. Unlike a hung
-nvidia-smi, such a call cannot be killed: its thread ends with the driver process (a hung GPU needs a reset anyway).
-The bounding and the session are ``nvmlbounded.py``'s, shared with the MIG partitioner.
+Why EXCLUSIVE_PROCESS while a daemon serves a GPU, why NVML rather than ``nvidia-smi -c``, why MIG-enabled GPUs
+are left alone (:func:`driver.gpu.claim.claimplan.exclusive_gpus`) and how a hung call is bounded (each call on a
+daemon thread of its own, ``nvmlbounded.py``'s, shared with the MIG partitioner): docs/sharing.md, "Compute mode".
 """
 
 from __future__ import annotations

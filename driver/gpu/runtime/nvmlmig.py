@@ -280,14 +280,9 @@ class NvmlMigPartitioner:
         return found
 
     def _list_gis(self, handle: Any, gpu_uuid: str) -> list[MigGpuInstance]:
-        nvml = self._nvml
-        gis = []
-        for gi in self._gi_handles(handle, gpu_uuid):
-            info = nvml.nvmlGpuInstanceGetInfo(gi)
-            gis.append(MigGpuInstance(gi_id=int(info.id), gi_profile_id=int(info.profileId),
-                                      placement_start=int(info.placement.start),
-                                      placement_size=int(info.placement.size)))
-        return gis
+        return [MigGpuInstance(gi_id=int(info.id), gi_profile_id=int(info.profileId),
+                               placement_start=int(info.placement.start), placement_size=int(info.placement.size))
+                for info in map(self._nvml.nvmlGpuInstanceGetInfo, self._gi_handles(handle, gpu_uuid))]
 
     def _gi_handles(self, handle: Any, gpu_uuid: str) -> list[Any]:
         nvml = self._nvml

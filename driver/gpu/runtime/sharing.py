@@ -204,11 +204,7 @@ class SharingRuntime:
 
     def ensure_claim_daemons(self, record: ClaimRecord) -> list[str]:
         """Adopt the claim's live daemons, restart dead ones. Returns the restarted ids."""
-        restarted: list[str] = []
-        for daemon_id in record.mps_daemon_ids:
-            if self.revive_daemon(daemon_id):
-                restarted.append(daemon_id)
-        return restarted
+        return [daemon_id for daemon_id in record.mps_daemon_ids if self.revive_daemon(daemon_id)]
 
     def revive_daemon(self, daemon_id: str, limits: bool = False) -> bool:
         """Restart the recorded daemon if it died, and with ``limits`` revert limits a client changed;

@@ -29,7 +29,7 @@ def plan(*devices: str, configs: list[dict[str, Any]] | None = None, node: NodeV
 
 def test_a_plain_claim_plans_no_runtime_and_locks_its_gpus() -> None:
     p = plan("gpu-2", "gpu-0")
-    assert not p.has_runtime and p.daemons == () and p.timeslice is None
+    assert p.daemons == () and p.timeslice is None
     assert p.gpu_uuids == sorted([GPU0, GPU2])
 
 

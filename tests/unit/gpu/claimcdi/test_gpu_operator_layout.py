@@ -1,6 +1,6 @@
 """The GPU Operator's node layout (SIMULATION tree): device root, hostPath device nodes, the operator's toolkit spec.
 
-Claims are turned into CDI specs by the driver's own ``claim_spec`` against the simulated
+Claims are turned into CDI specs by the driver's own ``claim_spec_file`` against the simulated
 ``gpu-operator`` tree (driver root ``/run/nvidia/driver`` with the device nodes in its ``dev/``,
 toolkit spec ``/var/run/cdi/management.nvidia.com-gpu.yaml``), and against the host layout to show
 a host-installed driver is written as before.
@@ -18,7 +18,8 @@ import pytest
 import cdi
 from driver.commands.inspect import inspect
 from driver.config import Settings
-from driver.gpu.claimcdi.edits import CdiNames, CdiSources, claim_spec
+from driver.gpu.claimcdi.assemble import ClaimSpecFile
+from driver.gpu.claimcdi.edits import CdiNames, CdiSources, claim_spec_file
 from driver.gpu.claimcdi.toolkit import ToolkitEdits, load_toolkit_edits, toolkit_spec_candidates, toolkit_spec_changed
 from driver.gpu.discovery.inventory import ComputeMode, NodeInventory
 from driver.gpu.errors import PrepareError
@@ -77,8 +78,8 @@ def _record(inventory: NodeInventory) -> ClaimRecord:
                        cdi_spec_file=NAMES.spec_file_name(UID))
 
 
-def _wire(spec: cdi.Spec) -> dict[str, Any]:
-    wire: dict[str, Any] = spec.to_wire()
+def _wire(file: ClaimSpecFile) -> dict[str, Any]:
+    wire: dict[str, Any] = file.spec.to_wire()
     return wire
 
 
@@ -145,7 +146,7 @@ def test_claim_device_nodes_carry_the_real_host_path(operator_node: tuple[Simula
     host, inventory = operator_node
     toolkit = _toolkit(host)
     assert toolkit.source == host.toolkit_spec and toolkit.problem is None
-    wire = _wire(claim_spec(_sources(host, toolkit), _record(inventory), {}, {}))
+    wire = _wire(claim_spec_file(_sources(host, toolkit), _record(inventory), {}, {}))
 
     gpu0, mig = wire["devices"]
     assert gpu0["containerEdits"]["deviceNodes"] == [
@@ -164,7 +165,7 @@ def test_claim_device_nodes_carry_the_real_host_path(operator_node: tuple[Simula
 
 def test_claim_gets_the_operator_toolkits_libraries(operator_node: tuple[SimulatedHost, NodeInventory]) -> None:
     host, inventory = operator_node
-    wire = _wire(claim_spec(_sources(host, _toolkit(host)), _record(inventory), {}, {}))
+    wire = _wire(claim_spec_file(_sources(host, _toolkit(host)), _record(inventory), {}, {}))
     mounts = wire["containerEdits"]["mounts"]
     libcuda = [m for m in mounts if Path(m["containerPath"]).name.startswith("libcuda.so")]
     assert libcuda and libcuda[0]["hostPath"] == "/run/nvidia/driver" + libcuda[0]["containerPath"]
@@ -176,7 +177,7 @@ def test_a_missing_node_names_the_driver_roots_dev(operator_node: tuple[Simulate
     host, inventory = operator_node
     (host.driver_root / "dev" / "nvidia0").unlink()
     with pytest.raises(PrepareError, match=r"/dev/nvidia0 .* does not exist in /run/nvidia/driver/dev"):
-        claim_spec(_sources(host, _toolkit(host)), _record(inventory), {}, {})
+        claim_spec_file(_sources(host, _toolkit(host)), _record(inventory), {}, {})
 
 
 def test_the_driver_container_not_running_yet_is_named(operator_node: tuple[SimulatedHost, NodeInventory]) -> None:
@@ -185,7 +186,7 @@ def test_the_driver_container_not_running_yet_is_named(operator_node: tuple[Simu
         if node.is_file():
             node.unlink()
     with pytest.raises(PrepareError, match=r"nvidiactl does not exist in /dev .*GPU Operator's driver container"):
-        claim_spec(_sources(host, _toolkit(host)), _record(inventory), {}, {})
+        claim_spec_file(_sources(host, _toolkit(host)), _record(inventory), {}, {})
 
 
 # --- driver libraries ---------------------------------------------------------------------------
@@ -200,9 +201,9 @@ def test_no_toolkit_spec_fails_the_claim_unless_the_operator_accepts_it(
     assert required.readiness_problem is not None and "management.nvidia.com-gpu.yaml" in required.readiness_problem
     assert any("not ready" in r.getMessage() for r in caplog.records)
     with pytest.raises(PrepareError, match="no usable driver libraries"):
-        claim_spec(_sources(host, required), _record(inventory), {}, {})
+        claim_spec_file(_sources(host, required), _record(inventory), {}, {})
     accepted = _toolkit(host, required=False)
-    wire = _wire(claim_spec(_sources(host, accepted), _record(inventory), {}, {}))
+    wire = _wire(claim_spec_file(_sources(host, accepted), _record(inventory), {}, {}))
     assert wire["annotations"]["gpu.tessera.dev/driver-libraries"].startswith("not injected: ")
     assert "mounts" not in wire["containerEdits"]
 
@@ -238,7 +239,7 @@ def test_host_installed_driver_has_no_host_paths(tmp_path: Path) -> None:
     # Both ways of saying "the driver is on the host": no driver root, or the host root as driver root.
     for sources in (_sources(host, toolkit),
                     CdiSources(NAMES, host.root, toolkit, None)):
-        wire = _wire(claim_spec(sources, _record(inventory), {}, {}))
+        wire = _wire(claim_spec_file(sources, _record(inventory), {}, {}))
         assert all("hostPath" not in node for node in _all_nodes(wire))
         assert wire["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}]
 

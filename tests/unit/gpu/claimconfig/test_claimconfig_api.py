@@ -16,7 +16,7 @@ from driver.gpu.claimconfig.api import (
     parse_config,
     resolve_mps_limits,
 )
-from driver.gpu.claimconfig.quantity import format_mib, parse_quantity
+from driver.gpu.claimconfig.quantity import parse_quantity
 from driver.units import GIB, MIB
 
 # --- quantities -----------------------------------------------------------------------------
@@ -92,18 +92,6 @@ def test_quantity_errors_do_not_echo_huge_input() -> None:
     with pytest.raises(ValueError) as info:
         parse_quantity("9" * 10**6, "limit")
     assert len(str(info.value)) < 300
-
-
-@pytest.mark.parametrize(
-    ("value", "expected"), [(10 * GIB, "10240M"), (MIB, "1M"), (MIB - 1, "0M"), (10 * MIB + 999, "10M"), (0, "0M")]
-)
-def test_format_mib_rounds_down_to_whole_mib(value: int, expected: str) -> None:
-    assert format_mib(value) == expected
-
-
-def test_format_mib_rejects_negative() -> None:
-    with pytest.raises(ValueError, match="negative"):
-        format_mib(-1)
 
 
 # --- decoding ---------------------------------------------------------------------------------

@@ -113,6 +113,17 @@ def anyd(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
     yield from _sandbox(monkeypatch, request.param)
 
 
+def _answers_control(manager: MpsManager, record: MpsDaemonRecord) -> bool:
+    """True if the recorded daemon runs and answers a control command within ``command_timeout``."""
+    if not manager.process_running(record):
+        return False
+    try:
+        manager.control.send(record.pipe_dir, record.log_dir, "get_default_active_thread_percentage")
+    except MpsError:
+        return False
+    return True
+
+
 def _assert_nothing_left(sim: Sim, daemon_id: str) -> None:
     assert sim.running() == []
     assert not (sim.base / daemon_id).exists()
@@ -158,7 +169,7 @@ def test_start_supervises_the_foreground_daemon_and_reads_limits_back(anyd: Sim)
     assert (record.pipe_dir / "nvidia-cuda-mps-control.pid").exists() == anyd.kind.writes_pid_file
     # With -f the daemon logs to its standard output, which the launcher keeps as control.log.
     assert "Starting control daemon using socket" in (record.log_dir / "control.log").read_text()
-    assert anyd.manager().answers_control(record)
+    assert _answers_control(anyd.manager(), record)
     anyd.manager().stop(record)
     _assert_nothing_left(anyd, CLAIM_ID)
 
@@ -283,7 +294,7 @@ def test_start_refuses_second_daemon_for_same_id(anyd: Sim) -> None:
     record = manager.start(PLAIN)
     with pytest.raises(MpsError, match=f"pid {record.pid}.* already runs"):
         manager.start(PLAIN)
-    assert manager.answers_control(record)
+    assert _answers_control(manager, record)
     manager.stop(record)
 
 
@@ -401,7 +412,7 @@ def test_stop_by_id_finds_an_unrecorded_daemon_in_proc(anyd: Sim) -> None:
     assert manager.daemon_ids_on_disk() == []
     manager.stop_by_id(PLAN_ID)  # idempotent
     again = manager.start(PLAIN)
-    assert manager.answers_control(again)
+    assert _answers_control(manager, again)
     manager.stop(again)
 
 
@@ -410,7 +421,7 @@ def test_stop_by_id_rejects_unsafe_ids(sim: Sim) -> None:
         sim.manager().stop_by_id("../root")
 
 
-# -- process_running / answers_control / ensure_running --------------------------------------------------
+# -- process_running / answering control / ensure_running -----------------------------------------------
 
 
 def test_process_running_reads_proc_only(sim: Sim) -> None:
@@ -428,7 +439,7 @@ def test_process_running_reads_proc_only(sim: Sim) -> None:
 def test_answers_control_false_when_daemon_does_not_answer(sim: Sim) -> None:
     record = sim.manager().start(PLAIN)
     os.kill(record.pid, signal.SIGSTOP)
-    assert not sim.manager(command=0.3).answers_control(record)
+    assert not _answers_control(sim.manager(command=0.3), record)
 
 
 def test_restart_keeps_the_pipe_dir_inode_and_the_limits(anyd: Sim) -> None:
@@ -441,7 +452,7 @@ def test_restart_keeps_the_pipe_dir_inode_and_the_limits(anyd: Sim) -> None:
     assert new.pid != old.pid
     assert new.spec == old.spec
     assert new.pipe_dir == old.pipe_dir and new.pipe_dir.stat().st_ino == inode
-    assert manager.answers_control(new)
+    assert _answers_control(manager, new)
     assert sorted(anyd.running()) == [new.pid]
     manager.stop(new)
 
@@ -480,7 +491,7 @@ def test_only_failed_starts_back_off_and_a_caller_waits_at_most_two_seconds(
         sim.manager(backoff=60.0).ensure_running(record)
     # A backoff that ends within 2 s is waited out; a clean start forgets the failures.
     restarted = sim.manager(backoff=1.0).ensure_running(record)
-    assert manager.answers_control(restarted)
+    assert _answers_control(manager, restarted)
     assert json.loads((sim.base / PLAN_ID / "restarts.json").read_text())["count"] == 0
     manager.stop(restarted)
 
@@ -631,17 +642,18 @@ def _tenant_at(sim: Sim, pipe_dir: Path, command: str) -> str:
 def test_recycled_pid_is_never_taken_for_our_daemon(sim: Sim) -> None:
     manager = sim.manager()
     record = manager.start(PLAIN)
-    assert not manager.answers_control(record.model_copy(update={"process_start_time": record.process_start_time + 1}))
+    recycled_pid = record.model_copy(update={"process_start_time": record.process_start_time + 1})
+    assert not _answers_control(manager, recycled_pid)
     manager.stop(record)
     stranger = subprocess.Popen(["sleep", "60"])
     try:
         recycled = record.model_copy(update={"pid": stranger.pid, "process_start_time": _start_time(stranger.pid) - 1})
-        assert not manager.answers_control(recycled)
+        assert not _answers_control(manager, recycled)
         manager.stop(recycled)
         restarted = manager.ensure_running(recycled)
         assert stranger.poll() is None  # never signalled
         assert restarted.pid != stranger.pid
-        assert manager.answers_control(restarted)
+        assert _answers_control(manager, restarted)
     finally:
         stranger.kill()
         stranger.wait()
@@ -682,7 +694,7 @@ def test_a_forged_checkpoint_pid_is_neither_adopted_nor_signalled(
     manager.stop(record)
     forged = record.model_copy(update={"pid": stranger.pid, "process_start_time": _start_time(stranger.pid)})
     assert not manager.process_running(forged)
-    assert not manager.answers_control(forged)
+    assert not _answers_control(manager, forged)
     manager.stop(forged)
     restarted = manager.ensure_running(forged)
     assert stranger.poll() is None
@@ -731,7 +743,7 @@ def test_a_silent_fake_control_socket_never_hangs_the_driver(anyd: Sim, silent_c
     for fake, name in zip(silent_control, ("control", "control_privileged"), strict=True):
         fake.plant(record.pipe_dir, name)
     assert manager.process_running(record)  # /proc only: no round trip to the fake socket
-    assert not manager.answers_control(record)  # the round trip is bounded
+    assert not _answers_control(manager, record)  # the round trip is bounded
     manager.stop(record)  # quit gets no answer; the daemon is signalled
     assert _gone(record.pid)
     _assert_nothing_left(anyd, PLAN_ID)
@@ -746,7 +758,7 @@ def test_a_control_symlink_to_another_daemon_does_not_stop_it(anyd: Sim) -> None
         (mine.pipe_dir / name).symlink_to(theirs.pipe_dir / name)
     manager.stop(mine)
     assert _gone(mine.pid)
-    assert anyd.manager().answers_control(theirs)
+    assert _answers_control(anyd.manager(), theirs)
     anyd.manager().stop(theirs)
 
 
@@ -757,7 +769,7 @@ def test_planted_names_under_the_base_dir_are_not_daemons(sim: Sim) -> None:
     sim.base.joinpath("not-a-daemon").mkdir()
     sim.base.joinpath(CLAIM_ID).symlink_to(victim.pipe_dir.parent)  # a tenant's link to another daemon
     assert manager.daemon_ids_on_disk() == [OTHER_ID]
-    assert manager.answers_control(victim)
+    assert _answers_control(manager, victim)
     manager.stop(victim)
 
 

@@ -15,7 +15,6 @@ from driver.gpu.published.sharingplan import (
     SharingPlan,
     SharingPlans,
     entries_matching_no_gpu,
-    layout_changes,
     load_plans,
     resolve_layout,
     resolve_plan,
@@ -410,17 +409,6 @@ def test_entries_matching_no_gpu_are_listed() -> None:
     ]
     # Matching no GPU is not an error for resolution.
     assert resolve_layout(shared_plan, inventory_of(A100), "p") == {}
-
-
-def test_layout_changes() -> None:
-    mps4 = GpuForm(strategy="MPS", count=4, active_thread_percentage=25, memory_bytes_per_share=GIB)
-    mps2 = GpuForm(strategy="MPS", count=2, active_thread_percentage=50, memory_bytes_per_share=GIB)
-    ts4 = GpuForm(strategy="TimeSlicing", count=4, memory_bytes_per_share=GIB, interval="Default")
-    old = {"GPU-a": mps4, "GPU-b": mps4, "GPU-c": ts4}
-    new = {"GPU-a": mps4.model_copy(), "GPU-b": mps2, "GPU-d": ts4}
-    assert layout_changes(old, new) == {"GPU-b", "GPU-c", "GPU-d"}
-    assert layout_changes(old, dict(old)) == set()
-    assert layout_changes({}, {}) == set()
 
 
 def test_one_problem_on_many_gpus_of_an_entry_is_one_line_naming_them_all() -> None:
