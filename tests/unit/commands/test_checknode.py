@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -122,13 +124,23 @@ def test_prohibited_compute_mode_fails_and_says_how_to_undo() -> None:
 # --- the command on a simulated node ---------------------------------------------------------------------
 
 
-def _check_node(layout: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _check_node(layout: str, *args: str, tmp: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``tmp``: the TMPDIR its scratch directories go under (a path no other test's processes mention)."""
+    env = {**os.environ, "TMPDIR": str(tmp)} if tmp is not None else None
     return subprocess.run([sys.executable, "-m", "driver", "check-node", "--simulate", layout, *args],
-                          capture_output=True, text=True, timeout=60, cwd=REPO, check=False)
+                          capture_output=True, text=True, timeout=60, cwd=REPO, check=False, env=env)
 
 
-def test_simulated_node_runs_what_it_can_and_says_what_needs_a_gpu() -> None:
-    done = _check_node("demo", "--json")
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A TMPDIR short enough for MPS sockets below it (pytest's tmp_path is not), unique to the test."""
+    path = Path(tempfile.mkdtemp(prefix="tck-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_simulated_node_runs_what_it_can_and_says_what_needs_a_gpu(short_tmp: Path) -> None:
+    done = _check_node("demo", "--json", tmp=short_tmp)
     report = json.loads(done.stdout)
     status = {c["check"]: c["status"] for c in report["checks"]}
     assert report["simulated"] is True
@@ -143,7 +155,7 @@ def test_simulated_node_runs_what_it_can_and_says_what_needs_a_gpu() -> None:
     assert [c for c in report["checks"] if c["status"] == "FAIL"] == []
     assert done.returncode == 0 == report["exit_status"]
     assert status["compute mode GPU 0"] == status["compute mode GPU 2"] == "OK", "read, never set"
-    assert processes_mentioning("tessera-check-", in_environment=True) == [], "the throwaway daemon is gone"
+    assert processes_mentioning(str(short_tmp), in_environment=True) == [], "the throwaway daemon is gone"
     smi = next(c["detail"] for c in report["checks"] if c["check"] == "nvidia-smi")
     assert "`nvidia-smi -L` ran and listed 3 line(s)" in smi, "one line per simulated GPU"
 
